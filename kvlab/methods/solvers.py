@@ -1,0 +1,721 @@
+"""Closed-form solvers of Attention Matching (Zweiger et al., 2026).
+
+A block of ``T`` cached keys/values of one KV head is replaced by ``t`` compact
+keys ``Ck`` (a subset of the original keys), refitted values ``Cv`` and one
+additive logit bias ``beta`` per compact key, so that for the reference
+queries both the block's local attention output and its attention mass
+``sum_j exp(logit_j)`` are preserved. Matching the mass is what makes the
+compact block a drop-in replacement next to other blocks (see
+``docs/attention-matching.md``).
+
+Every function is a pure function on tensors, batched over a leading dim
+``B`` (the heads compacted together, e.g. all KV heads of a layer) so that one
+call does the work of all heads; only OMP iterates in Python, over its
+selection rounds, never over heads. All maths is float32 whatever the input
+dtype: the mass targets are sums of exponentials.
+
+Shapes: ``B`` heads, ``n`` reference queries, ``T`` original keys, ``t``
+compact keys, ``d`` key dim, ``dv`` value dim. Attention itself is computed
+only through :mod:`kvlab.runtime.attention`.
+
+Ridge convention: every ``ridge`` argument is *relative*: the added diagonal
+is ``ridge * mean(diag(Gram))`` over the real (non-padding) columns. The
+Gram matrices here range from ``n`` (mass features near 1) to ``n / t**2``
+(softmax weights), so an absolute lambda would be negligible for one and
+dominant for the other.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from kvlab.runtime.attention import attend, attention_logits
+
+Scoring = Literal["rms", "mean", "max"]
+KeySelection = Literal["highest_attn", "omp"]
+
+# Cholesky retries multiply the ridge by 10 this many times (1e-6 -> 1 relative)
+# before giving up on a batch element; past that the Gram matrix holds
+# non-finite numbers and no ridge will help.
+_MAX_RIDGE_RETRIES = 6
+# Refinement steps after each normal-equations solve (see _refine).
+_REFINE_STEPS = 2
+# Floor for the ridge scale: an all-zero Gram would otherwise get lambda = 0
+# and never become positive definite however often it is multiplied.
+_RIDGE_FLOOR = 1e-30
+
+
+# --------------------------------------------------------------------------
+# Mass features and key scores
+# --------------------------------------------------------------------------
+
+
+def mass_features(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-query shifted exponentials of the logits and their sums.
+
+    q: [B, n, d], k: [B, T, d], bias: [B, T] or None (``-inf`` = padding key).
+    Returns ``phi`` [B, n, T] with ``phi_ij = exp(s_ij - max_j s_ij)`` and
+    ``z`` [B, n] = ``sum_j phi_ij``; ``s`` includes the bias, so a block that
+    was compacted before contributes its ``exp(beta)`` mass, and padding keys
+    get ``phi = 0``. The block's log-mass is ``max_j s_ij + log z_i``.
+
+    The max shift keeps ``phi`` in (0, 1] in float32; it scales query i's
+    equation by ``exp(-m_i)``, which turns the mass fit into a per-query
+    weighted least squares (queries that attend strongly elsewhere count less).
+    """
+    s = attention_logits(q, k, bias, scale)
+    m = s.amax(dim=-1, keepdim=True)
+    # A query that sees only padding has m = -inf; shifting by it would give
+    # NaN instead of the correct zero mass.
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    phi = s.sub_(m).exp_()  # in place: phi is the largest tensor here
+    return phi, phi.sum(dim=-1)
+
+
+def _scores_from_mass(
+    phi: torch.Tensor, z: torch.Tensor, scoring: Scoring, key_valid: torch.Tensor | None
+) -> torch.Tensor:
+    """HighestAttnKeys scores from precomputed mass features (see :func:`score_keys`)."""
+    inv_z = 1.0 / z.clamp_min(torch.finfo(torch.float32).tiny)  # [B, n]
+    n = phi.shape[-2]
+    if scoring == "mean":
+        # sum_i a_ij = sum_i phi_ij / z_i as one batched matvec, no [B,n,T] temporary
+        scores = torch.bmm(inv_z.unsqueeze(1), phi).squeeze(1) / n
+    elif scoring == "rms":
+        a = phi * inv_z.unsqueeze(-1)
+        scores = a.square_().mean(dim=-2).sqrt_()
+    elif scoring == "max":
+        scores = (phi * inv_z.unsqueeze(-1)).amax(dim=-2)
+    else:
+        raise ValueError(f"scoring must be 'rms', 'mean' or 'max', got {scoring!r}")
+    if key_valid is not None:
+        # A real key whose attention underflows to 0 must still rank above padding.
+        scores = scores.masked_fill(~key_valid, float("-inf"))
+    return scores
+
+
+def score_keys(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    scoring: Scoring = "rms",
+) -> torch.Tensor:
+    """HighestAttnKeys importance of each key: [B, T].
+
+    q: [B, n, d], k: [B, T, d], bias: [B, T] or None. With
+    ``a_ij = softmax_j(s_ij)``: ``rms`` = sqrt(mean_i a_ij^2) (the published
+    default: rewards keys that some queries need badly, not only keys that
+    everyone glances at), ``mean`` = mean_i a_ij, ``max`` = max_i a_ij.
+    Padding keys (bias ``-inf``) score ``-inf``.
+    """
+    phi, z = mass_features(q, k, bias, scale)
+    key_valid = None if bias is None else torch.isfinite(bias)
+    return _scores_from_mass(phi, z, scoring, key_valid)
+
+
+def select_highest_attn(scores: torch.Tensor, t: int) -> torch.Tensor:
+    """Indices of the ``t`` best keys per head: [B, T] -> [B, t] long.
+
+    Sorted by descending score, so ``idx[:, :t_h]`` is exactly the top-``t_h``
+    selection for a head whose budget ``t_h`` is below the batch's ``t``.
+    """
+    if not 0 <= t <= scores.shape[-1]:
+        raise ValueError(f"t={t} must be in [0, T={scores.shape[-1]}]")
+    return torch.topk(scores, t, dim=-1, largest=True, sorted=True).indices
+
+
+# --------------------------------------------------------------------------
+# Linear algebra helpers (batched, padding-aware)
+# --------------------------------------------------------------------------
+
+
+def _ridge_scale(gram: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """Mean diagonal of ``gram`` [B, m, m] over active rows: [B]."""
+    diag = torch.diagonal(gram, dim1=-2, dim2=-1) * active
+    return (diag.sum(-1) / active.sum(-1).clamp_min(1.0)).clamp_min(_RIDGE_FLOOR)
+
+
+def _ridge_factor(
+    gram: torch.Tensor,
+    active: torch.Tensor,
+    ridge: float,
+    ridge_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cholesky factor of ``gram + lam I`` on the active rows: ``(chol, ok)``.
+
+    gram: [B, m, m], active: [B, m] float (1 = real row/column, 0 = padding).
+    Padding rows/columns are replaced by the identity, so they solve to
+    exactly 0 without shrinking the system. ``lam = ridge * ridge_scale``,
+    ``ridge_scale`` [B] defaulting to the mean active diagonal. A batch
+    element whose factorisation fails retries with 10x the ridge, up to
+    ``_MAX_RIDGE_RETRIES`` times, and only failing elements are refactorised.
+    One that never factorises (non-finite input) gets ``ok = False`` and an
+    identity factor, so it solves to 0 rather than NaNs that would poison
+    the whole cache.
+    """
+    m = gram.shape[-1]
+    base = gram * (active.unsqueeze(-1) * active.unsqueeze(-2))
+    ridge_scale = (_ridge_scale(base, active) if ridge_scale is None else ridge_scale).clamp_min(_RIDGE_FLOOR)
+    lam = ridge * ridge_scale  # [B]
+    eye = torch.eye(m, dtype=gram.dtype, device=gram.device)
+
+    def assemble(b: torch.Tensor, lam_: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+        diag = lam_.unsqueeze(-1) * act + (1.0 - act)
+        return b + eye * diag.unsqueeze(-1)
+
+    chol, info = torch.linalg.cholesky_ex(assemble(base, lam, active))
+    bad = info != 0
+    tries = 0
+    while bool(bad.any()) and tries < _MAX_RIDGE_RETRIES:
+        tries += 1
+        # max(): a caller's ridge of 0 must still grow on retry
+        lam = torch.where(bad, torch.maximum(lam * 10.0, 1e-6 * ridge_scale), lam)
+        where = bad.nonzero(as_tuple=True)[0]
+        chol_b, info_b = torch.linalg.cholesky_ex(assemble(base[where], lam[where], active[where]))
+        chol[where] = chol_b
+        info[where] = info_b
+        bad = info != 0
+    if bool(bad.any()):
+        chol = torch.where(bad.view(-1, 1, 1), eye, chol)
+    return chol, ~bad
+
+
+def _factor_solve(
+    chol: torch.Tensor, ok: torch.Tensor, rhs: torch.Tensor, active: torch.Tensor
+) -> torch.Tensor:
+    """Solve with a factor from :func:`_ridge_factor`; rhs [B, m, c] -> [B, m, c]."""
+    mask = active.unsqueeze(-1) * ok.view(-1, 1, 1).to(rhs.dtype)
+    return torch.cholesky_solve(rhs * mask, chol) * mask
+
+
+def _refine(x, residual, pull, solve, steps: int):
+    """Iterative refinement of a normal-equations solution ``x``.
+
+    The Gram matrix is formed in float32, which squares the condition number:
+    on a keep-all mass fit the weights came out ~1e-2 off. Each step solves
+    for a correction from the residual recomputed with the *design* (its
+    own float32 accuracy, not the Gram's) and reuses the factor, so it costs
+    two design products. A step is kept only for heads whose residual
+    norm it reduces, so it can never make a fit worse; with a ridged factor
+    the fixed point moves towards the unridged solution only along
+    well-determined directions, the near-null ones stay damped.
+    """
+    r = residual(x)
+    err = r.square().flatten(1).sum(-1)
+    for _ in range(steps):
+        x_new = x + solve(pull(r))
+        r_new = residual(x_new)
+        err_new = r_new.square().flatten(1).sum(-1)
+        better = err_new < err
+        if not bool(better.any()):
+            break
+        x = torch.where(better.view(-1, 1, 1), x_new, x)
+        r = torch.where(better.view(-1, 1, 1), r_new, r)
+        err = torch.where(better, err_new, err)
+    return x
+
+
+def _ridge_lstsq(
+    design: torch.Tensor,
+    target: torch.Tensor,
+    active: torch.Tensor,
+    ridge: float,
+    gram: torch.Tensor | None = None,
+    rhs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Ridge least squares ``min ||design X - target||`` by normal equations.
+
+    design: [B, n, m] (padding columns already zero), target: [B, n, c],
+    active: [B, m] -> X [B, m, c], refined by :func:`_refine`. ``gram``
+    and ``rhs`` may be passed when the caller already holds them.
+    """
+    dt = design.transpose(-1, -2)
+    gram = torch.bmm(dt, design) if gram is None else gram
+    rhs = torch.bmm(dt, target) if rhs is None else rhs
+    chol, ok = _ridge_factor(gram, active, ridge)
+    solve = lambda b: _factor_solve(chol, ok, b, active)  # noqa: E731
+    return _refine(
+        solve(rhs),
+        lambda x: target - torch.bmm(design, x),
+        lambda r: torch.bmm(dt, r),
+        solve,
+        _REFINE_STEPS,
+    )
+
+
+def _top_eig(gram: torch.Tensor, active: torch.Tensor, steps: int = 10) -> torch.Tensor:
+    """Largest eigenvalue of PSD ``gram`` [B, m, m] by power iteration: [B].
+
+    Starts from the all-ones vector: the mass Gram has non-negative entries,
+    so its Perron vector is positive and a positive start converges in a few
+    steps. Projected gradient stays stable for any step below 2/L, so a
+    slightly low estimate is harmless.
+    """
+    v = active / active.sum(-1, keepdim=True).clamp_min(1.0).sqrt()
+    for _ in range(steps):
+        u = torch.bmm(gram, v.unsqueeze(-1)).squeeze(-1)
+        v = u / u.norm(dim=-1, keepdim=True).clamp_min(_RIDGE_FLOOR)
+    return (v * torch.bmm(gram, v.unsqueeze(-1)).squeeze(-1)).sum(-1)
+
+
+def _box_nnls_gram(
+    gram: torch.Tensor,
+    b: torch.Tensor,
+    active: torch.Tensor,
+    lo: float,
+    hi: float,
+    iters: int,
+    ridge: float,
+    design: torch.Tensor | None = None,
+    target: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Box-constrained least squares in Gram form: [B, m].
+
+    Minimises ``||M w - z||^2`` over ``lo <= w <= hi`` given ``gram = M^T M``
+    [B, m, m] and ``b = M^T z`` [B, m]; padding entries (active 0) stay 0.
+    Start from the ridge least-squares solution (usually close to the optimum,
+    as most weights are interior), clamp into the box, then ``iters``
+    projected-gradient steps with step ``1 / ||M||_2^2``. Working on the Gram
+    keeps each step at O(m^2) instead of O(n m). With ``design`` M [B, n, m]
+    (padding columns zero) and ``target`` z [B, n], the start is refined
+    against the design (see :func:`_refine`).
+    """
+    if design is None:
+        chol, ok = _ridge_factor(gram, active, ridge)
+        w = _factor_solve(chol, ok, b.unsqueeze(-1), active).squeeze(-1)
+    else:
+        w = _ridge_lstsq(design, target.unsqueeze(-1), active, ridge, gram, b.unsqueeze(-1)).squeeze(-1)
+    real = active > 0
+    w = torch.where(real, w.clamp(lo, hi), torch.zeros_like(w))
+    if iters > 0:
+        g = gram * (active.unsqueeze(-1) * active.unsqueeze(-2))
+        step = 1.0 / _top_eig(g, active).clamp_min(_RIDGE_FLOOR)
+        b = b * active
+        for _ in range(iters):
+            grad = torch.bmm(g, w.unsqueeze(-1)).squeeze(-1) - b
+            w = torch.where(real, (w - step.unsqueeze(-1) * grad).clamp(lo, hi), w)
+    return w
+
+
+def _gram(m: torch.Tensor, z: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """``(M^T M, M^T z, active, masked M)`` for a design ``m`` [B, n, t]."""
+    m = m.float()
+    active = torch.ones(m.shape[0], m.shape[-1], dtype=m.dtype, device=m.device)
+    if valid is not None:
+        active = valid.to(m.dtype)
+        # padding columns may hold inf/NaN (exp of a -inf bias shift): drop them
+        m = torch.where(valid.unsqueeze(-2), m, torch.zeros_like(m))
+    mt = m.transpose(-1, -2)
+    return torch.bmm(mt, m), torch.bmm(mt, z.float().unsqueeze(-1)).squeeze(-1), active, m
+
+
+def nnls(
+    m: torch.Tensor,
+    z: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    iters: int = 20,
+    ridge: float = 1e-6,
+) -> torch.Tensor:
+    """Non-negative least squares ``argmin_{w >= 0} ||m w - z||^2``: [B, t].
+
+    m: [B, n, t], z: [B, n], valid: [B, t] bool or None. The plain NNLS of
+    OMP's refits (no upper bound, more iterations than the bias fit since
+    many weights sit on the w = 0 face there). Padding columns get w = 0.
+    """
+    gram, b, active, m = _gram(m, z, valid)
+    return _box_nnls_gram(gram, b, active, 0.0, math.inf, iters, ridge, m, z.float())
+
+
+def nnls_bias(
+    m: torch.Tensor,
+    z: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    w_min: float = math.exp(-3.0),
+    w_max: float = math.exp(3.0),
+    iters: int = 2,
+    ridge: float = 1e-6,
+) -> torch.Tensor:
+    """Mass-matching biases ``beta = log w``: [B, t] float32.
+
+    m: [B, n, t] mass features of the compact keys (without their own bias),
+    z: [B, n] target masses, valid: [B, t] bool or None (False = padding).
+    ``w = argmin ||m w - z||^2`` with ``w_min <= w <= w_max`` (the published
+    HighestAttnKeys setting bounds beta to [-3, 3]: a key standing for more
+    than e^3 originals, or almost none, is over-fitting the reference
+    queries). Padding columns get ``beta = -inf`` (exactly an absent key).
+    """
+    if not 0.0 < w_min <= w_max:
+        raise ValueError(f"need 0 < w_min <= w_max, got {w_min}, {w_max}")
+    gram, b, active, m = _gram(m, z, valid)
+    w = _box_nnls_gram(gram, b, active, w_min, w_max, iters, ridge, m, z.float())
+    beta = w.log()
+    if valid is not None:
+        beta = beta.masked_fill(~valid, float("-inf"))
+    return beta
+
+
+# --------------------------------------------------------------------------
+# Orthogonal matching pursuit on the mass
+# --------------------------------------------------------------------------
+
+
+def omp_select(
+    phi: torch.Tensor,
+    z: torch.Tensor,
+    t: int,
+    keys_per_iter: int = 4,
+    refit_every: int = 2,
+    drop_below: float | None = -7.0,
+    key_valid: torch.Tensor | None = None,
+    nnls_iters: int = 20,
+    ridge: float = 1e-6,
+    max_iters: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy key selection that matches the attention mass.
+
+    phi: [B, n, T] mass features, z: [B, n] targets (from :func:`mass_features`),
+    key_valid: [B, T] bool or None (False = padding key, never selected).
+    Returns ``idx`` [B, t] long in the order picked (-1 where a head has fewer
+    than ``t`` real keys) and ``w`` [B, t] >= 0, the NNLS weights of the final
+    selection on ``phi`` (0 for -1 slots); ``log w`` is the bias *relative to*
+    any bias already inside ``phi``.
+
+    Each round picks, per head, the ``keys_per_iter`` unselected keys with the
+    largest correlation ``sum_i phi_ij r_i`` with the residual ``r = z - phi_S w``.
+    The residual is only refreshed by a refit (every ``refit_every`` rounds and
+    whenever all heads are full), which is what makes the "fast" variant fast.
+    At a refit, keys with ``log w < drop_below`` are removed (their mass is
+    explained by others) and banned, so each key is picked at most once and
+    the loop ends; later rounds refill the freed slots.
+
+    The Gram matrix of the selection is grown by the new columns only, so a
+    refit costs O(t^2) plus a t x t Cholesky instead of re-forming
+    ``phi_S^T phi_S`` (O(n t^2)) every time.
+    """
+    B, n, T = phi.shape
+    if not 0 <= t <= T:
+        raise ValueError(f"t={t} must be in [0, T={T}]")
+    if keys_per_iter < 1 or refit_every < 1:
+        raise ValueError("keys_per_iter and refit_every must be >= 1")
+    phi = phi.float()
+    z = z.float()
+    dev = phi.device
+    valid_keys = (
+        torch.ones(B, T, dtype=torch.bool, device=dev) if key_valid is None else key_valid.to(dev)
+    )
+    target = valid_keys.sum(-1).clamp(max=t)  # [B]
+    kpi = min(keys_per_iter, T) if T > 0 else 1
+    if max_iters is None:
+        # Enough rounds to fill t slots several times over (drops refill);
+        # bans make each key pickable once, so this is a safety net only.
+        max_iters = 4 * (-(-t // kpi)) + 2 * refit_every + 4
+    drop_w = None if drop_below is None else math.exp(drop_below)
+
+    # Slot t is a sink: picks a head does not take are scattered there, so
+    # every head can share one fixed-shape scatter.
+    slot_idx = torch.full((B, t + 1), -1, dtype=torch.long, device=dev)
+    m_sel = phi.new_zeros(B, n, t + 1)
+    gram = phi.new_zeros(B, t + 1, t + 1)
+    rhs = phi.new_zeros(B, t + 1)
+    w = phi.new_zeros(B, t + 1)
+    count = torch.zeros(B, dtype=torch.long, device=dev)
+    taken = ~valid_keys  # selected, banned or padding
+    slots = torch.arange(t + 1, device=dev)
+    sink = torch.full((B, t + 1), t, dtype=torch.long, device=dev)
+
+    def append(picks: torch.Tensor, take: torch.Tensor) -> None:
+        nonlocal taken, count, m_sel, gram, rhs, slot_idx
+        c = picks.shape[-1]
+        pos = torch.where(take, count.unsqueeze(-1) + slots[:c], torch.full_like(picks, t))
+        slot_idx.scatter_(1, pos, torch.where(take, picks, torch.full_like(picks, -1)))
+        new = phi.gather(2, picks.unsqueeze(1).expand(B, n, c)) * take.unsqueeze(1)
+        m_sel.scatter_(2, pos.unsqueeze(1).expand(B, n, c), new)
+        cross = torch.bmm(m_sel.transpose(1, 2), new)  # [B, t+1, c], new columns included
+        gram.scatter_(2, pos.unsqueeze(1).expand(B, t + 1, c), cross)
+        gram.scatter_(1, pos.unsqueeze(2).expand(B, c, t + 1), cross.transpose(1, 2))
+        rhs.scatter_(1, pos, torch.bmm(z.unsqueeze(1), new).squeeze(1))
+        taken = taken | torch.zeros_like(taken).scatter_(1, picks, take)
+        count = count + take.sum(-1)
+
+    def refit() -> torch.Tensor:
+        active = (slots[:t] < count.unsqueeze(-1)).float()
+        out = phi.new_zeros(B, t + 1)
+        out[:, :t] = _box_nnls_gram(gram[:, :t, :t], rhs[:, :t], active, 0.0, math.inf, nnls_iters,
+                                    ridge, m_sel[:, :, :t], z)
+        return out
+
+    def correlation() -> torch.Tensor:
+        r = z - torch.bmm(m_sel, w.unsqueeze(-1)).squeeze(-1)
+        return torch.bmm(r.unsqueeze(1), phi).squeeze(1)  # [B, T]
+
+    corr = correlation()
+    fresh = True  # w belongs to the current selection
+    since_refit = 0
+    for _ in range(max_iters):
+        need = target - count
+        if not bool((need > 0).any()):
+            break
+        vals, picks = corr.masked_fill(taken, float("-inf")).topk(kpi, dim=-1)
+        take = (slots[:kpi] < need.unsqueeze(-1)) & torch.isfinite(vals)
+        if not bool(take.any()):
+            break  # every head that still needs keys has run out of candidates
+        append(picks, take)
+        fresh = False
+        since_refit += 1
+        if since_refit < refit_every and bool((count < target).any()):
+            continue
+        w = refit()
+        fresh = True
+        since_refit = 0
+        if drop_w is not None:
+            drop = (slots < count.unsqueeze(-1)) & (w < drop_w)
+            drop[:, t] = False
+            if bool(drop.any()):
+                keep = (slots < count.unsqueeze(-1)) & ~drop
+                # stable order: kept slots first, in picking order; sink stays last
+                key = torch.where(keep, slots, slots + t + 1)
+                key[:, t] = 3 * (t + 1)
+                perm = key.argsort(dim=-1, stable=True)
+                count = keep.sum(-1)
+                live = slots < count.unsqueeze(-1)
+                slot_idx = slot_idx.gather(1, perm).masked_fill(~live, -1)
+                w = w.gather(1, perm) * live
+                rhs = rhs.gather(1, perm) * live
+                m_sel = m_sel.gather(2, perm.unsqueeze(1).expand(B, n, t + 1)) * live.unsqueeze(1)
+                liveg = live.unsqueeze(-1) & live.unsqueeze(-2)
+                gram = gram.gather(1, perm.unsqueeze(-1).expand(B, t + 1, t + 1))
+                gram = gram.gather(2, perm.unsqueeze(1).expand(B, t + 1, t + 1)) * liveg
+        corr = correlation()
+
+    need = target - count
+    if bool((need > 0).any()):
+        # Ran out of rounds or of unbanned keys: fill with the best remaining
+        # real keys (banned ones included) rather than leave real slots empty.
+        # empty slots (-1) scatter into an extra column T, so they cannot
+        # clobber the mark of a real key
+        sel = slot_idx[:, :t]
+        chosen = torch.zeros(B, T + 1, dtype=torch.bool, device=dev)
+        chosen.scatter_(1, torch.where(sel >= 0, sel, torch.full_like(sel, T)), True)
+        avail = valid_keys & ~chosen[:, :T]
+        c = int(need.max())
+        vals, picks = corr.masked_fill(~avail, float("-inf")).topk(c, dim=-1)
+        take = (slots[:c] < need.unsqueeze(-1)) & torch.isfinite(vals)
+        append(picks, take)
+        fresh = False
+    if not fresh:
+        w = refit()
+    return slot_idx[:, :t].contiguous(), w[:, :t].contiguous()
+
+
+# --------------------------------------------------------------------------
+# Value refit
+# --------------------------------------------------------------------------
+
+
+def fit_values(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    ridge: float = 1e-6,
+) -> torch.Tensor:
+    """Least-squares values ``argmin ||x cv - y||_F``: [B, t, dv] float32.
+
+    x: [B, n, t] attention weights of the queries over the compact keys,
+    y: [B, n, dv] target outputs, valid: [B, t] bool or None. When there are
+    fewer queries than real compact keys the system is under-determined and
+    the n x n dual ``cv = x^T (x x^T + lam I)^{-1} y`` is both cheaper and the
+    minimum-norm choice; otherwise the t x t normal equations. Both are the
+    same ridge estimator with ``lam = ridge * ||x||_F^2 / t_real``, solved by
+    Cholesky with per-element ridge escalation on failure. Padding columns
+    get zero values.
+    """
+    x = x.float()
+    y = y.float()
+    B, n, t = x.shape
+    if valid is not None:
+        x = torch.where(valid.unsqueeze(-2), x, torch.zeros_like(x))
+        t_real = int(valid.sum(-1).max()) if valid.numel() else 0
+    else:
+        t_real = t
+    xt = x.transpose(-1, -2)
+    if n < t_real:
+        kern = torch.bmm(x, xt)  # [B, n, n]
+        # Same lambda as the primal form (mean diagonal of x^T x, i.e.
+        # ||x||_F^2 / t_h), not the dual Gram's own mean diagonal (/ n), so
+        # that both forms are one estimator and switching between them is
+        # invisible to callers.
+        t_h = valid.sum(-1).to(x.dtype) if valid is not None else torch.full((B,), float(t), device=x.device)
+        fro2 = torch.diagonal(kern, dim1=-2, dim2=-1).sum(-1)
+        active = torch.ones(B, n, dtype=x.dtype, device=x.device)
+        chol, ok = _ridge_factor(kern, active, ridge, fro2 / t_h.clamp_min(1.0))
+        solve = lambda b: _factor_solve(chol, ok, b, active)  # noqa: E731
+        alpha = _refine(
+            solve(y),
+            lambda a: y - torch.bmm(x, torch.bmm(xt, a)),
+            lambda r: r,
+            solve,
+            _REFINE_STEPS,
+        )
+        cv = torch.bmm(xt, alpha)
+    else:
+        active = torch.ones(B, t, dtype=x.dtype, device=x.device)
+        if valid is not None:
+            active = valid.to(x.dtype)
+        cv = _ridge_lstsq(x, y, active, ridge)
+    if valid is not None:
+        cv = cv * valid.unsqueeze(-1)
+    return cv
+
+
+# --------------------------------------------------------------------------
+# The whole block
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class CompactBlock:
+    """A compacted KV block, batched over heads.
+
+    keys: [B, t, d] selected original keys (RoPE phases kept; input dtype),
+    values: [B, t, dv] refitted values (cast to the input value dtype),
+    bias: [B, t] float32 beta (``-inf`` for padding slots),
+    index: [B, t] long original key index (-1 for padding),
+    lengths: [B] long number of real slots per head (always a prefix),
+    timings: seconds spent on ``keys``, ``bias`` and ``values``.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    bias: torch.Tensor
+    index: torch.Tensor
+    lengths: torch.Tensor
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _clock(device: torch.device) -> float:
+    # Kernels are asynchronous on accelerators; without a sync the timings
+    # would charge one step's work to the next.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def compact_block(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    t: int,
+    *,
+    bias: torch.Tensor | None = None,
+    key_selection: KeySelection = "highest_attn",
+    scoring: Scoring = "rms",
+    budgets: torch.Tensor | None = None,
+    scale: float | None = None,
+    beta_bounds: tuple[float, float] | None = None,
+    nnls_iters: int = 2,
+    ridge: float = 1e-6,
+    keys_per_iter: int = 4,
+    refit_every: int = 2,
+    drop_below: float | None = -7.0,
+    omp_nnls_iters: int = 20,
+) -> CompactBlock:
+    """Attention Matching compaction of one block for ``B`` heads at once.
+
+    q: [B, n, d] reference queries (post-RoPE; for GQA the queries of all query
+    heads of the group concatenated), k: [B, T, d], v: [B, T, dv],
+    bias: [B, T] or None (an earlier compaction's beta; ``-inf`` = padding).
+    ``t``: slots per head; ``budgets`` [B] long gives head b only
+    ``min(budgets[b], t)`` real slots (the rest are padding with beta -inf).
+
+    1. keys: top-``t`` by attention score, or OMP on the mass;
+    2. beta: mass fit ``phi[:, :, S] w ~ z`` with ``w`` in
+       ``exp(beta_bounds)``; default bounds are (-3, 3) for ``highest_attn``
+       (published) and (``drop_below``, 7) for ``omp`` (whose own NNLS
+       weights are used, refitted only for heads cut short by a budget);
+    3. values: least squares from ``x = softmax(q Ck^T * scale + beta)`` to
+       the block's original output ``attend(q, k, v, bias).output``.
+
+    A pre-existing bias is part of the targets and is carried into beta
+    (``beta`` is the total bias of the compact key), which is what makes
+    re-compaction of a compacted cache work.
+    """
+    B, n, d = q.shape
+    T, dv = k.shape[1], v.shape[-1]
+    if not 0 <= t <= T:
+        raise ValueError(f"t={t} must be in [0, T={T}]")
+    if key_selection not in ("highest_attn", "omp"):
+        raise ValueError(f"key_selection must be 'highest_attn' or 'omp', got {key_selection!r}")
+    if beta_bounds is None:
+        beta_bounds = (-3.0, 3.0) if key_selection == "highest_attn" else (
+            -7.0 if drop_below is None else drop_below, 7.0)
+    lo, hi = beta_bounds
+    dev = q.device
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    key_valid = None if bias is None else torch.isfinite(bias)
+    n_real = torch.full((B,), T, dtype=torch.long, device=dev) if key_valid is None else key_valid.sum(-1)
+    lengths = n_real.clamp(max=t)
+    if budgets is not None:
+        lengths = torch.minimum(lengths, budgets.to(dev).long().clamp(0, t))
+    slot_valid = torch.arange(t, device=dev) < lengths.unsqueeze(-1)
+    timings: dict[str, float] = {}
+
+    start = _clock(dev)
+    phi, z = mass_features(q, k, bias, scale)
+    w_omp = None
+    if key_selection == "highest_attn":
+        idx = select_highest_attn(_scores_from_mass(phi, z, scoring, key_valid), t)
+    else:
+        idx, w_omp = omp_select(phi, z, t, keys_per_iter, refit_every, drop_below, key_valid,
+                                omp_nnls_iters, ridge)
+    index = torch.where(slot_valid, idx, torch.full_like(idx, -1))
+    safe = index.clamp_min(0)
+    tick = _clock(dev)
+    timings["keys"] = tick - start
+
+    # Design of the compact keys *without* any old bias, so that the fitted
+    # w is exp(total beta) and the bounds apply to the stored beta.
+    m_sel = phi.gather(2, safe.unsqueeze(1).expand(B, n, t))
+    del phi  # the largest tensor; attend() below needs the room
+    old = torch.zeros(B, t, device=dev) if bias is None else bias.float().gather(1, safe)
+    old = torch.where(slot_valid, old, torch.zeros_like(old))
+    if w_omp is None:
+        beta = nnls_bias(m_sel * torch.exp(-old).unsqueeze(1), z, slot_valid,
+                         math.exp(lo), math.exp(hi), nnls_iters, ridge)
+    else:
+        w = w_omp
+        # OMP fitted its weights for its full selection; a head cut short by a
+        # budget loses keys whose mass the others no longer cover: refit it.
+        cut = (slot_valid != (idx >= 0)).any(-1)
+        if bool(cut.any()):
+            w = torch.where(cut.unsqueeze(-1), nnls(m_sel, z, slot_valid, omp_nnls_iters, ridge), w)
+        beta = (w.clamp_min(torch.finfo(torch.float32).tiny).log() + old).clamp(lo, hi)
+        beta = beta.masked_fill(~slot_valid, float("-inf"))
+    del m_sel
+    tock = _clock(dev)
+    timings["bias"] = tock - tick
+
+    ck = k.gather(1, safe.unsqueeze(-1).expand(B, t, d)) * slot_valid.unsqueeze(-1).to(k.dtype)
+    x = torch.softmax(attention_logits(q, ck, beta, scale), dim=-1)
+    x = torch.nan_to_num(x, nan=0.0)  # a head with no real slot: softmax of all -inf
+    y = attend(q, k, v, bias, scale).output
+    cv = fit_values(x, y, slot_valid, ridge)
+    timings["values"] = _clock(dev) - tock
+
+    return CompactBlock(
+        keys=ck,
+        values=cv.to(v.dtype),
+        bias=beta,
+        index=index,
+        lengths=lengths,
+        timings=timings,
+    )

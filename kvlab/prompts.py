@@ -1,0 +1,75 @@
+"""Where the document and the questions go in the model's chat template.
+
+The document is the start of the user turn; a question (or the repeat
+instruction) continues that turn after the cached context, then the assistant
+turn opens. Each piece is tokenised on its own, so the document's token span
+is exact and the context cache can be reused for any continuation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+_MARK = "\x00KVLAB-DOCUMENT\x00"
+REPEAT_INSTRUCTION = "Repeat the previous context verbatim."
+
+
+@dataclass(frozen=True)
+class Template:
+    """The chat template cut around the user's content.
+
+    prefix: everything before the user content (system prompt, turn header);
+    suffix: what closes the user turn and opens the assistant's.
+    """
+
+    prefix: str
+    suffix: str
+
+    @classmethod
+    def of(cls, tokenizer: PreTrainedTokenizerBase) -> "Template":
+        if getattr(tokenizer, "chat_template", None):
+            rendered = tokenizer.apply_chat_template(
+                [{"role": "user", "content": _MARK}], tokenize=False, add_generation_prompt=True
+            )
+            prefix, suffix = rendered.split(_MARK)
+            return cls(prefix, suffix)
+        # Base models: a plain reading-comprehension layout.
+        return cls("", "\nAnswer:")
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> torch.Tensor:
+    """Token ids [n] of ``text`` with special tokens parsed, none added."""
+    return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class ContextTokens:
+    """The cached context: template prefix then document. ids: [prefix_len + doc_len]."""
+
+    ids: torch.Tensor
+    prefix_len: int
+
+    @property
+    def doc_len(self) -> int:
+        return self.ids.numel() - self.prefix_len
+
+
+def context_tokens(tokenizer: PreTrainedTokenizerBase, document: str) -> ContextTokens:
+    template = Template.of(tokenizer)
+    prefix = encode(tokenizer, template.prefix)
+    if tokenizer.bos_token_id is not None and (prefix.numel() == 0 or prefix[0] != tokenizer.bos_token_id):
+        if getattr(tokenizer, "add_bos_token", False):
+            prefix = torch.cat([torch.tensor([tokenizer.bos_token_id]), prefix])
+    return ContextTokens(torch.cat([prefix, encode(tokenizer, document)]), prefix.numel())
+
+
+def question_tokens(tokenizer: PreTrainedTokenizerBase, question: str) -> torch.Tensor:
+    """The question turn asked after the context: ids [n], ending where the answer starts."""
+    return encode(tokenizer, "\n\n" + question.strip() + Template.of(tokenizer).suffix)
+
+
+def repeat_tokens(tokenizer: PreTrainedTokenizerBase, doc_ids: torch.Tensor) -> torch.Tensor:
+    """The repeat instruction, then the document itself as the (teacher-forced) answer."""
+    return torch.cat([question_tokens(tokenizer, REPEAT_INSTRUCTION), doc_ids])

@@ -1,0 +1,80 @@
+"""Reference queries: which post-RoPE query vectors a method looks at.
+
+Each source returns, per layer, a [H, n, d] tensor of queries recorded while
+the model reads something after the full document cache. Results are kept on
+the Context, so a source is computed once per document. The user's question
+is a source only for methods that say they are query-aware.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kvlab.context import Context
+from kvlab.prompts import question_tokens, repeat_tokens
+from kvlab.runtime.decode import extend, greedy, open_session
+from kvlab.runtime.hooks import QueryCapture
+
+SELF_STUDY_PROMPTS = (
+    "Summarise the main points of the text above.",
+    "List the key facts in the text above: names, numbers, dates.",
+    "Structure the information in the text above as JSON.",
+    "Write three questions about the text above and answer them.",
+)
+
+
+def _recorded(ctx: Context, key: str, make: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+    with ctx.lock:
+        if key not in ctx.queries:
+            ctx.queries[key] = make()
+        return ctx.queries[key]
+
+
+def _read_after_context(ctx: Context, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Queries [H, n, d] per layer while the model reads ``ids`` after the full cache."""
+    capture = QueryCapture(ctx.lm.n_layers)
+    session = open_session(ctx.lm, ctx.full.stored)
+    for start in range(0, ids.numel(), 2048):
+        extend(ctx.lm, session, ids[start : start + 2048], capture, logits_to_keep=1)
+    return capture.per_layer()
+
+
+def context_queries(ctx: Context) -> list[torch.Tensor]:
+    """The document's own prefill queries (recorded at prefill)."""
+    return ctx.queries["context"]
+
+
+def repeat_queries(ctx: Context) -> list[torch.Tensor]:
+    """Repeat-prefill: "Repeat the previous context verbatim." then the document, teacher-forced."""
+    doc_ids = ctx.tokens.ids[ctx.prefix_len :]
+    return _recorded(ctx, "repeat", lambda: _read_after_context(ctx, repeat_tokens(ctx.lm.tokenizer, doc_ids)))
+
+
+def question_queries(ctx: Context, question: str) -> list[torch.Tensor]:
+    """The question turn's queries (query-aware methods only)."""
+    ids = question_tokens(ctx.lm.tokenizer, question)
+    return _recorded(ctx, "question:" + question, lambda: _read_after_context(ctx, ids))
+
+
+def self_study_queries(ctx: Context, token_budget: int = 256) -> list[torch.Tensor]:
+    """Self-study: the model answers generic prompts about the document; the queries of
+    the prompts and of its own answers are recorded. ``token_budget`` bounds the
+    generated tokens over all prompts (generation is the slow part on a CPU)."""
+
+    def make() -> list[torch.Tensor]:
+        capture = QueryCapture(ctx.lm.n_layers)
+        stored = ctx.full.stored
+        per_prompt = max(1, token_budget // len(SELF_STUDY_PROMPTS))
+        for prompt in SELF_STUDY_PROMPTS:
+            greedy(ctx.lm, stored, question_tokens(ctx.lm.tokenizer, prompt), per_prompt, capture)
+        return capture.per_layer()
+
+    return _recorded(ctx, f"self_study:{token_budget}", make)
+
+
+def random_queries(ctx: Context, n: int = 1024, seed: int = 0) -> list[torch.Tensor]:
+    """Gaussian N(0, I) vectors in query space: a weak, data-free baseline."""
+    lm = ctx.lm
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(lm.n_heads, n, lm.head_dim, generator=gen) for _ in range(lm.n_layers)]

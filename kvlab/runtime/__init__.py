@@ -1,0 +1,1 @@
+"""The compressed-cache runtime: cache data structures, the attention hook, the decode loop."""

@@ -1,0 +1,146 @@
+"""The one place where attention is computed.
+
+Everything in kvlab that needs softmax attention (the model's forward pass,
+the compression methods, the metrics) calls these functions, so that the
+runtime, the solvers and the error figures can never disagree on the maths.
+
+Shapes use: ``B`` batch of heads, ``n`` queries, ``T`` keys, ``d`` head dim.
+A ``bias`` is additive on the logits, one value per key; ``-inf`` marks an
+absent (padding) key.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def attention_logits(
+    q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None = None, scale: float | None = None
+) -> torch.Tensor:
+    """Scaled dot-product logits in float32.
+
+    q: [..., n, d], k: [..., T, d], bias: [..., T] or None -> [..., n, T] (float32).
+    float32 even for bf16 inputs: the mass targets of Attention Matching are
+    sums of exponentials and lose their meaning in 8-bit mantissas.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if bias is not None:
+        logits = logits + bias.float().unsqueeze(-2)
+    return logits
+
+
+@dataclass
+class BlockAttention:
+    """Attention of queries over one block of keys.
+
+    output: [..., n, dv] softmax-weighted values; lse: [..., n] log of the
+    block's attention mass ``log sum_j exp(logit_ij)``.
+    """
+
+    output: torch.Tensor
+    lse: torch.Tensor
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> BlockAttention:
+    """Attention output and log-mass of queries over a block (no causal mask).
+
+    q: [..., n, d], k: [..., T, d], v: [..., T, dv], bias: [..., T] or None.
+    """
+    logits = attention_logits(q, k, bias, scale)
+    lse = torch.logsumexp(logits, dim=-1)
+    weights = torch.exp(logits - lse.unsqueeze(-1))
+    return BlockAttention(output=torch.matmul(weights, v.float()), lse=lse)
+
+
+def future_mask(q_len: int, kv_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """[q_len, kv_len] True where query i may not see key j.
+
+    The queries are the last ``q_len`` tokens of the ``kv_len`` keys
+    (bottom-right alignment), so this holds whatever the physical length of the
+    cached part before them.
+    """
+    rows = torch.arange(q_len, device=device).unsqueeze(1)
+    cols = torch.arange(kv_len, device=device).unsqueeze(0)
+    return cols > (kv_len - q_len + rows)
+
+
+def attention_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Softmax attention weights [..., n, T] (float32).
+
+    q: [..., n, d], k: [..., T, d]; causal=True when the queries are the last
+    n of the T keys' tokens.
+    """
+    logits = attention_logits(q, k, bias, scale)
+    if causal:
+        logits = logits.masked_fill(future_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def expand_kv_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """[H_kv, ...] -> [n_heads, ...]: each KV head repeated for its query-head group."""
+    return x.repeat_interleave(n_heads // x.shape[0], dim=0)
+
+
+def group_queries(q: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """[H, n, d] queries -> [H_kv, g*n, d]: all queries that read each KV head (GQA)."""
+    n_heads, n, d = q.shape
+    return q.reshape(n_kv_heads, (n_heads // n_kv_heads) * n, d)
+
+
+def causal_bias_mask(
+    q_len: int,
+    kv_len: int,
+    key_bias: torch.Tensor | None,
+    n_heads: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Additive mask for queries that are the last ``q_len`` tokens of the keys.
+
+    key_bias: [H_kv, L] for the first L keys (the stored cache; later keys get
+    0), or None. Returns [1, n_heads, q_len, kv_len] or None when no masking
+    is needed (a single query and no bias).
+    """
+    if key_bias is None and q_len == 1:
+        return None
+    mask = torch.zeros(n_heads, q_len, kv_len, dtype=dtype, device=device)
+    if key_bias is not None:
+        mask[:, :, : key_bias.shape[1]] += expand_kv_heads(key_bias.to(dtype), n_heads).unsqueeze(1)
+    if q_len > 1:
+        mask.masked_fill_(future_mask(q_len, kv_len, device).unsqueeze(0), float("-inf"))
+    return mask.unsqueeze(0)
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Causal attention for the model's forward pass (fast path through SDPA).
+
+    q: [1, H, n, d], k/v: [1, H_kv, kv_len, d], key_bias: [H_kv, L] or None
+    -> [1, H, n, d]. Same maths as :func:`attend` plus the causal mask;
+    tests check the two agree.
+    """
+    n_heads, q_len, kv_len = q.shape[1], q.shape[2], k.shape[2]
+    gqa = n_heads != k.shape[1]
+    if key_bias is None and q_len == kv_len:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    mask = causal_bias_mask(q_len, kv_len, key_bias, n_heads, q.dtype, q.device)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
+    )

@@ -1,0 +1,222 @@
+"""Stored KV caches: the full one and compressed ones.
+
+A compressed layer is a list of segments. Each segment stores some tokens of
+every KV head in its own form (full precision, or packed low-bit codes) and
+can show them to attention as padded tensors. Heads may keep different
+numbers of tokens: storage is packed per head (no padding is stored), and
+padding appears only in the transient attention view, with bias -inf, which
+is exactly an absent key.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Protocol
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class PaddedView:
+    """What attention sees of one segment or layer.
+
+    keys/values: [H_kv, L, d]; bias: [H_kv, L] (-inf on padding);
+    token_index: [H_kv, L] original token position, -1 for synthetic or padding keys.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    bias: torch.Tensor
+    token_index: torch.Tensor
+
+
+class Segment(Protocol):
+    """Some tokens of every KV head of one layer, in one storage form."""
+
+    fate: str
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def breakdown(self) -> dict[str, int]: ...
+
+    def lengths(self) -> torch.Tensor: ...
+
+    def view(self) -> PaddedView: ...
+
+
+def pack_heads(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """[H, L, ...] padded per head -> [sum(lengths), ...] (head-major)."""
+    keep = torch.arange(x.shape[1], device=x.device).unsqueeze(0) < lengths.to(x.device).unsqueeze(1)
+    return x[keep]
+
+
+def unpack_heads(flat: torch.Tensor, lengths: torch.Tensor, fill: float) -> torch.Tensor:
+    """[sum(lengths), ...] -> [H, max(lengths), ...], padded with ``fill``."""
+    n_heads, width = lengths.numel(), int(lengths.max()) if lengths.numel() else 0
+    out = flat.new_full((n_heads, width, *flat.shape[1:]), fill)
+    keep = torch.arange(width, device=flat.device).unsqueeze(0) < lengths.to(flat.device).unsqueeze(1)
+    out[keep] = flat
+    return out
+
+
+@dataclass
+class DenseSegment:
+    """Tokens kept at the model's precision, packed per head.
+
+    keys/values: [N, d] with N = lengths.sum(); bias: [N] or None (all zero:
+    eviction methods store no bias, Attention Matching does); lengths: [H_kv];
+    token_index: [N] (-1 for keys that are not an original token). The
+    token index is bookkeeping for the figures and is not counted as stored:
+    attention never reads it (positions are already inside the RoPE'd keys).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    bias: torch.Tensor | None
+    head_lengths: torch.Tensor
+    token_index: torch.Tensor
+    fate: str = "kept"
+
+    @classmethod
+    def from_padded(
+        cls,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        token_index: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        fate: str = "kept",
+    ) -> "DenseSegment":
+        """keys/values [H, L, d], lengths [H], token_index [H, L], bias [H, L] or None."""
+        lengths = lengths.long().cpu()
+        return cls(
+            keys=pack_heads(keys, lengths).contiguous(),
+            values=pack_heads(values, lengths).contiguous(),
+            bias=None if bias is None else pack_heads(bias, lengths).contiguous(),
+            head_lengths=lengths,
+            token_index=pack_heads(token_index, lengths).cpu(),
+            fate=fate,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.breakdown().values())
+
+    def breakdown(self) -> dict[str, int]:
+        parts = {"full-precision keys+values": self.keys.nbytes + self.values.nbytes}
+        if self.bias is not None:
+            parts["biases"] = self.bias.nbytes
+        return parts
+
+    def lengths(self) -> torch.Tensor:
+        return self.head_lengths
+
+    def view(self) -> PaddedView:
+        bias = self.bias if self.bias is not None else self.keys.new_zeros(self.keys.shape[0])
+        return PaddedView(
+            keys=unpack_heads(self.keys, self.head_lengths, 0.0),
+            values=unpack_heads(self.values, self.head_lengths, 0.0),
+            bias=unpack_heads(bias, self.head_lengths, NEG_INF),
+            token_index=unpack_heads(self.token_index, self.head_lengths, -1),
+        )
+
+
+def concat_views(views: list[PaddedView]) -> PaddedView:
+    """Join segment views along the key axis (padding may sit in the middle)."""
+    if len(views) == 1:
+        return views[0]
+    return PaddedView(
+        keys=torch.cat([v.keys for v in views], dim=1),
+        values=torch.cat([v.values for v in views], dim=1),
+        bias=torch.cat([v.bias for v in views], dim=1),
+        token_index=torch.cat([v.token_index for v in views], dim=1),
+    )
+
+
+@dataclass
+class CompressedKV:
+    """A stored cache for one context: per layer, a list of segments.
+
+    logical_len is the number of tokens the context really had, so that a
+    token appended after the cache gets the position it would have had with
+    the full cache, however few keys are physically stored.
+    """
+
+    layers: list[list[Segment]]
+    logical_len: int
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(seg.nbytes for layer in self.layers for seg in layer)
+
+    def breakdown(self) -> dict[str, int]:
+        """Stored bytes by part (e.g. full-precision, codes, scales, biases)."""
+        parts: dict[str, int] = {}
+        for layer in self.layers:
+            for seg in layer:
+                for name, n in seg.breakdown().items():
+                    parts[name] = parts.get(name, 0) + n
+        return parts
+
+    def kept_per_head(self) -> torch.Tensor:
+        """[n_layers, H_kv] number of stored keys per head (all segments)."""
+        return torch.stack([sum(seg.lengths() for seg in layer) for layer in self.layers])
+
+    def layer_view(self, layer: int) -> PaddedView:
+        return concat_views([seg.view() for seg in self.layers[layer]])
+
+    def fates(self, layer: int, head: int) -> dict[int, str]:
+        """Original token index -> the fate of its stored copy in one head."""
+        out: dict[int, str] = {}
+        for seg in self.layers[layer]:
+            idx = seg.view().token_index[head]
+            for i in idx[idx >= 0].tolist():
+                out[int(i)] = seg.fate
+        return out
+
+    def is_plain(self) -> bool:
+        """True when no layer needs a bias (no padding, no fitted bias)."""
+        return all(
+            isinstance(seg, DenseSegment)
+            and seg.bias is None
+            and bool((seg.head_lengths == seg.head_lengths[0]).all())
+            for layer in self.layers
+            for seg in layer
+        )
+
+
+@dataclass
+class FullKV:
+    """The document's full cache: per layer, post-RoPE keys and values [H_kv, T, d]."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
+
+    @cached_property
+    def stored(self) -> CompressedKV:
+        """The keep-all cache: every token, no bias (the ceiling every method is compared with).
+
+        Built once; like every stored cache it is never modified."""
+        layers: list[list[Segment]] = []
+        for k, v in zip(self.keys, self.values):
+            n_heads, length = k.shape[:2]
+            lengths = torch.full((n_heads,), length)
+            index = torch.arange(length).expand(n_heads, length)
+            layers.append([DenseSegment.from_padded(k, v, lengths, index)])
+        return CompressedKV(layers=layers, logical_len=self.length, meta={"method": "full"})

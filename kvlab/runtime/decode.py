@@ -1,0 +1,152 @@
+"""Running the model over a stored cache: prefill, greedy answers, teacher-forced scores.
+
+Every call works on a fresh working copy of the stored cache, so answering
+never changes it and one compression serves many questions. Positions are
+always passed explicitly and continue from the cache's logical length:
+transformers would otherwise take them from the physical (compressed) length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers import DynamicCache
+
+from kvlab.models import LoadedModel
+from kvlab.runtime.cache import CompressedKV, FullKV
+from kvlab.runtime.hooks import ForwardContext, QueryCapture
+
+
+@dataclass
+class Session:
+    """A working copy of a cache that the model appends to while it reads and writes.
+
+    key_bias: per layer [H_kv, L] for the stored keys, or None for a plain cache;
+    position: the logical position of the next token.
+    """
+
+    cache: DynamicCache
+    key_bias: list[torch.Tensor] | None
+    position: int
+
+
+def open_session(lm: LoadedModel, stored: CompressedKV | None = None) -> Session:
+    """Start from an empty cache, or from a stored one (which is left untouched)."""
+    if stored is None:
+        return Session(DynamicCache(), None, 0)
+    views = [stored.layer_view(i) for i in range(stored.n_layers)]
+    data = [
+        (v.keys.unsqueeze(0).to(lm.device, lm.dtype), v.values.unsqueeze(0).to(lm.device, lm.dtype))
+        for v in views
+    ]
+    bias = None if stored.is_plain() else [v.bias.to(lm.device) for v in views]
+    return Session(DynamicCache(ddp_cache_data=data), bias, stored.logical_len)
+
+
+@torch.inference_mode()
+def extend(
+    lm: LoadedModel,
+    session: Session,
+    ids: torch.Tensor,
+    capture: QueryCapture | None = None,
+    logits_to_keep: int = 0,
+) -> torch.Tensor:
+    """Feed ``ids`` [n] after the session's tokens; returns float32 logits [n or logits_to_keep, V]."""
+    n = ids.numel()
+    positions = torch.arange(session.position, session.position + n, device=lm.device).unsqueeze(0)
+    out = lm.model(
+        input_ids=ids.to(lm.device).unsqueeze(0),
+        position_ids=positions,
+        cache=session.cache,
+        use_cache=True,
+        logits_to_keep=logits_to_keep,
+        kvlab=ForwardContext(key_bias=session.key_bias, capture=capture),
+    )
+    session.position += n
+    return out.logits[0].float()
+
+
+def prefill(
+    lm: LoadedModel,
+    ids: torch.Tensor,
+    capture: QueryCapture | None = None,
+    chunk_size: int = 2048,
+    on_chunk: Callable[[int, int], None] | None = None,
+) -> FullKV:
+    """Encode a context ``ids`` [T] and return its full cache (post-RoPE keys, values).
+
+    Chunked so that long documents never build a T x T score matrix.
+    on_chunk(done, total) reports progress in tokens.
+    """
+    session = open_session(lm)
+    total = ids.numel()
+    for start in range(0, total, chunk_size):
+        extend(lm, session, ids[start : start + chunk_size], capture, logits_to_keep=1)
+        if on_chunk is not None:
+            on_chunk(min(start + chunk_size, total), total)
+    layers = session.cache.layers
+    return FullKV(keys=[layer.keys[0] for layer in layers], values=[layer.values[0] for layer in layers])
+
+
+def stop_token_ids(lm: LoadedModel) -> set[int]:
+    """End-of-sequence and end-of-turn tokens: where a chat answer ends."""
+    tok = lm.tokenizer
+    stops = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    for marker in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>"):
+        token_id = tok.convert_tokens_to_ids(marker)
+        if isinstance(token_id, int) and token_id != tok.unk_token_id:
+            stops.add(token_id)
+    return stops
+
+
+@dataclass
+class Generation:
+    """A greedy answer: its tokens, text, and each token's log-probability."""
+
+    ids: list[int]
+    text: str
+    logprobs: list[float]
+
+
+def greedy(
+    lm: LoadedModel,
+    stored: CompressedKV,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int = 48,
+    capture: QueryCapture | None = None,
+) -> Generation:
+    """Answer greedily from a stored cache (a manual loop: ``generate()`` mis-slices
+    inputs when the cache is shorter than the tokens seen).
+
+    With ``capture``, the queries of the prompt and of every generated token that
+    is fed back are recorded (the evaluation queries).
+    """
+    session = open_session(lm, stored)
+    stops = stop_token_ids(lm)
+    logits = extend(lm, session, prompt_ids, capture, logits_to_keep=1)[-1]
+    ids: list[int] = []
+    logprobs: list[float] = []
+    for _ in range(max_new_tokens):
+        logp = torch.log_softmax(logits, dim=-1)
+        token = int(torch.argmax(logp))
+        if token in stops:
+            break
+        ids.append(token)
+        logprobs.append(float(logp[token]))
+        logits = extend(lm, session, torch.tensor([token]), capture, logits_to_keep=1)[-1]
+    text = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
+    return Generation(ids=ids, text=text, logprobs=logprobs)
+
+
+def continuation_logprobs(
+    lm: LoadedModel, stored: CompressedKV, prompt_ids: torch.Tensor, target_ids: torch.Tensor
+) -> torch.Tensor:
+    """Teacher-forced log-probabilities [m] of ``target_ids`` [m] after ``prompt_ids``."""
+    if target_ids.numel() == 0:
+        return torch.zeros(0)
+    session = open_session(lm, stored)
+    ids = torch.cat([prompt_ids, target_ids[:-1]])
+    logits = extend(lm, session, ids, logits_to_keep=target_ids.numel())
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(1, target_ids.to(logp.device).unsqueeze(1)).squeeze(1).cpu()

@@ -1,0 +1,87 @@
+"""kvlab's attention function, registered with transformers.
+
+It replaces the model's attention so that a stored cache can carry one
+additive bias per key, have a different length in every layer and head, and
+so that post-RoPE queries can be recorded. Everything it needs arrives in one
+keyword argument, ``kvlab=ForwardContext(...)``, that transformers forwards
+from ``model(...)`` down to the attention call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+
+from kvlab.runtime.attention import causal_attention
+
+ATTENTION_NAME = "kvlab"
+
+
+@dataclass
+class QueryCapture:
+    """Post-RoPE queries seen by each layer during some forward passes.
+
+    ``chunks[layer]`` is a list of [H, q, d] tensors in call order; stored on
+    the CPU in float32 so that the solvers see exact values whatever the
+    model's dtype.
+    """
+
+    n_layers: int
+    chunks: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+    def record(self, layer: int, query: torch.Tensor) -> None:
+        self.chunks.setdefault(layer, []).append(query[0].detach().float().cpu())
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """All queries recorded for ``layer``: [H, n, d]."""
+        return torch.cat(self.chunks[layer], dim=1)
+
+    def per_layer(self) -> list[torch.Tensor]:
+        return [self.layer(i) for i in range(self.n_layers)]
+
+
+@dataclass
+class ForwardContext:
+    """What one forward pass needs beyond the usual arguments.
+
+    key_bias: per layer, [H_kv, L] additive bias for the first L cached keys
+    (padding = -inf), or None for a plain cache. capture: where to record
+    queries, or None.
+    """
+
+    key_bias: list[torch.Tensor | None] | None = None
+    capture: QueryCapture | None = None
+
+
+def kvlab_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query [1, H, q, d], key/value [1, H_kv, kv, d] -> ([1, q, H, d], None).
+
+    The causal mask is built here, per layer, from the physical key length;
+    transformers' own mask is sized from layer 0 and would be wrong for
+    caches whose layers differ in length.
+    """
+    ctx: ForwardContext | None = kwargs.get("kvlab")
+    layer = module.layer_idx
+    bias = None
+    if ctx is not None:
+        if ctx.capture is not None:
+            ctx.capture.record(layer, query)
+        if ctx.key_bias is not None:
+            bias = ctx.key_bias[layer]
+    out = causal_attention(query, key, value, bias, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> None:
+    """Make ``model.set_attn_implementation("kvlab")`` available (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, kvlab_attention)

@@ -1,0 +1,67 @@
+"""Shared fixtures: a tiny random Llama built in code, and the embedded model."""
+from __future__ import annotations
+
+import os
+
+# Before anything imports triton, gradio or the hub client.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from kvlab.models import ATTENTION_NAME, LoadedModel, get_model, register_attention
+
+TINY_VOCAB = ["<unk>", "<eos>"] + [f"w{i}" for i in range(62)]
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over w0..w61, so tests can write token ids as text."""
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(TINY_VOCAB)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+
+
+def tiny_llama(seed: int = 0, attn: str = ATTENTION_NAME) -> LoadedModel:
+    """2 layers, 4 query heads, 2 KV heads, head dim 16, random weights (fp32, CPU)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(TINY_VOCAB),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        eos_token_id=1,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    model = LlamaForCausalLM(config).eval()
+    register_attention()
+    model.set_attn_implementation(attn)
+    return LoadedModel("tiny-llama", model, tiny_tokenizer(), torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny() -> LoadedModel:
+    return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def tiny_eager(tiny: LoadedModel) -> LoadedModel:
+    """The same weights as ``tiny`` under transformers' own eager attention: the reference."""
+    ref = tiny_llama()
+    ref.model.load_state_dict(tiny.model.state_dict())
+    ref.model.set_attn_implementation("eager")
+    return ref
+
+
+@pytest.fixture(scope="session")
+def embedded() -> LoadedModel:
+    """The embedded SmolLM2-135M-Instruct (loaded once per test session, ~20 s)."""
+    return get_model()

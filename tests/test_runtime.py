@@ -1,0 +1,163 @@
+"""The compressed-cache runtime on a tiny random Llama: the invariants everything rests on."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvlab.runtime.attention import attend, causal_attention
+from kvlab.runtime.cache import CompressedKV, DenseSegment, FullKV
+from kvlab.runtime.decode import continuation_logprobs, extend, greedy, open_session, prefill
+
+T = 40
+
+
+def context_ids(n: int = T, seed: int = 1) -> torch.Tensor:
+    return torch.randint(2, 64, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def cache_from(full: FullKV, keep: list[list[torch.Tensor]], bias: list[list[torch.Tensor]] | None = None) -> CompressedKV:
+    """A stored cache keeping token indices keep[layer][head] (with optional per-key bias)."""
+    layers = []
+    for layer, heads in enumerate(keep):
+        lengths = torch.tensor([len(h) for h in heads])
+        width = int(lengths.max())
+        index = torch.stack([torch.cat([h, h.new_zeros(width - len(h))]) for h in heads])
+        gather = index.unsqueeze(-1).expand(-1, -1, full.keys[layer].shape[-1])
+        b = None
+        if bias is not None:
+            b = torch.stack([torch.cat([x, x.new_zeros(width - len(x))]) for x in bias[layer]])
+        layers.append([DenseSegment.from_padded(
+            full.keys[layer].gather(1, gather), full.values[layer].gather(1, gather), lengths, index, b
+        )])
+    return CompressedKV(layers, full.length)
+
+
+def logits_after(lm, stored: CompressedKV, ids: torch.Tensor) -> torch.Tensor:
+    return extend(lm, open_session(lm, stored), ids)
+
+
+def test_sdpa_path_matches_block_attention():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 1, 16, generator=gen), torch.randn(1, 2, 9, 16, generator=gen), torch.randn(1, 2, 9, 16, generator=gen))
+    bias = torch.randn(2, 9, generator=gen)
+    fast = causal_attention(q, k, v, bias, 0.25)
+    slow = attend(q[0].reshape(2, 2, 16), k[0], v[0], bias, 0.25).output.reshape(1, 4, 1, 16)
+    assert torch.allclose(fast, slow, atol=1e-5)
+
+
+def test_keep_all_cache_reproduces_full_logits_over_8_steps(tiny, tiny_eager):
+    ids = context_ids()
+    full = prefill(tiny, ids)
+    session = open_session(tiny, full.stored)
+    seq = ids.clone()
+    for _ in range(8):
+        with torch.inference_mode():
+            ref = tiny_eager.model(input_ids=seq.unsqueeze(0)).logits[0, -1]
+        nxt = torch.tensor([int(ref.argmax())])
+        seq = torch.cat([seq, nxt])
+        ours = extend(tiny, session, nxt)[-1]
+        with torch.inference_mode():
+            ref_next = tiny_eager.model(input_ids=seq.unsqueeze(0)).logits[0, -1]
+        assert (ours - ref_next).abs().max() < 1e-4
+
+
+def test_prefill_in_chunks_equals_one_pass(tiny):
+    ids = context_ids()
+    one = prefill(tiny, ids, chunk_size=1000)
+    chunked = prefill(tiny, ids, chunk_size=7)
+    for a, b in zip(one.keys + one.values, chunked.keys + chunked.values):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_bias_minus_inf_is_exactly_a_removed_key(tiny):
+    full = prefill(tiny, context_ids())
+    drop = 17
+    all_idx = torch.arange(T)
+    kept = all_idx[all_idx != drop]
+    removed = cache_from(full, [[kept, kept] for _ in range(2)])
+    bias = torch.zeros(T)
+    bias[drop] = float("-inf")
+    masked = cache_from(full, [[all_idx, all_idx] for _ in range(2)], [[bias, bias] for _ in range(2)])
+    q = context_ids(6, seed=3)
+    # Identical logits also prove that positions stayed logical: with physical
+    # positions the removed-key cache would rotate the question differently.
+    assert torch.allclose(logits_after(tiny, removed, q), logits_after(tiny, masked, q), atol=1e-6)
+
+
+def test_bias_log2_equals_a_duplicated_key(tiny):
+    full = prefill(tiny, context_ids())
+    all_idx = torch.arange(T)
+    dup = 5
+    twice = torch.cat([all_idx, torch.tensor([dup])])
+    duplicated = cache_from(full, [[twice, twice] for _ in range(2)])
+    bias = torch.zeros(T)
+    bias[dup] = math.log(2.0)
+    weighted = cache_from(full, [[all_idx, all_idx] for _ in range(2)], [[bias, bias] for _ in range(2)])
+    q = context_ids(6, seed=4)
+    assert torch.allclose(logits_after(tiny, duplicated, q), logits_after(tiny, weighted, q), atol=1e-5)
+
+
+def test_ragged_heads_decode_like_masked_full_length_heads(tiny):
+    """Heads keeping different token sets (packed, padded only in the attention view)
+    decode exactly like full-length heads whose evicted keys carry bias -inf."""
+    full = prefill(tiny, context_ids())
+    gen = torch.Generator().manual_seed(7)
+    keep, bias = [], []
+    for _ in range(2):
+        heads, biases = [], []
+        for n in (9, 23):
+            idx = torch.sort(torch.randperm(T, generator=gen)[:n]).values
+            heads.append(idx)
+            b = torch.full((T,), float("-inf"))
+            b[idx] = 0.0
+            biases.append(b)
+        keep.append(heads)
+        bias.append(biases)
+    ragged = cache_from(full, keep)
+    assert ragged.kept_per_head().tolist() == [[9, 23], [9, 23]]
+    all_idx = torch.arange(T)
+    masked = cache_from(full, [[all_idx, all_idx] for _ in range(2)], bias)
+    q = context_ids(5, seed=8)
+    assert torch.allclose(logits_after(tiny, ragged, q), logits_after(tiny, masked, q), atol=1e-5)
+    assert ragged.nbytes < masked.nbytes
+
+
+def test_positions_continue_from_logical_length(tiny):
+    full = prefill(tiny, context_ids())
+    small = cache_from(full, [[torch.arange(5), torch.arange(5)] for _ in range(2)])
+    session = open_session(tiny, small)
+    assert session.position == T
+    extend(tiny, session, context_ids(3, seed=2))
+    assert session.position == T + 3
+
+
+def test_answering_never_changes_the_stored_cache(tiny):
+    full = prefill(tiny, context_ids())
+    stored = cache_from(full, [[torch.arange(0, T, 2), torch.arange(1, T, 3)] for _ in range(2)])
+    before = [(s.keys.clone(), s.values.clone()) for layer in stored.layers for s in layer]
+    first = greedy(tiny, stored, context_ids(4, seed=5), max_new_tokens=6)
+    continuation_logprobs(tiny, stored, context_ids(4, seed=5), torch.tensor(first.ids or [3]))
+    second = greedy(tiny, stored, context_ids(4, seed=5), max_new_tokens=6)
+    after = [(s.keys, s.values) for layer in stored.layers for s in layer]
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(before, after))
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(before, after))
+    assert first.ids == second.ids
+
+
+def test_greedy_matches_teacher_forced_scores(tiny):
+    full = prefill(tiny, context_ids())
+    prompt = context_ids(4, seed=6)
+    gen = greedy(tiny, full.stored, prompt, max_new_tokens=5)
+    scored = continuation_logprobs(tiny, full.stored, prompt, torch.tensor(gen.ids))
+    assert torch.allclose(scored, torch.tensor(gen.logprobs), atol=1e-4)
+
+
+def test_bytes_count_what_is_stored(tiny):
+    full = prefill(tiny, context_ids())
+    assert full.stored.nbytes == full.nbytes == 2 * 2 * 2 * T * 16 * 4
+    half = cache_from(full, [[torch.arange(T // 2)] * 2 for _ in range(2)])
+    assert half.nbytes == full.nbytes // 2
+    b = [[torch.zeros(T // 2)] * 2 for _ in range(2)]
+    with_bias = cache_from(full, [[torch.arange(T // 2)] * 2 for _ in range(2)], b)
+    assert with_bias.breakdown()["biases"] == 2 * 2 * (T // 2) * 4
