@@ -13,6 +13,7 @@ import torch
 
 from kvlab.context import Context
 from kvlab.prompts import question_tokens, repeat_tokens
+from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.decode import extend, greedy, open_session
 from kvlab.runtime.hooks import QueryCapture
 
@@ -31,10 +32,13 @@ def _recorded(ctx: Context, key: str, make: Callable[[], list[torch.Tensor]]) ->
         return ctx.queries[key]
 
 
-def _read_after_context(ctx: Context, ids: torch.Tensor) -> list[torch.Tensor]:
-    """Queries [H, n, d] per layer while the model reads ``ids`` after the full cache."""
-    capture = QueryCapture(ctx.lm.n_layers)
-    session = open_session(ctx.lm, ctx.full.stored)
+def read_after(
+    ctx: Context, ids: torch.Tensor, stored: CompressedKV | None = None, layers: int | None = None
+) -> list[torch.Tensor]:
+    """Queries [H, n, d] of the first ``layers`` layers (default all) while the model
+    reads ``ids`` after a stored cache (default: the full one)."""
+    capture = QueryCapture(layers or ctx.lm.n_layers)
+    session = open_session(ctx.lm, stored or ctx.full.stored)
     for start in range(0, ids.numel(), 2048):
         extend(ctx.lm, session, ids[start : start + 2048], capture, logits_to_keep=1)
     return capture.per_layer()
@@ -48,13 +52,13 @@ def context_queries(ctx: Context) -> list[torch.Tensor]:
 def repeat_queries(ctx: Context) -> list[torch.Tensor]:
     """Repeat-prefill: "Repeat the previous context verbatim." then the document, teacher-forced."""
     doc_ids = ctx.tokens.ids[ctx.prefix_len :]
-    return _recorded(ctx, "repeat", lambda: _read_after_context(ctx, repeat_tokens(ctx.lm.tokenizer, doc_ids)))
+    return _recorded(ctx, "repeat", lambda: read_after(ctx, repeat_tokens(ctx.lm.tokenizer, doc_ids)))
 
 
 def question_queries(ctx: Context, question: str) -> list[torch.Tensor]:
     """The question turn's queries (query-aware methods only)."""
     ids = question_tokens(ctx.lm.tokenizer, question)
-    return _recorded(ctx, "question:" + question, lambda: _read_after_context(ctx, ids))
+    return _recorded(ctx, "question:" + question, lambda: read_after(ctx, ids))
 
 
 def self_study_queries(ctx: Context, token_budget: int = 256) -> list[torch.Tensor]:

@@ -299,6 +299,15 @@ def test_omp_drops_and_refills_consistently():
     # the incrementally updated Gram gives the same weights as a fresh NNLS
     w_fresh = nnls(_gather_cols(phi, idx), z)
     assert torch.allclose(w, w_fresh, rtol=1e-3, atol=1e-4)
+    # drops really happened: the selection differs from a run without them
+    idx_nodrop, _ = omp_select(phi, z, t, drop_below=None)
+    assert not torch.equal(idx, idx_nodrop)
+    # t = T: dropped keys are banned, the pool runs dry and the remaining
+    # slots are filled from banned keys; every key still appears exactly once
+    idx_all, w_all = omp_select(phi[:, :, :12], z, 12, drop_below=0.0)
+    for b in range(2):
+        assert sorted(idx_all[b].tolist()) == list(range(12))
+    assert torch.allclose(w_all, nnls(_gather_cols(phi[:, :, :12], idx_all), z), rtol=1e-3, atol=1e-4)
 
 
 def test_omp_respects_padding_keys():

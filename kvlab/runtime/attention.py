@@ -141,6 +141,4 @@ def causal_attention(
     if key_bias is None and q_len == kv_len:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     mask = causal_bias_mask(q_len, kv_len, key_bias, n_heads, q.dtype, q.device)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
-    )
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

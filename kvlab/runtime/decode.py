@@ -12,10 +12,60 @@ from typing import Callable
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from kvlab.models import LoadedModel
 from kvlab.runtime.cache import CompressedKV, FullKV
 from kvlab.runtime.hooks import ForwardContext, QueryCapture
+
+
+class GrowingLayer(DynamicLayer):
+    """A working cache layer that appends into spare capacity.
+
+    transformers' DynamicLayer re-concatenates the whole layer for every new
+    token, which dominates decoding time on a CPU; this one copies only the
+    new token and doubles its buffer when full. ``keys``/``values`` are views
+    [1, H_kv, n, d] of the buffers.
+    """
+
+    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None):
+        super().__init__()
+        self._length = 0
+        if keys is not None:
+            self._allocate(keys, values, keys.shape[-2] + 64)
+            self._append(keys, values)
+
+    def _allocate(self, like_k: torch.Tensor, like_v: torch.Tensor, capacity: int) -> None:
+        shape = list(like_k.shape)
+        shape[-2] = capacity
+        self._k, self._v = like_k.new_empty(shape), like_v.new_empty(shape[:-1] + [like_v.shape[-1]])
+        self.device, self.is_initialized = like_k.device, True
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        end = self._length + k.shape[-2]
+        if end > self._k.shape[-2]:
+            old_k, old_v = self._k[..., : self._length, :], self._v[..., : self._length, :]
+            self._allocate(k, v, max(end, 2 * self._k.shape[-2]))
+            self._k[..., : self._length, :], self._v[..., : self._length, :] = old_k, old_v
+        self._k[..., self._length : end, :], self._v[..., self._length : end, :] = k, v
+        self._length = end
+        self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._allocate(key_states, value_states, key_states.shape[-2])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._append(key_states, value_states)
+        return self.keys, self.values
+
+
+def _working_cache(layers: list[GrowingLayer] | None = None) -> DynamicCache:
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = GrowingLayer
+    cache.layers = layers or []
+    return cache
 
 
 @dataclass
@@ -34,14 +84,14 @@ class Session:
 def open_session(lm: LoadedModel, stored: CompressedKV | None = None) -> Session:
     """Start from an empty cache, or from a stored one (which is left untouched)."""
     if stored is None:
-        return Session(DynamicCache(), None, 0)
+        return Session(_working_cache(), None, 0)
     views = [stored.layer_view(i) for i in range(stored.n_layers)]
-    data = [
-        (v.keys.unsqueeze(0).to(lm.device, lm.dtype), v.values.unsqueeze(0).to(lm.device, lm.dtype))
+    layers = [
+        GrowingLayer(v.keys.unsqueeze(0).to(lm.device, lm.dtype), v.values.unsqueeze(0).to(lm.device, lm.dtype))
         for v in views
     ]
     bias = None if stored.is_plain() else [v.bias.to(lm.device) for v in views]
-    return Session(DynamicCache(ddp_cache_data=data), bias, stored.logical_len)
+    return Session(_working_cache(layers), bias, stored.logical_len)
 
 
 @torch.inference_mode()

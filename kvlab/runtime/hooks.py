@@ -20,7 +20,7 @@ ATTENTION_NAME = "kvlab"
 
 @dataclass
 class QueryCapture:
-    """Post-RoPE queries seen by each layer during some forward passes.
+    """Post-RoPE queries seen by the first ``n_layers`` layers during some forward passes.
 
     ``chunks[layer]`` is a list of [H, q, d] tensors in call order; stored on
     the CPU in float32 so that the solvers see exact values whatever the
@@ -31,6 +31,8 @@ class QueryCapture:
     chunks: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     def record(self, layer: int, query: torch.Tensor) -> None:
+        if layer >= self.n_layers:
+            return
         self.chunks.setdefault(layer, []).append(query[0].detach().float().cpu())
 
     def layer(self, layer: int) -> torch.Tensor:

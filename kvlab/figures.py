@@ -1,0 +1,323 @@
+"""Plotly figures and token highlighting for the app, built from plain data.
+
+Every function here takes lists, dicts and numbers (the fields of
+:class:`kvlab.pipeline.RunResult`, a token-fate dict) and returns a plotly
+figure or ``(text, label)`` pairs for ``gr.HighlightedText``. Nothing here
+imports a model, torch or gradio, so the figures can be tested (and reused
+by notebooks or reports) on small synthetic data.
+"""
+from __future__ import annotations
+
+import difflib
+import html
+import re
+from typing import Iterable, Mapping, Sequence
+
+import plotly.graph_objects as go
+
+FIGURE_HEIGHT = 380
+"""Every figure sets its height: an autosized plotly figure can render at zero height."""
+
+EVICTED = "evicted"
+
+#: Colours of token fates in the document view; fates not listed get a fallback colour.
+FATE_COLORS: dict[str, str] = {
+    "template": "#93c5fd",  # blue: the chat template, always kept
+    "kept": "#86efac",  # green: stored at full precision
+    "quantized": "#fde68a",  # amber: stored as low-bit codes
+    "merged": "#c4b5fd",  # violet: folded into a synthetic key
+    EVICTED: "#e5e7eb",  # grey: dropped
+}
+_FALLBACK_COLORS = ["#fdba74", "#f9a8d4", "#5eead4", "#a5b4fc", "#bef264"]
+
+DIFF_FULL, DIFF_COMPRESSED = "full cache only", "compressed cache only"
+DIFF_COLORS: dict[str, str] = {DIFF_FULL: "#fca5a5", DIFF_COMPRESSED: "#93c5fd"}
+
+_LAYOUT = dict(
+    height=FIGURE_HEIGHT,
+    margin=dict(l=60, r=20, t=60, b=50),
+    template="plotly_white",
+)
+
+
+def fate_colors(fates: Iterable[str]) -> dict[str, str]:
+    """A colour for every fate in ``fates`` (known fates keep theirs)."""
+    colors = dict(FATE_COLORS)
+    extra = iter(_FALLBACK_COLORS * 4)
+    for fate in fates:
+        if fate not in colors:
+            colors[fate] = next(extra, "#d1d5db")
+    return colors
+
+
+# --------------------------------------------------------------------------- heatmaps
+
+
+def head_heatmap(
+    values: Sequence[Sequence[float]],
+    title: str,
+    colorbar: str,
+    colorscale: str = "Reds",
+    fmt: str = ".3f",
+    zmin: float | None = 0.0,
+    height: int = FIGURE_HEIGHT,
+) -> go.Figure:
+    """A per layer x KV head heatmap: ``values[layer][head]``.
+
+    Layers run along the x axis (models have many more layers than KV heads,
+    so the figure stays wide and short), KV heads along the y axis.
+    """
+    rows = [list(map(float, row)) for row in values]
+    flat = [v for row in rows for v in row]
+    zmax = (max(flat) if flat and max(flat) > (zmin or 0.0) else (zmin or 0.0) + 1.0) if zmin is not None else None
+    n_layers = len(rows)
+    n_heads = len(rows[0]) if rows else 0
+    z = [[rows[layer][head] for layer in range(n_layers)] for head in range(n_heads)]
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=list(range(n_layers)),
+            y=list(range(n_heads)),
+            colorscale=colorscale,
+            zmin=zmin,
+            zmax=zmax,
+            colorbar=dict(title=dict(text=colorbar)),
+            hovertemplate="layer %{x}, KV head %{y}<br>" + colorbar + ": %{z:" + fmt + "}<extra></extra>",
+            xgap=1,
+            ygap=1,
+        )
+    )
+    fig.update_layout(
+        title=dict(text=title),
+        xaxis=dict(title=dict(text="layer"), dtick=max(1, n_layers // 15)),
+        yaxis=dict(title=dict(text="KV head"), dtick=1),
+        **{**_LAYOUT, "height": height},
+    )
+    return fig
+
+
+def error_heatmap(per_head: Mapping[str, Sequence[Sequence[float]]]) -> go.Figure:
+    """Attention-output relative error per layer and KV head (``RunResult.per_head``)."""
+    return head_heatmap(
+        per_head["attn_output_rel_err"],
+        "Attention-output relative error (held-out queries)",
+        "rel. error",
+    )
+
+
+def mass_heatmap(per_head: Mapping[str, Sequence[Sequence[float]]]) -> go.Figure:
+    """Attention-mass relative error per layer and KV head."""
+    return head_heatmap(
+        per_head["attn_mass_rel_err"],
+        "Attention-mass relative error (held-out queries)",
+        "rel. error",
+        colorscale="Oranges",
+    )
+
+
+def kept_heatmap(per_head: Mapping[str, Sequence[Sequence[float]]]) -> go.Figure:
+    """Stored keys per layer and KV head (template prefix included)."""
+    return head_heatmap(
+        per_head["kept_tokens"], "Keys stored per head", "keys", colorscale="Greens", fmt=".0f"
+    )
+
+
+# --------------------------------------------------------------------------- bars
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def memory_figure(
+    bytes_full: int, bytes_compressed: int, breakdown: Mapping[str, int], height: int = FIGURE_HEIGHT
+) -> go.Figure:
+    """Stored bytes: the full cache, and the compressed one stacked by part."""
+    fig = go.Figure()
+    fig.add_trace(
+        go.Bar(
+            name="full cache",
+            x=["full"],
+            y=[bytes_full],
+            marker_color="#9ca3af",
+            text=[_human_bytes(bytes_full)],
+            textposition="auto",
+            hovertemplate="full cache: %{y:,} bytes<extra></extra>",
+        )
+    )
+    parts = dict(breakdown) or {"compressed": bytes_compressed}
+    for i, (part, n) in enumerate(parts.items()):
+        fig.add_trace(
+            go.Bar(
+                name=part,
+                x=["compressed"],
+                y=[n],
+                marker_color=["#2563eb", "#f59e0b", "#10b981", "#8b5cf6", "#ef4444"][i % 5],
+                hovertemplate=part + ": %{y:,} bytes<extra></extra>",
+            )
+        )
+    ratio = bytes_full / max(1, bytes_compressed)
+    fig.add_annotation(
+        x="compressed",
+        y=bytes_compressed,
+        text=f"{_human_bytes(bytes_compressed)} ({ratio:.1f}x smaller)",
+        showarrow=False,
+        yshift=12,
+    )
+    fig.update_layout(
+        title=dict(text=f"KV-cache memory: {ratio:.1f}x smaller"),
+        barmode="stack",
+        yaxis=dict(title=dict(text="bytes")),
+        legend=dict(orientation="h", y=-0.15),
+        **{**_LAYOUT, "height": height},
+    )
+    return fig
+
+
+def time_figure(timings: Mapping[str, float], height: int = FIGURE_HEIGHT) -> go.Figure:
+    """Seconds per stage, e.g. {"prefill": 2.1, "compression": 0.3, ...}."""
+    names = list(timings)
+    secs = [float(timings[n]) for n in names]
+    fig = go.Figure(
+        go.Bar(
+            x=secs,
+            y=names,
+            orientation="h",
+            marker_color="#6366f1",
+            text=[f"{s:.2f} s" for s in secs],
+            textposition="auto",
+            hovertemplate="%{y}: %{x:.3f} s<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        title=dict(text="Time per stage"),
+        xaxis=dict(title=dict(text="seconds")),
+        yaxis=dict(autorange="reversed"),
+        **{**_LAYOUT, "height": height},
+    )
+    return fig
+
+
+def compare_figure(
+    rows: Sequence[Mapping[str, float | str]], metric: str, title: str, height: int = FIGURE_HEIGHT
+) -> go.Figure:
+    """One bar per row (a method's run): ``row["method"]`` against ``row[metric]``."""
+    fig = go.Figure(
+        go.Bar(
+            x=[str(r["method"]) for r in rows],
+            y=[float(r[metric]) for r in rows],
+            marker_color="#0ea5e9",
+            text=[f"{float(r[metric]):.3g}" for r in rows],
+            textposition="auto",
+        )
+    )
+    fig.update_layout(title=dict(text=title), yaxis=dict(title=dict(text=metric)), **{**_LAYOUT, "height": height})
+    return fig
+
+
+# --------------------------------------------------------------------------- text
+
+
+def fate_segments(
+    token_texts: Sequence[str], fates: Mapping[int, str], default: str = EVICTED
+) -> list[tuple[str, str]]:
+    """(text, fate) runs for ``gr.HighlightedText``: adjacent tokens of one fate are joined.
+
+    token_texts: the decoded text of each token of the context, in order;
+    fates: original token index -> fate (as from ``CompressedKV.fates``); tokens
+    missing from it get ``default``.
+    """
+    out: list[tuple[str, str]] = []
+    for i, text in enumerate(token_texts):
+        fate = fates.get(i, default)
+        if out and out[-1][1] == fate:
+            out[-1] = (out[-1][0] + text, fate)
+        else:
+            out.append((text, fate))
+    return [(text, fate) for text, fate in out if text]
+
+
+def fate_html(segments: Sequence[tuple[str, str]], max_height: int = 440) -> str:
+    """The document as HTML, each run of tokens coloured by its fate, with a legend.
+
+    segments: (text, fate) runs as from :func:`fate_segments`. Evicted tokens
+    are grey text; other fates get a background colour. Text is HTML-escaped
+    and whitespace (newlines included) is kept.
+    """
+    present = list(dict.fromkeys(fate for _, fate in segments))
+    colors = fate_colors(present)
+    legend = " ".join(
+        f'<span class="kvlab-chip" style="{_fate_style(fate, colors)}">{html.escape(fate)}</span>'
+        for fate in (present or [EVICTED])
+    )
+    body = "".join(
+        f'<span title="{html.escape(fate)}" style="{_fate_style(fate, colors)}">{html.escape(text)}</span>'
+        for text, fate in segments
+    )
+    return (
+        f'<div class="kvlab-legend" style="margin:4px 0 8px 0">{legend}</div>'
+        f'<div class="kvlab-doc" style="white-space:pre-wrap;line-height:1.6;max-height:{max_height}px;'
+        'overflow-y:auto;padding:10px;border:1px solid #e5e7eb;border-radius:8px;font-size:0.95em">'
+        f"{body}</div>"
+    )
+
+
+def _fate_style(fate: str, colors: Mapping[str, str]) -> str:
+    if fate == EVICTED:
+        return "color:#9ca3af"
+    return f"background-color:{colors[fate]};border-radius:3px;color:#111827"
+
+
+def fate_counts(n_tokens: int, fates: Mapping[int, str], default: str = EVICTED) -> dict[str, int]:
+    """How many of ``n_tokens`` tokens have each fate."""
+    counts: dict[str, int] = {}
+    for i in range(n_tokens):
+        fate = fates.get(i, default)
+        counts[fate] = counts.get(fate, 0) + 1
+    return counts
+
+
+_WORDS = re.compile(r"\S+|\s+")
+
+
+def word_diff(full: str, compressed: str) -> list[tuple[str, str | None]]:
+    """A word diff of two answers for ``gr.HighlightedText``.
+
+    Shared words get ``None``; words only in the full-cache answer get
+    :data:`DIFF_FULL`, words only in the compressed-cache answer :data:`DIFF_COMPRESSED`.
+    """
+    a, b = _WORDS.findall(full), _WORDS.findall(compressed)
+    out: list[tuple[str, str | None]] = []
+
+    def add(text: str, label: str | None) -> None:
+        if not text:
+            return
+        if out and out[-1][1] == label:
+            out[-1] = (out[-1][0] + text, label)
+        else:
+            out.append((text, label))
+
+    matcher = difflib.SequenceMatcher(a=a, b=b, autojunk=False)
+    for op, i1, i2, j1, j2 in matcher.get_opcodes():
+        if op == "equal":
+            add("".join(a[i1:i2]), None)
+            continue
+        if i2 > i1:
+            add("".join(a[i1:i2]), DIFF_FULL)
+            if j2 > j1:
+                add(" ", None)
+        if j2 > j1:
+            add("".join(b[j1:j2]), DIFF_COMPRESSED)
+    return out
+
+
+def answers_agree(full: str, compressed: str) -> float:
+    """Word-level similarity of two answers in [0, 1] (1 = identical words)."""
+    a, b = full.split(), compressed.split()
+    if not a and not b:
+        return 1.0
+    return difflib.SequenceMatcher(a=a, b=b, autojunk=False).ratio()

@@ -1,0 +1,108 @@
+"""Figure builders on small synthetic data: shapes, titles, heights (no model)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import plotly.graph_objects as go
+
+from kvlab import figures
+
+PER_HEAD = {
+    "attn_output_rel_err": [[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]],  # 2 layers x 3 KV heads
+    "attn_mass_rel_err": [[0.01, 0.02, 0.03], [0.04, 0.05, 0.06]],
+    "kept_tokens": [[40, 40, 40], [38, 41, 45]],
+}
+
+
+def _heights_set(fig: go.Figure) -> None:
+    assert fig.layout.height and 300 <= fig.layout.height <= 450
+
+
+def test_figures_import_no_model_code():
+    # figures.py is plain-data only: importing it alone must not pull torch or a model in.
+    code = "import sys, kvlab.figures; print(sorted(m for m in ('torch', 'transformers', 'kvlab.models') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_error_heatmap_is_layers_by_heads():
+    fig = figures.error_heatmap(PER_HEAD)
+    _heights_set(fig)
+    heat = fig.data[0]
+    assert isinstance(heat, go.Heatmap)
+    # x: layers, y: KV heads; z[head][layer] == per_head[layer][head]
+    assert list(heat.x) == [0, 1] and list(heat.y) == [0, 1, 2]
+    assert heat.z[2][1] == 0.6 and heat.z[0][1] == 0.4
+    assert "output" in fig.layout.title.text.lower()
+
+
+def test_mass_and_kept_heatmaps():
+    mass, kept = figures.mass_heatmap(PER_HEAD), figures.kept_heatmap(PER_HEAD)
+    for fig in (mass, kept):
+        _heights_set(fig)
+        assert len(fig.data[0].z) == 3 and len(fig.data[0].z[0]) == 2
+    assert "mass" in mass.layout.title.text.lower()
+    assert "keys" in kept.layout.title.text.lower()
+    assert kept.data[0].z[2][1] == 45
+
+
+def test_memory_figure_stacks_the_breakdown():
+    breakdown = {"full-precision keys+values": 900, "biases": 100}
+    fig = figures.memory_figure(10_000, 1_000, breakdown)
+    _heights_set(fig)
+    assert fig.layout.barmode == "stack"
+    names = [bar.name for bar in fig.data]
+    assert names == ["full cache", *breakdown]
+    assert sum(bar.y[0] for bar in fig.data[1:]) == 1_000
+    assert "10.0x" in fig.layout.title.text
+
+
+def test_time_figure():
+    fig = figures.time_figure({"prefill": 2.0, "compression": 0.5, "answers": 1.25})
+    _heights_set(fig)
+    assert list(fig.data[0].y) == ["prefill", "compression", "answers"]
+    assert list(fig.data[0].x) == [2.0, 0.5, 1.25]
+
+
+def test_compare_figure():
+    fig = figures.compare_figure(
+        [{"method": "a", "err": 0.1}, {"method": "b", "err": 0.3}], "err", "Error by method"
+    )
+    _heights_set(fig)
+    assert list(fig.data[0].x) == ["a", "b"]
+
+
+def test_fate_segments_joins_runs_and_marks_missing_as_evicted():
+    texts = ["<s>", "The", " cat", " sat", " on", " mat", ""]
+    fates = {0: "template", 1: "kept", 2: "kept", 5: "kept"}
+    segs = figures.fate_segments(texts, fates)
+    assert segs == [("<s>", "template"), ("The cat", "kept"), (" sat on", "evicted"), (" mat", "kept")]
+    assert "".join(t for t, _ in segs) == "".join(texts)
+    assert figures.fate_counts(len(texts), fates) == {"template": 1, "kept": 3, "evicted": 3}
+
+
+def test_fate_colors_cover_unknown_fates():
+    colors = figures.fate_colors(["kept", "sketched", "evicted"])
+    assert colors["kept"] == figures.FATE_COLORS["kept"]
+    assert "sketched" in colors and colors["sketched"] != colors["kept"]
+
+
+def test_word_diff():
+    same = figures.word_diff("Paris is the capital.", "Paris is the capital.")
+    assert same == [("Paris is the capital.", None)]
+    diff = figures.word_diff("The boat is Saint Kilda.", "The boat is Saint Mary.")
+    labels = {label for _, label in diff}
+    assert labels == {None, figures.DIFF_FULL, figures.DIFF_COMPRESSED}
+    assert ("Kilda.", figures.DIFF_FULL) in diff and ("Mary.", figures.DIFF_COMPRESSED) in diff
+    assert figures.answers_agree("a b c", "a b c") == 1.0
+    assert 0 < figures.answers_agree("a b c d", "a b x d") < 1
+    assert figures.word_diff("", "") == []
+
+
+def test_fate_html_escapes_and_colours():
+    html = figures.fate_html([("<b>Hi</b>\n", "template"), (" there", "kept"), (" gone", "evicted")])
+    assert "&lt;b&gt;Hi&lt;/b&gt;" in html and "<b>" not in html
+    assert 'title="kept"' in html and figures.FATE_COLORS["kept"] in html
+    assert "white-space:pre-wrap" in html
+    assert html.count('class="kvlab-chip"') == 3
