@@ -28,7 +28,7 @@ browser:
 	  || echo "warning: could not install chromium; the browser test will fail"; }
 
 run: setup
-	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) app.py
+	$(PY) app.py
 
 test: setup-dev browser
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests

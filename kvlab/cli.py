@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", default=None, help="embedded (default), a .gguf file, a local directory or a hub id; also KVLAB_MODEL")
     run.add_argument("--max-new-tokens", type=int, default=48, help="answer length cap (default 48)")
     run.add_argument("--json", action="store_true", help="print one JSON object")
+    sweep = sub.add_parser("budgets", help="sensitivity sweep -> non-uniform Attention Matching budgets for a model")
+    sweep.add_argument("--model", default=None, help="as for run")
+    sweep.add_argument("--doc", default=None, help="document (default: the bundled story, with its questions)")
+    sweep.add_argument("--question", action="append", default=None, help="a question (repeatable; default: the example's)")
+    sweep.add_argument("--ratio", type=float, default=20.0, help="baseline compression ratio of every head (default 20)")
+    sweep.add_argument("--boost", type=float, default=4.0, help="budget multiplier of the head under test (default 4)")
     knobs = run.add_argument_group("method options (each applies to the methods named)")
     for name, (f, methods) in option_fields().items():
         help_text = f.metadata.get("help", "")
@@ -119,6 +125,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_budgets(args: argparse.Namespace) -> int:
+    from kvlab.context import CONTEXTS
+    from kvlab.documents import load_examples, read_document
+    from kvlab.models import get_model
+    from kvlab.pipeline import evaluation
+    from kvlab.sweep import save_profile, sensitivity_sweep
+
+    if args.ratio < 2 or args.boost <= 1:
+        raise UsageError("--ratio must be >= 2 and --boost > 1")
+    if args.doc is None:
+        example = next(e for e in load_examples() if e.kind == "story")
+        text, questions, doc = example.text(), args.question or list(example.questions), example.path.name
+    else:
+        if not args.question:
+            raise UsageError("--question is required (at least once) with --doc")
+        text, questions, doc = read_document(args.doc), args.question, args.doc
+    lm = get_model(args.model)
+    ctx = CONTEXTS.get(lm, text, _stderr_progress)
+    evaluations = [evaluation(ctx, q, 24) for q in questions]
+    sweep = sensitivity_sweep(ctx, evaluations, args.ratio, args.boost, progress=_stderr_progress)
+    path = save_profile(ctx, sweep, args.ratio, args.boost, doc)
+    print(f"baseline loss {sweep.loss_base:.4f}; shares min {sweep.shares.min():.2f}, max {sweep.shares.max():.2f}; "
+          f"{sweep.seconds:.0f}s; written to {path}")
+    return 0
+
+
 def _stderr_progress(fraction: float, desc: str) -> None:
     print(f"[{fraction:4.0%}] {desc}", file=sys.stderr)
 
@@ -140,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         args = build_parser().parse_args(argv)
-        return cmd_methods() if args.command == "methods" else cmd_run(args)
+        commands = {"methods": lambda a: cmd_methods(), "run": cmd_run, "budgets": cmd_budgets}
+        return commands[args.command](args)
     except UsageError as exc:
         print(f"kvlab: error: {exc}", file=sys.stderr)
         return 2

@@ -25,10 +25,11 @@ FATE_COLORS: dict[str, str] = {
     "template": "#93c5fd",  # blue: the chat template, always kept
     "kept": "#86efac",  # green: stored at full precision
     "quantized": "#fde68a",  # amber: stored as low-bit codes
+    "compacted": "#fdba74",  # orange: a fitted key/value (e.g. Attention Matching)
     "merged": "#c4b5fd",  # violet: folded into a synthetic key
     EVICTED: "#e5e7eb",  # grey: dropped
 }
-_FALLBACK_COLORS = ["#fdba74", "#f9a8d4", "#5eead4", "#a5b4fc", "#bef264"]
+_FALLBACK_COLORS = ["#f9a8d4", "#5eead4", "#a5b4fc", "#bef264"]
 
 DIFF_FULL, DIFF_COMPRESSED = "full cache only", "compressed cache only"
 DIFF_COLORS: dict[str, str] = {DIFF_FULL: "#fca5a5", DIFF_COMPRESSED: "#93c5fd"}

@@ -72,11 +72,11 @@ class Explored:
 
     @property
     def n_layers(self) -> int:
-        return self.run.stored.n_layers
+        return self.run.ctx.lm.n_layers
 
     @property
     def n_kv_heads(self) -> int:
-        return int(self.run.stored.kept_per_head().shape[1])
+        return self.run.ctx.lm.n_kv_heads
 
 
 def document_text(text: str | None, file: str | None) -> str:
@@ -456,6 +456,14 @@ def _as_gr_error(exc: Exception) -> gr.Error:
     return gr.Error(str(exc), title=title, print_exception=False)
 
 
+def _unexpected(exc: Exception, method: str) -> gr.Error:
+    log.exception("run failed (%s)", method)
+    return gr.Error(
+        f"The run with {method} failed: {type(exc).__name__}: {exc}. Try other knobs or another method.",
+        title="Run failed", print_exception=False,
+    )
+
+
 # --------------------------------------------------------------------------- the app
 
 
@@ -579,7 +587,7 @@ def build_app(lm: LoadedModel | None = None) -> gr.Blocks:
                                             for knob in knobs[name][pair : pair + 2]:
                                                 knob_inputs[knob.key] = knob.component()
                                 groups.append(group)
-                        go = gr.Button("Run", variant="primary", elem_id="kvlab-run")
+                        run_btn = gr.Button("Run", variant="primary", elem_id="kvlab-run")
 
                 summary = gr.Markdown(elem_id="kvlab-summary")
                 with gr.Row():
@@ -611,8 +619,8 @@ def build_app(lm: LoadedModel | None = None) -> gr.Blocks:
 
             with gr.Tab("Compare", id="compare"):
                 gr.Markdown(
-                    "Run several methods, with their default knobs, on the **document and question of the "
-                    "Explore tab** at one ratio. The prefill and the full cache's answer are shared."
+                    "Run several methods, with their default knobs, on the **document, question and answer length "
+                    "of the Explore tab** at one ratio. The prefill and the full cache's answer are shared."
                 )
                 with gr.Row():
                     cmp_methods = gr.CheckboxGroup(
@@ -627,6 +635,7 @@ def build_app(lm: LoadedModel | None = None) -> gr.Blocks:
                 cmp_full = gr.Textbox(label="Answer from the full cache", interactive=False)
                 cmp_table = gr.Dataframe(
                     headers=COMPARE_COLUMNS, label="Results", interactive=False, wrap=True,
+                    column_widths=["15%", "9%", "31%", "9%", "9%", "9%", "9%", "9%"],
                     elem_id="kvlab-compare-table",
                 )
                 with gr.Row():
@@ -691,9 +700,11 @@ def build_app(lm: LoadedModel | None = None) -> gr.Blocks:
                 raise _as_gr_error(exc) from exc
             except (TypeError, ValueError) as exc:  # e.g. an Options dataclass refusing a value
                 raise gr.Error(f"{method}: {exc}", title="Bad option", print_exception=False) from exc
+            except Exception as exc:  # noqa: BLE001 - say what failed; the server stays up
+                raise _unexpected(exc, method) from exc
             return present(ex, layer, head)
 
-        go.click(
+        run_btn.click(
             on_run,
             [text, upload, method, ratio, question, max_new, layer, head],
             run_outputs,
@@ -712,6 +723,8 @@ def build_app(lm: LoadedModel | None = None) -> gr.Blocks:
                 )
             except USER_ERRORS as exc:
                 raise _as_gr_error(exc) from exc
+            except Exception as exc:  # noqa: BLE001 - say what failed; the server stays up
+                raise _unexpected(exc, ", ".join(methods or [])) from exc
             rows = [
                 {"method": r.method, "output error": r.attn_output_rel_err, "log-ppl": r.logppl_compressed}
                 for r in results
@@ -761,6 +774,7 @@ def prepare(demo: gr.Blocks) -> gr.Blocks:
 def main() -> None:
     """Load the model (logged), build the app and serve it on GRADIO_SERVER_NAME:GRADIO_SERVER_PORT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     lm = None
     log.info("loading the model (%s)...", os.environ.get("KVLAB_MODEL") or "embedded default")
     try:

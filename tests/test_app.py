@@ -1,6 +1,7 @@
 """The real app, served and driven through its API with gradio_client (the embedded model)."""
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import pytest
@@ -55,6 +56,19 @@ def client(app_url):
     return gradio_client.Client(app_url, verbose=False)
 
 
+def test_knobs_follow_the_registry():
+    # Every registered method's Options fields are knobs named <method>__<field>, typed back.
+    knobs = ui.method_knobs()
+    assert set(knobs) == set(REGISTRY)
+    for name, cls in REGISTRY.items():
+        fields = [f.name for f in dataclasses.fields(cls.Options) if f.init]
+        assert [k.field.name for k in knobs[name]] == fields
+    name, knob = next((n, k) for n, ks in knobs.items() for k in ks if k.kind is int)
+    other = next((k for n, ks in knobs.items() if n != name for k in ks), None)
+    values = {knob.key: 7.0, **({other.key: other.default} if other else {})}
+    assert ui.method_options(name, knobs, values) == {knob.field.name: 7}
+
+
 def test_endpoints_have_names(client):
     names = set(client.view_api(print_info=False, return_format="dict")["named_endpoints"])
     assert {"/run", "/compare", "/token_view", "/load_example", "/pick_question", "/load_file", "/select_method"} <= names
@@ -64,6 +78,7 @@ def test_run_gives_two_answers_and_figures(client, embedded):
     out = client.predict(
         text=DOCUMENT, method=FAST, ratio=4, question=QUESTION,
         max_new_tokens=12, layer=3, head=1, api_name="/run",
+        **{k.key: k.default for k in ui.method_knobs()[FAST]},  # knobs are keyword parameters
     )
     summary, full, compressed, diff, err_plot = out[:5]
     assert full.strip() and compressed.strip()
@@ -103,6 +118,32 @@ def test_compare_gives_one_row_per_method(client):
     assert full.strip()
     assert [row[0] for row in table["data"]] == [FAST]
     assert err_plot and ppl_plot
+
+
+def test_too_long_document_is_a_clear_error(client, embedded):
+    # Tokenised and refused before any prefill: cheap.
+    long_text = "The bakery opens at seven. " * (embedded.max_context // 5)
+    with pytest.raises(AppError, match="shorten it"):
+        client.predict(text=long_text, method=FAST, question=QUESTION, api_name="/run")
+
+
+def test_uploaded_file_is_read_and_run(client, tmp_path):
+    doc = tmp_path / "notes.md"
+    doc.write_text(DOCUMENT, encoding="utf-8")
+    assert client.predict(gradio_client.handle_file(str(doc)), api_name="/load_file").startswith("Harbor Street")
+    # With an empty text box the file is the document (same text: the prefill is reused).
+    out = client.predict(
+        text="", file=gradio_client.handle_file(str(doc)), method=FAST, ratio=4, question=QUESTION,
+        max_new_tokens=12, api_name="/run",
+    )
+    assert out[1].strip() and out[2].strip()
+
+
+def test_binary_file_is_a_clear_error(client, tmp_path):
+    bad = tmp_path / "noise.txt"
+    bad.write_bytes(bytes(range(256)) * 8)
+    with pytest.raises(AppError, match="binary"):
+        client.predict(gradio_client.handle_file(str(bad)), api_name="/load_file")
 
 
 def test_load_example_fills_text_and_questions(client):

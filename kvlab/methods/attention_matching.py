@@ -29,7 +29,7 @@ from kvlab.queries import (
     self_study_queries,
 )
 from kvlab.runtime.attention import group_queries
-from kvlab.runtime.cache import CompressedKV, DenseSegment, PaddedView, Segment
+from kvlab.runtime.cache import CompressedKV, DenseSegment, PaddedView, Segment, segment_from_view, select_keys
 
 QuerySource = Literal["repeat", "context", "self_study", "random", "question"]
 
@@ -175,16 +175,15 @@ def to_segment(blocks: list[CompactBlock], offsets: list[torch.Tensor], token_in
 
     token_index: [H_kv, T] the block's original token positions.
     """
-    keys = torch.cat([b.keys for b in blocks], dim=1)
-    values = torch.cat([b.values for b in blocks], dim=1)
-    bias = torch.cat([b.bias for b in blocks], dim=1)
     local = torch.cat([torch.where(b.index >= 0, b.index + off, -1) for b, off in zip(blocks, offsets)], dim=1)
-    original = torch.where(local >= 0, token_index.gather(1, local.clamp_min(0)), -1)
-    # Chunks leave padding between them; pack real slots first so lengths describe them.
-    order = torch.argsort((local < 0).to(torch.int8), dim=1, stable=True)
-    take = lambda x: x.gather(1, order if x.dim() == 2 else order.unsqueeze(-1).expand_as(x))  # noqa: E731
-    lengths = (local >= 0).sum(dim=1)
-    return DenseSegment.from_padded(take(keys), take(values), lengths, take(original), bias=take(bias), fate="compacted")
+    joined = PaddedView(
+        keys=torch.cat([b.keys for b in blocks], dim=1),
+        values=torch.cat([b.values for b in blocks], dim=1),
+        bias=torch.cat([b.bias for b in blocks], dim=1),
+        token_index=torch.where(local >= 0, token_index.gather(1, local.clamp_min(0)), -1),
+    )
+    # Chunks leave padding between them: pack each head's real slots first.
+    return segment_from_view(select_keys(joined, local >= 0), fate="compacted")
 
 
 def train_errors(queries: torch.Tensor, block: PaddedView, seg: DenseSegment, n_max: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,16 +212,15 @@ def compact_layer(view: PaddedView, q: torch.Tensor, budgets: torch.Tensor, opts
     """
     keep = (view.token_index < protected) & (view.token_index >= 0)
     grouped = subsample(group_queries(q, view.keys.shape[0]), opts.max_queries, opts.seed)
-    block = select_block(view, ~keep & torch.isfinite(view.bias))
+    block = select_keys(view, ~keep & torch.isfinite(view.bias))
     blocks, offsets = compact_blocks(block, grouped.to(block.keys.device), budgets, opts)
     timings = {k: sum(b.timings.get(k, 0.0) for b in blocks) for k in ("keys", "bias", "values")}
     seg = to_segment(blocks, offsets, block.token_index)
     out_err, mass_err = train_errors(grouped, block, seg)
-    kept = select_block(view, keep)
+    kept = select_keys(view, keep)
     segments: list[Segment] = [seg]
     if bool(keep.any()):
-        lengths = torch.isfinite(kept.bias).sum(1)
-        segments.insert(0, DenseSegment.from_padded(kept.keys, kept.values, lengths, kept.token_index, fate="template"))
+        segments.insert(0, segment_from_view(kept, fate="template", keep_bias=False))
     return LayerFit(segments, timings, grouped.shape[1], out_err, mass_err)
 
 
@@ -248,20 +246,6 @@ def compact_cache(
         compact_layer(reference.layer_view(i), q, budgets[i], opts, protected) for i, q in enumerate(queries)
     ]
     return CompressedKV([f.segments for f in fits], reference.logical_len, meta=diagnostics(fits))
-
-
-def select_block(view: PaddedView, mask: torch.Tensor) -> PaddedView:
-    """The keys of a padded view where ``mask`` [H, L] holds, per head, packed to the left."""
-    lengths = mask.sum(dim=1)
-    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, : int(lengths.max()) if lengths.numel() else 0]
-    valid = torch.arange(order.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-    gather3 = order.unsqueeze(-1).expand(-1, -1, view.keys.shape[-1])
-    return PaddedView(
-        keys=view.keys.gather(1, gather3),
-        values=view.values.gather(1, gather3),
-        bias=torch.where(valid, view.bias.gather(1, order), float("-inf")),
-        token_index=torch.where(valid, view.token_index.gather(1, order), -1),
-    )
 
 
 @register

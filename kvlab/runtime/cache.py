@@ -136,6 +136,32 @@ def concat_views(views: list[PaddedView]) -> PaddedView:
     )
 
 
+def select_keys(view: PaddedView, mask: torch.Tensor) -> PaddedView:
+    """The keys of ``view`` where ``mask`` [H, L] holds, packed to the left of each head.
+
+    Slots past a head's count are padding (bias -inf, token index -1).
+    """
+    lengths = mask.sum(dim=1)
+    width = int(lengths.max()) if lengths.numel() else 0
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :width]
+    valid = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    gather3 = order.unsqueeze(-1).expand(-1, -1, view.keys.shape[-1])
+    return PaddedView(
+        keys=view.keys.gather(1, gather3),
+        values=view.values.gather(1, gather3),
+        bias=torch.where(valid, view.bias.gather(1, order), NEG_INF),
+        token_index=torch.where(valid, view.token_index.gather(1, order), -1),
+    )
+
+
+def segment_from_view(view: PaddedView, fate: str, keep_bias: bool = True) -> DenseSegment:
+    """Store a left-packed view (padding = bias -inf); ``keep_bias=False`` for views whose
+    real keys all have bias 0 (nothing to store)."""
+    lengths = torch.isfinite(view.bias).sum(dim=1)
+    bias = view.bias if keep_bias else None
+    return DenseSegment.from_padded(view.keys, view.values, lengths, view.token_index, bias=bias, fate=fate)
+
+
 @dataclass
 class CompressedKV:
     """A stored cache for one context: per layer, a list of segments.

@@ -1,0 +1,140 @@
+"""Attention Matching on the embedded model: quality, downstream, speed, online compaction.
+
+    python -m benchmarks.attention_matching            # the full table (several minutes on 2 CPU cores)
+    python -m benchmarks.attention_matching --json out.json
+
+Setting (issue #3): SmolLM2-135M-Instruct, the QuALITY story cut to its first
+1,500 tokens, repeat-prefill fitting queries, its five questions (with their
+options) asked after the document as held-out evaluation queries.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from benchmarks.common import Measured, first_tokens, full_logppl, measure, quality_setting, quality_story
+from kvlab.context import prepare_context
+from kvlab.methods import get_method
+from kvlab.models import get_model
+from kvlab.online import bounded_logprobs, window_compactor
+from kvlab.prompts import question_tokens
+from kvlab.queries import repeat_queries
+from kvlab.runtime.decode import continuation_logprobs, greedy
+
+
+def table(rows: list[Measured], ref_ppl: float) -> str:
+    lines = [
+        "| method | ratio | attn-output err | mass err | answer log-ppl (full: %.3f) | bytes | compress s |" % ref_ppl,
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.method} | {r.ratio:g}x | {r.output_err:.3f} | {r.mass_err:.3f} | {r.logppl:.3f} | {r.bytes:,} | {r.compress_s:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def online_run(lm, doc_tokens: int, budget: int, new_tokens: int) -> dict:
+    """The unbounded model's own continuation, re-read under a bounded, self-compacting cache
+    (Attention Matching), and under a sliding window of the same budget for reference."""
+    ctx = prepare_context(lm, first_tokens(lm, quality_story()["text"], doc_tokens))
+    prompt = question_tokens(lm.tokenizer, "Retell this story in detail, then continue it.")
+    gen = greedy(lm, ctx.full.stored, prompt, max_new_tokens=new_tokens)
+    target = torch.tensor(gen.ids)
+    ids = torch.cat([prompt, target])
+    unbounded = continuation_logprobs(lm, ctx.full.stored, prompt, target)
+    am = bounded_logprobs(lm, ctx.full.stored, ids, target.numel(), budget, ctx.prefix_len)
+    window = bounded_logprobs(lm, ctx.full.stored, ids, target.numel(), budget, ctx.prefix_len, window_compactor)
+    return {
+        "doc_tokens": ctx.doc_len,
+        "generated_tokens": target.numel(),
+        "budget": budget,
+        "compactions": [vars(c) for c in am.compactions],
+        "logppl_unbounded": float(-unbounded.mean()),
+        "logppl_online_am": float(-am.logprobs.mean()),
+        "logppl_sliding_window": float(-window.logprobs.mean()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=1500, help="document tokens (default 1500)")
+    parser.add_argument("--ratios", type=float, nargs="+", default=[5, 10, 20, 50])
+    parser.add_argument("--omp-ratios", type=float, nargs="+", default=[10, 20, 50])
+    parser.add_argument("--downstream-ratios", type=float, nargs="+", default=[10, 20])
+    parser.add_argument("--online-doc", type=int, default=200, help="online run: document tokens")
+    parser.add_argument("--online-budget", type=int, default=320, help="online run: physical keys per head")
+    parser.add_argument("--online-tokens", type=int, default=950, help="online run: generated tokens")
+    parser.add_argument("--skip-online", action="store_true")
+    parser.add_argument("--json", default=None, help="also write all figures to this file")
+    args = parser.parse_args()
+
+    lm = get_model()
+    setting = quality_setting(lm, args.tokens)
+    ctx = setting.ctx
+    start = time.perf_counter()
+    repeat_queries(ctx)
+    repeat_s = time.perf_counter() - start
+    print(f"document: {ctx.doc_len} tokens; prefill {ctx.prefill_s:.2f}s; repeat-prefill queries {repeat_s:.2f}s", flush=True)
+    queries = setting.eval_queries
+    rows: list[Measured] = []
+    plan = [("attention_matching", {}, r) for r in args.ratios]
+    plan += [("attention_matching", {"key_selection": "omp"}, r) for r in args.omp_ratios]
+    plan += [("attention_topk", {}, r) for r in args.ratios]
+    plan += [(m, {}, r) for m in ("streaming_llm", "snapkv") for r in args.downstream_ratios]
+    for name, opts, ratio in plan:
+        label = name + ("/omp" if opts.get("key_selection") == "omp" else "")
+        row = measure(setting, label, get_method(name, **opts), ratio, queries)
+        rows.append(row)
+        print(f"  {label} {ratio:g}x: err {row.output_err:.3f}, log-ppl {row.logppl:.3f}, {row.compress_s:.2f}s", flush=True)
+    ref_ppl = full_logppl(setting)
+    print()
+    print(table(rows, ref_ppl))
+    by = {(r.method, r.ratio): r for r in rows}
+    checks = []
+    for r in args.ratios:
+        if r in (10, 20, 50):
+            am, topk = by[("attention_matching", r)], by[("attention_topk", r)]
+            checks.append((f"AM/top-k error at {r:g}x = {am.output_err / topk.output_err:.2f} (<= 0.45)", am.output_err <= 0.45 * topk.output_err))
+    for r in args.omp_ratios:
+        if r in (20, 50):
+            omp, ha = by[("attention_matching/omp", r)], by[("attention_matching", r)]
+            checks.append((f"OMP {omp.output_err:.3f} < HighestAttnKeys {ha.output_err:.3f} at {r:g}x", omp.output_err < ha.output_err))
+    for r in args.downstream_ratios:
+        am = by[("attention_matching", r)]
+        for other in ("streaming_llm", "snapkv"):
+            o = by[(other, r)]
+            checks.append((
+                f"log-ppl gap at {r:g}x: AM {am.logppl - ref_ppl:+.3f} vs {other} {o.logppl - ref_ppl:+.3f}",
+                abs(am.logppl - ref_ppl) < abs(o.logppl - ref_ppl),
+            ))
+    speed = by[("attention_matching", 10.0)].compress_s / ctx.prefill_s
+    checks.append((f"AM compaction at 10x / prefill = {speed:.2f} (<= 1.0)", speed <= 1.0))
+    online = None
+    if not args.skip_online:
+        online = online_run(lm, args.online_doc, args.online_budget, args.online_tokens)
+        print(
+            f"\nonline: {online['generated_tokens']} tokens after a {online['doc_tokens']}-token document, budget "
+            f"{online['budget']} keys/head, {len(online['compactions'])} compactions; log-ppl unbounded "
+            f"{online['logppl_unbounded']:.4f}, online AM {online['logppl_online_am']:.4f}, "
+            f"sliding window {online['logppl_sliding_window']:.4f}"
+        )
+        checks.append((f"online compactions: {len(online['compactions'])} (>= 6)", len(online["compactions"]) >= 6))
+    print()
+    for text, ok in checks:
+        print(("PASS " if ok else "FAIL ") + text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({
+                "doc_tokens": ctx.doc_len, "prefill_s": ctx.prefill_s, "repeat_queries_s": repeat_s,
+                "full_logppl": ref_ppl,
+                "rows": [{k: v for k, v in vars(r).items() if k != "stored"} for r in rows],
+                "online": online, "checks": [{"check": t, "pass": ok} for t, ok in checks],
+            }, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

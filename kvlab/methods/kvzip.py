@@ -1,0 +1,131 @@
+"""KVzip (Kim et al., 2025, "KVzip: Query-Agnostic KV Cache Compression with Context
+Reconstruction").
+
+Query-agnostic: after the document, the model is asked to repeat it
+("Repeat the previous context exactly.", the paper's and kvpress's prompt)
+and is teacher-forced through the document again. A key's score is the
+largest attention it receives from any of those reconstruction queries and
+any query head of its GQA group: a token the model needs to rebuild the
+context is a token worth keeping. As in the paper's code and kvpress, each
+reconstruction query's softmax runs over the first ``n_sink`` context tokens,
+the document and the reconstruction's own tokens (causal).
+
+The scores are then pruned globally across all layers and heads by default
+(kvpress's ``layerwise=False``): heads keep different numbers of tokens
+(ragged), the total stays what the ratio allows. ``prune=layer`` shares each
+layer's total among its heads (kvpress's ``layerwise=True``); ``prune=head``
+gives every head the uniform budget.
+
+Deliberate differences from kvpress's KVzipPress: kvlab keeps the template
+prefix (kvpress scores it 0 beyond the sinks, so it is evicted first), and
+reconstructs the whole document in one pass (kvpress and the paper's code
+replay contexts longer than ``chunk_size`` = 2048 tokens chunk by chunk, with
+a "Repeat the part of the previous context exactly, starting with ..." prompt).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from kvlab.context import Context
+from kvlab.methods.base import EvictionMethod, MethodError, Request, keep_tokens, register, top_k_per_head
+from kvlab.methods.scoring import per_context, pool_group, protect, received_attention
+from kvlab.prompts import question_tokens
+from kvlab.runtime.cache import CompressedKV
+from kvlab.runtime.decode import extend, open_session
+from kvlab.runtime.hooks import QueryCapture
+
+KVZIP_INSTRUCTION = "Repeat the previous context exactly."
+
+
+@dataclass(frozen=True)
+class KVzipOptions:
+    prune: Literal["global", "layer", "head"] = field(default="global", metadata={
+        "help": "global (across all layers and heads, ragged), layer (across the heads of each layer), head (uniform)"})
+    n_sink: int = field(default=4, metadata={"help": "first context tokens in every reconstruction softmax (never evicted)"})
+    instruction: str = field(default=KVZIP_INSTRUCTION, metadata={"help": "the reconstruction prompt read after the document"})
+
+
+def reconstruction(ctx: Context, instruction: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Teacher-force ``instruction`` then the document after the full cache.
+
+    Returns per layer the reconstruction's post-RoPE queries [H, n, d] and its
+    own keys [H_kv, n, d]: KVzip's softmax includes the reconstruction tokens,
+    so their keys are needed too (kvlab.queries records queries only).
+    """
+    doc_ids = ctx.tokens.ids[ctx.prefix_len :]
+    ids = torch.cat([question_tokens(ctx.lm.tokenizer, instruction), doc_ids])
+    capture = QueryCapture(ctx.lm.n_layers)
+    session = open_session(ctx.lm, ctx.full.stored)
+    for start in range(0, ids.numel(), 2048):
+        extend(ctx.lm, session, ids[start : start + 2048], capture, logits_to_keep=1)
+    keys = [layer.keys[0, :, ctx.length :].float().cpu() for layer in session.cache.layers]
+    return capture.per_layer(), keys
+
+
+def kvzip_scores(req: Request, opts: KVzipOptions) -> list[torch.Tensor]:
+    """Per layer [H_kv, T_doc]: max attention from the reconstruction queries and the group's heads."""
+    ctx = req.ctx
+    sink = min(opts.n_sink, ctx.prefix_len)
+
+    def make() -> list[torch.Tensor]:
+        queries, own_keys = reconstruction(ctx, opts.instruction)
+        out = []
+        for layer, (q, k_own) in enumerate(zip(queries, own_keys)):
+            keys = ctx.full.keys[layer].float().cpu()
+            # Sinks, document, reconstruction: the queries are the last n of these keys.
+            keys = torch.cat([keys[:, :sink], keys[:, ctx.prefix_len :], k_own], dim=1)
+            received = received_attention(q, keys, reduce="max", causal=True)
+            out.append(pool_group(received, ctx.lm.n_kv_heads, "max")[:, sink : sink + ctx.doc_len])
+        return out
+
+    scores = per_context(ctx, f"kvzip:{opts.n_sink}:{opts.instruction}", make)
+    # Without a template prefix the sinks are the document's first tokens: never evicted.
+    doc_sinks = max(0, opts.n_sink - ctx.prefix_len)
+    return [protect(s.clone(), slice(0, doc_sinks)) for s in scores]
+
+
+def pooled_budgets(scores: list[torch.Tensor], per_head: int, scope: Literal["global", "layer"]) -> torch.Tensor:
+    """[n_layers, H_kv] how many of each head's tokens are in the top scores of the pool.
+
+    scope global: one top-(L * H * per_head) over all layers and heads; layer:
+    a top-(H * per_head) within each layer. Heads may get 0 (kvlab keeps the
+    template prefix, so no head is ever empty).
+    """
+    stacked = torch.stack(scores).float()  # [L, H, T]
+    n_layers, n_heads, length = stacked.shape
+    if scope == "global":
+        top = torch.topk(stacked.flatten(), n_layers * n_heads * per_head).indices
+        return torch.bincount(top // length, minlength=n_layers * n_heads).view(n_layers, n_heads)
+    top = torch.topk(stacked.flatten(1), n_heads * per_head, dim=1).indices  # [L, H * per_head]
+    return torch.stack([torch.bincount(t // length, minlength=n_heads) for t in top])
+
+
+@register
+class KVzip(EvictionMethod):
+    name = "kvzip"
+    summary = "query-agnostic: max attention while the model repeats the document; pruned across all heads (ragged)"
+    paper = "Kim et al., 2025, KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction (arXiv 2505.23416)"
+    Options = KVzipOptions
+
+    def scores(self, req: Request) -> list[torch.Tensor]:
+        return kvzip_scores(req, self.options)
+
+    def budgets(self, req: Request) -> torch.Tensor:
+        if self.options.prune == "head":
+            return req.budgets()
+        if self.options.prune not in ("global", "layer"):
+            raise MethodError(f"prune must be global, layer or head, got {self.options.prune!r}")
+        return pooled_budgets(self.scores(req), min(req.doc_budget, req.ctx.doc_len), self.options.prune)
+
+    def compress(self, req: Request) -> CompressedKV:
+        # As EvictionMethod.compress, but a head may keep no document token at all:
+        # the pooled top-k decides, and the total stays exact.
+        scores = self.scores(req)
+        budgets = self.budgets(req).clamp(0, req.ctx.doc_len)
+        layers = [
+            keep_tokens(req, i, top_k_per_head(s, budgets[i]), budgets[i]) for i, s in enumerate(scores)
+        ]
+        return CompressedKV(layers, req.ctx.length, meta={"method": self.name, "prune": self.options.prune})

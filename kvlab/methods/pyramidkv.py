@@ -1,0 +1,86 @@
+"""PyramidKV (Cai et al., 2024, "PyramidKV: Dynamic KV Cache Compression based on
+Pyramidal Information Funneling").
+
+SnapKV's scores, with per-layer budgets that shrink linearly with depth:
+lower layers spread their attention widely and get more keys, upper layers
+focus and get fewer. The total stays what the ratio allows.
+
+The slope is the paper's ``beta``: the top layer keeps B / beta document
+tokens per head and the bottom layer 2B - B / beta, where B = T / ratio is
+the uniform budget (mean over layers = B). beta = 1 is uniform (SnapKV); a
+larger beta is a steeper pyramid. When the bottom layer would exceed the
+document (2B - B / beta > T), it is capped at T and the top layer gets
+2B - T, as in the paper's code (KVCache-Factory) and kvpress.
+
+Deliberate difference from kvpress's PyramidKVPress: kvpress (after
+KVCache-Factory) falls back to uniform SnapKV budgets whenever the top
+layer's budget is smaller than the observation window; kvlab always applies
+the pyramid, and a layer whose budget is below the window keeps the window's
+most recent tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.methods.base import EvictionMethod, Request, register
+from kvlab.methods.snapkv import snap_scores
+
+
+@dataclass(frozen=True)
+class PyramidKVOptions:
+    window: int = field(default=64, metadata={"help": "observation window: the last queries of the document"})
+    kernel: int = field(default=5, metadata={"help": "1-D average-pooling kernel over token scores"})
+    beta: float = field(default=20.0, metadata={
+        "help": "pyramid slope (the paper's beta): top layer keeps B/beta, bottom 2B - B/beta (1 = uniform)"})
+
+
+def pyramid_budgets(n_layers: int, budget: int, length: int, beta: float) -> torch.Tensor:
+    """[n_layers] integer budgets decreasing linearly with depth, summing to ``n_layers * budget``.
+
+    budget: the uniform per-layer budget B; length: the document's T (the cap).
+    """
+    total = n_layers * budget
+    if n_layers == 1 or beta <= 1:
+        return torch.full((n_layers,), budget, dtype=torch.long)
+    low = budget / beta
+    high = 2 * budget - low
+    if high > length:
+        high, low = float(length), 2 * budget - float(length)
+    raw = torch.linspace(high, low, n_layers, dtype=torch.float64).clamp(1, length)
+    out = raw.floor().long()
+    # Hand rounding leftovers to the largest remainders (or, when the floor of 1
+    # overshot, take them back from the biggest layers), so the total is exact.
+    left = total - int(out.sum())
+    if left > 0:
+        room = torch.where(out < length, raw - raw.floor(), -1.0)
+        out[torch.argsort(room, descending=True)[:left]] += 1
+    elif left < 0:
+        out[torch.argsort(torch.where(out > 1, out, 0), descending=True)[:-left]] -= 1
+    return out
+
+
+@register
+class PyramidKV(EvictionMethod):
+    name = "pyramidkv"
+    summary = "SnapKV scores with per-layer budgets shrinking linearly with depth (slope beta), same total"
+    paper = "Cai et al., 2024, PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling"
+    Options = PyramidKVOptions
+
+    def budgets(self, req: Request) -> torch.Tensor:
+        lm = req.ctx.lm
+        per_layer = pyramid_budgets(lm.n_layers, req.doc_budget, req.ctx.doc_len, self.options.beta)
+        return per_layer.unsqueeze(1).expand(-1, lm.n_kv_heads).clone()
+
+    def scores(self, req: Request) -> list[torch.Tensor]:
+        window = min(self.options.window, req.ctx.doc_len)
+        out = []
+        for score in snap_scores(req, self.options.window, self.options.kernel, from_question=False):
+            # SnapKV gives the whole window +inf; rank it by recency instead, above every
+            # other token, so a layer whose budget is below the window keeps its newest part.
+            rest = score[:, : score.shape[1] - window]
+            top = float(rest.max()) if rest.numel() else 0.0
+            score[:, score.shape[1] - window :] = top + 1 + torch.arange(window, dtype=score.dtype)
+            out.append(score)
+        return out

@@ -1,0 +1,26 @@
+"""Random eviction: each head keeps a seeded random subset of the document (a floor)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.methods.base import EvictionMethod, Request, register
+
+
+@dataclass(frozen=True)
+class RandomOptions:
+    seed: int = field(default=0, metadata={"help": "seed of the random scores (same seed, same kept tokens)"})
+
+
+@register
+class RandomEviction(EvictionMethod):
+    name = "random"
+    summary = "a seeded random subset of the document per head: the floor any scoring rule must beat"
+    paper = "a baseline (kvpress's RandomPress)"
+    Options = RandomOptions
+
+    def scores(self, req: Request) -> list[torch.Tensor]:
+        lm = req.ctx.lm
+        gen = torch.Generator().manual_seed(self.options.seed)
+        return [torch.rand(lm.n_kv_heads, req.ctx.doc_len, generator=gen) for _ in range(lm.n_layers)]

@@ -1,0 +1,88 @@
+"""Shared scoring maths of the attention-based eviction baselines.
+
+H2O and KVzip both need "how much attention does each key receive from a
+set of queries" (summed or maxed over the queries), TOVA a single query's
+row of it; the attention itself always comes from kvlab.runtime.attention.
+Scores that do not depend on the ratio are kept per context (``per_context``)
+so that a second ratio does not recompute them.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Callable, Literal, TypeVar
+
+import torch
+
+from kvlab.context import Context
+from kvlab.runtime.attention import attention_weights, expand_kv_heads
+
+T = TypeVar("T")
+
+# Query rows per attention block: bounds the transient [H, rows, T] matrix.
+QUERY_CHUNK = 256
+
+
+def received_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    reduce: Literal["sum", "max"] = "sum",
+    causal: bool = True,
+    chunk: int = QUERY_CHUNK,
+) -> torch.Tensor:
+    """Attention each key receives from each query head, summed or maxed over the queries.
+
+    queries: [H, n, d], keys: [H_kv, T, d] -> [H, T] (float32). With
+    ``causal`` the queries are the last n of the T keys' tokens (each sees the
+    keys up to its own); the softmax of every query runs over all the keys it
+    can see. Computed in blocks of ``chunk`` queries.
+    """
+    n_heads, n = queries.shape[0], queries.shape[1]
+    total = keys.shape[1]
+    keys = expand_kv_heads(keys.float(), n_heads)
+    out = torch.zeros(n_heads, total)
+    for start in range(0, n, chunk):
+        end = min(start + chunk, n)
+        # Query i of the block sits at key position total - n + i: it sees keys up to there.
+        visible = total - n + end if causal else total
+        weights = attention_weights(queries[:, start:end].float(), keys[:, :visible], causal=causal)
+        if reduce == "sum":
+            out[:, :visible] += weights.sum(dim=1)
+        else:
+            out[:, :visible] = torch.maximum(out[:, :visible], weights.amax(dim=1))
+    return out
+
+
+def pool_group(scores: torch.Tensor, n_kv_heads: int, how: Literal["mean", "max"]) -> torch.Tensor:
+    """[H, T] per query head -> [H_kv, T]: pooled over each KV head's query-head group (GQA)."""
+    grouped = scores.reshape(n_kv_heads, scores.shape[0] // n_kv_heads, -1)
+    return grouped.mean(dim=1) if how == "mean" else grouped.amax(dim=1)
+
+
+_MEMO: dict[int, dict[str, object]] = {}
+_MEMO_LOCK = threading.Lock()
+
+
+def per_context(ctx: Context, key: str, make: Callable[[], T]) -> T:
+    """``make()`` computed once per live context and key (ratio-independent scores).
+
+    Entries go when the context is garbage-collected. Not computed under a
+    lock: ``make`` may itself record queries (which takes ``ctx.lock``); two
+    concurrent first calls may both compute, and the first result is kept.
+    """
+    with _MEMO_LOCK:
+        store = _MEMO.get(id(ctx))
+        if store is not None and key in store:
+            return store[key]  # type: ignore[return-value]
+    value = make()
+    with _MEMO_LOCK:
+        if id(ctx) not in _MEMO:
+            _MEMO[id(ctx)] = {}
+            weakref.finalize(ctx, _MEMO.pop, id(ctx), None)
+        return _MEMO[id(ctx)].setdefault(key, value)  # type: ignore[return-value]
+
+
+def protect(score: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:
+    """Mark tokens as always kept (+inf score), in place; returns ``score``."""
+    score[..., index] = float("inf")
+    return score

@@ -1,0 +1,101 @@
+"""Summarisation: the model writes a summary of the document, and the summary's cache
+replaces the document's.
+
+The model reads the full document, is asked for a summary of about T / ratio
+tokens (greedy, capped at ``max_tokens``), and the template prefix followed by
+the summary is prefilled afresh: that cache is what is stored, and the
+question is then asked after the summary. Its logical length is the summary
+context's (prefix + summary): positions continue from there, not from the
+document's length. The summary's tokens are not document tokens (their
+token index is -1), so every document token shows as evicted.
+
+By default the end of turn is suppressed until the summary fills its budget,
+so that it costs what the other methods' caches cost at the same ratio;
+``fill_budget=false`` lets the model stop when it wants (a smaller cache).
+At ratio 1 there is nothing to save: the full cache is returned as it is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.methods.base import Method, Request, register
+from kvlab.models import LoadedModel
+from kvlab.prompts import question_tokens
+from kvlab.runtime.cache import CompressedKV, DenseSegment, FullKV
+from kvlab.runtime.decode import extend, open_session, prefill, stop_token_ids
+
+SUMMARY_PROMPT = "Summarise the text above in about {words} words. Keep the names, numbers and dates."
+
+
+@dataclass(frozen=True)
+class SummaryOptions:
+    max_tokens: int = field(default=256, metadata={"help": "cap on the summary's tokens (generation is slow on a CPU)"})
+    fill_budget: bool = field(default=True, metadata={
+        "help": "suppress the end of turn until the summary has T/ratio tokens (equal memory); false: the model stops when it wants"})
+    prompt: str = field(default=SUMMARY_PROMPT, metadata={"help": "the request read after the document; {words} is the target length"})
+
+
+def write_summary(lm: LoadedModel, stored: CompressedKV, prompt_ids: torch.Tensor, n_tokens: int, fill: bool) -> list[int]:
+    """Greedy summary ids after ``prompt_ids``: 1 to ``n_tokens`` of them, exactly ``n_tokens`` with ``fill``."""
+    session = open_session(lm, stored)
+    stops = stop_token_ids(lm)
+    banned = torch.tensor(sorted(stops), dtype=torch.long)
+    logits = extend(lm, session, prompt_ids, logits_to_keep=1)[-1]
+    ids: list[int] = []
+    while len(ids) < n_tokens:
+        if (fill or not ids) and banned.numel():  # never an empty summary
+            logits = logits.index_fill(0, banned.to(logits.device), float("-inf"))
+        token = int(torch.argmax(logits))
+        if token in stops:
+            break
+        ids.append(token)
+        if len(ids) < n_tokens:
+            logits = extend(lm, session, torch.tensor([token]), logits_to_keep=1)[-1]
+    return ids
+
+
+def summary_cache(full: FullKV, prefix_len: int, fate: str = "summary") -> list[list[DenseSegment]]:
+    """Segments of a prefilled (prefix + summary) context: the prefix as template, the rest synthetic."""
+    layers = []
+    for keys, values in zip(full.keys, full.values):
+        n_heads, length = keys.shape[:2]
+        pre = torch.arange(prefix_len).expand(n_heads, prefix_len)
+        rest = torch.full((n_heads, length - prefix_len), -1)
+        layers.append([
+            DenseSegment.from_padded(keys[:, :prefix_len], values[:, :prefix_len], torch.full((n_heads,), prefix_len), pre, fate="template"),
+            DenseSegment.from_padded(keys[:, prefix_len:], values[:, prefix_len:], torch.full((n_heads,), length - prefix_len), rest, fate=fate),
+        ])
+    return layers
+
+
+@register
+class Summarisation(Method):
+    name = "summarisation"
+    summary = "the model summarises the document in about T/ratio tokens; the summary's cache replaces the document's"
+    paper = "a baseline: prompt compression by the model's own summary"
+    Options = SummaryOptions
+
+    def compress(self, req: Request) -> CompressedKV:
+        ctx, lm, opts = req.ctx, req.ctx.lm, self.options
+        if req.ratio == 1:
+            return CompressedKV(ctx.full.stored.layers, ctx.length, meta={"method": self.name, "summary": None})
+        budget = max(1, min(req.doc_budget, opts.max_tokens))
+        prompt = opts.prompt.format(words=max(1, round(budget * 0.75)))
+        req.progress(0.3, f"writing a summary of up to {budget} tokens")
+        ids = write_summary(lm, ctx.full.stored, question_tokens(lm.tokenizer, prompt), budget, opts.fill_budget)
+        summary_ids = torch.tensor(ids, dtype=torch.long)
+        context = torch.cat([ctx.tokens.ids[: ctx.prefix_len], summary_ids])
+        req.progress(0.5, "reading the summary")
+        full = prefill(lm, context)
+        return CompressedKV(
+            summary_cache(full, ctx.prefix_len),
+            context.numel(),
+            meta={
+                "method": self.name,
+                "summary": lm.tokenizer.decode(ids, skip_special_tokens=True).strip(),
+                "summary_tokens": len(ids),
+                "summary_prompt": prompt,
+            },
+        )

@@ -1,0 +1,38 @@
+"""TOVA (Oren et al., 2024, "Transformers are Multi-State RNNs").
+
+Token Omission Via Attention: a token's score is the attention the last
+context token pays it, averaged over all the query heads of the layer, so
+every KV head of a layer keeps the same tokens (kvpress's TOVAPress does the
+same). The last token itself is always kept.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvlab.methods.base import EvictionMethod, Request, register
+from kvlab.methods.scoring import protect
+from kvlab.runtime.attention import attention_weights, expand_kv_heads
+
+
+def tova_scores(req: Request) -> list[torch.Tensor]:
+    """Per layer [H_kv, T_doc]: the last context query's attention, mean over all query heads."""
+    ctx = req.ctx
+    out = []
+    for layer, q in enumerate(ctx.queries["context"]):
+        keys = expand_kv_heads(ctx.full.keys[layer].float().cpu(), q.shape[0])
+        # The last token sees every key: no causal mask needed.
+        weights = attention_weights(q[:, -1:], keys)[:, 0]  # [H, T]
+        score = weights.mean(dim=0)[ctx.prefix_len :].clone()
+        protect(score, slice(ctx.doc_len - 1, None))
+        out.append(score.expand(ctx.lm.n_kv_heads, -1))
+    return out
+
+
+@register
+class TOVA(EvictionMethod):
+    name = "tova"
+    summary = "attention of the document's last token, averaged over all heads (same tokens in every head of a layer)"
+    paper = "Oren, Hassid, Yarden, Adi, Schwartz, 2024, Transformers are Multi-State RNNs (TOVA)"
+
+    def scores(self, req: Request) -> list[torch.Tensor]:
+        return tova_scores(req)
