@@ -36,6 +36,16 @@ tova <-> TOVAPress, expected_attention <-> ExpectedAttentionPress,
 h2o (recent_share=0) <-> ObservedAttentionPress (H2O's accumulated attention
 without the recent window; eager attention), kvzip (prune=global) <->
 KVzipPress (layerwise=False).
+
+Last run (kvpress 0.5.5, story.txt: 24 prefix + 2059 document tokens, ratios
+2 and 8, 30 layers x 3 KV heads): aligned sets identical in every head for
+streaming_llm, tova, expected_attention, h2o and kvzip; snapkv 99.95-99.99%
+(86/90 and 81/90 heads identical): kvlab's SnapKV pools the scores with the
+observation window's own columns still in place, kvpress (and SnapKV's code)
+cut the window off before pooling, so the 1-2 tokens just before the window
+differ. Native: |ours & theirs| / |ours| >= 0.998 on average for all (kvpress
+spends 7-22 tokens per head of the budget on document tokens instead of
+template tokens; KVzip natively also replays the 2059 tokens in two chunks).
 """
 from __future__ import annotations
 
@@ -129,9 +139,9 @@ def kept_positions(cache, full_keys) -> list[list[list[int]]]:
     for layer, full in zip(cache.layers, full_keys):
         heads = []
         for h in range(full.shape[0]):
-            dist = torch.cdist(layer.keys[0, h].float(), full[h].float())
+            dist = torch.cdist(layer.keys[0, h].float(), full[h].float(), compute_mode="donot_use_mm_for_euclid_dist")
             best = dist.min(dim=1)
-            assert float(best.values.max()) < 1e-3, "a kept key matches no original key"
+            assert float(best.values.max()) < 1e-4, f"a kept key matches no original key ({float(best.values.max())})"
             heads.append(sorted(best.indices.tolist()))
         out.append(heads)
     return out
@@ -163,7 +173,6 @@ def protect_prefix(press_cls, prefix_len: int):
 
 
 def run_kvpress(ratios: list[float], methods: list[str], doc: Path) -> dict:
-    import torch
     import kvpress
     from kvpress.presses import kvzip_press
 
@@ -255,7 +264,7 @@ def compare(ours: dict, theirs: dict) -> list[dict]:
         base = name.split("/")[0]
         if base not in ours["results"]:
             continue
-        recall, jaccard, same = [], [], 0
+        recall, jaccard, same, heads = [], [], 0, 0
         mine_all, theirs_all = set(), set()
         for layer, (mine_l, their_l) in enumerate(zip(ours["results"][base]["kept"], res["kept"])):
             for head, (a, b) in enumerate(zip(mine_l, their_l)):
@@ -263,12 +272,13 @@ def compare(ours: dict, theirs: dict) -> list[dict]:
                 mine_all |= {(layer, head, i) for i in a}
                 theirs_all |= {(layer, head, i) for i in b}
                 same += a == b
-                if a or b:
+                heads += 1
+                if a or b:  # a head that keeps no document token in either is left out of the means
                     recall.append(len(a & b) / len(a) if a else 1.0)
                     jaccard.append(len(a & b) / len(a | b))
         dropped = [d for layer in res.get("prefix_dropped", []) for d in layer]
         rows.append({
-            "pair": name, "heads": len(recall), "identical_heads": same,
+            "pair": name, "heads": heads, "identical_heads": same,
             "overlap_mean": sum(recall) / len(recall), "overlap_min": min(recall),
             "jaccard_mean": sum(jaccard) / len(jaccard), "jaccard_min": min(jaccard),
             "overlap_all": len(mine_all & theirs_all) / max(1, len(mine_all)),

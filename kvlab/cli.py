@@ -93,6 +93,8 @@ def cmd_methods() -> int:
     width = max(map(len, REGISTRY))
     for name, cls in sorted(REGISTRY.items()):
         flag = " [query-aware]" if cls.query_aware else ""
+        if cls.query_aware_when:
+            flag = f" [query-aware with {cls.query_aware_when}]"
         print(f"{name:<{width}}  {cls.summary}{flag}")
     return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import html
+import math
 import re
 from typing import Iterable, Mapping, Sequence
 
@@ -179,8 +180,19 @@ def memory_figure(
     return fig
 
 
-def time_figure(timings: Mapping[str, float], height: int = FIGURE_HEIGHT) -> go.Figure:
-    """Seconds per stage, e.g. {"prefill": 2.1, "compression": 0.3, ...}."""
+def time_figure(
+    timings: Mapping[str, float],
+    notes: Mapping[str, str] | None = None,
+    total: float | None = None,
+    height: int = FIGURE_HEIGHT,
+) -> go.Figure:
+    """Seconds per stage, e.g. {"prefill": 2.1, "compression": 0.3, ...}.
+
+    notes: text shown on a stage's bar instead of its seconds (e.g. "reused:
+    2.81 s on an earlier run" for a stage that was not re-run); total: the
+    run's wall-clock seconds, shown in the title.
+    """
+    notes = notes or {}
     names = list(timings)
     secs = [float(timings[n]) for n in names]
     fig = go.Figure(
@@ -189,34 +201,92 @@ def time_figure(timings: Mapping[str, float], height: int = FIGURE_HEIGHT) -> go
             y=names,
             orientation="h",
             marker_color="#6366f1",
-            text=[f"{s:.2f} s" for s in secs],
-            textposition="auto",
+            text=[notes.get(n, f"{s:.2f} s") for n, s in zip(names, secs)],
+            textposition="outside",
+            cliponaxis=False,
             hovertemplate="%{y}: %{x:.3f} s<extra></extra>",
         )
     )
+    title = "Time per stage" + (f" (this run: {total:.1f} s)" if total is not None else "")
+    longest = max(secs, default=0.0)
     fig.update_layout(
-        title=dict(text="Time per stage"),
-        xaxis=dict(title=dict(text="seconds")),
-        yaxis=dict(autorange="reversed"),
+        title=dict(text=title),
+        xaxis=dict(title=dict(text="seconds"), range=[0, max(longest * 1.45, 0.5)]),
+        yaxis=dict(autorange="reversed", automargin=True),
         **{**_LAYOUT, "height": height},
     )
     return fig
 
 
-def compare_figure(
-    rows: Sequence[Mapping[str, float | str]], metric: str, title: str, height: int = FIGURE_HEIGHT
+METHOD_COLORS = [
+    "#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#65a30d",
+    "#4b5563", "#ea580c", "#0d9488", "#9333ea", "#ca8a04", "#be123c", "#1d4ed8", "#15803d", "#a16207",
+]
+"""One colour per method line of the sweep charts (cycled past the end)."""
+
+
+def sweep_figure(
+    points: Sequence[Mapping[str, float | str | None]],
+    metric: str,
+    title: str,
+    y_title: str | None = None,
+    reference: float | None = None,
+    reference_label: str = "full cache",
+    height: int = FIGURE_HEIGHT,
 ) -> go.Figure:
-    """One bar per row (a method's run): ``row["method"]`` against ``row[metric]``."""
-    fig = go.Figure(
-        go.Bar(
-            x=[str(r["method"]) for r in rows],
-            y=[float(r[metric]) for r in rows],
-            marker_color="#0ea5e9",
-            text=[f"{float(r[metric]):.3g}" for r in rows],
-            textposition="auto",
+    """A metric against the compression ratio, one line per method.
+
+    points: one mapping per run with ``"method"``, ``"ratio"`` and ``metric``
+    (runs missing the metric, or with a non-finite value, are left out);
+    reference: a horizontal dashed line (e.g. the full cache's log-perplexity),
+    drawn as a trace so that it is in the legend. The ratio axis is
+    logarithmic, ticked at the ratios present.
+    """
+    by_method: dict[str, list[tuple[float, float]]] = {}
+    for p in points:
+        value = p.get(metric)
+        if value is None or not math.isfinite(float(value)):
+            continue
+        by_method.setdefault(str(p["method"]), []).append((float(p["ratio"]), float(value)))
+    ratios = sorted({x for xy in by_method.values() for x, _ in xy})
+    fig = go.Figure()
+    for i, (method, xy) in enumerate(by_method.items()):
+        xy.sort()
+        fig.add_trace(
+            go.Scatter(
+                x=[x for x, _ in xy],
+                y=[y for _, y in xy],
+                mode="lines+markers",
+                name=method,
+                line=dict(color=METHOD_COLORS[i % len(METHOD_COLORS)], width=2),
+                marker=dict(size=7),
+                hovertemplate=method + " at %{x:g}x: %{y:.4g}<extra></extra>",
+            )
         )
+    if reference is not None and math.isfinite(reference):
+        span = [ratios[0], ratios[-1]] if ratios else [1.0, 1.0]
+        fig.add_trace(
+            go.Scatter(
+                x=span,
+                y=[reference, reference],
+                mode="lines" if span[0] != span[1] else "lines+markers",
+                name=f"{reference_label} ({reference:.3g})",
+                line=dict(color="#111827", dash="dash", width=1.5),
+                hovertemplate=reference_label + ": %{y:.4g}<extra></extra>",
+            )
+        )
+    fig.update_layout(
+        title=dict(text=title),
+        xaxis=dict(
+            title=dict(text="compression ratio"),
+            type="log",
+            tickvals=ratios,
+            ticktext=[f"{r:g}x" for r in ratios],
+        ),
+        yaxis=dict(title=dict(text=y_title or metric), rangemode="tozero"),
+        legend=dict(orientation="h", y=-0.22),
+        **{**_LAYOUT, "height": height, "margin": dict(l=60, r=20, t=60, b=90)},
     )
-    fig.update_layout(title=dict(text=title), yaxis=dict(title=dict(text=metric)), **{**_LAYOUT, "height": height})
     return fig
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.runtime.attention import attend, group_queries
-from kvlab.runtime.cache import CompressedKV, PaddedView
+from kvlab.runtime.cache import CompressedKV, PaddedView, select_keys
 
 
 @dataclass
@@ -44,12 +44,23 @@ def block_errors(q: torch.Tensor, ref: PaddedView, approx: PaddedView) -> tuple[
     return out_err.mean(dim=-1), mass_err.mean(dim=-1)
 
 
-def head_errors(reference: CompressedKV, stored: CompressedKV, queries: list[torch.Tensor]) -> HeadErrors:
-    """Per-head errors of ``stored`` against ``reference`` for queries [H, n, d] per layer."""
+def head_errors(
+    reference: CompressedKV, stored: CompressedKV, queries: list[torch.Tensor], block_start: int = 0
+) -> HeadErrors:
+    """Per-head errors of ``stored`` against ``reference`` for queries [H, n, d] per layer.
+
+    block_start > 0 compares only the keys that stand for tokens from that
+    position on (e.g. the document without the template prefix that every
+    method keeps): the error of the compacted block itself, as the Attention
+    Matching paper reports it.
+    """
     outs, masses = [], []
     for layer, q in enumerate(queries):
-        ref = reference.layer_view(layer)
-        out, mass = block_errors(group_queries(q, ref.keys.shape[0]), ref, stored.layer_view(layer))
+        ref, comp = reference.layer_view(layer), stored.layer_view(layer)
+        if block_start:
+            ref = select_keys(ref, ref.token_index >= block_start)
+            comp = select_keys(comp, comp.token_index >= block_start)
+        out, mass = block_errors(group_queries(q, ref.keys.shape[0]), ref, comp)
         outs.append(out)
         masses.append(mass)
     return HeadErrors(torch.stack(outs), torch.stack(masses))

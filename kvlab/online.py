@@ -121,8 +121,7 @@ def bounded_logprobs(
             before = physical_length(stored, appended)
             full = with_appended(lm, stored, session, appended)
             stored = compactor(full, capture.per_layer(), budget // 2 - protected, protected)
-            compactor = compactor or am_compactor()
-    session, appended = open_session(lm, stored), 0
+            session, appended = open_session(lm, stored), 0
             events.append(Compaction(session.position, before, physical_length(stored, 0), time.perf_counter() - start))
             continue
         chunk = ids[done : done + room]

@@ -1,16 +1,21 @@
 """The real app, served and driven through its API with gradio_client (the embedded model)."""
 from __future__ import annotations
 
+import csv
 import dataclasses
-import socket
+import json
+import pickle
+import types
 
 import pytest
 
 gradio_client = pytest.importorskip("gradio_client")
 from gradio_client.exceptions import AppError  # noqa: E402
 
+from benchmarks.browser import serve_app  # noqa: E402
 from kvlab import ui  # noqa: E402
 from kvlab.methods import REGISTRY  # noqa: E402
+from kvlab.models import EMBEDDED, EMBEDDED_LABEL  # noqa: E402
 
 DOCUMENT = """\
 Harbor Street Bakery: staff notes for the spring season
@@ -27,33 +32,46 @@ Customers with nut allergies should be told that the almond croissants are made 
 The bakery's cat, a ginger tom named Biscuit, must never be allowed into the kitchen.
 """
 QUESTION = "What is the name of the head baker?"
-# A cheap method keeps the test quick whatever else gets registered.
+# Cheap methods keep the tests quick whatever else gets registered.
 FAST = "streaming_llm" if "streaming_llm" in REGISTRY else ui.default_method()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+OTHER = "tova" if "tova" in REGISTRY else FAST
+MISSING_MODEL = "/nonexistent/kvlab-missing-model.gguf"
 
 
 @pytest.fixture(scope="module")
-def app_url(embedded):
-    demo = ui.prepare(ui.build_app(embedded))
-    port = _free_port()
-    demo.launch(
-        prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True,
-        **ui.launch_options(),
+def tiny_dir(embedded, tmp_path_factory):
+    """A second model for the menu: a 2-layer random Llama with the embedded model's tokenizer, saved to disk."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import torch
+
+    folder = tmp_path_factory.mktemp("models") / "kvlab-tiny-llama"
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(embedded.tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        eos_token_id=embedded.tokenizer.eos_token_id, bos_token_id=None, pad_token_id=None,
     )
-    try:
-        yield f"http://127.0.0.1:{port}/"
-    finally:
-        demo.close()
+    LlamaForCausalLM(config).save_pretrained(folder)
+    embedded.tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def app_url(embedded, tiny_dir):
+    models = [(EMBEDDED_LABEL, EMBEDDED), ("tiny", tiny_dir), ("missing", MISSING_MODEL)]
+    with serve_app(embedded, models) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def client(app_url):
     return gradio_client.Client(app_url, verbose=False)
+
+
+def _run(client, text=DOCUMENT, method=FAST, **kw):
+    args = dict(text=text, method=method, ratio=4, question=QUESTION, max_new_tokens=12, api_name="/run")
+    return client.predict(**{**args, **kw})
 
 
 def test_knobs_follow_the_registry():
@@ -69,17 +87,82 @@ def test_knobs_follow_the_registry():
     assert ui.method_options(name, knobs, values) == {knob.field.name: 7}
 
 
+def test_model_choices_come_from_the_environment():
+    assert ui.model_choices({}) == [(f"{EMBEDDED_LABEL} (default)", EMBEDDED)]
+    env = {"KVLAB_MODEL": "/models/big.gguf", "KVLAB_MODELS": " Qwen/Qwen3-4B, /models/big.gguf,,/data/llama "}
+    assert [spec for _, spec in ui.model_choices(env)] == ["/models/big.gguf", EMBEDDED, "Qwen/Qwen3-4B", "/data/llama"]
+    assert ui.model_choices(env)[0][0].endswith("(default)")
+
+
+def test_ratios_are_parsed_and_checked():
+    assert ui.parse_ratios([10, 2], "3, 20x 2") == [2.0, 3.0, 10.0, 20.0]
+    for bad in ("abc", "0.5", "5000", "nan"):
+        with pytest.raises(ui.InputError):
+            ui.parse_ratios([], bad)
+    with pytest.raises(ui.InputError, match="at least one"):
+        ui.parse_ratios([], " ")
+
+
+def test_learn_tab_explains_every_method():
+    text = ui.learn_markdown()
+    for name, cls in REGISTRY.items():
+        assert f"### `{name}`" in text and cls.summary in text
+        if cls.paper:
+            assert cls.paper in text
+        if name in ui.METHOD_NOTES:
+            assert ui.METHOD_NOTES[name] in text
+    assert "secondary summaries" in ui.METHOD_NOTES.get("beaconkv", "secondary summaries")
+    for plot in ("Attention-output error", "Attention-mass error", "Keys per head", "Memory", "Time per stage",
+                 "Token fates", "log-ppl"):
+        assert plot in text
+
+
+def test_gpu_functions_use_spaces_when_importable(monkeypatch):
+    calls = []
+
+    def gpu(duration):
+        calls.append(duration)
+        return lambda fn: types.SimpleNamespace(wrapped=fn)
+
+    monkeypatch.setattr(ui, "spaces", types.SimpleNamespace(GPU=gpu))
+    f = lambda: 1  # noqa: E731
+    assert ui.on_gpu(30)(f).wrapped is f and calls == [30]
+    monkeypatch.setattr(ui, "spaces", None)
+    assert ui.on_gpu(30)(f) is f
+    # A sweep's ZeroGPU slot grows with its runs, capped.
+    assert ui._sweep_duration("t", None, ["a", "b"], [2, 5]) == ui.GPU_SWEEP_BASE_S + 4 * ui.GPU_SWEEP_POINT_S
+    assert ui._sweep_duration("t", None, ["a"] * 50, list(range(50))) == ui.GPU_MAX_S
+
+
+def test_gpu_results_are_plain_picklable_data(embedded):
+    # ZeroGPU runs the heavy functions in a forked worker and pickles what they return:
+    # figures, texts and token fates only, never the model or a cache.
+    view = ui.run_view(DOCUMENT, None, FAST, 4, QUESTION, 8, {}, None)
+    blob = pickle.dumps(view)
+    assert len(blob) < 2_000_000 and b"LlamaForCausalLM" not in blob
+    assert view.fates.n_layers == embedded.n_layers and view.fates.n_kv_heads == embedded.n_kv_heads
+    sweep = ui.sweep_view(DOCUMENT, None, [FAST], [4.0], QUESTION, 8, None)
+    assert b"LlamaForCausalLM" not in pickle.dumps(sweep)
+
+
+def test_models_sharing_a_name_never_share_a_context(tiny):
+    from conftest import tiny_llama
+
+    other = tiny_llama(seed=1)  # also named "tiny-llama"
+    text = "w1 w2 w3 w4 w5 w6 w7 w8"
+    first, _ = ui.prepared_context(tiny, text)
+    second, prefilled = ui.prepared_context(other, text)
+    assert first.lm is tiny and second.lm is other and prefilled
+    assert ui.prepared_context(tiny, text) == (first, False)
+
+
 def test_endpoints_have_names(client):
     names = set(client.view_api(print_info=False, return_format="dict")["named_endpoints"])
     assert {"/run", "/compare", "/token_view", "/load_example", "/pick_question", "/load_file", "/select_method"} <= names
 
 
 def test_run_gives_two_answers_and_figures(client, embedded):
-    out = client.predict(
-        text=DOCUMENT, method=FAST, ratio=4, question=QUESTION,
-        max_new_tokens=12, layer=3, head=1, api_name="/run",
-        **{k.key: k.default for k in ui.method_knobs()[FAST]},  # knobs are keyword parameters
-    )
+    out = _run(client, layer=3, head=1, **{k.key: k.default for k in ui.method_knobs()[FAST]})
     summary, full, compressed, diff, err_plot = out[:5]
     assert full.strip() and compressed.strip()
     assert "at **4x**" in summary
@@ -93,6 +176,18 @@ def test_run_gives_two_answers_and_figures(client, embedded):
     assert line.startswith(f"Layer {embedded.n_layers - 1}, KV head 0:")
     for fate in ("template", "kept", "evicted"):
         assert f'title="{fate}"' in tokens
+
+
+def test_changing_the_method_reuses_the_prefill(client, embedded):
+    # A document no other test reads: its first run prefills, the next ones must not.
+    text = DOCUMENT + "The oven in the back room was built in 1931 and still bakes every loaf.\n"
+    first = _run(client, text=text)
+    assert "done now" in first[0]
+    ctx = ui.CONTEXTS.get(embedded, ui.document_text(text, None))  # cached: no prefill here
+    second = _run(client, text=text, method=OTHER, ratio=8)
+    assert "reused" in second[0] and f"Prefill {ctx.prefill_s:.2f} s" in second[0]
+    assert ui.CONTEXTS.get(embedded, ui.document_text(text, None)) is ctx
+    assert "reused" in json.dumps(second[8])  # the time figure marks the prefill as reused
 
 
 def test_empty_document_is_a_clear_error(client):
@@ -110,14 +205,56 @@ def test_unknown_method_is_a_clear_error(client):
         client.predict(text=DOCUMENT, method="no_such_method", question=QUESTION, api_name="/run")
 
 
-def test_compare_gives_one_row_per_method(client):
-    full, table, err_plot, ppl_plot = client.predict(
-        text=DOCUMENT, methods=[FAST], ratio=4, question=QUESTION, max_new_tokens=12,
-        api_name="/compare",
+def test_model_not_offered_is_refused(client):
+    with pytest.raises(AppError, match="not in the list of choices|not offered"):
+        _run(client, model="some-org/some-model")
+
+
+def test_model_that_fails_to_load_is_a_clear_error(client):
+    with pytest.raises(AppError, match="GGUF file not found"):
+        _run(client, model=MISSING_MODEL)
+    # The server stays up and the default model still answers.
+    assert _run(client)[2].strip()
+
+
+def test_switching_models_keeps_each_models_prefill(app_url, embedded, tiny_dir):
+    # A session of its own: after a run, the layer/head sliders (and so the values /run
+    # accepts) follow that run's model, and the tiny model has fewer layers and heads.
+    client = gradio_client.Client(app_url, verbose=False)
+    text = DOCUMENT + "Biscuit the cat sleeps on the flour sacks.\n"
+    assert "done now" in _run(client, text=text)[0]
+    tiny = _run(client, text=text, model=tiny_dir, layer=9, head=embedded.n_kv_heads - 1)
+    assert "kvlab-tiny-llama" in tiny[0] and "done now" in tiny[0]
+    assert tiny[11].startswith("Layer 1, KV head 1:")  # clamped to the tiny model's 2 layers x 2 KV heads
+    assert "reused" in _run(client, text=text, layer=0, head=0)[0]  # the embedded model's context is still cached
+    assert "reused" in _run(client, text=text, model=tiny_dir, layer=0, head=0)[0]
+
+
+def test_compare_sweeps_methods_and_ratios(client):
+    status, full, err_plot, mass_plot, ppl_plot, table, csv_file, json_file = client.predict(
+        text=DOCUMENT, methods=[FAST, OTHER], ratios=[2, 5], more_ratios="3", question=QUESTION,
+        max_new_tokens=8, api_name="/compare",
     )
-    assert full.strip()
-    assert [row[0] for row in table["data"]] == [FAST]
-    assert err_plot and ppl_plot
+    pairs = [(FAST, 2), (FAST, 3), (FAST, 5), (OTHER, 2), (OTHER, 3), (OTHER, 5)]
+    pairs = list(dict.fromkeys(pairs))
+    assert "runs" in status and full.strip()
+    assert [(row[0], row[1]) for row in table["data"]] == pairs
+    assert err_plot and mass_plot and "full cache" in json.dumps(ppl_plot)
+    with open(csv_file, newline="", encoding="utf-8") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["method"], float(r["ratio"])) for r in rows] == pairs
+    assert set(ui.EXPORT_FIELDS) == set(rows[0])
+    data = json.loads(open(json_file, encoding="utf-8").read())
+    assert [(r["method"], r["ratio"]) for r in data["results"]] == pairs
+    assert data["logppl_full"] == pytest.approx(float(rows[0]["logppl_full"]))
+    assert "attn_output_rel_err" in data["results"][0]["per_head"]
+
+
+def test_compare_bad_ratio_is_a_clear_error(client):
+    with pytest.raises(AppError, match="not a compression ratio"):
+        client.predict(
+            text=DOCUMENT, methods=[FAST], ratios=[], more_ratios="lots", question=QUESTION, api_name="/compare",
+        )
 
 
 def test_too_long_document_is_a_clear_error(client, embedded):

@@ -1,79 +1,44 @@
 """The app in a real headless Chromium (Debian's /usr/bin/chromium, driven by Playwright).
 
-Picks a bundled example, runs a compression and checks what a user sees;
-saves assets/screenshot.png for the README. Never runs `playwright install`.
+Picks a bundled example, runs the default compression and checks what a user
+sees; saves assets/screenshot.png for the README; then runs a small sweep in
+the Compare tab. Never runs `playwright install`. The browser helpers are
+shared with `python -m benchmarks.app_speed` (benchmarks/browser.py).
 """
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import socket
 from pathlib import Path
 
 import pytest
 
 sync_api = pytest.importorskip("playwright.sync_api")
 
+from benchmarks.browser import chromium_page, chromium_path, mark_outputs, serve_app, wait_for_run  # noqa: E402
 from kvlab import ui  # noqa: E402
 
-CHROMIUM = os.environ.get("KVLAB_CHROMIUM", "/usr/bin/chromium")
 SCREENSHOT = Path(__file__).resolve().parent.parent / "assets" / "screenshot.png"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 RUN_TIMEOUT_MS = 240_000
 
 pytestmark = pytest.mark.skipif(
-    not (Path(CHROMIUM).exists() or shutil.which("chromium")),
+    chromium_path() is None,
     reason="Debian's chromium is not installed (`make browser` or apt-get install chromium)",
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app_url(embedded):
-    demo = ui.prepare(ui.build_app(embedded))
-    port = _free_port()
-    demo.launch(
-        prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True,
-        **ui.launch_options(),
-    )
-    try:
-        yield f"http://127.0.0.1:{port}/"
-    finally:
-        demo.close()
+    with serve_app(embedded) as url:
+        yield url
 
 
 @pytest.fixture()
 def page(tmp_path):
-    with sync_api.sync_playwright() as p:
-        # A fresh profile: Playwright passes it as --user-data-dir.
-        context = p.chromium.launch_persistent_context(
-            user_data_dir=str(tmp_path / "chromium-profile"),
-            executable_path=CHROMIUM if Path(CHROMIUM).exists() else shutil.which("chromium"),
-            headless=True,
-            args=CHROMIUM_ARGS,
-            viewport={"width": 1400, "height": 1000},
-        )
-        try:
-            yield context.pages[0] if context.pages else context.new_page()
-        finally:
-            context.close()
+    with chromium_page(tmp_path / "chromium-profile") as page:
+        yield page
 
 
-def test_explore_an_example_in_the_browser(app_url, page):
+def test_explore_then_compare_in_the_browser(app_url, page):
     expect = sync_api.expect
     examples = ui._examples()
     assert examples, "the bundled examples should load"
@@ -86,18 +51,21 @@ def test_explore_an_example_in_the_browser(app_url, page):
     expect(page.locator("#kvlab-question textarea, #kvlab-question input").first).to_have_value(
         example.questions[0], timeout=20_000
     )
+    # The first visit starts with the default method at the default ratio, on the default model.
+    expect(page.locator("#kvlab-method input")).to_have_value(re.compile("^" + re.escape(ui.default_method())))
+    expect(page.locator("#kvlab-model input")).to_have_value(re.compile(r"\(default\)"))
 
     # A short answer keeps the test quick.
-    page.get_by_text("Advanced").first.click()
+    page.locator("#kvlab-advanced").get_by_text("Advanced", exact=True).first.click()
     length = page.locator("#kvlab-max-new input[type=number]")
     length.fill("16")
     length.press("Tab")
 
+    mark_outputs(page)
     page.locator("#kvlab-run").click()
+    wait_for_run(page, ui.default_method(), ui.RATIO_DEFAULT, RUN_TIMEOUT_MS)
     full = page.locator("#kvlab-answer-full textarea")
     compressed = page.locator("#kvlab-answer-compressed textarea")
-    expect(compressed).to_have_value(re.compile(r"\S"), timeout=RUN_TIMEOUT_MS)
-    expect(full).to_have_value(re.compile(r"\S"))
     assert full.is_visible() and compressed.is_visible()
 
     heatmap = page.locator("#kvlab-err .js-plotly-plot")
@@ -111,8 +79,29 @@ def test_explore_an_example_in_the_browser(app_url, page):
     expect(page.locator("#kvlab-summary")).to_contain_text("keys stored per head")
 
     # Fold "Advanced" away and let plotly finish drawing before the picture for the README.
-    page.get_by_text("Advanced").first.click()
+    page.locator("#kvlab-advanced").get_by_text("Advanced", exact=True).first.click()
     page.wait_for_timeout(1500)
     SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SCREENSHOT), full_page=True)
     assert SCREENSHOT.stat().st_size > 10_000
+
+    # Compare: one cheap method at two ratios on the same document (its prefill is reused).
+    page.get_by_role("tab", name="Compare").click()
+    methods = page.locator("#kvlab-compare-methods")
+    expect(methods).to_be_visible()
+    for name in ui.SWEEP_DEFAULT_METHODS:  # each checkbox's name is its value
+        if name != "streaming_llm":
+            methods.locator(f'input[name="{name}"]').uncheck()
+    methods.locator('input[name="streaming_llm"]').check()
+    ratios = page.locator("#kvlab-compare-ratios")
+    for r in ui.SWEEP_DEFAULT_RATIOS:
+        if r not in (5, 10):
+            ratios.locator(f'input[name="{r}"]').uncheck()
+    page.locator("#kvlab-compare-run").click()
+    expect(page.locator("#kvlab-compare-status")).to_contain_text("2 runs", timeout=RUN_TIMEOUT_MS)
+    for plot in ("#kvlab-compare-err", "#kvlab-compare-mass", "#kvlab-compare-ppl"):
+        expect(page.locator(f"{plot} .js-plotly-plot")).to_be_visible(timeout=30_000)
+    expect(page.locator("#kvlab-compare-ppl")).to_contain_text("full cache")
+    expect(page.locator("#kvlab-compare-table")).to_contain_text("streaming_llm")
+    expect(page.locator("#kvlab-compare-csv")).to_contain_text(".csv")
+    expect(page.locator("#kvlab-compare-json")).to_contain_text(".json")

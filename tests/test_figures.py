@@ -63,14 +63,34 @@ def test_time_figure():
     _heights_set(fig)
     assert list(fig.data[0].y) == ["prefill", "compression", "answers"]
     assert list(fig.data[0].x) == [2.0, 0.5, 1.25]
+    assert list(fig.data[0].text) == ["2.00 s", "0.50 s", "1.25 s"]
 
 
-def test_compare_figure():
-    fig = figures.compare_figure(
-        [{"method": "a", "err": 0.1}, {"method": "b", "err": 0.3}], "err", "Error by method"
-    )
+def test_time_figure_marks_reused_stages_and_total():
+    fig = figures.time_figure({"prefill": 0.0, "compression": 0.5}, {"prefill": "reused (2.81 s when run)"}, total=4.0)
+    assert list(fig.data[0].text) == ["reused (2.81 s when run)", "0.50 s"]
+    assert "4.0 s" in fig.layout.title.text
+
+
+def test_sweep_figure_draws_one_line_per_method_against_the_ratio():
+    points = [
+        {"method": "am", "ratio": 10, "err": 0.3},
+        {"method": "am", "ratio": 2, "err": 0.1},
+        {"method": "snap", "ratio": 2, "err": 0.2},
+        {"method": "snap", "ratio": 10, "err": float("nan")},  # a failed value is left out
+        {"method": "snap", "ratio": 50, "err": None},
+    ]
+    fig = figures.sweep_figure(points, "err", "Error vs ratio", "relative error", reference=0.05)
     _heights_set(fig)
-    assert list(fig.data[0].x) == ["a", "b"]
+    am, snap, ref = fig.data
+    assert (am.name, list(am.x), list(am.y)) == ("am", [2.0, 10.0], [0.1, 0.3])  # sorted by ratio
+    assert (snap.name, list(snap.x), list(snap.y)) == ("snap", [2.0], [0.2])
+    assert am.line.color != snap.line.color
+    assert ref.name.startswith("full cache") and list(ref.y) == [0.05, 0.05] and ref.line.dash == "dash"
+    assert fig.layout.xaxis.type == "log" and list(fig.layout.xaxis.ticktext) == ["2x", "10x"]
+    assert fig.layout.yaxis.title.text == "relative error"
+    # Without a reference there is no extra line.
+    assert len(figures.sweep_figure(points, "err", "t").data) == 2
 
 
 def test_fate_segments_joins_runs_and_marks_missing_as_evicted():

@@ -42,6 +42,12 @@ def test_every_method_meets_its_budget(ctx, name, ratio):
     if getattr(REGISTRY[name], "fixed_budget", False):
         pytest.skip("keeps a fixed amount whatever the ratio")
     stored = get_method(name).compress(Request(ctx, ratio, QUESTION))
+    semantics = getattr(REGISTRY[name], "memory_ratio_semantics", None)
+    if semantics:  # mixed precision: the ratio is met in bytes ("match") or caps them ("at_most")
+        assert stored.nbytes <= ctx.full.nbytes / ratio
+        if semantics == "match":
+            assert stored.nbytes == pytest.approx(ctx.full.nbytes / ratio, rel=0.03)
+        return
     kept = stored.kept_per_head()
     budget = round(ctx.doc_len / ratio)
     assert kept.float().mean().item() == pytest.approx(ctx.prefix_len + budget, abs=0.5)

@@ -45,7 +45,7 @@ class QueryOptions:
     query_source: QuerySource = field(default="repeat", metadata={
         "help": "reference queries: repeat (repeat-prefill), context (prefill), self_study, random, "
                 "question (query-aware: the user's question)"})
-    max_queries: int = field(default=4096, metadata={"help": "cap on reference queries per KV head (seeded subsample)"})
+    max_queries: int = field(default=2048, metadata={"help": "cap on reference queries per KV head (seeded subsample)"})
     seed: int = field(default=0, metadata={"help": "seed of the query subsample and of random queries"})
     self_study_tokens: int = field(default=256, metadata={"help": "self-study: generated tokens over all prompts"})
 
@@ -60,6 +60,7 @@ class AMOptions(QueryOptions):
     refit_every: int = field(default=2, metadata={"help": "OMP: refit the weights every this many iterations"})
     drop_below: float = field(default=-7.0, metadata={"help": "OMP: drop and replace keys whose beta falls below this"})
     nnls_iters: int = field(default=2, metadata={"help": "projected-gradient steps of the bounded bias fit"})
+    ridge: float = field(default=1e-6, metadata={"help": "ridge of the value and bias least squares, relative to the Gram's mean diagonal"})
     budgets: Literal["uniform", "nonuniform"] = field(default="uniform", metadata={
         "help": "per-head budgets: uniform, or nonuniform from the model's sensitivity sweep (python -m kvlab budgets)"})
     chunk_size: int = field(default=0, metadata={"help": "compact the document in chunks of this many tokens (0: one block)"})
@@ -131,7 +132,7 @@ def solve(job: BlockJob, opts: AMOptions) -> CompactBlock:
         job.queries, job.keys, job.values, int(job.budgets.max()),
         bias=job.bias, key_selection=opts.key_selection, scoring=opts.scoring,
         budgets=job.budgets, nnls_iters=opts.nnls_iters, keys_per_iter=opts.keys_per_iter,
-        refit_every=opts.refit_every, drop_below=opts.drop_below,
+        refit_every=opts.refit_every, drop_below=opts.drop_below, ridge=opts.ridge,
     )
 
 
@@ -255,7 +256,11 @@ class AttentionTopK(EvictionMethod):
     name = "attention_topk"
     summary = "keep the keys the reference queries attend to most (RMS), bias 0, values as they were"
     paper = "Zweiger et al., 2026 (the eviction baseline of Attention Matching's ablations)"
+    query_aware_when = "query_source=question"
     Options = QueryOptions
+
+    def uses_question(self) -> bool:
+        return self.options.query_source == "question"
 
     def scores(self, req: Request) -> list[torch.Tensor]:
         ctx, opts = req.ctx, self.options
@@ -272,7 +277,11 @@ class AttentionMatching(Method):
     name = "attention_matching"
     summary = "compact keys + per-key bias + refitted values matching attention output and mass (closed form)"
     paper = "Zweiger, Fu, Guo, Kim, 2026, Fast KV Compaction via Attention Matching (arXiv 2602.16284)"
+    query_aware_when = "query_source=question"
     Options = AMOptions
+
+    def uses_question(self) -> bool:
+        return self.options.query_source == "question"
 
     def compress(self, req: Request) -> CompressedKV:
         ctx, opts = req.ctx, self.options

@@ -68,11 +68,17 @@ class Method(ABC):
     name: ClassVar[str]
     summary: ClassVar[str]  # one line, shown by `python -m kvlab methods` and the app
     paper: ClassVar[str] = ""
-    query_aware: ClassVar[bool] = False
+    query_aware: ClassVar[bool] = False  # the compression always depends on the question
+    query_aware_when: ClassVar[str] = ""  # or only with these options, e.g. "query_source=question"
+    fixed_budget: ClassVar[bool] = False  # ignores the ratio (e.g. no context)
     Options: ClassVar[type] = NoOptions
 
     def __init__(self, options: Any = None):
         self.options = options if options is not None else self.Options()
+
+    def uses_question(self) -> bool:
+        """Whether this instance (with its options) compresses for the question it is given."""
+        return self.query_aware
 
     @abstractmethod
     def compress(self, req: Request) -> CompressedKV:

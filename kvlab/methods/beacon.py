@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from kvlab.context import Context
 from kvlab.methods.base import Method, MethodError, Request, register, top_k_per_head
+from kvlab.methods.scoring import per_context
 from kvlab.models import LoadedModel
 from kvlab.prompts import question_tokens
 from kvlab.queries import question_queries, read_after
@@ -70,13 +71,15 @@ def farthest_point_sampling(x: torch.Tensor, k: int) -> torch.Tensor:
     if k == 0:
         return picks
     unit = F.normalize(x.float(), dim=-1)
+    # Cosine distances between all candidates at once: m is small (beacons + buffer).
+    dist_all = 1 - unit @ unit.transpose(-1, -2)
     rows = torch.arange(n_rows)
-    dist = 1 - (unit @ unit[:, 0].unsqueeze(-1)).squeeze(-1)
+    dist = dist_all[:, 0].clone()
     dist[:, 0] = -1.0
     for i in range(1, k):
         nxt = dist.argmax(dim=-1)
         picks[:, i] = nxt
-        dist = torch.minimum(dist, 1 - (unit * unit[rows, nxt].unsqueeze(1)).sum(-1))
+        dist = torch.minimum(dist, dist_all[rows, nxt])
         dist[rows, nxt] = -1.0
     return picks
 
@@ -88,12 +91,14 @@ def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class BeaconBank:
-    """Continual FPS for one layer: per query head, beacons + a buffer of newer queries.
+    """Continual FPS: per row (a query head of a layer), beacons + a buffer of newer queries.
 
-    Both hold pre-RoPE queries [H, n, d] with their positions [H, n]; the
+    Both hold pre-RoPE queries [R, n, d] with their positions [R, n]; the
     buffer holds at most ``capacity`` queries; when it is full, FPS over
     beacons + buffer re-samples them down to ``n_beacons`` beacons and the
-    buffer empties. Memory is bounded by ``n_beacons + capacity`` per head.
+    buffer empties. Memory is bounded by ``n_beacons + capacity`` per row.
+    Rows are independent (each has its own beacons); batching every layer's
+    heads as rows makes one FPS serve the whole model.
     """
 
     n_beacons: int
@@ -114,7 +119,7 @@ class BeaconBank:
         self.buffer = self.buffer_pos = None
 
     def add(self, pre: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append pre-RoPE queries [H, n, d] at ``positions`` [n] (in reading order)."""
+        """Append pre-RoPE queries [R, n, d] at ``positions`` [n] (in reading order)."""
         if self.n_beacons == 0 or pre.shape[1] == 0:
             return
         pos = positions.reshape(1, -1).expand(pre.shape[0], -1)
@@ -133,7 +138,7 @@ class BeaconBank:
             start = end
 
     def current(self, n_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The beacons now: FPS over beacons + buffer (state unchanged) -> [H, b, d], positions [H, b]."""
+        """The beacons now: FPS over beacons + buffer (state unchanged) -> [R, b, d], positions [R, b]."""
         if self.beacons is None and self.buffer is None:
             return torch.zeros(n_heads, 0, head_dim), torch.zeros(n_heads, 0, dtype=torch.long)
         cand, pos = self._candidates()
@@ -143,20 +148,21 @@ class BeaconBank:
 
 @dataclass
 class BeaconState:
-    """One layer's query history: the ``n_recent`` latest post-RoPE queries and a beacon bank.
+    """A query history per row (query head of a layer): the ``n_recent`` latest
+    post-RoPE queries and a beacon bank.
 
     Queries enter the bank (un-rotated to pre-RoPE) when they leave the recent set.
     """
 
     n_recent: int
     bank: BeaconBank
-    recent: torch.Tensor | None = None  # [H, r, d] post-RoPE
+    recent: torch.Tensor | None = None  # [R, r, d] post-RoPE
     recent_pos: torch.Tensor | None = None  # [r]
     recent_cos: torch.Tensor | None = None  # [r, d]: the RoPE tables at recent_pos
     recent_sin: torch.Tensor | None = None
 
     def observe(self, post: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """New post-RoPE queries [H, n, d] at ``positions`` [n]; cos/sin [n, d] at those positions."""
+        """New post-RoPE queries [R, n, d] at ``positions`` [n]; cos/sin [n, d] at those positions."""
         pos = positions.long()
         if self.recent is not None:
             post = torch.cat([self.recent, post], dim=1)
@@ -174,8 +180,8 @@ class BeaconState:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Recent queries + beacons rotated to position ``now`` (cos_now/sin_now: [1, d]).
 
-        -> queries [H, m, d] (post-RoPE), their positions [m] (the beacons': ``now``),
-        and the beacons' source positions [H, b].
+        -> queries [R, m, d] (post-RoPE), their positions [m] (the beacons': ``now``),
+        and the beacons' source positions [R, b].
         """
         held = next((t for t in (self.recent, self.bank.beacons, self.bank.buffer) if t is not None), None)
         if held is None:
@@ -197,15 +203,27 @@ def key_scores(queries: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k
     """
     n_heads, n_kv, length = queries.shape[0], keys.shape[0], keys.shape[1]
     k = expand_kv_heads(keys.float(), n_heads)
-    kp = k_pos.reshape(-1, length).expand(n_kv, length)
-    kp = expand_kv_heads(kp, n_heads)
+    kp = expand_kv_heads(k_pos.reshape(-1, length).expand(n_kv, length), n_heads)
+    q = queries.float()
     best = torch.zeros(n_heads, length)
-    # One softmax per distinct query position (the beacons share one).
-    for p in torch.unique(q_pos).tolist():
-        sel = q_pos == p
-        bias = torch.zeros(n_heads, length).masked_fill(kp > p, float("-inf"))
-        w = attention_weights(queries[:, sel].float(), k, bias=bias)
-        best = torch.maximum(best, w.amax(dim=1))
+    visible = (kp.unsqueeze(1) <= q_pos.reshape(1, -1, 1)).sum(-1)  # [H, m] keys each query sees
+    sees_all = (visible == length).all(dim=0)
+    if sees_all.any():  # the beacons (at "now"): one softmax over every key
+        best = torch.maximum(best, attention_weights(q[:, sees_all], k).amax(dim=1))
+    rest = torch.nonzero(~sees_all).squeeze(1)
+    if rest.numel() == 0:
+        return best.reshape(n_kv, n_heads // n_kv, length).amax(dim=1)
+    counts = visible[:, rest]
+    in_order = bool((kp[:, 1:] >= kp[:, :-1]).all())
+    if in_order and bool((counts == counts[:1]).all()) and bool((counts[0].diff() == 1).all()):
+        # Consecutive queries over a key prefix (the recent queries): one causal softmax.
+        end = int(counts[0, -1])
+        w = attention_weights(q[:, rest], k[:, :end], causal=True)
+        best[:, :end] = torch.maximum(best[:, :end], w.amax(dim=1))
+    else:
+        for i in rest.tolist():
+            bias = torch.zeros(n_heads, length).masked_fill(kp > q_pos[i], float("-inf"))
+            best = torch.maximum(best, attention_weights(q[:, i : i + 1], k, bias=bias)[:, 0])
     return best.reshape(n_kv, n_heads // n_kv, length).amax(dim=1)
 
 
@@ -221,7 +239,8 @@ class BeaconOptions:
     n_recent: int = field(default=16, metadata={"help": "recent queries in the scoring set"})
     buffer: int = field(default=128, metadata={"help": "continual FPS: queries buffered per head before re-sampling"})
     window: int = field(default=16, metadata={"help": "most recent document tokens always kept"})
-    instruction: str = field(default=INSTRUCTION, metadata={"help": "beacon_source=instruction: the text read after the document"})
+    beacon_instruction: str = field(default=INSTRUCTION, metadata={
+        "help": "beacon_source=instruction: the instruction read after the document"})
 
     def __post_init__(self) -> None:
         if self.beacon_source not in ("context", "question", "instruction"):
@@ -234,7 +253,7 @@ class BeaconOptions:
 
 @dataclass(frozen=True)
 class BeaconMixedOptions(BeaconOptions):
-    rest: Rest = field(default="2bit", metadata={
+    rest: Rest = field(default="4bit", metadata={
         "help": "what happens to the tokens the beacons do not select: evict, 4bit or 2bit (KIVI)"})
     group_size: int = field(default=32, metadata={"help": "KIVI group size of the quantised rest"})
 
@@ -260,52 +279,68 @@ def instruction_queries(ctx: Context, instruction: str) -> list[torch.Tensor]:
         return ctx.queries.setdefault(key, queries)
 
 
-def context_states(ctx: Context, opts: BeaconOptions, question: str | None) -> list[BeaconState]:
-    """Per layer, the beacon state after reading the document (and the chosen source)."""
+def stack_layers(per_layer: list[torch.Tensor]) -> torch.Tensor:
+    """Per layer [H, n, d] -> [L * H, n, d]: every (layer, head) is one row of the beacon state."""
+    return torch.cat(per_layer, dim=0)
+
+
+def document_state(ctx: Context, opts: BeaconOptions, question: str | None) -> BeaconState:
+    """The beacon state of every (layer, query head) after reading the document (and the source).
+
+    Rows are layer-major: row ``layer * H + head``.
+    """
     lm, length = ctx.lm, ctx.length
     positions = torch.arange(length)
     cos, sin = rope_cos_sin(lm, positions)
     ctx_q = ctx.queries["context"]
+    state = BeaconState(opts.n_recent, BeaconBank(opts.n_beacons, opts.buffer))
     if opts.beacon_source == "context":
-        source = None
-    elif opts.beacon_source == "question":
+        # In slices, so the stacked copy of the history stays small.
+        step = max(512, opts.buffer)
+        for start in range(0, length, step):
+            part = slice(start, min(start + step, length))
+            state.observe(stack_layers([q[:, part] for q in ctx_q]), positions[part], cos[part], sin[part])
+        return state
+    if opts.beacon_source == "question":
         if not question:
             raise MethodError("beacon_source=question needs a question")
         source = question_queries(ctx, question)
     else:
-        source = instruction_queries(ctx, opts.instruction)
-    if source is not None:
-        src_pos = torch.arange(length, length + source[0].shape[1])
-        s_cos, s_sin = rope_cos_sin(lm, src_pos)
-    states = []
-    recent = min(opts.n_recent, length)
-    for layer in range(lm.n_layers):
-        state = BeaconState(opts.n_recent, BeaconBank(opts.n_beacons, opts.buffer))
-        if source is None:
-            state.observe(ctx_q[layer], positions, cos, sin)
-        else:
-            # Recent part: the document's last queries; beacon history: the source's queries.
-            tail = slice(length - recent, length)
-            state.observe(ctx_q[layer][:, tail], positions[tail], cos[tail], sin[tail])
-            state.bank.add(unrotate(source[layer], s_cos, s_sin), src_pos)
-        states.append(state)
-    return states
+        source = instruction_queries(ctx, opts.beacon_instruction)
+    # Recent part: the document's last queries; beacon history: the source's queries.
+    tail = slice(length - min(opts.n_recent, length), length)
+    state.observe(stack_layers([q[:, tail] for q in ctx_q]), positions[tail], cos[tail], sin[tail])
+    src_pos = torch.arange(length, length + source[0].shape[1])
+    s_cos, s_sin = rope_cos_sin(lm, src_pos)
+    state.bank.add(unrotate(stack_layers(source), s_cos, s_sin), src_pos)
+    return state
 
 
 def beacon_scores(req: Request, opts: BeaconOptions) -> tuple[list[torch.Tensor], list[list[list[int]]]]:
-    """Per layer [H_kv, T_doc] document-token scores, and per layer / query head the beacons' positions."""
+    """Per layer [H_kv, T_doc] document-token scores, and per layer / query head the beacons' positions.
+
+    They do not depend on the ratio: computed once per context and scoring knobs.
+    """
     ctx = req.ctx
-    states = context_states(ctx, opts, req.question)
-    now = ctx.length
-    cos_now, sin_now = rope_cos_sin(ctx.lm, torch.tensor([now]))
-    k_pos = torch.arange(ctx.length)
-    scores, beacons = [], []
-    for layer, state in enumerate(states):
+    question = req.question if opts.beacon_source == "question" else None
+    key = (f"beaconkv:{opts.beacon_source}:{opts.n_beacons}:{opts.n_recent}:{opts.buffer}:"
+           f"{opts.beacon_instruction if opts.beacon_source == 'instruction' else ''}:{question or ''}")
+
+    def make() -> tuple[list[torch.Tensor], list[list[list[int]]]]:
+        state = document_state(ctx, opts, req.question)
+        now, n_heads = ctx.length, ctx.lm.n_heads
+        cos_now, sin_now = rope_cos_sin(ctx.lm, torch.tensor([now]))
         queries, q_pos, beacon_pos = state.scoring_set(cos_now, sin_now, now)
-        keys = ctx.full.keys[layer].float().cpu()
-        scores.append(key_scores(queries, q_pos, keys, k_pos)[:, ctx.prefix_len :])
-        beacons.append([sorted(int(p) for p in row) for row in beacon_pos.tolist()])
-    return scores, beacons
+        k_pos = torch.arange(ctx.length)
+        scores, beacons = [], []
+        for layer in range(ctx.lm.n_layers):
+            rows = slice(layer * n_heads, (layer + 1) * n_heads)
+            keys = ctx.full.keys[layer].float().cpu()
+            scores.append(key_scores(queries[rows], q_pos, keys, k_pos)[:, ctx.prefix_len :])
+            beacons.append([sorted(int(p) for p in row) for row in beacon_pos[rows].tolist()])
+        return scores, beacons
+
+    return per_context(ctx, key, make)
 
 
 # --------------------------------------------------------------------------- building the stored cache
@@ -467,8 +502,9 @@ class _BeaconBase(Method):
     paper = ("Kim, Kim, Shim, Choi, 2026, BeaconKV: Key-Value Cache Compression Guided by Beacon Queries "
              "for Efficient Large Reasoning Model Inference (arXiv 2609.04971; details from secondary summaries)")
 
-    @property
-    def query_aware(self) -> bool:  # type: ignore[override]
+    query_aware_when = "beacon_source=question"
+
+    def uses_question(self) -> bool:
         return self.options.beacon_source == "question"
 
 
@@ -582,14 +618,13 @@ def beacon_generate(
     if session.key_bias is not None:
         raise MethodError("beacon_generate needs a plain starting cache")
     n_kv = lm.n_kv_heads
-    states = [BeaconState(opts.n_recent, BeaconBank(opts.n_beacons, opts.buffer)) for _ in range(lm.n_layers)]
+    n_heads = lm.n_heads
     k_pos: list[torch.Tensor] = [torch.zeros(n_kv, 0, dtype=torch.long) for _ in range(lm.n_layers)]
     if ctx is not None:
-        positions = torch.arange(ctx.length)
-        cos, sin = rope_cos_sin(lm, positions)
-        for layer, state in enumerate(states):
-            state.observe(ctx.queries["context"][layer], positions, cos, sin)
-            k_pos[layer] = positions.expand(n_kv, -1).clone()
+        state = document_state(ctx, opts, None)
+        k_pos = [torch.arange(ctx.length).expand(n_kv, -1).clone() for _ in range(lm.n_layers)]
+    else:
+        state = BeaconState(opts.n_recent, BeaconBank(opts.n_beacons, opts.buffer))
     stats = {"max": 0, "evictions": 0}
 
     def physical() -> int:
@@ -599,12 +634,13 @@ def beacon_generate(
     def evict_to(target: int) -> None:
         now = session.position
         cos_now, sin_now = rope_cos_sin(lm, torch.tensor([now]))
-        for layer, state in enumerate(states):
+        queries, q_pos, _ = state.scoring_set(cos_now, sin_now, now)
+        for layer in range(lm.n_layers):
             cached = session.cache.layers[layer]
             keys, values = cached.keys[0], cached.values[0]
             length = keys.shape[1]
-            queries, q_pos, _ = state.scoring_set(cos_now, sin_now, now)
-            score = key_scores(queries, q_pos, keys.float().cpu(), k_pos[layer])
+            rows = slice(layer * n_heads, (layer + 1) * n_heads)
+            score = key_scores(queries[rows], q_pos, keys.float().cpu(), k_pos[layer])
             score[:, :keep_prefix] = float("inf")
             score[:, max(keep_prefix, length - opts.window) :] = float("inf")
             index = top_k_per_head(score, torch.full((n_kv,), target))
@@ -622,8 +658,8 @@ def beacon_generate(
         logits = extend(lm, session, ids, capture, logits_to_keep=1)[-1]
         stats["max"] = max(stats["max"], physical())
         cos, sin = rope_cos_sin(lm, positions)
-        for layer, q in enumerate(capture.per_layer()):
-            states[layer].observe(q, positions, cos, sin)
+        state.observe(stack_layers(capture.per_layer()), positions, cos, sin)
+        for layer in range(lm.n_layers):
             k_pos[layer] = torch.cat([k_pos[layer], positions.expand(n_kv, -1)], dim=1)
         return logits
 

@@ -25,15 +25,18 @@ class SnapKVOptions:
 
 
 def pooled_window_scores(
-    queries: torch.Tensor, keys: torch.Tensor, kernel: int, causal: bool
+    queries: torch.Tensor, keys: torch.Tensor, kernel: int, causal: bool, drop_last: int = 0
 ) -> torch.Tensor:
     """Mean attention from a query window, pooled along the tokens.
 
-    queries: [H, w, d], keys: [H_kv, T, d] -> [H_kv, T].
+    queries: [H, w, d], keys: [H_kv, T, d] -> [H_kv, T - drop_last]. The
+    softmax runs over all T keys; the last ``drop_last`` columns (the window's
+    own tokens, kept anyway) are cut before pooling, as SnapKV does, so they
+    do not leak into their neighbours' scores.
     """
     n_heads, n_kv = queries.shape[0], keys.shape[0]
     weights = attention_weights(queries, expand_kv_heads(keys, n_heads), causal=causal)
-    per_head = weights.mean(dim=1)
+    per_head = weights.mean(dim=1)[:, : keys.shape[1] - drop_last]
     pooled = F.avg_pool1d(per_head.unsqueeze(1), kernel, stride=1, padding=kernel // 2).squeeze(1)
     return pooled.reshape(n_kv, n_heads // n_kv, -1).mean(dim=1)
 
@@ -51,8 +54,8 @@ def snap_scores(req: Request, window: int, kernel: int, from_question: bool) -> 
         if from_question:
             score = pooled_window_scores(q, keys, kernel, causal=False)[:, ctx.prefix_len :]
         else:
-            score = pooled_window_scores(q[:, -window:], keys, kernel, causal=True)[:, ctx.prefix_len :]
-            score[:, ctx.doc_len - window :] = float("inf")
+            cut = pooled_window_scores(q[:, -window:], keys, kernel, causal=True, drop_last=window)
+            score = torch.cat([cut[:, ctx.prefix_len :], torch.full((keys.shape[0], window), float("inf"))], dim=1)
         out.append(score)
     return out
 

@@ -92,8 +92,8 @@ def _scores_from_mass(
         # sum_i a_ij = sum_i phi_ij / z_i as one batched matvec, no [B,n,T] temporary
         scores = torch.bmm(inv_z.unsqueeze(1), phi).squeeze(1) / n
     elif scoring == "rms":
-        a = phi * inv_z.unsqueeze(-1)
-        scores = a.square_().mean(dim=-2).sqrt_()
+        # mean_i (phi_ij / z_i)^2 as a batched matvec over phi^2: one [B,n,T] temporary
+        scores = torch.bmm(inv_z.square().unsqueeze(1), phi.square()).squeeze(1).div_(n).sqrt_()
     elif scoring == "max":
         scores = (phi * inv_z.unsqueeze(-1)).amax(dim=-2)
     else:

@@ -1,8 +1,8 @@
 """A segment of KIVI-quantised tokens: packed low-bit codes, dequantised only for attention.
 
-Storage (what :attr:`QuantSegment.nbytes` counts, nothing else): for every KV
-head, that head's stored tokens, in reading order, form one ``[1, n_h, d]``
-block quantised KIVI-style by :mod:`kvlab.methods.quant`:
+Storage (what :attr:`QuantSegment.nbytes` counts, nothing else): each KV
+head's stored tokens, in reading order, are quantised KIVI-style by
+:mod:`kvlab.methods.quant`:
 
 * keys per channel: each channel's ``group_size`` consecutive stored tokens
   (of that head) share one float16 scale and zero;
@@ -11,14 +11,19 @@ block quantised KIVI-style by :mod:`kvlab.methods.quant`:
 * codes packed ``8 // bits`` per byte.
 
 Heads may store different tokens and different numbers of them (ragged
-sets): each head is quantised on its own, so no padding is ever quantised or
-stored, and a key group never mixes heads. Padding appears only in the
-transient :meth:`QuantSegment.view` (bias -inf, i.e. an absent key), exactly as
-for :class:`~kvlab.runtime.cache.DenseSegment`. The token index is bookkeeping
+sets). Heads that store the same *number* of tokens are packed together as
+one ``[h, n, d]`` block (with uniform budgets: one block per layer), which
+changes nothing in the quantisation (key groups run along one head's tokens,
+value groups along one token's channels, never across heads) and only saves
+calls; heads with other counts get blocks of their own. No padding is ever
+quantised or stored: padding appears only in the transient
+:meth:`QuantSegment.view` (bias -inf, i.e. an absent key), exactly as for
+:class:`~kvlab.runtime.cache.DenseSegment`. The token index is bookkeeping
 for the figures (attention never reads it) and is not counted as stored.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -38,6 +43,10 @@ if TYPE_CHECKING:
 def quant_nbytes(n_tokens: int, head_dim: int, bits: int, group_size: int) -> int:
     """Bytes :class:`QuantSegment` stores for one head holding ``n_tokens`` tokens.
 
+    Exact when ``n_tokens * head_dim * bits`` is a multiple of 8 (always for even
+    head dims); otherwise heads packed in one block may share a byte, and the
+    segment stores up to one byte per head less than this.
+
     keys: codes + float16 scale and zero per (channel, group of tokens);
     values: codes + float16 scale and zero per (token, group of channels).
     """
@@ -49,18 +58,34 @@ def quant_nbytes(n_tokens: int, head_dim: int, bits: int, group_size: int) -> in
     return 2 * codes + key_meta + value_meta
 
 
+def _to(p: "PackedTensor", device: torch.device) -> "PackedTensor":
+    return dataclasses.replace(p, codes=p.codes.to(device), scale=p.scale.to(device), zero=p.zero.to(device))
+
+
+@dataclass
+class QuantBlock:
+    """KV heads ``heads`` that store the same number of tokens, packed together.
+
+    keys: PackedTensor [len(heads), n, d] (per channel); values: PackedTensor
+    [len(heads), n, d] (per token).
+    """
+
+    heads: list[int]
+    keys: "PackedTensor"
+    values: "PackedTensor"
+
+
 @dataclass
 class QuantSegment:
     """Tokens of every KV head stored as KIVI packed codes (see the module docstring).
 
-    keys/values: per head, the packed block of that head's ``head_lengths[h]``
-    tokens (None for a head that stores none here); token_index: [N] original
+    blocks: the packed heads, grouped by token count (heads storing no token
+    here are in no block); head_lengths: [H]; token_index: [N] original
     positions, head-major (N = head_lengths.sum()); dtype: what :meth:`view`
     dequantises to (the model's cache dtype).
     """
 
-    keys: list[PackedTensor | None]
-    values: list[PackedTensor | None]
+    blocks: list[QuantBlock]
     head_lengths: torch.Tensor
     token_index: torch.Tensor
     bits: int
@@ -94,18 +119,17 @@ class QuantSegment:
         if bits not in SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
         lengths = lengths.long().cpu()
-        packed_k: list[PackedTensor | None] = []
-        packed_v: list[PackedTensor | None] = []
-        for h, n in enumerate(lengths.tolist()):
-            if n == 0:
-                packed_k.append(None)
-                packed_v.append(None)
-                continue
-            packed_k.append(quantize_keys(keys[h : h + 1, :n].float().cpu(), bits, group_size))
-            packed_v.append(quantize_values(values[h : h + 1, :n].float().cpu(), bits, group_size))
+        blocks = []
+        for n in sorted(set(lengths.tolist()) - {0}):
+            heads = [h for h, m in enumerate(lengths.tolist()) if m == n]
+            sel = torch.tensor(heads, device=keys.device)
+            # Quantised on the CPU (the reference path of kvlab.methods.quant), then
+            # kept on the device the cache lives on, like the dense segments beside it.
+            k = quantize_keys(keys[sel, :n].float().cpu(), bits, group_size)
+            v = quantize_values(values[sel, :n].float().cpu(), bits, group_size)
+            blocks.append(QuantBlock(heads, _to(k, keys.device), _to(v, keys.device)))
         return cls(
-            keys=packed_k,
-            values=packed_v,
+            blocks=blocks,
             head_lengths=lengths,
             token_index=pack_heads(token_index.cpu(), lengths),
             bits=bits,
@@ -115,8 +139,8 @@ class QuantSegment:
             fate=fate,
         )
 
-    def _packed(self) -> list[PackedTensor]:
-        return [p for p in (*self.keys, *self.values) if p is not None]
+    def _packed(self) -> list["PackedTensor"]:
+        return [p for b in self.blocks for p in (b.keys, b.values)]
 
     @property
     def nbytes(self) -> int:
@@ -135,21 +159,18 @@ class QuantSegment:
     def lengths(self) -> torch.Tensor:
         return self.head_lengths
 
-    def _dequantized(self, blocks: list[PackedTensor | None]) -> torch.Tensor:
-        """[N, d] dequantised tokens, head-major (the packed layout of DenseSegment)."""
-        parts = [p.dequantize(self.dtype)[0] for p in blocks if p is not None]
-        if not parts:
-            return torch.zeros(0, self.head_dim, dtype=self.dtype)
-        return torch.cat(parts, dim=0)
-
     def view(self) -> PaddedView:
         """Dequantised keys/values for attention (transient: never stored)."""
-        keys = self._dequantized(self.keys)
-        values = self._dequantized(self.values)
-        bias = keys.new_zeros(keys.shape[0])
-        return PaddedView(
-            keys=unpack_heads(keys, self.head_lengths, 0.0),
-            values=unpack_heads(values, self.head_lengths, 0.0),
-            bias=unpack_heads(bias, self.head_lengths, NEG_INF),
-            token_index=unpack_heads(self.token_index, self.head_lengths, -1),
-        )
+        n_heads = self.head_lengths.numel()
+        width = int(self.head_lengths.max()) if n_heads else 0
+        device = self.blocks[0].keys.codes.device if self.blocks else torch.device("cpu")
+        keys = torch.zeros(n_heads, width, self.head_dim, dtype=self.dtype, device=device)
+        values = torch.zeros_like(keys)
+        bias = torch.full((n_heads, width), NEG_INF, dtype=self.dtype, device=device)
+        for block in self.blocks:
+            n = block.keys.shape[1]
+            heads = torch.tensor(block.heads, device=device)
+            keys[heads, :n] = block.keys.dequantize(self.dtype)
+            values[heads, :n] = block.values.dequantize(self.dtype)
+            bias[heads, :n] = 0.0
+        return PaddedView(keys, values, bias, unpack_heads(self.token_index, self.head_lengths, -1))

@@ -1,0 +1,137 @@
+"""The app in a real headless Chromium: shared by tests/test_browser.py and benchmarks/app_speed.py.
+
+Serves the app on a free local port (:func:`serve_app`) and opens Debian's
+``/usr/bin/chromium`` through Playwright (:func:`chromium_page`) with the
+flags these machines need and a fresh profile. Never runs ``playwright
+install``: set KVLAB_CHROMIUM to use another Chromium binary.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvlab.models import LoadedModel
+
+CHROMIUM = os.environ.get("KVLAB_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+VIEWPORT = {"width": 1400, "height": 1000}
+
+
+def chromium_path() -> str | None:
+    """The Chromium binary to drive: KVLAB_CHROMIUM / /usr/bin/chromium, else `chromium` on PATH."""
+    return CHROMIUM if Path(CHROMIUM).exists() else shutil.which("chromium")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve_app(lm: LoadedModel | None = None, models: list[tuple[str, str]] | None = None) -> Iterator[str]:
+    """Build, queue and launch the app on 127.0.0.1 and a free port; yields its URL, closes it after."""
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    from kvlab import ui
+
+    demo = ui.prepare(ui.build_app(lm, models))
+    port = free_port()
+    demo.launch(
+        prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True,
+        **ui.launch_options(),
+    )
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()
+
+
+@contextmanager
+def chromium_page(profile_dir: str | Path | None = None, viewport: dict[str, int] | None = None) -> Iterator[Any]:
+    """A Playwright page in a headless Chromium with a fresh profile (``profile_dir``, else a temp dir)."""
+    from playwright.sync_api import sync_playwright
+
+    executable = chromium_path()
+    if executable is None:
+        raise RuntimeError("Debian's chromium is not installed (`make browser` or apt-get install chromium)")
+    with tempfile.TemporaryDirectory(prefix="kvlab_chromium_") as tmp, sync_playwright() as p:
+        # A fresh profile: Playwright passes it as --user-data-dir.
+        context = p.chromium.launch_persistent_context(
+            user_data_dir=str(profile_dir or Path(tmp) / "profile"),
+            executable_path=executable,
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport=viewport or VIEWPORT,
+        )
+        try:
+            yield context.pages[0] if context.pages else context.new_page()
+        finally:
+            context.close()
+
+
+#: The Explore tab's plots: all of them must show a new figure before a run counts as shown.
+RUN_PLOTS = ("kvlab-err", "kvlab-mass", "kvlab-kept", "kvlab-memory", "kvlab-time")
+
+_MARK_JS = """(ids) => {
+  const old = {};
+  for (const id of ids) {
+    const gd = document.querySelector('#' + id + ' .js-plotly-plot');
+    old[id] = gd ? gd.data : null;
+  }
+  window.__kvlabOldPlots = old;
+  const s = document.querySelector('#kvlab-summary');
+  window.__kvlabOldSummary = s ? s.innerText : '';
+}"""
+
+_SHOWN_JS = """([ids, method, ratio]) => {
+  const s = document.querySelector('#kvlab-summary');
+  const text = s ? s.innerText : '';
+  if (!text || text === window.__kvlabOldSummary) return false;
+  if (!text.includes(method) || !text.includes('at ' + ratio + 'x')) return false;
+  for (const sel of ['#kvlab-answer-full textarea', '#kvlab-answer-compressed textarea']) {
+    const el = document.querySelector(sel);
+    if (!el || !el.value.trim()) return false;
+  }
+  const old = window.__kvlabOldPlots || {};
+  for (const id of ids) {
+    const gd = document.querySelector('#' + id + ' .js-plotly-plot');
+    if (!gd || !gd.data || !gd._fullLayout || (old[id] && old[id] === gd.data)) return false;
+    if (gd.getBoundingClientRect().height < 100) return false;
+  }
+  return true;
+}"""
+
+
+def mark_outputs(page: Any) -> None:
+    """Remember the Explore tab's current summary and figures, so that :func:`wait_for_run` waits for new ones."""
+    page.evaluate(_MARK_JS, list(RUN_PLOTS))
+
+
+def wait_for_run(page: Any, method: str, ratio: float, timeout_ms: float) -> None:
+    """Wait until a run of ``method`` at ``ratio`` is shown: its summary, both answers and all five new plots."""
+    page.wait_for_function(_SHOWN_JS, arg=[list(RUN_PLOTS), method, f"{ratio:g}"], polling=100, timeout=timeout_ms)
+
+
+def time_breakdown(page: Any) -> dict[str, str]:
+    """The stages of the page's "Time per stage" figure: stage -> its bar text (seconds, or "reused ...")."""
+    return page.evaluate("""() => {
+      const gd = document.querySelector('#kvlab-time .js-plotly-plot');
+      if (!gd || !gd.data || !gd.data.length) return {};
+      const t = gd.data[0], out = {};
+      t.y.forEach((name, i) => { out[name] = Array.isArray(t.text) ? String(t.text[i]) : String(t.x[i]); });
+      return out;
+    }""")

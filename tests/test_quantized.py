@@ -1,0 +1,121 @@
+"""QuantSegment (KIVI packed storage inside a stored cache) and the KIVI method, on the tiny model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.context import prepare_context
+from kvlab.methods import Request, get_method
+from kvlab.metrics import head_errors
+from kvlab.pipeline import evaluation
+from kvlab.runtime.cache import CompressedKV, DenseSegment
+from kvlab.runtime.decode import extend, greedy, open_session
+from kvlab.runtime.quantized import QuantSegment, quant_nbytes
+
+DOC = " ".join(f"w{(i * 11) % 60 + 2}" for i in range(80))
+QUESTION = "w3 w5 w8"
+
+
+@pytest.fixture(scope="module")
+def ctx(tiny):
+    return prepare_context(tiny, DOC)
+
+
+def quantized_cache(ctx, bits: int, group_size: int = 32) -> CompressedKV:
+    """Every token of every head in one QuantSegment."""
+    layers = []
+    for k, v in zip(ctx.full.keys, ctx.full.values):
+        n_heads, length = k.shape[:2]
+        index = torch.arange(length).expand(n_heads, length)
+        layers.append([QuantSegment.quantize(k, v, torch.full((n_heads,), length), index, bits, group_size)])
+    return CompressedKV(layers, ctx.length)
+
+
+def next_logits(ctx, stored):
+    return extend(ctx.lm, open_session(ctx.lm, stored), torch.tensor([5, 9, 11]))[-1]
+
+
+def test_8_bit_decodes_like_dense_and_2_bit_error_is_bounded(ctx):
+    ev = evaluation(ctx, QUESTION, max_new_tokens=4)
+    full = ctx.full.stored
+    q8, q4, q2 = (quantized_cache(ctx, b) for b in (8, 4, 2))
+    ref = next_logits(ctx, full)
+    assert (next_logits(ctx, q8) - ref).abs().max() < 0.02 * ref.abs().max()
+    prompt = torch.tensor([3, 5, 8])
+    assert greedy(ctx.lm, q8, prompt, 6).ids == greedy(ctx.lm, full, prompt, 6).ids
+    e8, e4, e2 = (head_errors(full, q, ev.queries).mean_output for q in (q8, q4, q2))
+    assert e8 < 0.01
+    assert e8 < e4 < e2 < 0.5
+
+
+def test_nbytes_is_codes_plus_scales_and_zeros(ctx):
+    """Ragged heads: each head's tokens are quantised alone; bytes = what is stored."""
+    k, v = ctx.full.keys[0], ctx.full.values[0]
+    d = k.shape[-1]
+    lengths = torch.tensor([37, 5])
+    index = torch.stack([torch.arange(40), torch.arange(40, 80)])
+    gather = index.unsqueeze(-1).expand(-1, -1, d)
+    seg = QuantSegment.quantize(k.gather(1, gather), v.gather(1, gather), lengths, index, bits=2, group_size=16)
+    # 37 tokens: keys 37*16*2/8 = 148 B codes + 16 channels * 3 groups * 4 B; values 148 B + 37 * 1 group * 4 B.
+    assert quant_nbytes(37, d, 2, 16) == 148 + 16 * 3 * 4 + 148 + 37 * 4
+    assert seg.nbytes == quant_nbytes(37, d, 2, 16) + quant_nbytes(5, d, 2, 16)
+    assert [b.heads for b in seg.blocks] == [[1], [0]]  # one block per distinct token count
+    stored = [p for b in seg.blocks for p in (b.keys, b.values)]
+    assert seg.nbytes == sum(p.nbytes for p in stored)
+    assert seg.breakdown() == {
+        "2-bit codes": sum(p.codes.nbytes for p in stored),
+        "scales+zeros": sum(p.scale.nbytes + p.zero.nbytes for p in stored),
+    }
+    assert all(p.codes.dtype == torch.uint8 and p.scale.dtype == torch.float16 for p in stored)
+    # The view is dequantised and padded like a dense segment's.
+    view = seg.view()
+    assert view.keys.shape == (2, 37, d)
+    assert torch.isinf(view.bias[1, 5:]).all() and (view.bias[1, :5] == 0).all()
+    assert view.token_index[1, :5].tolist() == list(range(40, 45)) and (view.token_index[1, 5:] == -1).all()
+    assert torch.allclose(view.keys[0], k[0, :37], atol=(k[0, :37].abs().max() / 2).item())
+    assert seg.fate == "2-bit" and seg.lengths().tolist() == [37, 5]
+
+
+def test_packing_heads_together_changes_nothing_but_calls(ctx):
+    k, v = ctx.full.keys[1], ctx.full.values[1]
+    n_heads, length = k.shape[:2]
+    index = torch.arange(length).expand(n_heads, length)
+    together = QuantSegment.quantize(k, v, torch.full((n_heads,), length), index, 2).view()
+    for h in range(n_heads):
+        alone = QuantSegment.quantize(k[h : h + 1], v[h : h + 1], torch.tensor([length]), index[:1], 2).view()
+        assert torch.equal(together.keys[h], alone.keys[0]) and torch.equal(together.values[h], alone.values[0])
+
+
+def test_fates_show_quantised_tokens(ctx):
+    k, v = ctx.full.keys[0], ctx.full.values[0]
+    n_heads = k.shape[0]
+    first, rest = torch.arange(10).expand(n_heads, 10), torch.arange(10, 80).expand(n_heads, 70)
+    dense = DenseSegment.from_padded(k[:, :10], v[:, :10], torch.full((n_heads,), 10), first)
+    quant = QuantSegment.quantize(k[:, 10:], v[:, 10:], torch.full((n_heads,), 70), rest, 4)
+    stored = CompressedKV([[dense, quant]], ctx.length)
+    fates = stored.fates(0, 1)
+    assert {fates[i] for i in range(10)} == {"kept"} and {fates[i] for i in range(10, 80)} == {"4-bit"}
+
+
+def test_kivi_quantises_everything_but_the_residual(ctx):
+    stored = get_method("kivi", bits=2, group_size=32).compress(Request(ctx, 2.0))
+    fates = stored.fates(1, 0)
+    residual = ctx.doc_len % 32
+    assert len(fates) == ctx.length  # nothing evicted at a ratio the 2-bit cache meets
+    assert {fates[i] for i in range(ctx.length - residual, ctx.length)} == {"kept"}
+    assert {fates[i] for i in range(ctx.prefix_len, ctx.length - residual)} == {"2-bit"}
+    assert stored.meta["memory_ratio"] == pytest.approx(ctx.full.nbytes / stored.nbytes)
+    assert stored.meta["memory_ratio"] > 3  # fixed by the bits (and the residual), above the requested 2
+
+
+def test_kivi_evicts_the_oldest_when_the_ratio_asks_for_more(ctx):
+    stored = get_method("kivi", bits=4).compress(Request(ctx, 12.0))
+    assert stored.nbytes <= ctx.full.nbytes / 12
+    kept = sorted(stored.fates(0, 0))
+    assert kept == list(range(ctx.length - len(kept), ctx.length))
+    assert stored.meta["evicted_tokens"] == ctx.doc_len - len(kept) > 0
+
+
+def test_kivi_refuses_unsupported_bits():
+    with pytest.raises(ValueError, match="bits"):
+        get_method("kivi", bits=3)
