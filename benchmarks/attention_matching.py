@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from benchmarks.common import Measured, first_tokens, full_logppl, measure, quality_setting, quality_story
+from benchmarks.common import Measured, first_tokens, full_first_nll, full_logppl, measure, quality_setting, quality_story
 from kvlab.context import prepare_context
 from kvlab.methods import get_method
 from kvlab.models import get_model
@@ -25,16 +25,16 @@ from kvlab.queries import repeat_queries
 from kvlab.runtime.decode import continuation_logprobs, greedy
 
 
-def table(rows: list[Measured], ref_ppl: float) -> str:
+def table(rows: list[Measured], ref_ppl: float, ref_first: float) -> str:
     lines = [
         "| method | ratio | attn-output err (document block) | mass err | attn-output err (whole cache) "
-        "| answer log-ppl (full: %.3f) | bytes | compress s |" % ref_ppl,
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| answer log-ppl (full: %.3f) | first-token NLL (full: %.3f) | bytes | compress s |" % (ref_ppl, ref_first),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r.method} | {r.ratio:g}x | {r.output_err:.3f} | {r.mass_err:.3f} | {r.output_err_cache:.3f} "
-            f"| {r.logppl:.3f} | {r.bytes:,} | {r.compress_s:.2f} |"
+            f"| {r.logppl:.3f} | {r.first_nll:.3f} | {r.bytes:,} | {r.compress_s:.2f} |"
         )
     return "\n".join(lines)
 
@@ -96,7 +96,7 @@ def main() -> None:
         print(f"  {label} {ratio:g}x: err {row.output_err:.3f}, log-ppl {row.logppl:.3f}, {row.compress_s:.2f}s", flush=True)
     ref_ppl = full_logppl(setting)
     print()
-    print(table(rows, ref_ppl))
+    print(table(rows, ref_ppl, full_first_nll(setting)))
     by = {(r.method, r.ratio): r for r in rows}
     checks = []
     for r in args.ratios:

@@ -70,6 +70,7 @@ class Measured:
     mass_err: float
     output_err_cache: float  # the whole cache's, as the app shows
     logppl: float
+    first_nll: float  # the answers' first token (the option letter): what the document decides
     bytes: int
     compress_s: float
     stored: CompressedKV
@@ -85,16 +86,20 @@ def measure(setting: Setting, label: str, method: Method, ratio: float, eval_que
         seconds -= fit.get("queries", 0.0)
     errors = head_errors(ctx.full.stored, stored, eval_queries, block_start=ctx.prefix_len)
     whole = head_errors(ctx.full.stored, stored, eval_queries)
-    ppl = [
-        log_perplexity(continuation_logprobs(ctx.lm, stored, ev.question_ids, torch.tensor(ev.answer.ids)))
-        for ev in setting.evaluations
-    ]
+    logps = [continuation_logprobs(ctx.lm, stored, ev.question_ids, torch.tensor(ev.answer.ids)) for ev in setting.evaluations]
+    ppl = [log_perplexity(lp) for lp in logps]
+    first = [float(-lp[0]) for lp in logps]
     return Measured(
         label, ratio, errors.mean_output, errors.mean_mass, whole.mean_output, sum(ppl) / len(ppl),
-        stored.nbytes, seconds, stored,
+        sum(first) / len(first), stored.nbytes, seconds, stored,
     )
 
 
 def full_logppl(setting: Setting) -> float:
     vals = [log_perplexity(torch.tensor(ev.answer.logprobs)) for ev in setting.evaluations]
+    return sum(vals) / len(vals)
+
+
+def full_first_nll(setting: Setting) -> float:
+    vals = [-ev.answer.logprobs[0] for ev in setting.evaluations if ev.answer.logprobs]
     return sum(vals) / len(vals)

@@ -1,4 +1,4 @@
-"""Tests for kvlab.methods.quant (KIVI-style packed quantisation)."""
+"""Tests for kvlab.runtime.quant (KIVI-style packed quantisation)."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from kvlab.methods.quant import (
+from kvlab.runtime.quant import (
     PackedTensor,
     pack_codes,
     quantize_keys,

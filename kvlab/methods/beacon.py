@@ -39,8 +39,7 @@ from kvlab.context import Context
 from kvlab.methods.base import Method, MethodError, Request, register, top_k_per_head
 from kvlab.methods.scoring import per_context
 from kvlab.models import LoadedModel
-from kvlab.prompts import question_tokens
-from kvlab.queries import question_queries, read_after
+from kvlab.queries import question_queries
 from kvlab.runtime.attention import attention_weights, expand_kv_heads
 from kvlab.runtime.cache import CompressedKV, DenseSegment, Segment
 from kvlab.runtime.decode import GrowingLayer, Generation, extend, open_session, stop_token_ids
@@ -268,17 +267,6 @@ class BeaconMixedOptions(BeaconOptions):
 # --------------------------------------------------------------------------- scoring a prepared context
 
 
-def instruction_queries(ctx: Context, instruction: str) -> list[torch.Tensor]:
-    """Queries [H, n, d] per layer of ``instruction`` read (as a user turn) after the full document."""
-    key = "instruction:" + instruction
-    with ctx.lock:
-        if key in ctx.queries:
-            return ctx.queries[key]
-    queries = read_after(ctx, question_tokens(ctx.lm.tokenizer, instruction))
-    with ctx.lock:
-        return ctx.queries.setdefault(key, queries)
-
-
 def stack_layers(per_layer: list[torch.Tensor]) -> torch.Tensor:
     """Per layer [H, n, d] -> [L * H, n, d]: every (layer, head) is one row of the beacon state."""
     return torch.cat(per_layer, dim=0)
@@ -306,7 +294,7 @@ def document_state(ctx: Context, opts: BeaconOptions, question: str | None) -> B
             raise MethodError("beacon_source=question needs a question")
         source = question_queries(ctx, question)
     else:
-        source = instruction_queries(ctx, opts.beacon_instruction)
+        source = question_queries(ctx, opts.beacon_instruction)
     # Recent part: the document's last queries; beacon history: the source's queries.
     tail = slice(length - min(opts.n_recent, length), length)
     state.observe(stack_layers([q[:, tail] for q in ctx_q]), positions[tail], cos[tail], sin[tail])

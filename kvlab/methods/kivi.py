@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 
 from kvlab.methods.base import Method, MethodError, Request, register
-from kvlab.methods.quant import SUPPORTED_BITS
+from kvlab.runtime.quant import SUPPORTED_BITS
 from kvlab.runtime.cache import CompressedKV, DenseSegment, Segment
 from kvlab.runtime.quantized import QuantSegment, quant_nbytes
 

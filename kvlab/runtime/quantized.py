@@ -2,7 +2,7 @@
 
 Storage (what :attr:`QuantSegment.nbytes` counts, nothing else): each KV
 head's stored tokens, in reading order, are quantised KIVI-style by
-:mod:`kvlab.methods.quant`:
+:mod:`kvlab.runtime.quant`:
 
 * keys per channel: each channel's ``group_size`` consecutive stored tokens
   (of that head) share one float16 scale and zero;
@@ -26,18 +26,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvlab.runtime.cache import NEG_INF, PaddedView, pack_heads, unpack_heads
-
-if TYPE_CHECKING:
-    from kvlab.methods.quant import PackedTensor
-
-# kvlab.methods.quant is imported where it is used: importing it here would run
-# kvlab.methods' registry (whose methods import this module) half-way through
-# importing this module.
+from kvlab.runtime.quant import SUPPORTED_BITS, PackedTensor, quantize_keys, quantize_values
 
 
 def quant_nbytes(n_tokens: int, head_dim: int, bits: int, group_size: int) -> int:
@@ -114,8 +107,6 @@ class QuantSegment:
         keys/values: [H, L, d] (padded per head past its length), lengths: [H],
         token_index: [H, L] original positions (reading order within each head).
         """
-        from kvlab.methods.quant import SUPPORTED_BITS, quantize_keys, quantize_values
-
         if bits not in SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
         lengths = lengths.long().cpu()
@@ -123,7 +114,7 @@ class QuantSegment:
         for n in sorted(set(lengths.tolist()) - {0}):
             heads = [h for h, m in enumerate(lengths.tolist()) if m == n]
             sel = torch.tensor(heads, device=keys.device)
-            # Quantised on the CPU (the reference path of kvlab.methods.quant), then
+            # Quantised on the CPU (the reference path of kvlab.runtime.quant), then
             # kept on the device the cache lives on, like the dense segments beside it.
             k = quantize_keys(keys[sel, :n].float().cpu(), bits, group_size)
             v = quantize_values(values[sel, :n].float().cpu(), bits, group_size)
