@@ -25,9 +25,12 @@ EVICTED = "evicted"
 FATE_COLORS: dict[str, str] = {
     "template": "#93c5fd",  # blue: the chat template, always kept
     "kept": "#86efac",  # green: stored at full precision
-    "quantized": "#fde68a",  # amber: stored as low-bit codes
-    "compacted": "#fdba74",  # orange: a fitted key/value (e.g. Attention Matching)
-    "merged": "#c4b5fd",  # violet: folded into a synthetic key
+    "beacon": "#22c55e",  # strong green: kept because beacon queries attend to it
+    "8-bit": "#fef3c7",  # ambers, darker for fewer bits: stored as packed low-bit codes
+    "4-bit": "#fde68a",
+    "2-bit": "#f59e0b",
+    "compacted": "#fdba74",  # orange: a compact key with a fitted bias and value (Attention Matching)
+    "read": "#a5f3fc",  # cyan: read after the document (online compaction)
     EVICTED: "#e5e7eb",  # grey: dropped
 }
 _FALLBACK_COLORS = ["#f9a8d4", "#5eead4", "#a5b4fc", "#bef264"]

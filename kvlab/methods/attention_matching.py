@@ -249,18 +249,23 @@ def compact_cache(
     return CompressedKV([f.segments for f in fits], reference.logical_len, meta=diagnostics(fits))
 
 
+class QuerySourced:
+    """Methods fitted on QueryOptions' reference queries: query-aware only when those are the question's."""
+
+    query_aware_when = "query_source=question"
+
+    def uses_question(self) -> bool:
+        return self.options.query_source == "question"  # type: ignore[attr-defined]
+
+
 @register
-class AttentionTopK(EvictionMethod):
+class AttentionTopK(QuerySourced, EvictionMethod):
     """The key selection of Attention Matching alone: the paper's eviction baseline."""
 
     name = "attention_topk"
     summary = "keep the keys the reference queries attend to most (RMS), bias 0, values as they were"
     paper = "Zweiger et al., 2026 (the eviction baseline of Attention Matching's ablations)"
-    query_aware_when = "query_source=question"
     Options = QueryOptions
-
-    def uses_question(self) -> bool:
-        return self.options.query_source == "question"
 
     def scores(self, req: Request) -> list[torch.Tensor]:
         ctx, opts = req.ctx, self.options
@@ -273,15 +278,11 @@ class AttentionTopK(EvictionMethod):
 
 
 @register
-class AttentionMatching(Method):
+class AttentionMatching(QuerySourced, Method):
     name = "attention_matching"
     summary = "compact keys + per-key bias + refitted values matching attention output and mass (closed form)"
     paper = "Zweiger, Fu, Guo, Kim, 2026, Fast KV Compaction via Attention Matching (arXiv 2602.16284)"
-    query_aware_when = "query_source=question"
     Options = AMOptions
-
-    def uses_question(self) -> bool:
-        return self.options.query_source == "question"
 
     def compress(self, req: Request) -> CompressedKV:
         ctx, opts = req.ctx, self.options

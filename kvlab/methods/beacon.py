@@ -42,7 +42,7 @@ from kvlab.models import LoadedModel
 from kvlab.queries import question_queries
 from kvlab.runtime.attention import attention_weights, expand_kv_heads
 from kvlab.runtime.cache import CompressedKV, DenseSegment, Segment
-from kvlab.runtime.decode import GrowingLayer, Generation, extend, open_session, stop_token_ids
+from kvlab.runtime.decode import GrowingLayer, Generation, extend, greedy_loop, open_session, stop_token_ids
 from kvlab.runtime.hooks import QueryCapture
 from kvlab.runtime.quantized import QuantSegment, quant_nbytes
 from kvlab.runtime.rope import rope_cos_sin, rotate, unrotate
@@ -656,18 +656,6 @@ def beacon_generate(
         logits = feed(prompt_ids[start : start + chunk])
     if logits is None:
         raise MethodError("beacon_generate needs a non-empty prompt")
-    stops = stop_token_ids(lm) if stop else set()
-    ids: list[int] = []
-    logprobs: list[float] = []
-    while len(ids) < max_new_tokens:
-        logp = torch.log_softmax(logits, dim=-1)
-        token = int(torch.argmax(logp))
-        if token in stops:
-            break
-        ids.append(token)
-        logprobs.append(float(logp[token]))
-        if len(ids) < max_new_tokens:
-            logits = feed(torch.tensor([token]))
-    text = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
-    return BeaconGeneration(ids=ids, text=text, logprobs=logprobs,
+    gen = greedy_loop(lm, logits, feed, max_new_tokens, stop_token_ids(lm) if stop else set())
+    return BeaconGeneration(ids=gen.ids, text=gen.text, logprobs=gen.logprobs,
                             max_cache_len=stats["max"], evictions=stats["evictions"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvlab.context import prepare_context
-from kvlab.methods.attention_matching import AMOptions, AttentionMatching
+from kvlab.methods.attention_matching import AMOptions, AttentionMatching, QuerySourced
 from kvlab.methods.base import Method, Request, register
 from kvlab.methods.summarisation import SUMMARY_PROMPT, write_summary
 from kvlab.prompts import question_tokens
@@ -24,15 +24,11 @@ class SummaryAMOptions(AMOptions):
 
 
 @register
-class SummaryThenAM(Method):
+class SummaryThenAM(QuerySourced, Method):
     name = "summary_am"
     summary = "the model summarises the document, then Attention Matching compacts the summary's cache to T/ratio keys"
     paper = "Zweiger et al., 2026 (summarise + AM), on the summarisation baseline"
-    query_aware_when = "query_source=question"
     Options = SummaryAMOptions
-
-    def uses_question(self) -> bool:
-        return self.options.query_source == "question"
 
     def compress(self, req: Request) -> CompressedKV:
         ctx, lm, opts = req.ctx, req.ctx.lm, self.options

@@ -173,18 +173,34 @@ def greedy(
     is fed back are recorded (the evaluation queries).
     """
     session = open_session(lm, stored)
-    stops = stop_token_ids(lm)
-    logits = extend(lm, session, prompt_ids, capture, logits_to_keep=1)[-1]
+    first = extend(lm, session, prompt_ids, capture, logits_to_keep=1)[-1]
+    feed = lambda token: extend(lm, session, token, capture, logits_to_keep=1)[-1]  # noqa: E731
+    return greedy_loop(lm, first, feed, max_new_tokens, stop_token_ids(lm))
+
+
+def greedy_loop(
+    lm: LoadedModel,
+    logits: torch.Tensor,
+    feed: Callable[[torch.Tensor], torch.Tensor],
+    max_new_tokens: int,
+    stops: set[int],
+) -> Generation:
+    """Pick the most likely token, feed it back, until a stop token or ``max_new_tokens``.
+
+    logits: [V] after the prompt; feed(ids [1]) -> the next logits [V] (whatever
+    cache policy the caller runs behind it).
+    """
     ids: list[int] = []
     logprobs: list[float] = []
-    for _ in range(max_new_tokens):
+    while len(ids) < max_new_tokens:
         logp = torch.log_softmax(logits, dim=-1)
         token = int(torch.argmax(logp))
         if token in stops:
             break
         ids.append(token)
         logprobs.append(float(logp[token]))
-        logits = extend(lm, session, torch.tensor([token]), capture, logits_to_keep=1)[-1]
+        if len(ids) < max_new_tokens:
+            logits = feed(torch.tensor([token]))
     text = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
     return Generation(ids=ids, text=text, logprobs=logprobs)
 
