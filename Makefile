@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 APP_STAMP := $(VENV)/.app-installed
 DEV_STAMP := $(VENV)/.dev-installed
 
-.PHONY: run test setup setup-dev browser bench clean
+.PHONY: run test setup setup-dev browser bench bench-methods bench-app clean
 
 $(APP_STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,8 +33,15 @@ run: setup
 test: setup-dev browser
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests
 
+# Benchmarks print the figures quoted in README (they read ../shared/data).
 bench: setup-dev
 	$(PY) -m benchmarks.attention_matching
+
+bench-methods: setup-dev
+	$(PY) -m benchmarks.methods
+
+bench-app: setup-dev browser
+	$(PY) -m benchmarks.app_speed
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -130,6 +130,32 @@ def kept_heatmap(per_head: Mapping[str, Sequence[Sequence[float]]]) -> go.Figure
 # --------------------------------------------------------------------------- bars
 
 
+def bias_histogram(biases: Sequence[float]) -> go.Figure:
+    """Histogram of fitted per-key biases beta; exp(beta) reads as "how many original keys' mass"."""
+    fig = go.Figure(go.Histogram(x=list(biases), nbinsx=60, marker_color="#fb923c"))
+    fig.add_vline(x=0.0, line_dash="dash", line_color="#6b7280")
+    fig.update_layout(
+        **_LAYOUT, title="Fitted biases beta (0 = one key's own mass)",
+        xaxis_title="beta", yaxis_title="compact keys",
+    )
+    return fig
+
+
+def fit_vs_eval_figure(train: Sequence[Sequence[float]], held_out: Sequence[Sequence[float]]) -> go.Figure:
+    """Per layer, mean attention-output error on the fitting queries vs on the held-out queries.
+
+    train, held_out: [n_layers][H_kv] errors.
+    """
+    layers = list(range(len(train)))
+    fig = go.Figure()
+    for name, rows, color in (("fitting queries", train, "#2563eb"), ("evaluation queries", held_out, "#dc2626")):
+        fig.add_trace(go.Scatter(x=layers, y=[sum(r) / len(r) for r in rows], mode="lines+markers",
+                                 name=name, line_color=color))
+    fig.update_layout(**_LAYOUT, title="Attention-output error: fitting vs evaluation queries",
+                      xaxis_title="layer", yaxis_title="rel. error (mean over KV heads)")
+    return fig
+
+
 def _human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":

@@ -94,6 +94,16 @@ class Run:
     ctx: Context
     evaluation: Evaluation
 
+    def fitted_biases(self) -> list[float]:
+        """Every stored key's fitted bias (Attention Matching's beta); empty for methods without one."""
+        out: list[float] = []
+        for layer in self.stored.layers:
+            for seg in layer:
+                bias = getattr(seg, "bias", None)
+                if seg.fate == "compacted" and bias is not None:
+                    out.extend(bias[torch.isfinite(bias)].tolist())
+        return out
+
 
 def run(
     ctx: Context,

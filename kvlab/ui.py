@@ -937,6 +937,7 @@ class RunView:
 
     outputs: tuple
     fates: TokenFates
+    fit_figures: tuple | None = None  # Attention Matching: bias histogram, fitting vs evaluation error
 
 
 def present(ex: Explored) -> RunView:
@@ -956,6 +957,19 @@ def present(ex: Explored) -> RunView:
             figures.time_figure(timings, notes, total=ex.wall_s),
         ),
         TokenFates.of(ex),
+        fit_figures(ex),
+    )
+
+
+def fit_figures(ex: Explored) -> tuple | None:
+    """Attention Matching's inner workings, when the run has them."""
+    r = ex.run.result
+    train = r.details.get("train_attn_output_rel_err")
+    if train is None:
+        return None
+    return (
+        figures.bias_histogram(ex.run.fitted_biases()),
+        figures.fit_vs_eval_figure(train, r.per_head["attn_output_rel_err"]),
     )
 
 
@@ -1183,6 +1197,9 @@ def build_app(lm: LoadedModel | None = None, models: list[tuple[str, str]] | Non
                     kept_plot = gr.Plot(label="Keys per head", elem_id="kvlab-kept")
                     mem_plot = gr.Plot(label="Memory", elem_id="kvlab-memory")
                     time_plot = gr.Plot(label="Time", elem_id="kvlab-time")
+                with gr.Row(visible=False) as fit_row:
+                    bias_plot = gr.Plot(label="Fitted biases", elem_id="kvlab-bias")
+                    fit_plot = gr.Plot(label="Fitting vs evaluation queries", elem_id="kvlab-fit")
                 gr.Markdown("### The document, coloured by token fate")
                 with gr.Row():
                     layer = gr.Slider(0, n_layers - 1, value=n_layers // 2, step=1, label="Layer", elem_id="kvlab-layer")
@@ -1271,7 +1288,7 @@ def build_app(lm: LoadedModel | None = None, models: list[tuple[str, str]] | Non
 
         run_outputs = [
             summary, answer_full, answer_comp, diff, err_plot, mass_plot, kept_plot, mem_plot,
-            time_plot, layer, head, counts, tokens, last,
+            time_plot, layer, head, counts, tokens, last, fit_row, bias_plot, fit_plot,
         ]
 
         def on_run(text=None, file=None, method=start_method, ratio=RATIO_DEFAULT, question=None,
@@ -1301,6 +1318,8 @@ def build_app(lm: LoadedModel | None = None, models: list[tuple[str, str]] | Non
                 line,
                 html,
                 fates,
+                gr.Row(visible=view.fit_figures is not None),
+                *(view.fit_figures or (None, None)),
             )
 
         def load_model_checked(spec: str | None) -> None:

@@ -126,3 +126,10 @@ def test_fate_html_escapes_and_colours():
     assert 'title="kept"' in html and figures.FATE_COLORS["kept"] in html
     assert "white-space:pre-wrap" in html
     assert html.count('class="kvlab-chip"') == 3
+
+
+def test_attention_matching_figures():
+    hist = figures.bias_histogram([-1.0, 0.0, 0.5, 2.0])
+    assert hist.layout.height and list(hist.data[0].x) == [-1.0, 0.0, 0.5, 2.0]
+    fit = figures.fit_vs_eval_figure([[0.1, 0.3], [0.2, 0.2]], [[0.2, 0.4], [0.3, 0.5]])
+    assert fit.layout.height and [[round(y, 6) for y in t.y] for t in fit.data] == [[0.2, 0.2], [0.3, 0.4]]
