@@ -366,6 +366,36 @@ def fate_html(segments: Sequence[tuple[str, str]], max_height: int = 440) -> str
     )
 
 
+BIT_COLORS = {"full": "#1d4ed8", 8: "#60a5fa", 4: "#f59e0b", 2: "#f97316", 0: "#e5e7eb"}
+
+
+def bits_of(fate: str) -> str | int:
+    """What one stored token costs: "full" precision, N bits ("N-bit" fates), or 0 (evicted)."""
+    if fate == EVICTED:
+        return 0
+    if fate.endswith("-bit") and fate[:-4].isdigit():
+        return int(fate[:-4])
+    return "full"
+
+
+def bits_strip_html(n_tokens: int, fates: Mapping[int, str], default: str = EVICTED) -> str:
+    """A one-row strip, one cell per context token, coloured by the bits it is stored with."""
+    cells = "".join(
+        f'<span style="flex:1 1 0;min-width:0;background:{BIT_COLORS.get(bits_of(fates.get(i, default)), "#d1d5db")}"></span>'
+        for i in range(n_tokens)
+    )
+    legend = " ".join(
+        f'<span class="kvlab-chip" style="background:{color};color:{"#fff" if key == "full" else "#111827"}">'
+        f'{"full precision" if key == "full" else f"{key} bits"}</span>'
+        for key, color in BIT_COLORS.items()
+    )
+    return (
+        f'<div style="margin:2px 0 4px 0;font-size:0.9em">Bits per token: {legend}</div>'
+        f'<div class="kvlab-bits" title="bits per token, in reading order" '
+        f'style="display:flex;height:14px;border:1px solid #e5e7eb;border-radius:4px;overflow:hidden">{cells}</div>'
+    )
+
+
 def _fate_style(fate: str, colors: Mapping[str, str]) -> str:
     if fate == EVICTED:
         return "color:#9ca3af"

@@ -924,7 +924,7 @@ def token_view(view: TokenFates | None, layer: int, head: int) -> tuple[str, str
     counts = figures.fate_counts(n, fates)
     parts = ", ".join(f"{c:,} {fate}" for fate, c in sorted(counts.items(), key=lambda kv: -kv[1]))
     line = f"Layer {layer}, KV head {head}: {parts} (of {n:,} context tokens)."
-    return line, figures.fate_html(figures.fate_segments(view.token_texts, fates))
+    return line, figures.bits_strip_html(n, fates) + figures.fate_html(figures.fate_segments(view.token_texts, fates))
 
 
 @dataclass

@@ -133,3 +133,11 @@ def test_attention_matching_figures():
     assert hist.layout.height and list(hist.data[0].x) == [-1.0, 0.0, 0.5, 2.0]
     fit = figures.fit_vs_eval_figure([[0.1, 0.3], [0.2, 0.2]], [[0.2, 0.4], [0.3, 0.5]])
     assert fit.layout.height and [[round(y, 6) for y in t.y] for t in fit.data] == [[0.2, 0.2], [0.3, 0.4]]
+
+
+def test_bits_strip_counts_every_token():
+    fates = {0: "template", 1: "4-bit", 2: "2-bit", 4: "beacon"}
+    strip = figures.bits_strip_html(5, fates)
+    assert strip.count("flex:1 1 0") == 5
+    assert [figures.bits_of(f) for f in ("template", "4-bit", "2-bit", figures.EVICTED)] == ["full", 4, 2, 0]
+    assert figures.BIT_COLORS[0] in strip and figures.BIT_COLORS[4] in strip
