@@ -15,6 +15,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from kvlab.models import ATTENTION_NAME, LoadedModel, get_model, register_attention
 
+def pytest_configure(config: pytest.Config) -> None:
+    # gradio's queue still uses pandas options that pandas 4 deprecates; not ours to fix.
+    config.addinivalue_line("filterwarnings", "ignore::DeprecationWarning:gradio.queueing")
+    config.addinivalue_line("filterwarnings", "ignore:.*(no_silent_downcasting|copy keyword).*")
+
+
 TINY_VOCAB = ["<unk>", "<eos>"] + [f"w{i}" for i in range(62)]
 
 
