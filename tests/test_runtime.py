@@ -161,3 +161,12 @@ def test_bytes_count_what_is_stored(tiny):
     b = [[torch.zeros(T // 2)] * 2 for _ in range(2)]
     with_bias = cache_from(full, [[torch.arange(T // 2)] * 2 for _ in range(2)], b)
     assert with_bias.breakdown()["biases"] == 2 * 2 * (T // 2) * 4
+
+
+def test_a_block_with_no_key_has_zero_output_and_mass():
+    q, k, v = torch.randn(2, 3, 8), torch.randn(2, 4, 8), torch.randn(2, 4, 8)
+    bias = torch.zeros(2, 4)
+    bias[1] = float("-inf")  # head 1 keeps nothing of this block
+    out = attend(q, k, v, bias)
+    assert torch.isfinite(out.output).all() and (out.output[1] == 0).all()
+    assert torch.isneginf(out.lse[1]).all() and torch.isfinite(out.lse[0]).all()

@@ -58,7 +58,10 @@ def attend(
     """
     logits = attention_logits(q, k, bias, scale)
     lse = torch.logsumexp(logits, dim=-1)
-    weights = torch.exp(logits - lse.unsqueeze(-1))
+    # A head that keeps no key of the block has lse = -inf: zero output and
+    # zero mass, not NaN.
+    shift = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    weights = torch.exp(logits - shift.unsqueeze(-1))
     return BlockAttention(output=torch.matmul(weights, v.float()), lse=lse)
 
 
