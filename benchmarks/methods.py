@@ -19,7 +19,9 @@ from kvlab.methods import REGISTRY, get_method
 from kvlab.models import get_model
 
 # Rows that are not token eviction (quantisation, summaries, the floor).
-NOT_EVICTION = {"beaconkv_mixed", "beaconkv_mixed/rest=2bit", "kivi", "summarisation", "summary_am", "no_context"}
+NOT_EVICTION = {
+    "attention_matching", "summary_am", "beaconkv_mixed", "beaconkv_mixed/rest=2bit", "kivi", "summarisation", "no_context",
+}
 
 
 def main() -> None:
