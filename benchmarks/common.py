@@ -69,7 +69,9 @@ class Measured:
     output_err: float  # the document block's (template prefix excluded), as the AM paper reports
     mass_err: float
     output_err_cache: float  # the whole cache's, as the app shows
-    logppl: float
+    logppl: float  # mean over the answers of each answer's log-ppl
+    answer_gap: float  # mean over the answers of |log-ppl - the full cache's|: no cancelling between answers
+    token_gap: float  # mean over the answers of the mean |log p - the full cache's| per answer token
     first_nll: float  # the answers' first token (the option letter): what the document decides
     bytes: int
     compress_s: float
@@ -87,12 +89,19 @@ def measure(setting: Setting, label: str, method: Method, ratio: float, eval_que
     errors = head_errors(ctx.full.stored, stored, eval_queries, block_start=ctx.prefix_len)
     whole = head_errors(ctx.full.stored, stored, eval_queries)
     logps = [continuation_logprobs(ctx.lm, stored, ev.question_ids, torch.tensor(ev.answer.ids)) for ev in setting.evaluations]
+    refs = [torch.tensor(ev.answer.logprobs) for ev in setting.evaluations]
     ppl = [log_perplexity(lp) for lp in logps]
+    answer_gap = [abs(p - log_perplexity(ref)) for p, ref in zip(ppl, refs)]
+    token_gap = [float((lp - ref).abs().mean()) for lp, ref in zip(logps, refs)]
     first = [float(-lp[0]) for lp in logps]
     return Measured(
-        label, ratio, errors.mean_output, errors.mean_mass, whole.mean_output, sum(ppl) / len(ppl),
-        sum(first) / len(first), stored.nbytes, seconds, stored,
+        label, ratio, errors.mean_output, errors.mean_mass, whole.mean_output, _mean(ppl), _mean(answer_gap),
+        _mean(token_gap), _mean(first), stored.nbytes, seconds, stored,
     )
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def full_logppl(setting: Setting) -> float:

@@ -2,7 +2,7 @@
 
 Every function here takes lists, dicts and numbers (the fields of
 :class:`kvlab.pipeline.RunResult`, a token-fate dict) and returns a plotly
-figure or ``(text, label)`` pairs for ``gr.HighlightedText``. Nothing here
+figure, ``(text, label)`` pairs for ``gr.HighlightedText`` or HTML. Nothing here
 imports a model, torch or gradio, so the figures can be tested (and reused
 by notebooks or reports) on small synthetic data.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import html
+import itertools
 import math
 import re
 from typing import Iterable, Mapping, Sequence
@@ -322,41 +323,93 @@ def sweep_figure(
 # --------------------------------------------------------------------------- text
 
 
+#: Intensity steps of the token view: levels (bytes 1-255) are bucketed into this many shades.
+LEVEL_STEPS = 8
+#: Shade of the weakest step (the strongest is the fate's own colour), as a share of that colour.
+WEAKEST_SHADE = 0.15
+#: Evicted tokens carry no fate colour: with an intensity they get a grey background, so that
+#: an important but evicted token stands out.
+EVICTED_SHADE = "#cbd5e1"
+
+
+def level_step(level: int) -> int | None:
+    """A token level (0: none; 1-255: percentile rank, see kvlab.metrics.percentile_levels) -> its step."""
+    return None if level == 0 else (level - 1) * LEVEL_STEPS // 255
+
+
 def fate_segments(
-    token_texts: Sequence[str], fates: Mapping[int, str], default: str = EVICTED
-) -> list[tuple[str, str]]:
-    """(text, fate) runs for ``gr.HighlightedText``: adjacent tokens of one fate are joined.
+    token_texts: Sequence[str],
+    fates: Mapping[int, str],
+    default: str = EVICTED,
+    levels: bytes | Sequence[int] | None = None,
+) -> list[tuple[str, str, int | None]]:
+    """(text, fate, step) runs: adjacent tokens of one fate and one intensity step are joined.
 
     token_texts: the decoded text of each token of the context, in order;
     fates: original token index -> fate (as from ``CompressedKV.fates``); tokens
-    missing from it get ``default``.
+    missing from it get ``default``. levels: one level per token (0: none),
+    or None: every step is then None (no intensity).
     """
-    out: list[tuple[str, str]] = []
+    out: list[tuple[str, str, int | None]] = []
     for i, text in enumerate(token_texts):
-        fate = fates.get(i, default)
-        if out and out[-1][1] == fate:
-            out[-1] = (out[-1][0] + text, fate)
+        key = (fates.get(i, default), None if levels is None else level_step(levels[i]))
+        if out and out[-1][1:] == key:
+            out[-1] = (out[-1][0] + text, *key)
         else:
-            out.append((text, fate))
-    return [(text, fate) for text, fate in out if text]
+            out.append((text, *key))
+    return [seg for seg in out if seg[0]]
 
 
-def fate_html(segments: Sequence[tuple[str, str]], max_height: int = 440) -> str:
-    """The document as HTML, each run of tokens coloured by its fate, with a legend.
+def _shade(color: str, strength: float) -> str:
+    """``color`` (#rrggbb) mixed with white: strength 1 is the colour itself, 0 is white.
 
-    segments: (text, fate) runs as from :func:`fate_segments`. Evicted tokens
-    are grey text; other fates get a background colour. Text is HTML-escaped
-    and whitespace (newlines included) is kept.
+    Opaque on purpose: a translucent background would take the page's colour
+    and leave dark text unreadable on a dark theme."""
+    rgb = [int(color[i : i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(255 - (255 - c) * strength):02x}" for c in rgb)
+
+
+def _step_strength(step: int) -> float:
+    return WEAKEST_SHADE + (1 - WEAKEST_SHADE) * step / (LEVEL_STEPS - 1)
+
+
+def _step_title(fate: str, step: int | None) -> str:
+    if step is None:
+        return fate
+    return f"{fate}, percentile {100 * step // LEVEL_STEPS}-{100 * (step + 1) // LEVEL_STEPS}"
+
+
+def fate_html(
+    segments: Sequence[tuple[str, str, int | None]], max_height: int = 440, intensity: str | None = None
+) -> str:
+    """The document as HTML, each run of tokens coloured by its fate and shaded by its step, with a legend.
+
+    segments: (text, fate, step) runs as from :func:`fate_segments`. Evicted
+    tokens are grey text; other fates get a background colour, paler for
+    lower steps; with a step, an evicted token gets a grey background as
+    strong as its step. Each run's tooltip says its fate and percentile.
+    intensity: what the steps measure, for the legend (None: no intensity
+    note). Text is HTML-escaped and whitespace (newlines included) is kept.
     """
-    present = list(dict.fromkeys(fate for _, fate in segments))
+    present = list(dict.fromkeys(fate for _, fate, _ in segments))
     colors = fate_colors(present)
     legend = " ".join(
         f'<span class="kvlab-chip" style="{_fate_style(fate, colors)}">{html.escape(fate)}</span>'
         for fate in (present or [EVICTED])
     )
+    if intensity:
+        shown = next((f for f in present if f not in (EVICTED, "template")), "kept")
+        scale = "".join(
+            f'<span style="{_fate_style(shown, colors, step)};padding:0 5px"> </span>' for step in range(LEVEL_STEPS)
+        )
+        legend += (
+            f'<div style="margin-top:4px;font-size:0.9em">intensity = {html.escape(intensity)}, as a percentile '
+            f"within this head: low {scale} high</div>"
+        )
     body = "".join(
-        f'<span title="{html.escape(fate)}" style="{_fate_style(fate, colors)}">{html.escape(text)}</span>'
-        for text, fate in segments
+        f'<span title="{html.escape(_step_title(fate, step))}" style="{_fate_style(fate, colors, step)}">'
+        f"{html.escape(text)}</span>"
+        for text, fate, step in segments
     )
     return (
         f'<div class="kvlab-legend" style="margin:4px 0 8px 0">{legend}</div>'
@@ -379,10 +432,15 @@ def bits_of(fate: str) -> str | int:
 
 
 def bits_strip_html(n_tokens: int, fates: Mapping[int, str], default: str = EVICTED) -> str:
-    """A one-row strip, one cell per context token, coloured by the bits it is stored with."""
+    """A one-row strip, in reading order, coloured by the bits each context token is stored with.
+
+    A run of tokens with one colour is one cell as wide as the run (a cell per
+    token would make the strip alone weigh ~60 bytes per token).
+    """
+    colors = (BIT_COLORS.get(bits_of(fates.get(i, default)), "#d1d5db") for i in range(n_tokens))
     cells = "".join(
-        f'<span style="flex:1 1 0;min-width:0;background:{BIT_COLORS.get(bits_of(fates.get(i, default)), "#d1d5db")}"></span>'
-        for i in range(n_tokens)
+        f'<span style="flex:{len(list(run))} 1 0;min-width:0;background:{color}"></span>'
+        for color, run in itertools.groupby(colors)
     )
     legend = " ".join(
         f'<span class="kvlab-chip" style="background:{color};color:{"#fff" if key == "full" else "#111827"}">'
@@ -396,10 +454,13 @@ def bits_strip_html(n_tokens: int, fates: Mapping[int, str], default: str = EVIC
     )
 
 
-def _fate_style(fate: str, colors: Mapping[str, str]) -> str:
+def _fate_style(fate: str, colors: Mapping[str, str], step: int | None = None) -> str:
     if fate == EVICTED:
-        return "color:#9ca3af"
-    return f"background-color:{colors[fate]};border-radius:3px;color:#111827"
+        if step is None:
+            return "color:#9ca3af"
+        return f"background-color:{_shade(EVICTED_SHADE, _step_strength(step))};color:#6b7280"
+    color = colors[fate] if step is None else _shade(colors[fate], _step_strength(step))
+    return f"background-color:{color};border-radius:3px;color:#111827"
 
 
 def fate_counts(n_tokens: int, fates: Mapping[int, str], default: str = EVICTED) -> dict[str, int]:

@@ -3,7 +3,9 @@
 Per layer and KV head, on held-out queries: the attention-output relative
 error ||y_c - y|| / ||y|| and the attention-mass relative error
 |exp(LSE_c - LSE) - 1| of the cached block, both averaged over queries; and
-downstream, the log-perplexity of the full cache's own answer.
+downstream, the log-perplexity of the full cache's own answer. Also, for the
+app's token view, how much attention those queries pay each cached token,
+and per-token scores as percentile ranks within a head.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.runtime.attention import attend, group_queries
+from kvlab.runtime.attention import attend, attention_weights, group_queries
 from kvlab.runtime.cache import CompressedKV, PaddedView, select_keys
 
 
@@ -69,3 +71,45 @@ def head_errors(
 def log_perplexity(logprobs: torch.Tensor) -> float:
     """Mean negative log-likelihood per token (nats); 0 for an empty answer."""
     return float(-logprobs.mean()) if logprobs.numel() else 0.0
+
+
+def question_attention(queries: list[torch.Tensor], keys: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Mean attention weight each cached token gets from held-out queries, per KV head.
+
+    queries: per layer [H, n, d] (the question turn's and the answer's, as
+    in :class:`kvlab.pipeline.Evaluation`); keys: per layer [H_kv, T, d], the
+    full cache's. -> per layer [H_kv, T] float32: each query's softmax over
+    the T cached tokens, averaged over the queries and over the query heads
+    of the KV head's group. The softmax runs over the cache only (the tokens
+    after it, which these queries also see, are left out): each query's row
+    sums to 1 over the cache, and the relative weights of cached tokens are
+    the model's own.
+    """
+    out = []
+    for q, k in zip(queries, keys):
+        k = k.cpu()
+        out.append(attention_weights(group_queries(q, k.shape[0]), k).mean(dim=1))
+    return out
+
+
+def percentile_levels(scores: torch.Tensor) -> torch.Tensor:
+    """Each token's percentile rank of score within its head, as a byte.
+
+    scores: [H, T] (NaN: no score) -> [H, T] uint8: 0 where NaN, else
+    1 + floor(255 p) clipped to 255, with p = (mid-rank + 1/2) / m the token's
+    percentile among the head's m scored tokens (ties share one level).
+    Ranks, not values: attention scores are heavy-tailed (a few tokens take
+    most of it), so scaled values would leave almost every token at 0.
+    """
+    out = torch.zeros(scores.shape, dtype=torch.uint8)
+    for head, row in enumerate(scores.float()):
+        scored = ~torch.isnan(row)
+        values = row[scored]
+        if values.numel() == 0:
+            continue
+        ordered = torch.sort(values).values
+        below = torch.searchsorted(ordered, values, right=False)
+        upto = torch.searchsorted(ordered, values, right=True)
+        p = (below + upto).float() / (2 * values.numel())
+        out[head, scored] = (1 + (p * 255).floor()).clamp(max=255).to(torch.uint8)
+    return out

@@ -112,13 +112,18 @@ def run(
     question: str,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     progress: Progress = no_progress,
+    record_importance: bool = False,
 ) -> Run:
-    """Compress ``ctx`` with ``method`` at ``ratio`` and compare it with the full cache on ``question``."""
+    """Compress ``ctx`` with ``method`` at ``ratio`` and compare it with the full cache on ``question``.
+
+    record_importance: keep the method's per-token scores on the stored cache
+    (``CompressedKV.importance``, for the app's token view).
+    """
     progress(0.0, "answering from the full cache")
     ev = evaluation(ctx, question, max_new_tokens)
     progress(0.25, f"compressing with {method.name}")
     start = time.perf_counter()
-    stored = method.compress(Request(ctx, ratio, question, progress))
+    stored = method.compress(Request(ctx, ratio, question, progress, record_importance))
     compress_s = time.perf_counter() - start
     progress(0.6, "answering from the compressed cache")
     start = time.perf_counter()

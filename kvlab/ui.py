@@ -8,8 +8,8 @@ registered later appears without any change here.
 Endpoints (every event has an ``api_name``, so ``gradio_client`` can drive the app):
 
 - ``/run``: (text, file, method, ratio, question, max_new_tokens, layer, head,
-  model, and one keyword per knob named ``<method>__<field>``) -> summary, both
-  answers, their word diff, five figures, the token-fate view; the plain
+  model, intensity, and one keyword per knob named ``<method>__<field>``) ->
+  summary, both answers, their word diff, five figures, the token-fate view; the plain
   function behind it is :func:`explore`. ``layer`` and ``head`` must lie in
   the sliders' range, which follows the model of the session's last run.
 - ``/compare``: (text, file, methods, ratios, more_ratios, question,
@@ -17,8 +17,10 @@ Endpoints (every event has an ``api_name``, so ``gradio_client`` can drive the a
   ratio: a status line, the full cache's answer, three line charts against the
   ratio (attention-output error, mass error, answer log-perplexity), a table,
   and the results as CSV and JSON files; the plain function is :func:`compare`.
-- ``/token_view``: (layer, head) -> the document coloured by token fate for
-  that layer and KV head of the last run (kept per user in ``gr.State``).
+- ``/token_view``: (layer, head, intensity) -> the document coloured by token
+  fate for that layer and KV head of the last run (kept per user in
+  ``gr.State``), shaded by ``intensity`` (a value of INTENSITIES; default
+  "score", the method's own score).
 - ``/load_example``: (example id) -> document text, suggested questions, question.
 - ``/pick_question``: (suggested question) -> question.
 - ``/load_file``: (file) -> document text.
@@ -48,7 +50,7 @@ import time
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import gradio as gr
 
@@ -57,8 +59,12 @@ from kvlab.context import CONTEXTS, Context, Progress, no_progress, prepare_cont
 from kvlab.documents import DocumentError, Example, clean_text, load_examples, read_document
 from kvlab.methods import REGISTRY, MethodError, get_method
 from kvlab.methods.base import MAX_RATIO, MIN_RATIO
+from kvlab.metrics import percentile_levels, question_attention
 from kvlab.models import EMBEDDED, EMBEDDED_LABEL, LoadedModel, ModelLoadError, get_model
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS, Run, RunResult, run
+
+if TYPE_CHECKING:
+    import torch
 
 try:  # ZeroGPU (Hugging Face Spaces): optional, never required
     import spaces  # type: ignore[import-not-found]
@@ -78,6 +84,14 @@ SWEEP_DEFAULT_RATIOS = (5, 10, 20, 50)
 SWEEP_DEFAULT_METHODS = ("attention_matching", "snapkv", "streaming_llm")
 #: At most this many (method, ratio) runs per sweep.
 MAX_SWEEP_POINTS = 100
+#: What shades the token view: (label, value); the value names an entry of TokenFates.levels.
+INTENSITIES = [("method's score", "score"), ("question's attention (full cache)", "question"), ("none", "none")]
+INTENSITY_DEFAULT = "score"
+#: What each intensity measures, for the view's legend.
+INTENSITY_NOTES = {
+    "score": "the method's own score of the token",
+    "question": "the attention the question and the answer pay the token in the full cache",
+}
 # Placeholder geometry for the token-view sliders until a model is known.
 _DEFAULT_LAYERS, _DEFAULT_KV_HEADS = 32, 8
 # ZeroGPU time slots (seconds): one Explore run, and a sweep (per point, capped).
@@ -270,7 +284,10 @@ def explore(
     lm = get_model(model or None)
     ctx, prefilled = prepared_context(lm, document, _sub(progress, 0.05, 0.35))
     answered = len(ctx.evaluations)
-    result = run(ctx, method_obj, float(ratio), question, int(max_new_tokens), _sub(progress, 0.4, 0.6))
+    result = run(
+        ctx, method_obj, float(ratio), question, int(max_new_tokens), _sub(progress, 0.4, 0.6),
+        record_importance=True,
+    )
     texts = token_texts(lm.tokenizer, ctx.tokens.ids.tolist())
     return Explored(
         result, texts, expected_answer(question, _examples()), method_obj.uses_question(),
@@ -617,8 +634,8 @@ METHOD_NOTES: dict[str, str] = {
         "\\qquad \\operatorname{softmax}\\!\\Big(\\tfrac{qC_k^\\top}{\\sqrt d}+\\beta\\Big)C_v\\approx"
         "\\operatorname{softmax}\\!\\Big(\\tfrac{qK^\\top}{\\sqrt d}\\Big)V$$\n\n"
         "Matching both makes the compact block a drop-in replacement whatever is read after it. Three "
-        "closed-form steps, no gradient descent: keep the keys with the highest RMS attention (or pick them "
-        "by orthogonal matching pursuit), fit $w=e^{\\beta}$ by non-negative least squares on the mass "
+        "closed-form steps, no gradient descent: keep the keys the reference queries attend to most "
+        "(RMS attention as in the published code; mean or max with `scoring`) or pick them by orthogonal matching pursuit, fit $w=e^{\\beta}$ by non-negative least squares on the mass "
         "($\\beta$ bounded to $[-3,3]$), then fit $C_v$ by least squares on the outputs. $e^{\\beta_j}$ reads as "
         "\"how many original keys' worth of mass key $j$ stands for\". The reference queries come, by "
         "default, from a *repeat-prefill*: the model is asked to repeat the document and its queries while "
@@ -627,7 +644,7 @@ METHOD_NOTES: dict[str, str] = {
     "attention_topk": (
         "The key selection of Attention Matching on its own, as the paper's eviction baseline: keep the "
         "B keys the reference queries attend to most, $s_j=\\sqrt{\\tfrac1n\\sum_i a_{ij}^2}$ (RMS over the "
-        "queries of the head's group), with no bias and the original values. The gap between this and "
+        "queries of the head's group by default; `scoring` as in `attention_matching`), with no bias and the original values. The gap between this and "
         "`attention_matching` is what fitting $\\beta$ and the values buys."
     ),
     "streaming_llm": (
@@ -750,7 +767,9 @@ values, biases, packed codes, scales).
 - **Time per stage**: prefill, reference queries, compression, the two answers and the measurements; \
 stages reused from an earlier run are marked *reused*.
 - **Token fates**: for one layer and KV head, what happened to each token: kept, evicted, or another fate \
-of the method (quantised, compacted, ...).
+of the method (quantised, compacted, ...). The **intensity** shades each token by its percentile rank within \
+the head, of the method's own score (methods without one show no shading) or of the attention the question \
+and the answer pay it in the full cache: pale is low, strong is high (an evicted token on grey ranked high).
 
 ### The Compare tab
 A sweep: every chosen method at every chosen ratio, with default knobs, on the Explore tab's document, \
@@ -868,18 +887,28 @@ def stage_timings(ex: Explored) -> tuple[dict[str, float], dict[str, str]]:
     return timings, notes
 
 
+def _level_bytes(per_layer: list[torch.Tensor]) -> list[list[bytes]]:
+    """Per layer [H_kv, T] scores -> [layer][head] one level byte per token (kvlab.metrics.percentile_levels)."""
+    return [[bytes(row.tolist()) for row in percentile_levels(scores)] for scores in per_layer]
+
+
 @dataclass
 class TokenFates:
     """What happened to every context token in every layer and KV head of a run: plain, light data.
 
     codes[layer][head] holds one byte per context token, an index into
-    ``names`` (0: evicted). This is what the app keeps per user between runs
-    (``gr.State``), instead of the run and its cache.
+    ``names`` (0: evicted). levels[source][layer][head] holds one byte per
+    context token for each intensity source the run has ("score": the
+    method's own score, absent for a method without one; "question": the
+    question's attention over the full cache): 0 for a token without a
+    score, else its percentile rank within the head (1-255). This is what the
+    app keeps per user between runs (``gr.State``), instead of the run and its cache.
     """
 
     token_texts: list[str]
     names: list[str]
     codes: list[list[bytes]]
+    levels: dict[str, list[list[bytes]]] = field(default_factory=dict)
 
     @property
     def n_layers(self) -> int:
@@ -906,15 +935,25 @@ class TokenFates:
                         buf[i] = index[fate]
                 row.append(bytes(buf))
             codes.append(row)
-        return cls(ex.token_texts, names, codes)
+        run = ex.run
+        levels = {"question": _level_bytes(question_attention(run.evaluation.queries, run.ctx.full.keys))}
+        if run.stored.importance is not None:
+            levels["score"] = _level_bytes(run.stored.importance)
+        return cls(ex.token_texts, names, codes, levels)
 
     def fates(self, layer: int, head: int) -> dict[int, str]:
         """Token index -> fate, for the tokens not evicted in one layer and KV head."""
         return {i: self.names[c] for i, c in enumerate(self.codes[layer][head]) if c}
 
 
-def token_view(view: TokenFates | None, layer: int, head: int) -> tuple[str, str]:
-    """(counts line, the document as HTML coloured by token fate) for one layer and KV head of a run."""
+def token_view(
+    view: TokenFates | None, layer: int, head: int, intensity: str = INTENSITY_DEFAULT
+) -> tuple[str, str]:
+    """(counts line, the document as HTML coloured by token fate) for one layer and KV head of a run.
+
+    intensity: a value of INTENSITIES; tokens are shaded by that source's
+    levels when the run has them, and the counts line says when it has not.
+    """
     if view is None or not view.codes:
         return "Run a compression first: the document will appear here, coloured by what happened to each token.", ""
     layer = min(max(int(layer), 0), view.n_layers - 1)
@@ -924,7 +963,14 @@ def token_view(view: TokenFates | None, layer: int, head: int) -> tuple[str, str
     counts = figures.fate_counts(n, fates)
     parts = ", ".join(f"{c:,} {fate}" for fate, c in sorted(counts.items(), key=lambda kv: -kv[1]))
     line = f"Layer {layer}, KV head {head}: {parts} (of {n:,} context tokens)."
-    return line, figures.bits_strip_html(n, fates) + figures.fate_html(figures.fate_segments(view.token_texts, fates))
+    levels, note = view.levels.get(intensity), None
+    if levels is not None:
+        note = INTENSITY_NOTES[intensity]
+        line += f" Intensity: {note}, as a percentile within this head."
+    elif intensity == "score":
+        line += " This method has no per-token score: shown without intensity."
+    segments = figures.fate_segments(view.token_texts, fates, levels=None if levels is None else levels[layer][head])
+    return line, figures.bits_strip_html(n, fates) + figures.fate_html(segments, intensity=note)
 
 
 @dataclass
@@ -1200,10 +1246,14 @@ def build_app(lm: LoadedModel | None = None, models: list[tuple[str, str]] | Non
                 with gr.Row(visible=False) as fit_row:
                     bias_plot = gr.Plot(label="Fitted biases", elem_id="kvlab-bias")
                     fit_plot = gr.Plot(label="Fitting vs evaluation queries", elem_id="kvlab-fit")
-                gr.Markdown("### The document, coloured by token fate")
+                gr.Markdown("### The document, coloured by token fate, shaded by importance")
                 with gr.Row():
                     layer = gr.Slider(0, n_layers - 1, value=n_layers // 2, step=1, label="Layer", elem_id="kvlab-layer")
                     head = gr.Slider(0, n_kv - 1, value=0, step=1, label="KV head", elem_id="kvlab-head")
+                    intensity = gr.Radio(
+                        INTENSITIES, value=INTENSITY_DEFAULT, label="Intensity",
+                        info="Shade each token by its percentile within the head", elem_id="kvlab-intensity",
+                    )
                 counts = gr.Markdown(token_view(None, 0, 0)[0])
                 tokens = gr.HTML(elem_id="kvlab-tokens", label="Token fates")
 
@@ -1293,7 +1343,7 @@ def build_app(lm: LoadedModel | None = None, models: list[tuple[str, str]] | Non
 
         def on_run(text=None, file=None, method=start_method, ratio=RATIO_DEFAULT, question=None,
                    max_new_tokens=DEFAULT_MAX_NEW_TOKENS, layer=0, head=0, model=None,
-                   progress=gr.Progress(), **knob_values):
+                   intensity=INTENSITY_DEFAULT, progress=gr.Progress(), **knob_values):
             try:
                 opts = method_options(method, knobs, knob_values)
                 load_model_checked(model)
@@ -1310,7 +1360,7 @@ def build_app(lm: LoadedModel | None = None, models: list[tuple[str, str]] | Non
             fates = view.fates
             layer = min(max(int(layer or 0), 0), fates.n_layers - 1)
             head = min(max(int(head or 0), 0), fates.n_kv_heads - 1)
-            line, html = token_view(fates, layer, head)
+            line, html = token_view(fates, layer, head, intensity)
             return (
                 *view.outputs,
                 gr.Slider(minimum=0, maximum=fates.n_layers - 1, value=layer, step=1),
@@ -1330,7 +1380,7 @@ def build_app(lm: LoadedModel | None = None, models: list[tuple[str, str]] | Non
 
         run_btn.click(
             on_run,
-            [text, upload, method, ratio, question, max_new, layer, head, model],
+            [text, upload, method, ratio, question, max_new, layer, head, model, intensity],
             run_outputs,
             inputs_kwargs=knob_inputs,
             api_name="run",
@@ -1373,11 +1423,11 @@ def build_app(lm: LoadedModel | None = None, models: list[tuple[str, str]] | Non
             concurrency_id="compute",
         )
 
-        def on_view(view: TokenFates | None, layer: int, head: int):
-            return token_view(view, layer, head)
+        def on_view(view: TokenFates | None, layer: int, head: int, intensity: str = INTENSITY_DEFAULT):
+            return token_view(view, layer, head, intensity)
 
         gr.on(
-            [layer.input, head.input], on_view, [last, layer, head], [counts, tokens],
+            [layer.input, head.input, intensity.input], on_view, [last, layer, head, intensity], [counts, tokens],
             api_name="token_view", show_progress="minimal", trigger_mode="always_last",
             concurrency_limit=4,
         )

@@ -113,7 +113,7 @@ def test_learn_tab_explains_every_method():
             assert ui.METHOD_NOTES[name] in text
     assert "secondary summaries" in ui.METHOD_NOTES.get("beaconkv", "secondary summaries")
     for plot in ("Attention-output error", "Attention-mass error", "Keys per head", "Memory", "Time per stage",
-                 "Token fates", "log-ppl"):
+                 "Token fates", "**intensity**", "log-ppl"):
         assert plot in text
 
 
@@ -141,6 +141,9 @@ def test_gpu_results_are_plain_picklable_data(embedded):
     blob = pickle.dumps(view)
     assert len(blob) < 2_000_000 and b"LlamaForCausalLM" not in blob
     assert view.fates.n_layers == embedded.n_layers and view.fates.n_kv_heads == embedded.n_kv_heads
+    # FAST has no per-token score; the question's attention is there for every method.
+    assert set(view.fates.levels) == {"question"}
+    assert len(view.fates.levels["question"][0][0]) == len(view.fates.token_texts)
     sweep = ui.sweep_view(DOCUMENT, None, [FAST], [4.0], QUESTION, 8, None)
     assert b"LlamaForCausalLM" not in pickle.dumps(sweep)
 
@@ -176,6 +179,26 @@ def test_run_gives_two_answers_and_figures(client, embedded):
     assert line.startswith(f"Layer {embedded.n_layers - 1}, KV head 0:")
     for fate in ("template", "kept", "evicted"):
         assert f'title="{fate}"' in tokens
+
+
+def test_token_view_shades_by_the_chosen_intensity(client, embedded):
+    _run(client, method=OTHER)  # a method that scores tokens
+    last = embedded.n_layers - 1
+    views = {value: client.predict(layer=last, head=0, intensity=value, api_name="/token_view")
+             for _, value in ui.INTENSITIES}
+    line, tokens = views["score"]
+    assert "Intensity: the method's own score" in line
+    assert "intensity = the method&#x27;s own score" in tokens and 'title="kept, percentile ' in tokens
+    line, tokens = views["question"]
+    assert "Intensity: the attention the question" in line and 'title="kept, percentile ' in tokens
+    line, tokens = views["none"]
+    assert "Intensity" not in line and "percentile" not in tokens and 'title="kept"' in tokens
+    assert all(len(tokens) < 400_000 for _, tokens in views.values())
+    # A method without a score says so and shows no shading; the question's attention is always there.
+    out = _run(client, method=FAST, intensity="score")
+    assert "no per-token score" in out[11] and "percentile" not in out[12]
+    _, tokens = client.predict(layer=last, head=0, intensity="question", api_name="/token_view")
+    assert 'title="kept, percentile ' in tokens
 
 
 def test_changing_the_method_reuses_the_prefill(client, embedded):

@@ -151,6 +151,15 @@ def test_beaconkv_keeps_template_window_and_top_scores(ctx):
     assert all(len(row) == 16 and max(row) < ctx.length - 16 for layer in beacons for row in layer)
 
 
+@pytest.mark.parametrize("name", ["beaconkv", "beaconkv_mixed"])
+def test_importance_is_the_beacon_score(ctx, name):
+    stored = get_method(name).compress(Request(ctx, 4.0, record_importance=True))
+    scores = get_method("beaconkv").scores(Request(ctx, 4.0))
+    for imp, score in zip(stored.importance, scores, strict=True):
+        assert imp.shape == (ctx.lm.n_kv_heads, ctx.length)
+        assert torch.isnan(imp[:, :PREFIX]).all() and torch.equal(imp[:, PREFIX:], score.float())
+
+
 def test_beacon_sources(ctx):
     assert not get_method("beaconkv").uses_question()
     assert get_method("beaconkv", beacon_source="question").uses_question()

@@ -97,8 +97,8 @@ def test_fate_segments_joins_runs_and_marks_missing_as_evicted():
     texts = ["<s>", "The", " cat", " sat", " on", " mat", ""]
     fates = {0: "template", 1: "kept", 2: "kept", 5: "kept"}
     segs = figures.fate_segments(texts, fates)
-    assert segs == [("<s>", "template"), ("The cat", "kept"), (" sat on", "evicted"), (" mat", "kept")]
-    assert "".join(t for t, _ in segs) == "".join(texts)
+    assert segs == [("<s>", "template", None), ("The cat", "kept", None), (" sat on", "evicted", None), (" mat", "kept", None)]
+    assert "".join(t for t, _, _ in segs) == "".join(texts)
     assert figures.fate_counts(len(texts), fates) == {"template": 1, "kept": 3, "evicted": 3}
 
 
@@ -120,8 +120,42 @@ def test_word_diff():
     assert figures.word_diff("", "") == []
 
 
+def test_fate_segments_split_runs_by_intensity_step():
+    texts = ["a", "b", "c", "d", "e"]
+    fates = {0: "kept", 1: "kept", 2: "kept", 3: "kept"}
+    # Levels 250 and 255 share the top step; 1 is the bottom one; 0 means no level.
+    segs = figures.fate_segments(texts, fates, levels=bytes([250, 255, 1, 0, 128]))
+    assert segs == [("ab", "kept", 7), ("c", "kept", 0), ("d", "kept", None), ("e", "evicted", 3)]
+    assert [figures.level_step(x) for x in (0, 1, 32, 33, 255)] == [None, 0, 0, 1, figures.LEVEL_STEPS - 1]
+
+
+def test_fate_html_shades_by_step_and_says_the_percentile():
+    segs = [("<i>x</i>", "kept", 7), (" y", "kept", 0), (" z", "evicted", 7), (" w", "evicted", 0), (" t", "template", None)]
+    html = figures.fate_html(segs, intensity="the method's <score>")
+    assert "&lt;i&gt;x&lt;/i&gt;" in html and "<i>" not in html
+    assert "intensity = the method&#x27;s &lt;score&gt;" in html
+    assert 'title="kept, percentile 87-100"' in html and 'title="kept, percentile 0-12"' in html
+    assert 'title="template"' in html  # no level, no percentile
+    strong, pale = figures.FATE_COLORS["kept"], figures._shade(figures.FATE_COLORS["kept"], figures.WEAKEST_SHADE)
+    assert f"background-color:{strong}" in html and f"background-color:{pale}" in html
+    # An important evicted token gets a grey background; an unimportant one almost none.
+    assert f"background-color:{figures.EVICTED_SHADE};color:#6b7280" in html
+    assert figures._shade("#000000", 0.15) == "#d9d9d9" and figures._shade("#86efac", 1) == "#86efac"
+    # Without an intensity the view is as before: fate colours, no note.
+    assert "intensity" not in figures.fate_html([(" a", "kept", None)])
+
+
+def test_token_view_of_a_long_document_stays_small():
+    n = 2_000
+    texts = [f" w{i}" for i in range(n)]
+    fates = {i: "kept" for i in range(0, n, 3)}
+    levels = bytes((i * 97) % 255 + 1 for i in range(n))  # adjacent levels differ: the worst case
+    html = figures.bits_strip_html(n, fates) + figures.fate_html(figures.fate_segments(texts, fates, levels=levels), intensity="x")
+    assert html.count("<span title=") == n and len(html) < 400_000
+
+
 def test_fate_html_escapes_and_colours():
-    html = figures.fate_html([("<b>Hi</b>\n", "template"), (" there", "kept"), (" gone", "evicted")])
+    html = figures.fate_html([("<b>Hi</b>\n", "template", None), (" there", "kept", None), (" gone", "evicted", None)])
     assert "&lt;b&gt;Hi&lt;/b&gt;" in html and "<b>" not in html
     assert 'title="kept"' in html and figures.FATE_COLORS["kept"] in html
     assert "white-space:pre-wrap" in html
@@ -139,5 +173,8 @@ def test_bits_strip_counts_every_token():
     fates = {0: "template", 1: "4-bit", 2: "2-bit", 4: "beacon"}
     strip = figures.bits_strip_html(5, fates)
     assert strip.count("flex:1 1 0") == 5
+    # A run of tokens stored alike is one cell as wide as the run.
+    assert figures.bits_strip_html(6, {0: "template", 1: "template"}).count("flex:") == 2
+    assert "flex:2 1 0" in figures.bits_strip_html(6, {0: "template", 1: "template"})
     assert [figures.bits_of(f) for f in ("template", "4-bit", "2-bit", figures.EVICTED)] == ["full", 4, 2, 0]
     assert figures.BIT_COLORS[0] in strip and figures.BIT_COLORS[4] in strip

@@ -1,6 +1,9 @@
 """Compression methods on a tiny random Llama: budgets, kept sets, invariants."""
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 
@@ -8,7 +11,8 @@ from kvlab.context import prepare_context
 from kvlab.methods import REGISTRY, MethodError, Request, get_method
 from kvlab.methods.attention_matching import compact_cache, AMOptions
 from kvlab.methods.budgets import allocate, cap_shares
-from kvlab.metrics import head_errors
+from kvlab.metrics import head_errors, percentile_levels, question_attention
+from kvlab.runtime.attention import attend
 from kvlab.pipeline import evaluation
 from kvlab.queries import repeat_queries
 from kvlab.runtime.decode import extend, open_session
@@ -17,9 +21,25 @@ DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(96))
 QUESTION = "w3 w5 w8"
 
 
+# Methods without a per-token score of importance: they record none.
+UNSCORED = {"kivi", "no_context", "random", "streaming_llm", "summarisation", "summary_am"}
+
+
 @pytest.fixture(scope="module")
 def ctx(tiny):
     return prepare_context(tiny, DOC)
+
+
+@pytest.fixture(scope="module")
+def templated(tiny):
+    """The tiny model given a chat template, so that its contexts start with a template prefix."""
+    tokenizer = copy.deepcopy(tiny.tokenizer)
+    tokenizer.chat_template = (
+        "w60 w61 {% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %} w59{% endif %}"
+    )
+    ctx = prepare_context(dataclasses.replace(tiny, tokenizer=tokenizer), DOC)
+    assert ctx.prefix_len == 2
+    return ctx
 
 
 def fresh_logits(ctx, stored):
@@ -139,3 +159,74 @@ def test_budget_allocation_keeps_total_and_caps():
     budgets = allocate(shares, per_head=20, length=100)
     assert int(budgets.sum()) == 20 * 6
     assert budgets.min() >= 1 and budgets.max() <= 100
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_importance_is_recorded_only_when_asked_and_only_by_scoring_methods(ctx, name):
+    stored = get_method(name).compress(Request(ctx, 4.0, QUESTION, record_importance=True))
+    if name in UNSCORED:
+        assert stored.importance is None
+        return
+    assert len(stored.importance) == ctx.lm.n_layers
+    for imp in stored.importance:
+        assert imp.shape == (ctx.lm.n_kv_heads, ctx.length) and imp.dtype == torch.float32
+        assert not torch.isnan(imp).any()  # every document token has a score (no template here)
+    plain = get_method(name).compress(Request(ctx, 4.0, QUESTION))
+    # A diagnostic: not asked, not there; never stored bytes, never in the details.
+    assert plain.importance is None and "importance" not in stored.meta
+    assert plain.nbytes == stored.nbytes and plain.breakdown() == stored.breakdown()
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "attention_matching"])
+def test_kept_tokens_are_the_most_important(templated, name):
+    ctx = templated
+    stored = get_method(name).compress(Request(ctx, 4.0, QUESTION, record_importance=True))
+    budget, prefix = round(ctx.doc_len / 4), ctx.prefix_len
+    for layer, imp in enumerate(stored.importance):
+        assert imp.shape == (ctx.lm.n_kv_heads, ctx.length)
+        assert torch.isnan(imp[:, :prefix]).all() and not torch.isnan(imp[:, prefix:]).any()
+        for head in range(ctx.lm.n_kv_heads):
+            kept = {i for i in stored.fates(layer, head) if i >= prefix}
+            top = set((torch.topk(imp[head, prefix:], budget).indices + prefix).tolist())
+            assert kept == top
+
+
+def test_attention_matching_with_omp_still_scores_every_document_token(templated):
+    stored = get_method("attention_matching", key_selection="omp", chunk_size=32).compress(
+        Request(templated, 4.0, record_importance=True)
+    )
+    for imp in stored.importance:
+        assert torch.isnan(imp[:, : templated.prefix_len]).all()
+        assert torch.isfinite(imp[:, templated.prefix_len :]).all() and (imp[:, templated.prefix_len :] >= 0).all()
+
+
+def test_question_attention_is_a_softmax_over_the_cache():
+    torch.manual_seed(0)
+    q, k = torch.randn(4, 3, 16), torch.randn(2, 5, 16)  # 4 query heads over 2 KV heads, 3 queries, 5 keys
+    (weights,) = question_attention([q], [k])
+    direct = torch.softmax(q @ k.repeat_interleave(2, dim=0).transpose(1, 2) / 4.0, dim=-1)  # [4, 3, 5]
+    assert torch.allclose(weights, direct.reshape(2, 2 * 3, 5).mean(dim=1), atol=1e-6)
+
+
+def test_question_attention_on_the_document_is_its_share_of_the_mass(templated):
+    ctx, prefix = templated, templated.prefix_len
+    ev = evaluation(ctx, QUESTION, max_new_tokens=4)
+    for q, k, weights in zip(ev.queries, ctx.full.keys, question_attention(ev.queries, ctx.full.keys)):
+        assert weights.shape == (ctx.lm.n_kv_heads, ctx.length)
+        assert torch.allclose(weights.sum(dim=-1), torch.ones(ctx.lm.n_kv_heads), atol=1e-5)
+        grouped = q.reshape(ctx.lm.n_kv_heads, -1, q.shape[-1])
+        share = torch.exp(attend(grouped, k[:, prefix:], k[:, prefix:]).lse - attend(grouped, k, k).lse)
+        doc = weights[:, prefix:].sum(dim=-1)
+        assert (doc <= 1 + 1e-6).all() and torch.allclose(doc, share.mean(dim=-1), atol=1e-5)
+
+
+def test_percentile_levels_rank_within_each_head():
+    nan = float("nan")
+    scores = torch.tensor([[0.1, 5.0, nan, 0.1, 1e9], [nan, nan, nan, nan, nan], [3.0, 2.0, 1.0, 0.0, float("inf")]])
+    levels = percentile_levels(scores)
+    assert levels.dtype == torch.uint8
+    first = levels[0].tolist()
+    assert first[2] == 0 and first[0] == first[3] and 0 < first[0] < first[1] < first[4] <= 255  # ties share a level
+    assert levels[1].tolist() == [0] * 5
+    # Ranks, not values: five distinct scores spread evenly, (rank + 1/2) / 5 of the byte range.
+    assert levels[2].tolist() == [179, 128, 77, 26, 230]

@@ -29,7 +29,15 @@ from kvlab.queries import (
     self_study_queries,
 )
 from kvlab.runtime.attention import group_queries
-from kvlab.runtime.cache import CompressedKV, DenseSegment, PaddedView, Segment, segment_from_view, select_keys
+from kvlab.runtime.cache import (
+    CompressedKV,
+    DenseSegment,
+    PaddedView,
+    Segment,
+    segment_from_view,
+    select_keys,
+    token_importance,
+)
 
 QuerySource = Literal["repeat", "context", "self_study", "random", "question"]
 
@@ -51,11 +59,20 @@ class QueryOptions:
 
 
 @dataclass(frozen=True)
-class AMOptions(QueryOptions):
+class ScoredOptions(QueryOptions):
+    """Reference queries and the HighestAttnKeys score over them."""
+
+    # RMS is the published code's choice. On the embedded model, mean keeps the
+    # model's own answers closer to the full cache at the same attention error
+    # (`python -m benchmarks.attention_matching`); the default stays the paper's.
+    scoring: Literal["rms", "mean", "max"] = field(default="rms", metadata={
+        "help": "HighestAttnKeys score over queries: rms (the published code's), mean or max attention"})
+
+
+@dataclass(frozen=True)
+class AMOptions(ScoredOptions):
     key_selection: Literal["highest_attn", "omp"] = field(default="highest_attn", metadata={
         "help": "highest_attn (HighestAttnKeys) or omp (orthogonal matching pursuit on the mass)"})
-    scoring: Literal["rms", "mean", "max"] = field(default="rms", metadata={
-        "help": "HighestAttnKeys score over queries: rms, mean or max attention"})
     keys_per_iter: int = field(default=4, metadata={"help": "OMP: keys added per iteration (fast variant: 4)"})
     refit_every: int = field(default=2, metadata={"help": "OMP: refit the weights every this many iterations"})
     drop_below: float = field(default=-7.0, metadata={"help": "OMP: drop and replace keys whose beta falls below this"})
@@ -155,20 +172,30 @@ def split_budget(budgets: torch.Tensor, spans: list[tuple[int, int]], total: int
     return shares
 
 
-def compact_blocks(block: PaddedView, queries: torch.Tensor, budgets: torch.Tensor, opts: AMOptions) -> tuple[list[CompactBlock], list[torch.Tensor]]:
+def compact_blocks(
+    block: PaddedView, queries: torch.Tensor, budgets: torch.Tensor, opts: AMOptions, score: bool = False
+) -> tuple[list[CompactBlock], list[torch.Tensor], torch.Tensor | None]:
     """Compact one layer's block (all heads at once), chunk by chunk.
 
     block: keys/values [H_kv, T, d], bias [H_kv, T]; queries: [H_kv, n, d];
-    budgets: [H_kv]. Returns each chunk's CompactBlock and its token offset.
+    budgets: [H_kv]. Returns each chunk's CompactBlock and its token offset,
+    and with ``score`` each key's HighestAttnKeys score [H_kv, T] within its
+    chunk (``CompactBlock.scores``; scored here only for a chunk kept whole,
+    which the solver returns unscored).
     """
     spans = chunk_spans(block.keys.shape[1], opts.chunk_size)
-    out, offsets = [], []
+    out, offsets, scores = [], [], []
     for (s, e), share in zip(spans, split_budget(budgets, spans, block.keys.shape[1])):
         bias = block.bias[:, s:e]
         job = BlockJob(queries, block.keys[:, s:e], block.values[:, s:e], None if bool((bias == 0).all()) else bias, share)
         out.append(solve(job, opts))
         offsets.append(torch.tensor(s))
-    return out, offsets
+        if score:
+            block_scores = out[-1].scores
+            if block_scores is None:
+                block_scores = score_keys(job.queries, job.keys, job.bias, scoring=opts.scoring)
+            scores.append(block_scores)
+    return out, offsets, torch.cat(scores, dim=1) if score else None
 
 
 def to_segment(blocks: list[CompactBlock], offsets: list[torch.Tensor], token_index: torch.Tensor) -> DenseSegment:
@@ -201,20 +228,27 @@ class LayerFit:
     n_queries: int
     train_output: torch.Tensor  # [H_kv]
     train_mass: torch.Tensor  # [H_kv]
+    importance: torch.Tensor | None = None  # [H_kv, logical length] (see CompressedKV.importance)
 
 
-def compact_layer(view: PaddedView, q: torch.Tensor, budgets: torch.Tensor, opts: AMOptions, protected: int) -> LayerFit:
+def compact_layer(
+    view: PaddedView, q: torch.Tensor, budgets: torch.Tensor, opts: AMOptions, protected: int,
+    importance_len: int | None = None,
+) -> LayerFit:
     """Attention Matching on one layer of a stored cache.
 
     view: the layer as attention sees it (a full or already compacted cache:
     an existing bias enters the targets); q: [H, n, d] reference queries;
     budgets: [H_kv] compact keys per head; protected: leading original tokens
-    (the template prefix) left as they are.
+    (the template prefix) left as they are; importance_len: the cache's
+    logical length, to record each compacted token's key score (None: not recorded).
     """
     keep = (view.token_index < protected) & (view.token_index >= 0)
     grouped = subsample(group_queries(q, view.keys.shape[0]), opts.max_queries, opts.seed)
     block = select_keys(view, ~keep & torch.isfinite(view.bias))
-    blocks, offsets = compact_blocks(block, grouped.to(block.keys.device), budgets, opts)
+    blocks, offsets, scores = compact_blocks(
+        block, grouped.to(block.keys.device), budgets, opts, score=importance_len is not None
+    )
     timings = {k: sum(b.timings.get(k, 0.0) for b in blocks) for k in ("keys", "bias", "values")}
     seg = to_segment(blocks, offsets, block.token_index)
     out_err, mass_err = train_errors(grouped, block, seg)
@@ -222,7 +256,8 @@ def compact_layer(view: PaddedView, q: torch.Tensor, budgets: torch.Tensor, opts
     segments: list[Segment] = [seg]
     if bool(keep.any()):
         segments.insert(0, segment_from_view(kept, fate="template", keep_bias=False))
-    return LayerFit(segments, timings, grouped.shape[1], out_err, mass_err)
+    importance = None if scores is None else token_importance(scores, block.token_index, importance_len)
+    return LayerFit(segments, timings, grouped.shape[1], out_err, mass_err, importance)
 
 
 def diagnostics(fits: list[LayerFit]) -> dict:
@@ -235,18 +270,32 @@ def diagnostics(fits: list[LayerFit]) -> dict:
     }
 
 
+def fitted_cache(fits: list[LayerFit], logical_len: int) -> CompressedKV:
+    """The stored cache of every layer's fit, with its diagnostics (and importance, when recorded)."""
+    importance = [f.importance for f in fits] if all(f.importance is not None for f in fits) else None
+    return CompressedKV([f.segments for f in fits], logical_len, meta=diagnostics(fits), importance=importance)
+
+
 def compact_cache(
-    reference: CompressedKV, queries: list[torch.Tensor], budgets: torch.Tensor, opts: AMOptions, protected: int
+    reference: CompressedKV,
+    queries: list[torch.Tensor],
+    budgets: torch.Tensor,
+    opts: AMOptions,
+    protected: int,
+    record_importance: bool = False,
 ) -> CompressedKV:
     """Attention Matching on every layer of ``reference`` (see :func:`compact_layer`).
 
     queries: per layer [H, n, d]; budgets: [n_layers, H_kv]. Re-compacting an
     already compacted cache works the same way: its bias is part of the targets.
+    record_importance: fill ``importance`` with each compacted token's key score.
     """
+    length = reference.logical_len if record_importance else None
     fits = [
-        compact_layer(reference.layer_view(i), q, budgets[i], opts, protected) for i, q in enumerate(queries)
+        compact_layer(reference.layer_view(i), q, budgets[i], opts, protected, length)
+        for i, q in enumerate(queries)
     ]
-    return CompressedKV([f.segments for f in fits], reference.logical_len, meta=diagnostics(fits))
+    return fitted_cache(fits, reference.logical_len)
 
 
 class QuerySourced:
@@ -263,9 +312,9 @@ class AttentionTopK(QuerySourced, EvictionMethod):
     """The key selection of Attention Matching alone: the paper's eviction baseline."""
 
     name = "attention_topk"
-    summary = "keep the keys the reference queries attend to most (RMS), bias 0, values as they were"
+    summary = "keep the keys the reference queries attend to most, bias 0, values as they were"
     paper = "Zweiger et al., 2026 (the eviction baseline of Attention Matching's ablations)"
-    Options = QueryOptions
+    Options = ScoredOptions
 
     def scores(self, req: Request) -> list[torch.Tensor]:
         ctx, opts = req.ctx, self.options
@@ -273,7 +322,7 @@ class AttentionTopK(QuerySourced, EvictionMethod):
         for layer, q in enumerate(reference_queries(ctx, opts, req.question)):
             keys = ctx.full.keys[layer][:, ctx.prefix_len :]
             grouped = subsample(group_queries(q, keys.shape[0]), opts.max_queries, opts.seed + layer)
-            out.append(score_keys(grouped.to(keys.device), keys))
+            out.append(score_keys(grouped.to(keys.device), keys, scoring=opts.scoring))
         return out
 
 
@@ -295,7 +344,7 @@ class AttentionMatching(QuerySourced, Method):
             queries = reference_queries(ctx, opts, req.question)
             queries_s = time.perf_counter() - start
             req.progress(0.4, "fitting keys, biases and values")
-            stored = compact_cache(ctx.full.stored, queries, budgets, opts, ctx.prefix_len)
+            stored = compact_cache(ctx.full.stored, queries, budgets, opts, ctx.prefix_len, req.record_importance)
         stored.meta = {
             "method": self.name,
             "query_source": opts.query_source,
@@ -310,6 +359,7 @@ class AttentionMatching(QuerySourced, Method):
         ctx, opts = req.ctx, self.options
         ids = source_tokens(ctx, opts, req.question)
         full = ctx.full.stored
+        length = full.logical_len if req.record_importance else None
         fits: list[LayerFit] = []
         queries_s = 0.0
         for layer in range(ctx.lm.n_layers):
@@ -317,6 +367,6 @@ class AttentionMatching(QuerySourced, Method):
             mixed = CompressedKV([f.segments for f in fits] + full.layers[layer:], full.logical_len)
             q = read_after(ctx, ids, mixed, layers=layer + 1)[layer]
             queries_s += time.perf_counter() - start
-            fits.append(compact_layer(full.layer_view(layer), q, budgets[layer], opts, ctx.prefix_len))
+            fits.append(compact_layer(full.layer_view(layer), q, budgets[layer], opts, ctx.prefix_len, length))
             req.progress(0.3 + 0.3 * (layer + 1) / ctx.lm.n_layers, f"on-policy: layer {layer + 1}")
-        return CompressedKV([f.segments for f in fits], full.logical_len, meta=diagnostics(fits)), queries_s
+        return fitted_cache(fits, full.logical_len), queries_s

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvlab.context import Context, Progress, no_progress
-from kvlab.runtime.cache import CompressedKV, DenseSegment, Segment
+from kvlab.runtime.cache import CompressedKV, DenseSegment, Segment, token_importance
 
 MIN_RATIO, MAX_RATIO = 1.0, 1000.0
 
@@ -40,12 +40,15 @@ class Request:
 
     question: the user's question, for the methods (and query sources) that are
     explicitly query-aware; query-agnostic methods never read it.
+    record_importance: also fill ``CompressedKV.importance`` (a diagnostic for
+    the app's token view; off by default: it is per-token data nobody else reads).
     """
 
     ctx: Context
     ratio: float
     question: str | None = None
     progress: Progress = no_progress
+    record_importance: bool = False
 
     def __post_init__(self) -> None:
         if not (MIN_RATIO <= self.ratio <= MAX_RATIO) or math.isnan(self.ratio):
@@ -116,6 +119,19 @@ def keep_tokens(
     return segments
 
 
+def document_importance(req: Request, scores: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """``CompressedKV.importance`` from document-token scores, or None unless the request records it.
+
+    scores: per layer [H_kv, T_doc] -> per layer [H_kv, context length], NaN
+    on the template prefix (kept whatever its score).
+    """
+    if not req.record_importance:
+        return None
+    ctx = req.ctx
+    index = torch.arange(ctx.prefix_len, ctx.length)
+    return [token_importance(s, index.expand(s.shape[0], -1), ctx.length) for s in scores]
+
+
 def top_k_per_head(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Each head's ``lengths[h]`` highest-scoring positions, ascending, padded with -1.
 
@@ -132,6 +148,12 @@ def top_k_per_head(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 class EvictionMethod(Method):
     """Score every document token per layer and head; keep each head's top budget."""
 
+    #: Whether the scores mean importance (recorded as ``CompressedKV.importance``);
+    #: not for position or chance (StreamingLLM's recency, random scores).
+    scores_are_importance: ClassVar[bool] = True
+    #: Fewest document tokens a head keeps (0: a head may keep only the template).
+    min_head_budget: ClassVar[int] = 1
+
     @abstractmethod
     def scores(self, req: Request) -> list[torch.Tensor]:
         """Per layer, [H_kv, T_doc] importance of each document token (higher = keep)."""
@@ -140,14 +162,19 @@ class EvictionMethod(Method):
         """[n_layers, H_kv] document tokens kept per head; uniform unless overridden."""
         return req.budgets()
 
+    def details(self) -> dict:
+        """What the stored cache's meta (the run's JSON details) says besides the method's name."""
+        return {}
+
     def compress(self, req: Request) -> CompressedKV:
         scores = self.scores(req)
-        budgets = self.budgets(req).clamp(1, req.ctx.doc_len)
+        budgets = self.budgets(req).clamp(self.min_head_budget, req.ctx.doc_len)
         layers = [
             keep_tokens(req, i, top_k_per_head(s, budgets[i]), budgets[i])
             for i, s in enumerate(scores)
         ]
-        return CompressedKV(layers, req.ctx.length, meta={"method": self.name})
+        importance = document_importance(req, scores) if self.scores_are_importance else None
+        return CompressedKV(layers, req.ctx.length, meta={"method": self.name, **self.details()}, importance=importance)
 
 
 REGISTRY: dict[str, type[Method]] = {}

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.context import Context
-from kvlab.methods.base import Method, MethodError, Request, register, top_k_per_head
+from kvlab.methods.base import Method, MethodError, Request, document_importance, register, top_k_per_head
 from kvlab.methods.scoring import per_context
 from kvlab.models import LoadedModel
 from kvlab.queries import question_queries
@@ -516,7 +516,7 @@ class BeaconKV(_BeaconBase):
             for i, s in enumerate(scores)
         ]
         meta = {"method": self.name, "beacon_source": self.options.beacon_source, "beacon_positions": beacons}
-        return CompressedKV(layers, ctx.length, meta=meta)
+        return CompressedKV(layers, ctx.length, meta=meta, importance=document_importance(req, scores))
 
 
 @register
@@ -545,7 +545,7 @@ class BeaconKVMixed(_BeaconBase):
                 for h in range(s.shape[0])
             ]
             layers.append(build_layer(ctx, i, splits, bits, opts.group_size))
-        stored = CompressedKV(layers, ctx.length, meta={})
+        stored = CompressedKV(layers, ctx.length, meta={}, importance=document_importance(req, scores))
         stored.meta = {
             "method": self.name,
             "beacon_source": opts.beacon_source,

@@ -30,10 +30,9 @@ from typing import Literal
 import torch
 
 from kvlab.context import Context
-from kvlab.methods.base import EvictionMethod, MethodError, Request, keep_tokens, register, top_k_per_head
+from kvlab.methods.base import EvictionMethod, MethodError, Request, register
 from kvlab.methods.scoring import per_context, pool_group, protect, received_attention
 from kvlab.prompts import question_tokens
-from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.decode import extend, open_session
 from kvlab.runtime.hooks import QueryCapture
 
@@ -109,6 +108,9 @@ class KVzip(EvictionMethod):
     summary = "query-agnostic: max attention while the model repeats the document; pruned across all heads (ragged)"
     paper = "Kim et al., 2025, KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction (arXiv 2505.23416)"
     Options = KVzipOptions
+    # The pooled top-k decides how many tokens each head keeps, and the total stays
+    # exact: a head may keep no document token at all.
+    min_head_budget = 0
 
     def scores(self, req: Request) -> list[torch.Tensor]:
         return kvzip_scores(req, self.options)
@@ -120,12 +122,5 @@ class KVzip(EvictionMethod):
             raise MethodError(f"prune must be global, layer or head, got {self.options.prune!r}")
         return pooled_budgets(self.scores(req), min(req.doc_budget, req.ctx.doc_len), self.options.prune)
 
-    def compress(self, req: Request) -> CompressedKV:
-        # As EvictionMethod.compress, but a head may keep no document token at all:
-        # the pooled top-k decides, and the total stays exact.
-        scores = self.scores(req)
-        budgets = self.budgets(req).clamp(0, req.ctx.doc_len)
-        layers = [
-            keep_tokens(req, i, top_k_per_head(s, budgets[i]), budgets[i]) for i, s in enumerate(scores)
-        ]
-        return CompressedKV(layers, req.ctx.length, meta={"method": self.name, "prune": self.options.prune})
+    def details(self) -> dict:
+        return {"prune": self.options.prune}

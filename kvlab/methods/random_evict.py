@@ -19,6 +19,7 @@ class RandomEviction(EvictionMethod):
     summary = "a seeded random subset of the document per head: the floor any scoring rule must beat"
     paper = "a baseline (kvpress's RandomPress)"
     Options = RandomOptions
+    scores_are_importance = False  # chance, not importance
 
     def scores(self, req: Request) -> list[torch.Tensor]:
         lm = req.ctx.lm

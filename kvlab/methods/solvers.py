@@ -596,7 +596,9 @@ class CompactBlock:
     bias: [B, t] float32 beta (``-inf`` for padding slots),
     index: [B, t] long original key index (-1 for padding),
     lengths: [B] long number of real slots per head (always a prefix),
-    timings: seconds spent on ``keys``, ``bias`` and ``values``.
+    timings: seconds spent on ``keys``, ``bias`` and ``values``,
+    scores: [B, T] float32 HighestAttnKeys score of every original key (what
+    ``highest_attn`` ranks by; also filled for ``omp``, for display), or None.
     """
 
     keys: torch.Tensor
@@ -605,6 +607,7 @@ class CompactBlock:
     index: torch.Tensor
     lengths: torch.Tensor
     timings: dict[str, float] = field(default_factory=dict)
+    scores: torch.Tensor | None = None
 
 
 def _clock(device: torch.device) -> float:
@@ -680,8 +683,10 @@ def compact_block(
     # saves recomputing every logit, the largest cost of the whole fit.
     y = torch.matmul(phi, v.float()) / z.unsqueeze(-1)
     w_omp = None
+    # Cheap next to the features; the app shows it as each token's importance.
+    scores = _scores_from_mass(phi, z, scoring, key_valid)
     if key_selection == "highest_attn":
-        idx = select_highest_attn(_scores_from_mass(phi, z, scoring, key_valid), t)
+        idx = select_highest_attn(scores, t)
     else:
         idx, w_omp = omp_select(phi, z, t, keys_per_iter, refit_every, drop_below, key_valid,
                                 omp_nnls_iters, ridge)
@@ -725,4 +730,5 @@ def compact_block(
         index=index,
         lengths=lengths,
         timings=timings,
+        scores=scores,
     )

@@ -23,6 +23,7 @@ class StreamingLLM(EvictionMethod):
     summary = "first 4 'sink' tokens + the most recent window (position only, no attention)"
     paper = "Xiao et al., 2024, Efficient Streaming Language Models with Attention Sinks"
     Options = StreamingOptions
+    scores_are_importance = False  # recency is position, not importance
 
     def scores(self, req: Request) -> list[torch.Tensor]:
         ctx = req.ctx

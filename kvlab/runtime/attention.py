@@ -109,22 +109,18 @@ def group_queries(q: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
 def causal_bias_mask(
     q_len: int,
     kv_len: int,
-    key_bias: torch.Tensor | None,
+    key_bias: torch.Tensor,
     n_heads: int,
     dtype: torch.dtype,
     device: torch.device,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """Additive mask for queries that are the last ``q_len`` tokens of the keys.
 
     key_bias: [H_kv, L] for the first L keys (the stored cache; later keys get
-    0), or None. Returns [1, n_heads, q_len, kv_len] or None when no masking
-    is needed (a single query and no bias).
+    0). Returns [1, n_heads, q_len, kv_len].
     """
-    if key_bias is None and q_len == 1:
-        return None
     mask = torch.zeros(n_heads, q_len, kv_len, dtype=dtype, device=device)
-    if key_bias is not None:
-        mask[:, :, : key_bias.shape[1]] += expand_kv_heads(key_bias.to(dtype), n_heads).unsqueeze(1)
+    mask[:, :, : key_bias.shape[1]] += expand_kv_heads(key_bias.to(dtype), n_heads).unsqueeze(1)
     if q_len > 1:
         mask.masked_fill_(future_mask(q_len, kv_len, device).unsqueeze(0), float("-inf"))
     return mask.unsqueeze(0)
@@ -143,5 +139,10 @@ def causal_attention(
     gqa = n_heads != k.shape[1]
     if key_bias is None and q_len == kv_len:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if key_bias is None:
+        # One boolean mask shared by all heads: a float one per head would be
+        # [H, q, kv] (300 MB for a repeat-prefill of 2,000 tokens), rebuilt per layer.
+        mask = None if q_len == 1 else ~future_mask(q_len, kv_len, q.device)[None, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     mask = causal_bias_mask(q_len, kv_len, key_bias, n_heads, q.dtype, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

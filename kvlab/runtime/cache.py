@@ -162,6 +162,20 @@ def segment_from_view(view: PaddedView, fate: str, keep_bias: bool = True) -> De
     return DenseSegment.from_padded(view.keys, view.values, lengths, view.token_index, bias=bias, fate=fate)
 
 
+def token_importance(scores: torch.Tensor, token_index: torch.Tensor, length: int) -> torch.Tensor:
+    """Place per-key scores at the tokens the keys stand for.
+
+    scores, token_index: [H, L] (index -1: padding or a synthetic key) ->
+    [H, length] float32 on the CPU, NaN for tokens without a scored key.
+    """
+    out = torch.full((scores.shape[0], length), float("nan"))
+    token_index = token_index.cpu()
+    real = token_index >= 0
+    rows = torch.arange(scores.shape[0]).unsqueeze(1).expand_as(token_index)
+    out[rows[real], token_index[real]] = scores.detach().float().cpu()[real]
+    return out
+
+
 @dataclass
 class CompressedKV:
     """A stored cache for one context: per layer, a list of segments.
@@ -169,11 +183,21 @@ class CompressedKV:
     logical_len is the number of tokens the context really had, so that a
     token appended after the cache gets the position it would have had with
     the full cache, however few keys are physically stored.
+
+    importance: a diagnostic, filled only when the request asks for it
+    (``Request.record_importance``) by methods that score tokens: per layer
+    [H_kv, logical_len] float32, the method's own score of each context token
+    in that KV head (higher = more important; +inf for tokens the method
+    always keeps, e.g. a recent window), NaN where it has none (e.g. the
+    template prefix, kept whatever its score). It is not stored bytes (not in
+    ``nbytes`` or ``breakdown``) and stays out of ``meta``, which the run's
+    JSON details are built from.
     """
 
     layers: list[list[Segment]]
     logical_len: int
     meta: dict = field(default_factory=dict)
+    importance: list[torch.Tensor] | None = None
 
     @property
     def n_layers(self) -> int:
