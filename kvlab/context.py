@@ -95,16 +95,19 @@ def prepare_context(lm: LoadedModel, text: str, progress: Progress = no_progress
 
 
 class ContextStore:
-    """Recently prepared contexts, keyed by (model, document hash); thread-safe."""
+    """Recently prepared contexts, keyed by (loaded model, document hash); thread-safe."""
 
     def __init__(self, capacity: int = 4):
         self.capacity = capacity
-        self._items: OrderedDict[tuple[str, str], Context] = OrderedDict()
+        self._items: OrderedDict[tuple[int, str], Context] = OrderedDict()
         self._lock = threading.Lock()
 
     @staticmethod
-    def key(lm: LoadedModel, text: str) -> tuple[str, str]:
-        return lm.name, hashlib.sha256(text.encode()).hexdigest()
+    def key(lm: LoadedModel, text: str) -> tuple[int, str]:
+        # The model object itself, not its name: two folders both called "model"
+        # are different models. The stored Context holds ``lm``, so its id cannot
+        # be reused by another object while the entry lives.
+        return id(lm), hashlib.sha256(text.encode()).hexdigest()
 
     def get(self, lm: LoadedModel, text: str, progress: Progress = no_progress) -> Context:
         key = self.key(lm, text)

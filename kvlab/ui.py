@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import gradio as gr
 
 from kvlab import figures
-from kvlab.context import CONTEXTS, Context, Progress, no_progress, prepare_context
+from kvlab.context import CONTEXTS, Context, Progress, no_progress
 from kvlab.documents import DocumentError, Example, clean_text, load_examples, read_document
 from kvlab.methods import REGISTRY, MethodError, get_method
 from kvlab.methods.base import MAX_RATIO, MIN_RATIO
@@ -245,13 +245,7 @@ def prepared_context(lm: LoadedModel, document: str, progress: Progress = no_pro
         prefilled = True
         progress(fraction, desc)
 
-    ctx = CONTEXTS.get(lm, document, on_prefill)
-    if ctx.lm is not lm:
-        # CONTEXTS keys contexts by model *name*: two offered models with one name (e.g. two
-        # folders both called "model") must not share a context. Prepare this one apart.
-        log.warning("another model named %r holds this document's context: prefilling apart", lm.name)
-        ctx = prepare_context(lm, document, on_prefill)
-    return ctx, prefilled
+    return CONTEXTS.get(lm, document, on_prefill), prefilled
 
 
 def _sub(progress: Progress, lo: float, width: float, label: str = "") -> Progress:
