@@ -16,6 +16,7 @@ import re
 from typing import Iterable, Mapping, Sequence
 
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 FIGURE_HEIGHT = 380
 """Every figure sets its height: an autosized plotly figure can render at zero height."""
@@ -111,14 +112,56 @@ def error_heatmap(per_head: Mapping[str, Sequence[Sequence[float]]]) -> go.Figur
     )
 
 
+MASS_RATIO_LIMIT = 8.0
+"""The mass figure's colour scale spans 1/8x to 8x of the full cache's attention mass."""
+
+
 def mass_heatmap(per_head: Mapping[str, Sequence[Sequence[float]]]) -> go.Figure:
-    """Attention-mass relative error per layer and KV head."""
-    return head_heatmap(
-        per_head["attn_mass_rel_err"],
-        "Attention-mass relative error (held-out queries)",
-        "rel. error",
-        colorscale="Oranges",
+    """Attention mass of the compressed cache against the full one, per layer and per KV head.
+
+    Top: per layer, the mean over KV heads of the mass ratio (compressed /
+    full, ``per_head["attn_mass_ratio"]``) beside the full cache's 1. Bottom:
+    the ratio per layer x KV head on a log2 scale (blue: the compressed cache
+    draws less attention than the full one, red: more), with the relative
+    error ``|ratio - 1|`` on hover.
+    """
+    ratios = [[float(v) for v in row] for row in per_head["attn_mass_ratio"]]
+    errors = per_head["attn_mass_rel_err"]
+    n_layers = len(ratios)
+    n_heads = len(ratios[0]) if ratios else 0
+    layers = list(range(n_layers))
+    limit = math.log2(MASS_RATIO_LIMIT)
+    log_ratio = [[math.log2(max(ratios[layer][head], 1e-12)) for layer in layers] for head in range(n_heads)]
+    ticks = [t for t in range(-int(limit), int(limit) + 1)]
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.35, 0.65], vertical_spacing=0.06)
+    fig.add_trace(go.Scatter(
+        x=layers, y=[1.0] * n_layers, mode="lines", name="full cache", line=dict(color="#6b7280", dash="dash"),
+        hoverinfo="skip",
+    ), row=1, col=1)
+    fig.add_trace(go.Scatter(
+        x=layers, y=[sum(row) / len(row) if row else 0.0 for row in ratios], mode="lines+markers",
+        name="compressed", line=dict(color="#ea580c"),
+        hovertemplate="layer %{x}: %{y:.2f}x the full mass<extra></extra>",
+    ), row=1, col=1)
+    fig.add_trace(go.Heatmap(
+        z=log_ratio, x=layers, y=list(range(n_heads)), colorscale="RdBu", reversescale=True,
+        zmid=0.0, zmin=-limit, zmax=limit,
+        customdata=[[[ratios[layer][head], float(errors[layer][head])] for layer in layers] for head in range(n_heads)],
+        colorbar=dict(title=dict(text="compressed / full"), tickvals=ticks,
+                      ticktext=[f"{2.0 ** t:g}x" for t in ticks], len=0.62, y=0.31),
+        hovertemplate="layer %{x}, KV head %{y}<br>mass %{customdata[0]:.2f}x the full cache's"
+                      "<br>rel. error %{customdata[1]:.3f}<extra></extra>",
+        xgap=1, ygap=1,
+    ), row=2, col=1)
+    fig.update_layout(
+        title=dict(text="Attention mass, compressed vs full (held-out queries)"),
+        legend=dict(orientation="h", y=1.02, x=1, xanchor="right", yanchor="bottom"),
+        **_LAYOUT,
     )
+    fig.update_yaxes(title_text="mass ratio", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title_text="KV head", dtick=1, row=2, col=1)
+    fig.update_xaxes(title_text="layer", dtick=max(1, n_layers // 15), row=2, col=1)
+    return fig
 
 
 def kept_heatmap(per_head: Mapping[str, Sequence[Sequence[float]]]) -> go.Figure:

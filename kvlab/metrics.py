@@ -19,10 +19,13 @@ from kvlab.runtime.cache import CompressedKV, PaddedView, select_keys
 
 @dataclass
 class HeadErrors:
-    """output, mass: [n_layers, H_kv] mean relative errors per KV head."""
+    """output, mass: [n_layers, H_kv] mean relative errors per KV head;
+    mass_ratio: [n_layers, H_kv] mean of exp(LSE_c - LSE), the compressed
+    block's attention mass as a share of the full one's (1: as much)."""
 
     output: torch.Tensor
     mass: torch.Tensor
+    mass_ratio: torch.Tensor
 
     @property
     def mean_output(self) -> float:
@@ -33,17 +36,20 @@ class HeadErrors:
         return float(self.mass.mean())
 
 
-def block_errors(q: torch.Tensor, ref: PaddedView, approx: PaddedView) -> tuple[torch.Tensor, torch.Tensor]:
+def block_errors(
+    q: torch.Tensor, ref: PaddedView, approx: PaddedView
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Errors of one layer's block, per KV head.
 
     q: [H_kv, n, d] grouped queries; ref, approx: the two blocks (keys, values,
-    bias per head) -> (output error [H_kv], mass error [H_kv]).
+    bias per head) -> (output error [H_kv], mass error [H_kv], mass ratio
+    [H_kv]), each averaged over the queries.
     """
     full = attend(q, ref.keys.cpu(), ref.values.cpu(), bias=ref.bias.cpu())
     comp = attend(q, approx.keys.cpu(), approx.values.cpu(), bias=approx.bias.cpu())
     out_err = (comp.output - full.output).norm(dim=-1) / full.output.norm(dim=-1).clamp_min(1e-12)
-    mass_err = (torch.exp(comp.lse - full.lse) - 1).abs()
-    return out_err.mean(dim=-1), mass_err.mean(dim=-1)
+    ratio = torch.exp(comp.lse - full.lse)
+    return out_err.mean(dim=-1), (ratio - 1).abs().mean(dim=-1), ratio.mean(dim=-1)
 
 
 def head_errors(
@@ -56,16 +62,17 @@ def head_errors(
     method keeps): the error of the compacted block itself, as the Attention
     Matching paper reports it.
     """
-    outs, masses = [], []
+    outs, masses, ratios = [], [], []
     for layer, q in enumerate(queries):
         ref, comp = reference.layer_view(layer), stored.layer_view(layer)
         if block_start:
             ref = select_keys(ref, ref.token_index >= block_start)
             comp = select_keys(comp, comp.token_index >= block_start)
-        out, mass = block_errors(group_queries(q, ref.keys.shape[0]), ref, comp)
+        out, mass, ratio = block_errors(group_queries(q, ref.keys.shape[0]), ref, comp)
         outs.append(out)
         masses.append(mass)
-    return HeadErrors(torch.stack(outs), torch.stack(masses))
+        ratios.append(ratio)
+    return HeadErrors(torch.stack(outs), torch.stack(masses), torch.stack(ratios))
 
 
 def log_perplexity(logprobs: torch.Tensor) -> float:

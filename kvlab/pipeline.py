@@ -158,6 +158,7 @@ def run(
         per_head={
             "attn_output_rel_err": errors.output.tolist(),
             "attn_mass_rel_err": errors.mass.tolist(),
+            "attn_mass_ratio": errors.mass_ratio.tolist(),
             "kept_tokens": kept.tolist(),
         },
         details={k: v for k, v in stored.meta.items() if k != "method"},

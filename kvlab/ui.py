@@ -752,9 +752,11 @@ $$a_{ij}=\\frac{e^{q_i\\cdot k_j/\\sqrt d}}{\\sum_{l} e^{q_i\\cdot k_l/\\sqrt d}
 (your question's and the answer's, *held out*), how far each head's attention output moves, \
 $\\lVert y_{\\text{compressed}}-y_{\\text{full}}\\rVert/\\lVert y_{\\text{full}}\\rVert$, averaged over the queries. \
 0 is perfect; around 1 means the head's output is lost.
-- **Attention-mass error** (heatmap): $|e^{\\mathrm{LSE}_{\\text{compressed}}-\\mathrm{LSE}_{\\text{full}}}-1|$, \
-how much of the total attention weight the document should receive is lost or gained. It matters because \
-the document competes with the tokens after it (question, answer) for attention.
+- **Attention mass, full vs compressed** (a line per layer, a heatmap per layer x KV head): \
+$e^{\\mathrm{LSE}_{\\text{compressed}}-\\mathrm{LSE}_{\\text{full}}}$, the attention weight the compressed \
+document draws as a share of what the full one draws (1x: the same; blue below, red above). It matters because \
+the document competes with the tokens after it (question, answer) for attention: eviction loses mass, \
+Attention Matching's biases put it back. The summary's *mass error* is $|\\text{ratio}-1|$, averaged.
 - **Keys per head** (heatmap): how many keys each head stores; some methods give heads different budgets.
 - **Memory**: bytes of the full cache and of the compressed one, stacked by what is stored (keys and \
 values, biases, packed codes, scales).
@@ -1232,7 +1234,7 @@ def build_app(lm: LoadedModel | None = None, models: list[tuple[str, str]] | Non
                 )
                 with gr.Row():
                     err_plot = gr.Plot(label="Attention-output error", elem_id="kvlab-err")
-                    mass_plot = gr.Plot(label="Attention-mass error", elem_id="kvlab-mass")
+                    mass_plot = gr.Plot(label="Attention mass, full vs compressed", elem_id="kvlab-mass")
                 with gr.Row():
                     kept_plot = gr.Plot(label="Keys per head", elem_id="kvlab-kept")
                     mem_plot = gr.Plot(label="Memory", elem_id="kvlab-memory")

@@ -112,7 +112,7 @@ def test_learn_tab_explains_every_method():
         if name in ui.METHOD_NOTES:
             assert ui.METHOD_NOTES[name] in text
     assert "secondary summaries" in ui.METHOD_NOTES.get("beaconkv", "secondary summaries")
-    for plot in ("Attention-output error", "Attention-mass error", "Keys per head", "Memory", "Time per stage",
+    for plot in ("Attention-output error", "Attention mass, full vs compressed", "Keys per head", "Memory", "Time per stage",
                  "Token fates", "**intensity**", "log-ppl"):
         assert plot in text
 

@@ -11,6 +11,7 @@ from kvlab import figures
 PER_HEAD = {
     "attn_output_rel_err": [[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]],  # 2 layers x 3 KV heads
     "attn_mass_rel_err": [[0.01, 0.02, 0.03], [0.04, 0.05, 0.06]],
+    "attn_mass_ratio": [[0.99, 1.02, 0.97], [0.25, 1.0, 4.0]],
     "kept_tokens": [[40, 40, 40], [38, 41, 45]],
 }
 
@@ -37,12 +38,23 @@ def test_error_heatmap_is_layers_by_heads():
     assert "output" in fig.layout.title.text.lower()
 
 
-def test_mass_and_kept_heatmaps():
-    mass, kept = figures.mass_heatmap(PER_HEAD), figures.kept_heatmap(PER_HEAD)
-    for fig in (mass, kept):
-        _heights_set(fig)
-        assert len(fig.data[0].z) == 3 and len(fig.data[0].z[0]) == 2
-    assert "mass" in mass.layout.title.text.lower()
+def test_mass_figure_compares_compressed_with_full():
+    fig = figures.mass_heatmap(PER_HEAD)
+    _heights_set(fig)
+    full, compressed, heat = fig.data
+    assert list(full.y) == [1.0, 1.0]  # the full cache draws its own mass
+    assert compressed.y[0] == (0.99 + 1.02 + 0.97) / 3 and compressed.y[1] == (0.25 + 1.0 + 4.0) / 3
+    # per head on a log2 scale centred on "as much as the full cache"
+    assert isinstance(heat, go.Heatmap) and heat.zmid == 0.0
+    assert heat.z[0][1] == -2.0 and heat.z[1][1] == 0.0 and heat.z[2][1] == 2.0
+    assert heat.customdata[2][1][1] == 0.06  # the relative error on hover
+    assert "mass" in fig.layout.title.text.lower()
+
+
+def test_kept_heatmap():
+    kept = figures.kept_heatmap(PER_HEAD)
+    _heights_set(kept)
+    assert len(kept.data[0].z) == 3 and len(kept.data[0].z[0]) == 2
     assert "keys" in kept.layout.title.text.lower()
     assert kept.data[0].z[2][1] == 45
 

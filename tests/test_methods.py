@@ -12,7 +12,7 @@ from kvlab.methods import REGISTRY, MethodError, Request, get_method
 from kvlab.methods.attention_matching import compact_cache, AMOptions
 from kvlab.methods.budgets import allocate, cap_shares
 from kvlab.metrics import head_errors, percentile_levels, question_attention
-from kvlab.runtime.attention import attend
+from kvlab.runtime.attention import attend, group_queries
 from kvlab.pipeline import evaluation
 from kvlab.queries import repeat_queries
 from kvlab.runtime.decode import extend, open_session
@@ -230,3 +230,22 @@ def test_percentile_levels_rank_within_each_head():
     assert levels[1].tolist() == [0] * 5
     # Ranks, not values: five distinct scores spread evenly, (rank + 1/2) / 5 of the byte range.
     assert levels[2].tolist() == [179, 128, 77, 26, 230]
+
+
+def test_mass_ratio_is_the_share_of_the_full_mass(ctx):
+    """Keeping every key draws the full mass (ratio 1); evicting loses mass, and the
+    ratio is the evicted cache's attention mass over the full one's, query by query."""
+    ev = evaluation(ctx, QUESTION, max_new_tokens=2)
+    full = ctx.full.stored
+    assert torch.allclose(head_errors(full, full, ev.queries).mass_ratio, torch.ones(1), atol=1e-5)
+    half = get_method("streaming_llm").compress(Request(ctx, 2.0))
+    errors = head_errors(full, half, ev.queries)
+    assert (errors.mass_ratio < 1).all() and (errors.mass_ratio > 0).all()
+    # Evicting only removes mass: the relative error is exactly 1 - ratio.
+    assert torch.allclose(errors.mass, 1 - errors.mass_ratio, atol=1e-5)
+    q = ev.queries[0]
+    kept, every = half.layer_view(0), full.layer_view(0)
+    grouped = group_queries(q, kept.keys.shape[0])
+    share = torch.exp(attend(grouped, kept.keys, kept.values, bias=kept.bias).lse
+                      - attend(grouped, every.keys, every.values, bias=every.bias).lse)
+    assert torch.allclose(errors.mass_ratio[0], share.mean(-1), atol=1e-5)

@@ -216,7 +216,7 @@ def to_segment(blocks: list[CompactBlock], offsets: list[torch.Tensor], token_in
 
 def train_errors(queries: torch.Tensor, block: PaddedView, seg: DenseSegment, n_max: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     """Output and mass errors [H_kv] on (a subsample of) the fitting queries themselves."""
-    return block_errors(subsample(queries, n_max, 0), block, seg.view())
+    return block_errors(subsample(queries, n_max, 0), block, seg.view())[:2]
 
 
 @dataclass
