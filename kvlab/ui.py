@@ -1382,6 +1382,9 @@ def build_app(lm: LoadedModel | None = None, models: list[tuple[str, str]] | Non
             api_name="run",
             concurrency_limit=1,
             concurrency_id="compute",
+            # One progress bar where the answers will appear: an animated overlay on
+            # every output costs a CPU machine's browser (and the server beside it) time.
+            show_progress_on=[summary, answer_full, answer_comp],
         )
 
         def on_compare(text=None, file=None, methods=None, ratios=None, more_ratios="", question=None,

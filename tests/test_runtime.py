@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from kvlab.runtime.attention import attend, causal_attention
@@ -44,6 +45,23 @@ def test_sdpa_path_matches_block_attention():
     fast = causal_attention(q, k, v, bias, 0.25)
     slow = attend(q[0].reshape(2, 2, 16), k[0], v[0], bias, 0.25).output.reshape(1, 4, 1, 16)
     assert torch.allclose(fast, slow, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_new_block_after_a_cache_sees_the_cache_and_its_own_past(bias):
+    """Several queries appended after 7 cached keys (the extend path: no bias, or a
+    stored cache's bias), against attention computed query by query."""
+    gen = torch.Generator().manual_seed(1)
+    n, past = 5, 7
+    q = torch.randn(1, 4, n, 16, generator=gen)
+    k, v = (torch.randn(1, 2, past + n, 16, generator=gen) for _ in range(2))
+    key_bias = torch.randn(2, past, generator=gen) if bias else None
+    fast = causal_attention(q, k, v, key_bias, 0.25)
+    for i in range(n):
+        seen = past + i + 1
+        b = None if key_bias is None else torch.cat([key_bias, torch.zeros(2, i + 1)], dim=1)
+        slow = attend(q[0, :, i : i + 1].reshape(2, 2, 16), k[0, :, :seen], v[0, :, :seen], b, 0.25).output
+        assert torch.allclose(fast[0, :, i], slow.reshape(4, 16), atol=1e-5)
 
 
 def test_keep_all_cache_reproduces_full_logits_over_8_steps(tiny, tiny_eager):

@@ -139,10 +139,38 @@ def causal_attention(
     gqa = n_heads != k.shape[1]
     if key_bias is None and q_len == kv_len:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if key_bias is None and q_len == 1:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+    if key_bias is None and _CPU_FLASH is not None and q.device.type == "cpu":
+        return _past_then_causal(q, k, v, scale)
     if key_bias is None:
         # One boolean mask shared by all heads: a float one per head would be
         # [H, q, kv] (300 MB for a repeat-prefill of 2,000 tokens), rebuilt per layer.
-        mask = None if q_len == 1 else ~future_mask(q_len, kv_len, q.device)[None, None]
+        mask = ~future_mask(q_len, kv_len, q.device)[None, None]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     mask = causal_bias_mask(q_len, kv_len, key_bias, n_heads, q.dtype, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+# PyTorch's CPU flash kernel, which also returns the log-sum-exp; None if this
+# build lacks it (then the masked kernel is used).
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _past_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of n new queries over kv_len > n keys, no bias: [1, H, n, d].
+
+    The earlier keys are seen by every query (no mask) and the queries' own
+    block is square-causal: two fast kernels whose outputs are merged by their
+    log-sum-exps, instead of a masked kernel that scores every masked-out pair
+    too (about 1.5x slower for a 2,000-token repeat-prefill on CPU).
+    """
+    n_heads, q_len, kv_len = q.shape[1], q.shape[2], k.shape[2]
+    past = kv_len - q_len
+    k, v = expand_kv_heads(k[0], n_heads).unsqueeze(0), expand_kv_heads(v[0], n_heads).unsqueeze(0)
+    out_past, lse_past = _CPU_FLASH(q, k[:, :, :past], v[:, :, :past], 0.0, False, scale=scale)[:2]
+    out_new, lse_new = _CPU_FLASH(q, k[:, :, past:], v[:, :, past:], 0.0, True, scale=scale)[:2]
+    top = torch.maximum(lse_past, lse_new)
+    w_past = torch.exp(lse_past - top).unsqueeze(-1)
+    w_new = torch.exp(lse_new - top).unsqueeze(-1)
+    return ((w_past * out_past.float() + w_new * out_new.float()) / (w_past + w_new)).to(q.dtype)
