@@ -132,7 +132,7 @@ def mass_heatmap(per_head: Mapping[str, Sequence[Sequence[float]]]) -> go.Figure
     layers = list(range(n_layers))
     limit = math.log2(MASS_RATIO_LIMIT)
     log_ratio = [[math.log2(max(ratios[layer][head], 1e-12)) for layer in layers] for head in range(n_heads)]
-    ticks = [t for t in range(-int(limit), int(limit) + 1)]
+    ticks = list(range(-int(limit), int(limit) + 1))
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.35, 0.65], vertical_spacing=0.06)
     fig.add_trace(go.Scatter(
         x=layers, y=[1.0] * n_layers, mode="lines", name="full cache", line=dict(color="#6b7280", dash="dash"),
