@@ -97,17 +97,40 @@ def resolve_source(spec: str | None) -> ModelSource:
 
 
 def pick_device() -> tuple[torch.device, torch.dtype]:
-    """CUDA in bf16 when present, else CPU in float32 (bf16 matmuls are slow on CPU)."""
-    if torch.cuda.is_available():
-        return torch.device("cuda"), torch.bfloat16
-    return torch.device("cpu"), torch.float32
+    """Where and in which dtype a model runs: the one device-placement rule.
+
+    ``KVLAB_DEVICE`` (``cpu``, ``cuda``, ``cuda:1``) overrides; otherwise
+    CUDA when present, else the CPU. bfloat16 on CUDA (tensor cores; the
+    solvers and fitted biases stay float32 inside), float32 on the CPU
+    (bf16 matmuls are slow there).
+    """
+    spec = os.environ.get("KVLAB_DEVICE", "").strip()
+    if spec:
+        try:
+            device = torch.device(spec)
+        except RuntimeError:
+            raise ModelLoadError(f"KVLAB_DEVICE={spec!r} is not a device (try cpu or cuda)") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ModelLoadError(f"KVLAB_DEVICE={spec!r}: only cpu and cuda are supported")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ModelLoadError(f"KVLAB_DEVICE={spec!r} but no CUDA device is available")
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return device, (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+def device_map(device: torch.device) -> str | dict[str, torch.device] | None:
+    """accelerate's placement: plain ``cuda`` spreads a large model over all GPUs, ``cuda:i`` pins it."""
+    if device.type != "cuda":
+        return None
+    return "auto" if device.index is None else {"": device}
 
 
 def load_model(spec: str | None = None) -> LoadedModel:
     """Load tokenizer and model, with kvlab's attention function switched on.
 
-    Large models are spread over the available GPUs by accelerate
-    (``device_map="auto"``); ``trust_remote_code`` is never set.
+    Placed by :func:`pick_device` and :func:`device_map`; ``trust_remote_code``
+    is never set.
     """
     source = resolve_source(spec)
     device, dtype = pick_device()
@@ -117,7 +140,7 @@ def load_model(spec: str | None = None) -> LoadedModel:
         model = AutoModelForCausalLM.from_pretrained(
             source.location,
             dtype=dtype,
-            device_map="auto" if device.type == "cuda" else None,
+            device_map=device_map(device),
             **kwargs,
         )
     except Exception as exc:  # noqa: BLE001 - any loader failure gets one clear message

@@ -148,6 +148,12 @@ def causal_attention(
         # [H, q, kv] (300 MB for a repeat-prefill of 2,000 tokens), rebuilt per layer.
         mask = ~future_mask(q_len, kv_len, q.device)[None, None]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    # Imported here: kvlab.kernels' torch reference is built on this module.
+    from kvlab import kernels
+
+    if q_len == 1 and kernels.backend(q) == "triton":
+        # Decode over a biased cache on CUDA: split-K kernel, biases kept in float32.
+        return kernels.decode_attention(q, k, v, key_bias, scale).output
     mask = causal_bias_mask(q_len, kv_len, key_bias, n_heads, q.dtype, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 

@@ -1,0 +1,172 @@
+"""Triton kernels with torch references, behind one dispatch point.
+
+Three kernels (see their modules for the maths and layouts):
+
+* :func:`decode_attention`: a few new queries over a compacted cache (one
+  float32 bias per key, ragged heads as -inf padding, then the recent
+  tokens), GQA, split along the keys with a log-sum-exp merge;
+* :func:`mixed_attention`: KIVI-packed 2/4/8-bit keys and values
+  (:class:`~kvlab.runtime.quant.PackedTensor`), dequantised in registers,
+  followed by full-precision tokens;
+* :func:`key_scores`: Attention Matching's RMS / mean / max key scores
+  without the n-by-T attention matrix.
+
+Each runs the Triton kernel on CUDA tensors and the torch reference
+(:mod:`kvlab.kernels.reference`) elsewhere. ``KVLAB_KERNELS`` overrides the
+choice: ``torch`` always uses the references, ``triton`` always uses the
+kernels (on CPU tensors this needs ``TRITON_INTERPRET=1`` set before
+triton is imported: that is how the tests run them), ``auto`` (the
+default) decides by device. Triton is imported only when a kernel runs.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kvlab.runtime.quant import PackedTensor
+
+Backend = Literal["triton", "torch"]
+BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass
+class KernelAttention:
+    """Attention of new queries over a cache.
+
+    output: [..., H, n, d] in the queries' dtype; lse: [..., H, n] float32, the
+    log of each query's total attention mass (so results over separate
+    caches can be merged exactly).
+    """
+
+    output: torch.Tensor
+    lse: torch.Tensor
+
+
+def backend(x: torch.Tensor) -> Backend:
+    """Which implementation runs on tensors like ``x``: Triton on CUDA, torch elsewhere (see module)."""
+    mode = os.environ.get("KVLAB_KERNELS", "auto").strip().lower() or "auto"
+    if mode not in BACKENDS:
+        raise ValueError(f"KVLAB_KERNELS must be one of {', '.join(BACKENDS)}, got {mode!r}")
+    if mode == "torch":
+        return "torch"
+    if mode == "triton":
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("KVLAB_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (set before import)")
+        return "triton"
+    return "triton" if x.is_cuda and importlib.util.find_spec("triton") is not None else "torch"
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    # The kernels address the head dim as contiguous; other strides are free.
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _check_heads(n_heads: int, n_kv: int) -> None:
+    if n_kv == 0 or n_heads % n_kv:
+        raise ValueError(f"{n_heads} query heads cannot be grouped over {n_kv} KV heads")
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = True,
+) -> KernelAttention:
+    """New queries over a (compacted) cache.
+
+    q [B, H, n, d]; k/v [B, H_kv, S, d]; bias [H_kv, L] or [B or 1, H_kv, L]
+    (L <= S) for the first L keys, -inf = absent key, later keys bias 0; kept
+    in float32 whatever q's dtype. With ``causal`` the queries are the last n
+    of the S tokens. ``scale`` defaults to 1/sqrt(d).
+    """
+    _check_heads(q.shape[1], k.shape[1])
+    if k.shape != v.shape or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if bias is not None:
+        bias = (bias[None] if bias.dim() == 2 else bias).float().contiguous()
+        if bias.shape[-1] > k.shape[2] or bias.shape[1] != k.shape[1]:
+            raise ValueError(f"bias {tuple(bias.shape)} does not fit keys {tuple(k.shape)}")
+    if backend(q) == "torch":
+        from kvlab.kernels import reference
+
+        return KernelAttention(*reference.decode_attention(q, k, v, bias, scale, causal))
+    from kvlab.kernels import triton_decode as kernel
+
+    k, v = _unit_stride(k), _unit_stride(v)
+    return KernelAttention(*kernel.decode_attention(_unit_stride(q), k, v, bias, scale, causal))
+
+
+def check_packed(keys: PackedTensor, values: PackedTensor) -> None:
+    """One clear message when a pair of PackedTensors is not KIVI keys + values of one block."""
+    if keys.axis != "channel" or values.axis != "token":
+        raise ValueError("mixed attention needs per-channel keys and per-token values (KIVI layout)")
+    if tuple(keys.shape) != tuple(values.shape) or len(keys.shape) != 3:
+        raise ValueError(f"packed keys {tuple(keys.shape)} and values {tuple(values.shape)} must both be [H_kv, T, d]")
+    if (keys.bits, keys.group_size) != (values.bits, values.group_size) or keys.bits not in (2, 4, 8):
+        raise ValueError("packed keys and values must share bits (2, 4 or 8) and group size")
+
+
+def mixed_attention(
+    q: torch.Tensor,
+    keys: PackedTensor,
+    values: PackedTensor,
+    k_full: torch.Tensor,
+    v_full: torch.Tensor,
+    bias_full: torch.Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = True,
+) -> KernelAttention:
+    """New queries over KIVI-packed tokens followed by full-precision ones.
+
+    q [H, n, d]; keys/values: PackedTensor [H_kv, T, d] from
+    :func:`~kvlab.runtime.quant.quantize_keys` / ``quantize_values`` (fold a
+    batch into the heads); k_full/v_full [H_kv, S, d] (S may be 0);
+    bias_full float32 [H_kv, L <= S] or None. With ``causal`` the queries are
+    the last n full-precision tokens.
+    """
+    check_packed(keys, values)
+    _check_heads(q.shape[0], keys.shape[0])
+    if k_full.shape != v_full.shape or k_full.shape[0] != keys.shape[0] or q.shape[-1] != keys.shape[-1]:
+        raise ValueError(f"full-precision k/v {tuple(k_full.shape)} do not fit packed {tuple(keys.shape)}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    bias_full = None if bias_full is None else bias_full.float().contiguous()
+    if backend(q) == "torch":
+        from kvlab.kernels import reference
+
+        return KernelAttention(*reference.mixed_attention(q, keys, values, k_full, v_full, bias_full, scale, causal))
+    from kvlab.kernels import triton_mixed as kernel
+
+    k_full, v_full = _unit_stride(k_full.to(q.dtype)), _unit_stride(v_full.to(q.dtype))
+    return KernelAttention(*kernel.mixed_attention(_unit_stride(q), keys, values, k_full, v_full, bias_full, scale, causal))
+
+
+def key_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    scoring: str = "rms",
+) -> torch.Tensor:
+    """HighestAttnKeys scores [B, T] float32 of q [B, n, d] over k [B, T, d], bias [B, T] or None.
+
+    Same values as :func:`kvlab.methods.solvers.score_keys`, without building
+    the [B, n, T] attention matrix.
+    """
+    if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] or q.shape[1] == 0:
+        raise ValueError(f"key scores need q [B, n>0, d] and k [B, T, d], got {tuple(q.shape)}, {tuple(k.shape)}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    bias = None if bias is None else bias.float().contiguous()
+    if backend(q) == "torch" or k.shape[1] == 0:
+        from kvlab.kernels import reference
+
+        return reference.key_scores(q, k, bias, scale, scoring)
+    from kvlab.kernels import triton_scores as kernel
+
+    return kernel.key_scores(_unit_stride(q), _unit_stride(k), bias, scale, scoring)
