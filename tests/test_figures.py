@@ -5,8 +5,14 @@ import subprocess
 import sys
 
 import plotly.graph_objects as go
+import pytest
 
 from kvlab import figures
+from kvlab.figures.tokens import _shade
+
+# Figures only pass numbers through or take means and log2 of them: any difference
+# beyond float64 rounding would be a bug.
+TOL = 1e-12
 
 PER_HEAD = {
     "attn_output_rel_err": [[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]],  # 2 layers x 3 KV heads
@@ -21,7 +27,7 @@ def _heights_set(fig: go.Figure) -> None:
 
 
 def test_figures_import_no_model_code():
-    # figures.py is plain-data only: importing it alone must not pull torch or a model in.
+    # figures is plain-data only: importing it (all its modules) must not pull torch or a model in.
     code = "import sys, kvlab.figures; print(sorted(m for m in ('torch', 'transformers', 'kvlab.models') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -43,11 +49,12 @@ def test_mass_figure_compares_compressed_with_full():
     _heights_set(fig)
     full, compressed, heat = fig.data
     assert list(full.y) == [1.0, 1.0]  # the full cache draws its own mass
-    assert compressed.y[0] == (0.99 + 1.02 + 0.97) / 3 and compressed.y[1] == (0.25 + 1.0 + 4.0) / 3
-    # per head on a log2 scale centred on "as much as the full cache"
+    # per layer, the mean over KV heads
+    assert list(compressed.y) == pytest.approx([(0.99 + 1.02 + 0.97) / 3, (0.25 + 1.0 + 4.0) / 3], abs=TOL)
+    # per head on a log2 scale centred on "as much as the full cache": 1/4x, 1x, 4x
     assert isinstance(heat, go.Heatmap) and heat.zmid == 0.0
-    assert heat.z[0][1] == -2.0 and heat.z[1][1] == 0.0 and heat.z[2][1] == 2.0
-    assert heat.customdata[2][1][1] == 0.06  # the relative error on hover
+    assert [heat.z[h][1] for h in range(3)] == pytest.approx([-2.0, 0.0, 2.0], abs=TOL)
+    assert heat.customdata[2][1][1] == pytest.approx(0.06, abs=TOL)  # the relative error on hover
     assert "mass" in fig.layout.title.text.lower()
 
 
@@ -70,11 +77,18 @@ def test_memory_figure_stacks_the_breakdown():
     assert "10.0x" in fig.layout.title.text
 
 
+def test_human_bytes_counts_in_1024s():
+    assert figures.human_bytes(0) == "0 B" and figures.human_bytes(1023) == "1,023 B"
+    assert figures.human_bytes(1536) == "1.5 KiB"  # 1.5 * 1024
+    assert figures.human_bytes(3 * 1024**2 + 100 * 1024) == "3.1 MiB"  # 3.0977 MiB
+    assert figures.human_bytes(5 * 1024**4) == "5,120.0 GiB"  # no unit past GiB
+
+
 def test_time_figure():
     fig = figures.time_figure({"prefill": 2.0, "compression": 0.5, "answers": 1.25})
     _heights_set(fig)
     assert list(fig.data[0].y) == ["prefill", "compression", "answers"]
-    assert list(fig.data[0].x) == [2.0, 0.5, 1.25]
+    assert list(fig.data[0].x) == pytest.approx([2.0, 0.5, 1.25], abs=TOL)
     assert list(fig.data[0].text) == ["2.00 s", "0.50 s", "1.25 s"]
 
 
@@ -95,10 +109,11 @@ def test_sweep_figure_draws_one_line_per_method_against_the_ratio():
     fig = figures.sweep_figure(points, "err", "Error vs ratio", "relative error", reference=0.05)
     _heights_set(fig)
     am, snap, ref = fig.data
-    assert (am.name, list(am.x), list(am.y)) == ("am", [2.0, 10.0], [0.1, 0.3])  # sorted by ratio
-    assert (snap.name, list(snap.x), list(snap.y)) == ("snap", [2.0], [0.2])
+    assert (am.name, list(am.x)) == ("am", [2.0, 10.0]) and list(am.y) == pytest.approx([0.1, 0.3], abs=TOL)  # sorted by ratio
+    assert (snap.name, list(snap.x)) == ("snap", [2.0]) and list(snap.y) == pytest.approx([0.2], abs=TOL)
     assert am.line.color != snap.line.color
-    assert ref.name.startswith("full cache") and list(ref.y) == [0.05, 0.05] and ref.line.dash == "dash"
+    assert ref.name.startswith("full cache") and list(ref.y) == pytest.approx([0.05, 0.05], abs=TOL)
+    assert ref.line.dash == "dash"
     assert fig.layout.xaxis.type == "log" and list(fig.layout.xaxis.ticktext) == ["2x", "10x"]
     assert fig.layout.yaxis.title.text == "relative error"
     # Without a reference there is no extra line.
@@ -148,11 +163,11 @@ def test_fate_html_shades_by_step_and_says_the_percentile():
     assert "intensity = the method&#x27;s &lt;score&gt;" in html
     assert 'title="kept, percentile 87-100"' in html and 'title="kept, percentile 0-12"' in html
     assert 'title="template"' in html  # no level, no percentile
-    strong, pale = figures.FATE_COLORS["kept"], figures._shade(figures.FATE_COLORS["kept"], figures.WEAKEST_SHADE)
+    strong, pale = figures.FATE_COLORS["kept"], _shade(figures.FATE_COLORS["kept"], figures.WEAKEST_SHADE)
     assert f"background-color:{strong}" in html and f"background-color:{pale}" in html
     # An important evicted token gets a grey background; an unimportant one almost none.
     assert f"background-color:{figures.EVICTED_SHADE};color:#6b7280" in html
-    assert figures._shade("#000000", 0.15) == "#d9d9d9" and figures._shade("#86efac", 1) == "#86efac"
+    assert _shade("#000000", 0.15) == "#d9d9d9" and _shade("#86efac", 1) == "#86efac"
     # Without an intensity the view is as before: fate colours, no note.
     assert "intensity" not in figures.fate_html([(" a", "kept", None)])
 
@@ -178,7 +193,8 @@ def test_attention_matching_figures():
     hist = figures.bias_histogram([-1.0, 0.0, 0.5, 2.0])
     assert hist.layout.height and list(hist.data[0].x) == [-1.0, 0.0, 0.5, 2.0]
     fit = figures.fit_vs_eval_figure([[0.1, 0.3], [0.2, 0.2]], [[0.2, 0.4], [0.3, 0.5]])
-    assert fit.layout.height and [[round(y, 6) for y in t.y] for t in fit.data] == [[0.2, 0.2], [0.3, 0.4]]
+    assert fit.layout.height
+    assert [list(t.y) for t in fit.data] == [pytest.approx([0.2, 0.2], abs=TOL), pytest.approx([0.3, 0.4], abs=TOL)]
 
 
 def test_bits_strip_counts_every_token():
