@@ -1,23 +1,26 @@
 """`python -m kvlab ...`: the lab from a terminal, with numbers a script can read.
 
-    python -m kvlab methods
+    python -m kvlab methods [--long]
     python -m kvlab run --doc PATH --method NAME --ratio R --question TEXT [--model M] [--json]
+    python -m kvlab compare --doc PATH --methods A,B --ratios 2,5,10 --question TEXT --out DIR [--model M]
 
-Each method's knobs (the fields of its Options dataclass) are flags too,
-e.g. ``--window 32`` for SnapKV; ``python -m kvlab run --help`` lists them.
-Bad arguments exit with status 2 and one line on stderr.
+Each method's knobs (the fields of its Options dataclass, reflected by
+kvlab.methods.catalog) are flags too, e.g. ``--window 32`` for SnapKV, and
+``--preset NAME`` picks a method's published configuration;
+``python -m kvlab run --help`` lists them. Bad arguments exit with status 2
+and one line on stderr.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import typing
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from kvlab.methods import REGISTRY, MethodError, get_method
 from kvlab.methods.base import MAX_RATIO, MIN_RATIO
+from kvlab.methods.catalog import Knob, all_knobs, describe, methods_markdown, presets
 
 
 class UsageError(Exception):
@@ -29,34 +32,63 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def option_fields() -> dict[str, tuple[dataclasses.Field, list[str]]]:
-    """Every method knob by flag name, with the methods that take it."""
-    out: dict[str, tuple[dataclasses.Field, list[str]]] = {}
-    for name, cls in sorted(REGISTRY.items()):
-        for f in dataclasses.fields(cls.Options):
-            out.setdefault(f.name, (f, []))[1].append(name)
+def knobs_by_flag() -> dict[str, list[Knob]]:
+    """Every method knob by field name (one flag each), with the methods' knobs that share it."""
+    out: dict[str, list[Knob]] = {}
+    for knobs in all_knobs().values():
+        for knob in knobs:
+            out.setdefault(knob.name, []).append(knob)
     return out
 
 
-def _field_type(f: dataclasses.Field) -> Any:
-    kind = f.type if not isinstance(f.type, str) else type(f.default)
-    if typing.get_origin(kind) is typing.Literal:
-        return str
-    return {bool: _bool}.get(kind, kind) if kind in (int, float, str, bool) else str
+def _flag_type(knob: Knob) -> Callable[[str], Any]:
+    """argparse's ``type=`` for a knob: its conversion, failing with argparse's one-line error."""
+
+    def parse(text: str) -> Any:
+        try:
+            return knob.convert(text)
+        except MethodError:
+            raise argparse.ArgumentTypeError(f"must be {knob.allowed}, got {text!r}") from None
+
+    return parse
 
 
-def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+def _flag_help(knobs: list[Knob]) -> str:
+    defaults: dict[str, list[str]] = {}
+    for k in knobs:
+        defaults.setdefault(repr(k.default), []).append(k.method)
+    default = "; ".join(f"default {d} for {', '.join(m)}" for d, m in defaults.items())
+    allowed = "" if knobs[0].choices else f"{knobs[0].allowed}; "  # argparse lists the choices itself
+    return f"{knobs[0].help} ({allowed}{default})"
+
+
+def add_method_options(parser: argparse.ArgumentParser) -> None:
+    """The flags that configure a method: ``--preset`` and one per knob (values go to get_method)."""
+    group = parser.add_argument_group("method options (each applies to the methods named)")
+    names = sorted({p for m in REGISTRY for p in presets(m)})
+    owners = ", ".join(m for m in sorted(REGISTRY) if presets(m))
+    group.add_argument("--preset", choices=names, default=None,
+                       help=f"a published configuration ({owners}); explicit options override it")
+    for name, knobs in knobs_by_flag().items():
+        knob = knobs[0]
+        kind = {"type": str, "choices": knob.choices} if knob.choices else {"type": _flag_type(knob), "metavar": name.upper()}
+        group.add_argument("--" + name.replace("_", "-"), dest="opt_" + name, default=None, help=_flag_help(knobs), **kind)
+
+
+def method_from_args(name: str, args: argparse.Namespace) -> Any:
+    """The method ``name`` configured by the flags of :func:`add_method_options` (UsageError if refused)."""
+    options = {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
+    try:
+        return get_method(name, preset=args.preset, **options)
+    except MethodError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m kvlab", description="kvlab: KV-cache compression lab")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    sub.add_parser("methods", help="list the registered methods, one line each")
+    methods = sub.add_parser("methods", help="list the registered methods, one line each")
+    methods.add_argument("--long", action="store_true", help="every method's full text: idea, formula, paper, presets, knobs")
     run = sub.add_parser("run", help="compress a document's cache and compare answers and errors")
     run.add_argument("--doc", required=True, help="document: .txt, .md or .pdf")
     run.add_argument("--method", required=True, help="a name from `python -m kvlab methods`")
@@ -65,37 +97,34 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", default=None, help="embedded (default), a .gguf file, a local directory or a hub id; also KVLAB_MODEL")
     run.add_argument("--max-new-tokens", type=int, default=48, help="answer length cap (default 48)")
     run.add_argument("--json", action="store_true", help="print one JSON object")
+    compare = sub.add_parser("compare", help="a sweep: every method (default knobs) at every ratio -> CSV and JSON")
+    compare.add_argument("--doc", required=True, help="document: .txt, .md or .pdf")
+    compare.add_argument("--methods", required=True, help="comma-separated names from `python -m kvlab methods`")
+    compare.add_argument("--ratios", required=True, help="comma-separated compression ratios, e.g. 2,5,10")
+    compare.add_argument("--question", required=True, help="the question asked after the document")
+    compare.add_argument("--out", required=True, help="folder for compare.csv and compare.json (created if needed)")
+    compare.add_argument("--model", default=None, help="as for run")
+    compare.add_argument("--max-new-tokens", type=int, default=48, help="answer length cap (default 48)")
     sweep = sub.add_parser("budgets", help="sensitivity sweep -> non-uniform Attention Matching budgets for a model")
     sweep.add_argument("--model", default=None, help="as for run")
     sweep.add_argument("--doc", default=None, help="document (default: the bundled story, with its questions)")
     sweep.add_argument("--question", action="append", default=None, help="a question (repeatable; default: the example's)")
     sweep.add_argument("--ratio", type=float, default=20.0, help="baseline compression ratio of every head (default 20)")
     sweep.add_argument("--boost", type=float, default=4.0, help="budget multiplier of the head under test (default 4)")
-    knobs = run.add_argument_group("method options (each applies to the methods named)")
-    for name, (f, methods) in option_fields().items():
-        help_text = f.metadata.get("help", "")
-        knobs.add_argument(
-            "--" + name.replace("_", "-"),
-            dest="opt_" + name,
-            metavar=name.upper(),
-            type=_field_type(f),
-            default=None,
-            help=f"{help_text} (default {f.default!r}; {', '.join(methods)})",
-        )
+    add_method_options(run)
+    from kvlab.tasks.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
-def _method_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
-
-
-def cmd_methods() -> int:
+def cmd_methods(args: argparse.Namespace) -> int:
+    if args.long:
+        print(methods_markdown())
+        return 0
     width = max(map(len, REGISTRY))
-    for name, cls in sorted(REGISTRY.items()):
-        flag = " [query-aware]" if cls.query_aware else ""
-        if cls.query_aware_when:
-            flag = f" [query-aware with {cls.query_aware_when}]"
-        print(f"{name:<{width}}  {cls.summary}{flag}")
+    for name in sorted(REGISTRY):
+        print(describe(name, width=width))
     return 0
 
 
@@ -111,10 +140,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(f"--ratio must be between {MIN_RATIO:g} and {MAX_RATIO:g}, got {args.ratio:g}")
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be at least 1")
-    try:
-        method = get_method(args.method, **_method_options(args))
-    except (MethodError, TypeError, ValueError) as exc:
-        raise UsageError(str(exc)) from exc
+    method = method_from_args(args.method, args)
     text = read_document(args.doc)
     lm = get_model(args.model)
     progress = (lambda f, desc: None) if args.json else _stderr_progress
@@ -124,6 +150,30 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict()))
     else:
         _print_summary(result)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from kvlab import lab
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    try:
+        ratios = lab.parse_ratios([], args.ratios)
+        for name in methods:
+            get_method(name)  # an unknown name fails here, before the model loads
+        sweep = lab.compare(None, args.doc, methods, ratios, args.question, args.max_new_tokens,
+                            _stderr_progress, args.model)
+    except lab.InputError as exc:
+        raise UsageError(str(exc)) from exc
+    csv_path, json_path = lab.write_exports(sweep, args.out, stem="compare")
+    print(f"{'method':<20} {'ratio':>6} {'memory':>7} {'out err':>8} {'log-ppl':>8}  answer")
+    for r in sweep.results:
+        print(f"{r.method:<20} {r.ratio:>6g} {r.memory_ratio:>6.1f}x {r.attn_output_rel_err:>8.4f} "
+              f"{r.logppl_compressed:>8.3f}  {r.answer_compressed[:60]!r}")
+    for e in sweep.errors:
+        print(f"{e.method:<20} {e.ratio:>6g}  failed: {e.message}")
+    print(f"full cache's answer: {sweep.answer_full!r} (log-ppl {sweep.logppl_full:.3f}); {sweep.wall_s:.1f} s")
+    print(f"written: {csv_path}, {json_path}")
     return 0
 
 
@@ -174,7 +224,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         args = build_parser().parse_args(argv)
-        commands = {"methods": lambda a: cmd_methods(), "run": cmd_run, "budgets": cmd_budgets}
+        from kvlab.tasks.cli import main_bench
+
+        commands = {
+            "methods": cmd_methods, "run": cmd_run, "compare": cmd_compare, "budgets": cmd_budgets, "bench": main_bench,
+        }
         return commands[args.command](args)
     except UsageError as exc:
         print(f"kvlab: error: {exc}", file=sys.stderr)

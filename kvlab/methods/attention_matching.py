@@ -5,17 +5,23 @@ original keys, RoPE phases kept), one bias beta per key and refitted values,
 chosen in closed form so that, for reference queries, the block's attention
 output and attention mass are preserved (kvlab.methods.solvers). The
 chat-template prefix stays as it is.
+
+PRESETS holds the published configurations under the public code's names.
+The defaults are ``AM-HighestAttnKeys-basic`` (HighestAttnKeys, not
+on-policy): on-policy fitting reads the document once more per layer, which
+on a CPU multiplies the compression time by the number of layers, for what
+the paper reports as a small gain.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
 from kvlab.context import Context
-from kvlab.methods.base import EvictionMethod, Method, MethodError, Request, register
+from kvlab.methods.base import EvictionMethod, Method, MethodError, Options, Request, knob, register
 from kvlab.methods.budgets import head_budgets
 from kvlab.methods.solvers import CompactBlock, compact_block, score_keys
 from kvlab.metrics import block_errors
@@ -36,6 +42,7 @@ from kvlab.runtime.cache import (
     Segment,
     segment_from_view,
     select_keys,
+    template_segment,
     token_importance,
 )
 
@@ -47,15 +54,15 @@ MAX_LOGITS_PER_SOLVE = 1 << 28
 
 
 @dataclass(frozen=True)
-class QueryOptions:
+class QueryOptions(Options):
     """Where reference queries come from (shared by the methods that use them)."""
 
-    query_source: QuerySource = field(default="repeat", metadata={
-        "help": "reference queries: repeat (repeat-prefill), context (prefill), self_study, random, "
-                "question (query-aware: the user's question)"})
-    max_queries: int = field(default=2048, metadata={"help": "cap on reference queries per KV head (seeded subsample)"})
-    seed: int = field(default=0, metadata={"help": "seed of the query subsample and of random queries"})
-    self_study_tokens: int = field(default=256, metadata={"help": "self-study: generated tokens over all prompts"})
+    query_source: QuerySource = knob(
+        "repeat", "reference queries: repeat (repeat-prefill), context (prefill), self_study, random, "
+                  "question (query-aware: the user's question)")
+    max_queries: int = knob(2048, "cap on reference queries per KV head (seeded subsample)", low=1)
+    seed: int = knob(0, "seed of the query subsample and of random queries", low=0)
+    self_study_tokens: int = knob(256, "self-study: generated tokens over all prompts", low=1)
 
 
 @dataclass(frozen=True)
@@ -65,24 +72,41 @@ class ScoredOptions(QueryOptions):
     # RMS is the published code's choice. On the embedded model, mean keeps the
     # model's own answers closer to the full cache at the same attention error
     # (`python -m benchmarks.attention_matching`); the default stays the paper's.
-    scoring: Literal["rms", "mean", "max"] = field(default="rms", metadata={
-        "help": "HighestAttnKeys score over queries: rms (the published code's), mean or max attention"})
+    scoring: Literal["rms", "mean", "max"] = knob(
+        "rms", "HighestAttnKeys score over queries: rms (the published code's), mean or max attention")
 
 
 @dataclass(frozen=True)
 class AMOptions(ScoredOptions):
-    key_selection: Literal["highest_attn", "omp"] = field(default="highest_attn", metadata={
-        "help": "highest_attn (HighestAttnKeys) or omp (orthogonal matching pursuit on the mass)"})
-    keys_per_iter: int = field(default=4, metadata={"help": "OMP: keys added per iteration (fast variant: 4)"})
-    refit_every: int = field(default=2, metadata={"help": "OMP: refit the weights every this many iterations"})
-    drop_below: float = field(default=-7.0, metadata={"help": "OMP: drop and replace keys whose beta falls below this"})
-    nnls_iters: int = field(default=2, metadata={"help": "projected-gradient steps of the bounded bias fit"})
-    ridge: float = field(default=1e-6, metadata={"help": "ridge of the value and bias least squares, relative to the Gram's mean diagonal"})
-    budgets: Literal["uniform", "nonuniform"] = field(default="uniform", metadata={
-        "help": "per-head budgets: uniform, or nonuniform from the model's sensitivity sweep (python -m kvlab budgets)"})
-    chunk_size: int = field(default=0, metadata={"help": "compact the document in chunks of this many tokens (0: one block)"})
-    on_policy: bool = field(default=False, metadata={
-        "help": "re-extract each layer's queries with the layers before it already compacted (slow: one pass per layer)"})
+    key_selection: Literal["highest_attn", "omp"] = knob(
+        "highest_attn", "highest_attn (HighestAttnKeys) or omp (orthogonal matching pursuit on the mass)")
+    keys_per_iter: int = knob(4, "OMP: keys added per iteration (the fast variant's 4; plain OMP: 1)", low=1)
+    refit_every: int = knob(2, "OMP: refit the weights every this many iterations (the fast variant's 2; plain OMP: 1)", low=1)
+    # Also OMP's lower bound on beta: above 0 it would drop keys standing for a whole original key.
+    drop_below: float = knob(-7.0, "OMP: drop and replace keys whose beta falls below this", high=0.0)
+    nnls_iters: int = knob(2, "projected-gradient steps of the bounded bias fit", low=0)
+    ridge: float = knob(1e-6, "ridge of the value and bias least squares, relative to the Gram's mean diagonal", low=0.0)
+    budgets: Literal["uniform", "nonuniform"] = knob(
+        "uniform", "per-head budgets: uniform, or nonuniform from the model's sensitivity sweep (python -m kvlab budgets)")
+    chunk_size: int = knob(0, "compact the document in chunks of this many tokens (0: one block)", low=0)
+    on_policy: bool = knob(
+        False, "re-extract each layer's queries with the layers before it already compacted (slow: one pass per layer)")
+
+
+# The published configurations (the public code's algorithm configs). The
+# beta bounds follow the key selection: [-3, 3] for HighestAttnKeys, at most
+# 7 above and ``drop_below`` below for OMP (kvlab.methods.solvers.compact_block);
+# the values are always refitted by least squares. Plain OMP adds one key per
+# iteration and refits every time; the fast variant four keys and every other time.
+_HIGHEST_ATTN: dict[str, Any] = {"key_selection": "highest_attn", "scoring": "rms", "nnls_iters": 2}
+_OMP: dict[str, Any] = {"key_selection": "omp", "keys_per_iter": 1, "refit_every": 1, "drop_below": -7.0}
+PRESETS: dict[str, dict[str, Any]] = {
+    "AM-HighestAttnKeys-basic": {**_HIGHEST_ATTN, "on_policy": False},
+    "AM-HighestAttnKeys": {**_HIGHEST_ATTN, "on_policy": True},
+    "AM-OMP-basic": {**_OMP, "on_policy": False},
+    "AM-OMP": {**_OMP, "on_policy": True},
+    "AM-OMP-fast": {**_OMP, "keys_per_iter": 4, "refit_every": 2, "on_policy": True},
+}
 
 
 def reference_queries(ctx: Context, opts: QueryOptions, question: str | None) -> list[torch.Tensor]:
@@ -116,6 +140,16 @@ def subsample(q: torch.Tensor, cap: int, seed: int) -> torch.Tensor:
         return q
     keep = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:cap]
     return q[:, torch.sort(keep).values]
+
+
+def fitting_queries(q: torch.Tensor, n_kv_heads: int, opts: QueryOptions) -> torch.Tensor:
+    """[H, n, d] one layer's reference queries -> [H_kv, min(g*n, max_queries), d].
+
+    Each KV head gets the queries of its whole GQA group, capped by a seeded
+    subsample; every layer draws with the same seed, so Attention Matching and
+    its eviction baseline fit on the same queries.
+    """
+    return subsample(group_queries(q, n_kv_heads), opts.max_queries, opts.seed)
 
 
 @dataclass
@@ -244,7 +278,7 @@ def compact_layer(
     logical length, to record each compacted token's key score (None: not recorded).
     """
     keep = (view.token_index < protected) & (view.token_index >= 0)
-    grouped = subsample(group_queries(q, view.keys.shape[0]), opts.max_queries, opts.seed)
+    grouped = fitting_queries(q, view.keys.shape[0], opts)
     block = select_keys(view, ~keep & torch.isfinite(view.bias))
     blocks, offsets, scores = compact_blocks(
         block, grouped.to(block.keys.device), budgets, opts, score=importance_len is not None
@@ -252,10 +286,11 @@ def compact_layer(
     timings = {k: sum(b.timings.get(k, 0.0) for b in blocks) for k in ("keys", "bias", "values")}
     seg = to_segment(blocks, offsets, block.token_index)
     out_err, mass_err = train_errors(grouped, block, seg)
-    kept = select_keys(view, keep)
     segments: list[Segment] = [seg]
-    if bool(keep.any()):
-        segments.insert(0, segment_from_view(kept, fate="template", keep_bias=False))
+    if protected:
+        # The template's keys, left-packed in reading order; their bias is 0 (never fitted).
+        kept = select_keys(view, keep)
+        segments.insert(0, template_segment(kept.keys, kept.values, protected))
     importance = None if scores is None else token_importance(scores, block.token_index, importance_len)
     return LayerFit(segments, timings, grouped.shape[1], out_err, mass_err, importance)
 
@@ -313,6 +348,13 @@ class AttentionTopK(QuerySourced, EvictionMethod):
 
     name = "attention_topk"
     summary = "keep the keys the reference queries attend to most, bias 0, values as they were"
+    learn = (
+        "The key selection of Attention Matching on its own, as the paper's eviction baseline: keep the "
+        "B keys the reference queries attend to most, $s_j=\\sqrt{\\tfrac1n\\sum_i a_{ij}^2}$ (RMS over the "
+        "queries of the head's group; mean or max with `scoring`, as in `attention_matching`, whose query "
+        "subsample it shares), with no bias and the original values. The gap between this and "
+        "`attention_matching` is what fitting $\\beta$ and the values buys."
+    )
     paper = "Zweiger et al., 2026 (the eviction baseline of Attention Matching's ablations)"
     Options = ScoredOptions
 
@@ -321,7 +363,7 @@ class AttentionTopK(QuerySourced, EvictionMethod):
         out = []
         for layer, q in enumerate(reference_queries(ctx, opts, req.question)):
             keys = ctx.full.keys[layer][:, ctx.prefix_len :]
-            grouped = subsample(group_queries(q, keys.shape[0]), opts.max_queries, opts.seed + layer)
+            grouped = fitting_queries(q, keys.shape[0], opts)
             out.append(score_keys(grouped.to(keys.device), keys, scoring=opts.scoring))
         return out
 
@@ -330,8 +372,34 @@ class AttentionTopK(QuerySourced, EvictionMethod):
 class AttentionMatching(QuerySourced, Method):
     name = "attention_matching"
     summary = "compact keys + per-key bias + refitted values matching attention output and mass (closed form)"
+    learn = (
+        "Instead of choosing which tokens to keep, Attention Matching *builds* a small cache that behaves "
+        "like the big one. Each KV head's T document keys and values are replaced by t = T/r keys "
+        "$C_k$ (a subset of the original keys), one scalar bias $\\beta_j$ per key, and refitted values "
+        "$C_v$, so that for reference queries $q$ both the attention **mass** and the attention **output** "
+        "of the block are preserved:\n\n"
+        "$$\\sum_{j=1}^{t} e^{q\\cdot c_j/\\sqrt d+\\beta_j}\\approx\\sum_{j=1}^{T} e^{q\\cdot k_j/\\sqrt d},"
+        "\\qquad \\operatorname{softmax}\\!\\Big(\\tfrac{qC_k^\\top}{\\sqrt d}+\\beta\\Big)C_v\\approx"
+        "\\operatorname{softmax}\\!\\Big(\\tfrac{qK^\\top}{\\sqrt d}\\Big)V$$\n\n"
+        "Matching both makes the compact block a drop-in replacement whatever is read after it. Three "
+        "closed-form steps, no gradient descent: keep the keys the reference queries attend to most "
+        "(`scoring`: RMS attention as in the published code, mean or max) or pick them by orthogonal "
+        "matching pursuit (`key_selection`), fit $w=e^{\\beta}$ by non-negative least squares on the mass "
+        "($\\beta$ bounded to $[-3,3]$ for HighestAttnKeys as published, to [`drop_below`, 7] for OMP), "
+        "then fit $C_v$ by least squares on the outputs. $e^{\\beta_j}$ reads as "
+        "\"how many original keys' worth of mass key $j$ stands for\". The reference queries come from "
+        "`query_source`: a *repeat-prefill* (the model is asked to repeat the document and its queries while "
+        "re-reading it are recorded), the prefill itself, self-study answers or random vectors; your question "
+        "is used only with `query_source=question`.\n\n"
+        "The published configurations are presets: `AM-HighestAttnKeys-basic` (the defaults), "
+        "`AM-HighestAttnKeys` (the same, on-policy: each layer's queries are re-read with the layers before "
+        "it already compacted), `AM-OMP-basic`, `AM-OMP` (on-policy) and `AM-OMP-fast` (more keys per OMP "
+        "iteration, fewer refits). The defaults are not on-policy because that costs one more pass over the "
+        "document per layer, which is slow on a CPU, for a small gain."
+    )
     paper = "Zweiger, Fu, Guo, Kim, 2026, Fast KV Compaction via Attention Matching (arXiv 2602.16284)"
     Options = AMOptions
+    presets = PRESETS
 
     def compress(self, req: Request) -> CompressedKV:
         ctx, opts = req.ctx, self.options

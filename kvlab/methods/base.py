@@ -12,15 +12,17 @@ are reduced to about T / ratio stored keys per KV head on average.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import typing
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
 from kvlab.context import Context, Progress, no_progress
-from kvlab.runtime.cache import CompressedKV, DenseSegment, Segment, token_importance
+from kvlab.runtime.cache import CompressedKV, DenseSegment, Segment, gather_tokens, template_segment, token_importance
 
 MIN_RATIO, MAX_RATIO = 1.0, 1000.0
 
@@ -29,8 +31,74 @@ class MethodError(ValueError):
     """A method was asked for something it cannot do; the message says why."""
 
 
+def knob(default: Any, help: str, *, low: float | None = None, high: float | None = None, odd: bool = False) -> Any:
+    """A dataclass field for one method knob: its default, its help line and what it allows.
+
+    low / high: inclusive bounds of a number (None: open); odd: a whole number
+    that must be odd (a centred pooling kernel).
+    """
+    return field(default=default, metadata={"help": help, "low": low, "high": high, "odd": odd})
+
+
+def allowed(f: dataclasses.Field, kind: Any) -> str:
+    """What a knob of type ``kind`` declared by ``f`` accepts, in words ("an odd whole number >= 1")."""
+    if typing.get_origin(kind) is typing.Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(kind)))
+    if kind is bool:
+        return "true or false"
+    if kind is str:
+        return "a non-empty text"
+    low, high = f.metadata.get("low"), f.metadata.get("high")
+    noun = ("an odd whole number" if f.metadata.get("odd") else "a whole number") if kind is int else "a number"
+    if low is not None and high is not None:
+        return f"{noun} from {low:g} to {high:g}"
+    if low is not None:
+        return f"{noun} >= {low:g}"
+    return f"{noun} <= {high:g}" if high is not None else noun
+
+
+def _accepts(f: dataclasses.Field, kind: Any, value: Any) -> bool:
+    if typing.get_origin(kind) is typing.Literal:
+        return isinstance(value, str) and value in typing.get_args(kind)
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is str:
+        return isinstance(value, str) and bool(value.strip())
+    if kind not in (int, float):
+        return True  # no rule for other types
+    if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)) or not math.isfinite(value):
+        return False
+    low, high = f.metadata.get("low"), f.metadata.get("high")
+    if f.metadata.get("odd") and value % 2 == 0:
+        return False
+    return (low is None or value >= low) and (high is None or value <= high)
+
+
+@functools.cache
+def option_types(cls: type) -> dict[str, Any]:
+    """Field name -> resolved type of an Options dataclass (Literal kept; annotations are strings here)."""
+    return typing.get_type_hints(cls)
+
+
 @dataclass(frozen=True)
-class NoOptions:
+class Options:
+    """Base of every method's knobs: each field is checked on creation against its
+    type (Literal choices included) and the bounds its :func:`knob` declares.
+
+    A bad value raises MethodError naming the field, the value and what is
+    allowed; get_method prefixes the method's name.
+    """
+
+    def __post_init__(self) -> None:
+        kinds = option_types(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.init and not _accepts(f, kinds[f.name], value):
+                raise MethodError(f"{f.name} must be {allowed(f, kinds[f.name])}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class NoOptions(Options):
     """A method without knobs."""
 
 
@@ -69,12 +137,17 @@ class Method(ABC):
     """A KV-cache compression method. Subclasses set the class attributes and ``compress``."""
 
     name: ClassVar[str]
-    summary: ClassVar[str]  # one line, shown by `python -m kvlab methods` and the app
+    summary: ClassVar[str]  # one line, shown by `python -m kvlab methods` and the app; no default values in prose
+    #: The Learn text (markdown with $...$ formulas): idea and formula. The knob
+    #: table and the paper are rendered from ``Options`` and ``paper``.
+    learn: ClassVar[str] = ""
     paper: ClassVar[str] = ""
     query_aware: ClassVar[bool] = False  # the compression always depends on the question
     query_aware_when: ClassVar[str] = ""  # or only with these options, e.g. "query_source=question"
     fixed_budget: ClassVar[bool] = False  # ignores the ratio (e.g. no context)
     Options: ClassVar[type] = NoOptions
+    #: Named sets of option values (published configurations); get_method(name, preset=...).
+    presets: ClassVar[dict[str, dict[str, Any]]] = {}
 
     def __init__(self, options: Any = None):
         self.options = options if options is not None else self.Options()
@@ -99,23 +172,10 @@ def keep_tokens(
     ctx = req.ctx
     prefix = ctx.prefix_len
     keys, values = ctx.full.keys[layer], ctx.full.values[layer]
-    n_heads = keys.shape[0]
-    segments: list[Segment] = []
-    if prefix:
-        pre_index = torch.arange(prefix).expand(n_heads, prefix)
-        segments.append(
-            DenseSegment.from_padded(
-                keys[:, :prefix], values[:, :prefix], torch.full((n_heads,), prefix), pre_index,
-                fate="template",
-            )
-        )
-    index = (doc_index.clamp(min=0) + prefix).to(keys.device)
-    gather = index.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
-    segments.append(
-        DenseSegment.from_padded(
-            keys.gather(1, gather), values.gather(1, gather), lengths, index.cpu(), fate=fate
-        )
-    )
+    segments: list[Segment] = [template_segment(keys, values, prefix)] if prefix else []
+    index = doc_index.clamp(min=0) + prefix
+    segments.append(DenseSegment.from_padded(
+        gather_tokens(keys, index), gather_tokens(values, index), lengths, index, fate=fate))
     return segments
 
 
@@ -188,13 +248,28 @@ def register(cls: type[Method]) -> type[Method]:
     return cls
 
 
-def get_method(name: str, **options: Any) -> Method:
-    """Instantiate a registered method; options are fields of its Options dataclass."""
+def method_class(name: str) -> type[Method]:
+    """The registered class of ``name``; MethodError listing the names when there is none."""
     if name not in REGISTRY:
         raise MethodError(f"unknown method {name!r}; choose one of: {', '.join(sorted(REGISTRY))}")
-    cls = REGISTRY[name]
+    return REGISTRY[name]
+
+
+def get_method(name: str, preset: str | None = None, **options: Any) -> Method:
+    """Instantiate a registered method; options are fields of its Options dataclass.
+
+    preset: one of the method's ``presets``, whose values the explicit options override.
+    """
+    cls = method_class(name)
+    if preset is not None:
+        if preset not in cls.presets:
+            raise MethodError(f"{name} has no preset {preset!r}; it has: {', '.join(cls.presets) or 'none'}")
+        options = {**cls.presets[preset], **options}
     known = {f.name for f in dataclasses.fields(cls.Options)}
     unknown = set(options) - known
     if unknown:
         raise MethodError(f"{name} has no option(s) {', '.join(sorted(unknown))}; it takes: {', '.join(sorted(known)) or 'none'}")
-    return cls(cls.Options(**options))
+    try:
+        return cls(cls.Options(**options))
+    except MethodError as exc:
+        raise MethodError(f"{name}: {exc}") from None

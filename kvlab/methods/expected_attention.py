@@ -19,11 +19,11 @@ recovered exactly by rotating back with the model's own RoPE tables
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from kvlab.methods.base import EvictionMethod, Request, register
+from kvlab.methods.base import EvictionMethod, Options, Request, knob, register
 from kvlab.methods.scoring import pool_group, protect
 from kvlab.models import LoadedModel
 from kvlab.runtime.attention import attention_weights, expand_kv_heads
@@ -31,14 +31,14 @@ from kvlab.runtime.rope import rope_cos_sin, unrotate
 
 
 @dataclass(frozen=True)
-class ExpectedAttentionOptions:
-    n_future_positions: int = field(default=512, metadata={"help": "future positions whose RoPE rotations are averaged"})
-    n_sink: int = field(default=4, metadata={"help": "first context tokens left out of the statistics and the softmax (always kept)"})
-    stats_window: int = field(default=0, metadata={
-        "help": "estimate the query statistics from the last N context queries (0: all but the sinks, as kvpress)"})
-    use_covariance: bool = field(default=True, metadata={"help": "include the query covariance term"})
-    use_vnorm: bool = field(default=True, metadata={"help": "multiply the expected attention by ||v||"})
-    epsilon: float = field(default=0.0, metadata={"help": "added to the scores before the ||v|| rescaling"})
+class ExpectedAttentionOptions(Options):
+    n_future_positions: int = knob(512, "future positions whose RoPE rotations are averaged", low=1)
+    n_sink: int = knob(4, "first context tokens left out of the statistics and the softmax (always kept)", low=0)
+    stats_window: int = knob(
+        0, "estimate the query statistics from the last N context queries (0: all but the sinks, as kvpress)", low=0)
+    use_covariance: bool = knob(True, "include the query covariance term")
+    use_vnorm: bool = knob(True, "multiply the expected attention by ||v||")
+    epsilon: float = knob(0.0, "added to the scores before the ||v|| rescaling", low=0.0)
 
 
 def average_rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -102,6 +102,14 @@ def expected_attention_scores(req: Request, opts: ExpectedAttentionOptions) -> l
 class ExpectedAttention(EvictionMethod):
     name = "expected_attention"
     summary = "attention expected from future queries (mean + covariance of the context's queries, averaged RoPE) x ||v||"
+    learn = (
+        "Estimates the attention future queries will pay, without computing any attention matrix. The "
+        "context's queries are summarised per head by their mean $\\mu$ and covariance $\\Sigma$; with "
+        "$\\bar R$ the RoPE rotation averaged over the next `n_future_positions` positions, a Gaussian query gives "
+        "$$\\hat a_j\\propto\\exp\\!\\Big(\\tfrac{k_j^\\top\\bar R\\mu}{\\sqrt d}+"
+        "\\tfrac{k_j^\\top\\bar R\\Sigma\\bar R^\\top k_j}{2d}\\Big),\\qquad s_j=\\hat a_j\\,\\lVert v_j\\rVert$$ "
+        "(softmax over the keys, times the size of what the key would contribute)."
+    )
     paper = "Devoto, Jeblick, Jégou, 2025, Expected Attention: KV Cache Compression by Estimating Attention from Future Queries Distribution"
     Options = ExpectedAttentionOptions
 

@@ -6,23 +6,24 @@ queries (the prefill, causal), divided by the number of queries that can see
 it: a plain sum would favour early tokens only because more queries come
 after them. Scores are averaged over the query heads of each KV head's
 group (kvpress's ObservedAttentionPress does the same). As in the paper, part
-of each head's budget goes to the most recent tokens ("heavy hitters +
-recent window", half and half by default).
+of each head's budget (``recent_share``) goes to the most recent tokens
+("heavy hitters + recent window").
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from kvlab.methods.base import EvictionMethod, Request, register
+from kvlab.methods.base import EvictionMethod, Options, Request, knob, register
 from kvlab.methods.scoring import per_context, pool_group, protect, received_attention
 
 
 @dataclass(frozen=True)
-class H2OOptions:
-    recent_share: float = field(default=0.5, metadata={
-        "help": "share of each head's budget kept as the most recent tokens (the paper: 0.5; 0: heavy hitters only)"})
+class H2OOptions(Options):
+    recent_share: float = knob(
+        0.5, "share of each head's budget kept as the most recent tokens (the paper: 0.5; 0: heavy hitters only)",
+        low=0.0, high=1.0)
 
 
 def h2o_scores(req: Request) -> list[torch.Tensor]:
@@ -44,12 +45,18 @@ def h2o_scores(req: Request) -> list[torch.Tensor]:
 class H2O(EvictionMethod):
     name = "h2o"
     summary = "heavy hitters: attention accumulated from the document's own queries (per seeing query) + recent window"
+    learn = (
+        "\"Heavy hitters\": tokens that received much attention while the document was read are likely to "
+        "receive it again. A key's score is the attention it received from the prefill's own queries, "
+        "averaged over the queries that could see it (causal) and over the query heads of its group, "
+        "$s_j=\\tfrac{1}{T-j}\\sum_{i\\ge j}a_{ij}$; a share `recent_share` of each head's budget is kept for "
+        "the most recent tokens."
+    )
     paper = "Zhang et al., 2023, H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models"
     Options = H2OOptions
 
     def scores(self, req: Request) -> list[torch.Tensor]:
-        share = min(max(self.options.recent_share, 0.0), 1.0)
-        recent = min(round(share * req.doc_budget), req.ctx.doc_len)
+        recent = min(round(self.options.recent_share * req.doc_budget), req.ctx.doc_len)
         out = []
         for score in h2o_scores(req):
             score = score.clone()

@@ -24,44 +24,23 @@ a "Repeat the part of the previous context exactly, starting with ..." prompt).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from kvlab.context import Context
-from kvlab.methods.base import EvictionMethod, MethodError, Request, register
+from kvlab.methods.base import EvictionMethod, Options, Request, knob, register
 from kvlab.methods.scoring import per_context, pool_group, protect, received_attention
-from kvlab.prompts import question_tokens
-from kvlab.runtime.decode import extend, open_session
-from kvlab.runtime.hooks import QueryCapture
-
-KVZIP_INSTRUCTION = "Repeat the previous context exactly."
+from kvlab.prompts import REPEAT_INSTRUCTION
+from kvlab.queries import repeat_pass
 
 
 @dataclass(frozen=True)
-class KVzipOptions:
-    prune: Literal["global", "layer", "head"] = field(default="global", metadata={
-        "help": "global (across all layers and heads, ragged), layer (across the heads of each layer), head (uniform)"})
-    n_sink: int = field(default=4, metadata={"help": "first context tokens in every reconstruction softmax (never evicted)"})
-    instruction: str = field(default=KVZIP_INSTRUCTION, metadata={"help": "the reconstruction prompt read after the document"})
-
-
-def reconstruction(ctx: Context, instruction: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Teacher-force ``instruction`` then the document after the full cache.
-
-    Returns per layer the reconstruction's post-RoPE queries [H, n, d] and its
-    own keys [H_kv, n, d]: KVzip's softmax includes the reconstruction tokens,
-    so their keys are needed too (kvlab.queries records queries only).
-    """
-    doc_ids = ctx.tokens.ids[ctx.prefix_len :]
-    ids = torch.cat([question_tokens(ctx.lm.tokenizer, instruction), doc_ids])
-    capture = QueryCapture(ctx.lm.n_layers)
-    session = open_session(ctx.lm, ctx.full.stored)
-    for start in range(0, ids.numel(), 2048):
-        extend(ctx.lm, session, ids[start : start + 2048], capture, logits_to_keep=1)
-    keys = [layer.keys[0, :, ctx.length :].float().cpu() for layer in session.cache.layers]
-    return capture.per_layer(), keys
+class KVzipOptions(Options):
+    prune: Literal["global", "layer", "head"] = knob(
+        "global", "global (across all layers and heads, ragged), layer (across the heads of each layer), head (uniform)")
+    n_sink: int = knob(4, "first context tokens in every reconstruction softmax (never evicted)", low=0)
+    instruction: str = knob(REPEAT_INSTRUCTION, "the reconstruction prompt read after the document")
 
 
 def kvzip_scores(req: Request, opts: KVzipOptions) -> list[torch.Tensor]:
@@ -70,9 +49,9 @@ def kvzip_scores(req: Request, opts: KVzipOptions) -> list[torch.Tensor]:
     sink = min(opts.n_sink, ctx.prefix_len)
 
     def make() -> list[torch.Tensor]:
-        queries, own_keys = reconstruction(ctx, opts.instruction)
+        recon = repeat_pass(ctx, opts.instruction)
         out = []
-        for layer, (q, k_own) in enumerate(zip(queries, own_keys)):
+        for layer, (q, k_own) in enumerate(zip(recon.queries, recon.keys)):
             keys = ctx.full.keys[layer].float().cpu()
             # Sinks, document, reconstruction: the queries are the last n of these keys.
             keys = torch.cat([keys[:, :sink], keys[:, ctx.prefix_len :], k_own], dim=1)
@@ -105,7 +84,15 @@ def pooled_budgets(scores: list[torch.Tensor], per_head: int, scope: Literal["gl
 @register
 class KVzip(EvictionMethod):
     name = "kvzip"
-    summary = "query-agnostic: max attention while the model repeats the document; pruned across all heads (ragged)"
+    summary = "query-agnostic: max attention while the model repeats the document; pruned across heads (ragged)"
+    learn = (
+        "Query-agnostic by construction: the model is asked to \"Repeat the previous context exactly\" and is "
+        "teacher-forced through the document again; a token needed to rebuild the context is worth keeping. "
+        "Score: the largest attention it receives from any reconstruction query and any query head of its "
+        "group, $s_j=\\max_{i\\in\\text{repeat}}\\max_{g}a^{(g)}_{ij}$. With `prune` the scores are pruned "
+        "globally across all layers and heads, or across the heads of each layer, so heads keep different "
+        "numbers of tokens; or per head, with the uniform budget."
+    )
     paper = "Kim et al., 2025, KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction (arXiv 2505.23416)"
     Options = KVzipOptions
     # The pooled top-k decides how many tokens each head keeps, and the total stays
@@ -118,8 +105,6 @@ class KVzip(EvictionMethod):
     def budgets(self, req: Request) -> torch.Tensor:
         if self.options.prune == "head":
             return req.budgets()
-        if self.options.prune not in ("global", "layer"):
-            raise MethodError(f"prune must be global, layer or head, got {self.options.prune!r}")
         return pooled_budgets(self.scores(req), min(req.doc_budget, req.ctx.doc_len), self.options.prune)
 
     def details(self) -> dict:

@@ -8,27 +8,23 @@ had been given. The ratio is ignored: whatever is asked, the document costs
 """
 from __future__ import annotations
 
-import torch
-
 from kvlab.methods.base import Method, Request, register
-from kvlab.runtime.cache import CompressedKV, DenseSegment
+from kvlab.runtime.cache import CompressedKV, template_segment
 
 
 @register
 class NoContext(Method):
     name = "no_context"
     summary = "the floor: the document is dropped, only the template prefix is kept (ignores the ratio)"
+    learn = (
+        "The floor: the document is dropped and only the chat template is kept, so the model answers from "
+        "what it already knows. Compare any method with this and with the full cache (the ceiling)."
+    )
     paper = "a baseline: the model answers without the document"
     # Keeps a fixed amount whatever the ratio: the budget tests do not apply.
     fixed_budget = True
 
     def compress(self, req: Request) -> CompressedKV:
         ctx, prefix = req.ctx, req.ctx.prefix_len
-        layers = []
-        for keys, values in zip(ctx.full.keys, ctx.full.values):
-            n_heads = keys.shape[0]
-            index = torch.arange(prefix).expand(n_heads, prefix)
-            layers.append([DenseSegment.from_padded(
-                keys[:, :prefix], values[:, :prefix], torch.full((n_heads,), prefix), index, fate="template"
-            )])
+        layers = [[template_segment(k, v, prefix)] for k, v in zip(ctx.full.keys, ctx.full.values)]
         return CompressedKV(layers, prefix, meta={"method": self.name, "ratio_ignored": True})

@@ -20,20 +20,17 @@ most recent tokens.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from kvlab.methods.base import EvictionMethod, Request, register
-from kvlab.methods.snapkv import snap_scores
+from kvlab.methods.base import EvictionMethod, Request, knob, register
+from kvlab.methods.snapkv import SnapKVOptions, snap_scores
 
 
 @dataclass(frozen=True)
-class PyramidKVOptions:
-    window: int = field(default=64, metadata={"help": "observation window: the last queries of the document"})
-    kernel: int = field(default=5, metadata={"help": "1-D average-pooling kernel over token scores"})
-    beta: float = field(default=20.0, metadata={
-        "help": "pyramid slope (the paper's beta): top layer keeps B/beta, bottom 2B - B/beta (1 = uniform)"})
+class PyramidKVOptions(SnapKVOptions):
+    beta: float = knob(20.0, "pyramid slope (the paper's beta): top layer keeps B/beta, bottom 2B - B/beta (1 = uniform)", low=1.0)
 
 
 def pyramid_budgets(n_layers: int, budget: int, length: int, beta: float) -> torch.Tensor:
@@ -65,6 +62,11 @@ def pyramid_budgets(n_layers: int, budget: int, length: int, beta: float) -> tor
 class PyramidKV(EvictionMethod):
     name = "pyramidkv"
     summary = "SnapKV scores with per-layer budgets shrinking linearly with depth (slope beta), same total"
+    learn = (
+        "SnapKV's scores with budgets that shrink linearly with depth: lower layers spread their attention "
+        "widely and get more keys, upper layers focus and get fewer. With slope $\\beta$ (`beta`) the top layer keeps "
+        "$B/\\beta$ keys per head and the bottom layer $2B-B/\\beta$; the mean over layers stays $B$."
+    )
     paper = "Cai et al., 2024, PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling"
     Options = PyramidKVOptions
 

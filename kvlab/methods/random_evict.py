@@ -1,22 +1,23 @@
 """Random eviction: each head keeps a seeded random subset of the document (a floor)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from kvlab.methods.base import EvictionMethod, Request, register
+from kvlab.methods.base import EvictionMethod, Options, Request, knob, register
 
 
 @dataclass(frozen=True)
-class RandomOptions:
-    seed: int = field(default=0, metadata={"help": "seed of the random scores (same seed, same kept tokens)"})
+class RandomOptions(Options):
+    seed: int = knob(0, "seed of the random scores (same seed, same kept tokens)", low=0)
 
 
 @register
 class RandomEviction(EvictionMethod):
     name = "random"
     summary = "a seeded random subset of the document per head: the floor any scoring rule must beat"
+    learn = "A seeded random subset of B tokens per head: the floor any scoring rule has to beat."
     paper = "a baseline (kvpress's RandomPress)"
     Options = RandomOptions
     scores_are_importance = False  # chance, not importance

@@ -8,20 +8,21 @@ it is the user's question.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kvlab.methods.base import EvictionMethod, MethodError, Request, register
+from kvlab.methods.base import EvictionMethod, MethodError, Options, Request, knob, register
 from kvlab.queries import question_queries
 from kvlab.runtime.attention import attention_weights, expand_kv_heads
 
 
 @dataclass(frozen=True)
-class SnapKVOptions:
-    window: int = field(default=64, metadata={"help": "observation window: the last queries of the document"})
-    kernel: int = field(default=5, metadata={"help": "1-D average-pooling kernel over token scores"})
+class SnapKVOptions(Options):
+    window: int = knob(64, "observation window: the last queries of the document", low=1)
+    # Odd, as in SnapKV's code: padding kernel // 2 on both sides keeps one score per token.
+    kernel: int = knob(5, "1-D average-pooling kernel over token scores (odd: centred on each token)", low=1, odd=True)
 
 
 def pooled_window_scores(
@@ -63,7 +64,14 @@ def snap_scores(req: Request, window: int, kernel: int, from_question: bool) -> 
 @register
 class SnapKV(EvictionMethod):
     name = "snapkv"
-    summary = "query-agnostic: attention from the document's last 64 tokens, pooled (kernel 5), top-k per head"
+    summary = "query-agnostic: attention from the document's last tokens (a window), pooled, top-k per head"
+    learn = (
+        "The last queries of the prompt already show what the model will look for. Each token is scored by "
+        "the attention of an observation window $W$ (the document's last `window` queries), averaged over the "
+        "window and the query heads of its group and smoothed by 1-D average pooling over `kernel` tokens: "
+        "$s_j=\\operatorname{pool}\\big(\\tfrac{1}{|W|}\\sum_{i\\in W}a_{ij}\\big)$; top B per head, the window "
+        "itself is kept. Here the window is the end of the document, so it is query-agnostic."
+    )
     paper = "Li et al., 2024, SnapKV: LLM Knows What You are Looking for Before Generation"
     Options = SnapKVOptions
 
@@ -75,6 +83,12 @@ class SnapKV(EvictionMethod):
 class SnapKVQuestion(EvictionMethod):
     name = "snapkv_question"
     summary = "query-aware SnapKV: the window is the user's question (the compression depends on it)"
+    learn = (
+        "SnapKV whose observation window is your question (read after the document): "
+        "$s_j=\\operatorname{pool}\\big(\\tfrac{1}{|W|}\\sum_{i\\in W_{\\text{question}}}a_{ij}\\big)$. This is the "
+        "setting of the SnapKV paper, where the question is at the end of the prompt: excellent for that "
+        "question, but the cache must be rebuilt for every new question. `window` is not used here."
+    )
     paper = SnapKV.paper
     query_aware = True
     Options = SnapKVOptions

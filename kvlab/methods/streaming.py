@@ -5,22 +5,27 @@ window is whatever the budget leaves after the sinks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from kvlab.methods.base import EvictionMethod, Request, register
+from kvlab.methods.base import EvictionMethod, Options, Request, knob, register
 
 
 @dataclass(frozen=True)
-class StreamingOptions:
-    n_sink: int = field(default=4, metadata={"help": "attention-sink tokens kept at the start of the context"})
+class StreamingOptions(Options):
+    n_sink: int = knob(4, "attention-sink tokens kept at the start of the context", low=0)
 
 
 @register
 class StreamingLLM(EvictionMethod):
     name = "streaming_llm"
-    summary = "first 4 'sink' tokens + the most recent window (position only, no attention)"
+    summary = "the first 'sink' tokens + the most recent window (position only, no attention)"
+    learn = (
+        "Keeps the first `n_sink` tokens (\"attention sinks\", which soak up attention in every layer) and the "
+        "most recent ones: $\\text{keep}=\\{1..s\\}\\cup\\{T-(B-s)+1..T\\}$. It looks at positions only, never "
+        "at attention, so it is the cheapest method and forgets everything in the middle of the document."
+    )
     paper = "Xiao et al., 2024, Efficient Streaming Language Models with Attention Sinks"
     Options = StreamingOptions
     scores_are_importance = False  # recency is position, not importance

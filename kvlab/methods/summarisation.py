@@ -16,25 +16,32 @@ At ratio 1 there is nothing to save: the full cache is returned as it is.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from kvlab.methods.base import Method, Request, register
+from kvlab.methods.base import Method, MethodError, Options, Request, knob, register
 from kvlab.models import LoadedModel
 from kvlab.prompts import question_tokens
-from kvlab.runtime.cache import CompressedKV, DenseSegment, FullKV
+from kvlab.runtime.cache import CompressedKV, DenseSegment, FullKV, template_segment
 from kvlab.runtime.decode import extend, open_session, prefill, stop_token_ids
 
 SUMMARY_PROMPT = "Summarise the text above in about {words} words. Keep the names, numbers and dates."
 
 
 @dataclass(frozen=True)
-class SummaryOptions:
-    max_tokens: int = field(default=256, metadata={"help": "cap on the summary's tokens (generation is slow on a CPU)"})
-    fill_budget: bool = field(default=True, metadata={
-        "help": "suppress the end of turn until the summary has T/ratio tokens (equal memory); false: the model stops when it wants"})
-    prompt: str = field(default=SUMMARY_PROMPT, metadata={"help": "the request read after the document; {words} is the target length"})
+class SummaryOptions(Options):
+    max_tokens: int = knob(256, "cap on the summary's tokens (generation is slow on a CPU)", low=1)
+    fill_budget: bool = knob(
+        True, "suppress the end of turn until the summary has T/ratio tokens (equal memory); false: the model stops when it wants")
+    prompt: str = knob(SUMMARY_PROMPT, "the request read after the document; {words} is the target length")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        try:
+            self.prompt.format(words=1)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise MethodError(f"prompt must be a text whose only {{field}} is {{words}}, got {self.prompt!r}") from exc
 
 
 def write_summary(lm: LoadedModel, stored: CompressedKV, prompt_ids: torch.Tensor, n_tokens: int, fill: bool) -> list[int]:
@@ -61,10 +68,9 @@ def summary_cache(full: FullKV, prefix_len: int, fate: str = "summary") -> list[
     layers = []
     for keys, values in zip(full.keys, full.values):
         n_heads, length = keys.shape[:2]
-        pre = torch.arange(prefix_len).expand(n_heads, prefix_len)
         rest = torch.full((n_heads, length - prefix_len), -1)
         layers.append([
-            DenseSegment.from_padded(keys[:, :prefix_len], values[:, :prefix_len], torch.full((n_heads,), prefix_len), pre, fate="template"),
+            template_segment(keys, values, prefix_len),
             DenseSegment.from_padded(keys[:, prefix_len:], values[:, prefix_len:], torch.full((n_heads,), length - prefix_len), rest, fate=fate),
         ])
     return layers
@@ -74,6 +80,11 @@ def summary_cache(full: FullKV, prefix_len: int, fate: str = "summary") -> list[
 class Summarisation(Method):
     name = "summarisation"
     summary = "the model summarises the document in about T/ratio tokens; the summary's cache replaces the document's"
+    learn = (
+        "A baseline outside the KV cache: the model writes a summary of about T/r tokens (at most `max_tokens`) "
+        "and the summary's cache replaces the document's. Cheap to store, but whatever the summary leaves out "
+        "is gone, and writing it is slow on a CPU."
+    )
     paper = "a baseline: prompt compression by the model's own summary"
     Options = SummaryOptions
 

@@ -8,11 +8,11 @@ requested ratio allows for the original document (T / ratio).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvlab.context import prepare_context
-from kvlab.methods.attention_matching import AMOptions, AttentionMatching, QuerySourced
-from kvlab.methods.base import Method, Request, register
+from kvlab.methods.attention_matching import PRESETS, AMOptions, AttentionMatching, QuerySourced
+from kvlab.methods.base import Method, Request, knob, register
 from kvlab.methods.summarisation import SUMMARY_PROMPT, write_summary
 from kvlab.prompts import question_tokens
 from kvlab.runtime.cache import CompressedKV
@@ -20,15 +20,21 @@ from kvlab.runtime.cache import CompressedKV
 
 @dataclass(frozen=True)
 class SummaryAMOptions(AMOptions):
-    summary_tokens: int = field(default=256, metadata={"help": "length cap of the summary the model writes first"})
+    summary_tokens: int = knob(256, "length cap of the summary the model writes first", low=1)
 
 
 @register
 class SummaryThenAM(QuerySourced, Method):
     name = "summary_am"
     summary = "the model summarises the document, then Attention Matching compacts the summary's cache to T/ratio keys"
+    learn = (
+        "Summarise, then compact: the model writes a summary (at most `summary_tokens` tokens), and Attention "
+        "Matching compacts the summary's cache down to T/r keys per head (of the original document). The paper "
+        "reports that this reaches very high ratios with the accuracy of the summary alone."
+    )
     paper = "Zweiger et al., 2026 (summarise + AM), on the summarisation baseline"
     Options = SummaryAMOptions
+    presets = PRESETS
 
     def compress(self, req: Request) -> CompressedKV:
         ctx, lm, opts = req.ctx, req.ctx.lm, self.options

@@ -32,6 +32,11 @@ def tova_scores(req: Request) -> list[torch.Tensor]:
 class TOVA(EvictionMethod):
     name = "tova"
     summary = "attention of the document's last token, averaged over all heads (same tokens in every head of a layer)"
+    learn = (
+        "Token Omission Via Attention: the score is the attention the document's last token pays each token, "
+        "averaged over all query heads of the layer, $s_j=\\tfrac1H\\sum_h a^{(h)}_{T j}$, so every KV head of "
+        "a layer keeps the same tokens."
+    )
     paper = "Oren, Hassid, Yarden, Adi, Schwartz, 2024, Transformers are Multi-State RNNs (TOVA)"
 
     def scores(self, req: Request) -> list[torch.Tensor]:

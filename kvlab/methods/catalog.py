@@ -1,0 +1,211 @@
+"""The registered methods as any front end shows them: knobs, labels, Learn text.
+
+Everything here is read off the method classes (``summary``, ``learn``,
+``paper``, ``query_aware*``, ``presets``) and their Options dataclasses (each
+field's type, default, help and bounds), so that the app, the command line
+and the docs cannot drift apart. No gradio here: the app turns a
+:class:`Knob` into a widget, the CLI into a flag.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvlab.methods.base import REGISTRY, MethodError, allowed, method_class, option_types
+
+Awareness = Literal["yes", "no", "options"]
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One field of one method's Options dataclass.
+
+    kind: the field's resolved type (``int``, ``float``, ``bool``, ``str`` or a
+    ``Literal[...]`` of its choices).
+    """
+
+    method: str
+    field: dataclasses.Field
+    kind: Any
+
+    @property
+    def name(self) -> str:
+        return self.field.name
+
+    @property
+    def key(self) -> str:
+        """The knob's keyword in the app (one namespace for every method): ``<method>__<field>``."""
+        return f"{self.method}__{self.field.name}"
+
+    @property
+    def default(self) -> Any:
+        return self.field.default
+
+    @property
+    def help(self) -> str:
+        return self.field.metadata.get("help", "")
+
+    @property
+    def choices(self) -> tuple[str, ...] | None:
+        """The allowed values of a Literal field, else None."""
+        return typing.get_args(self.kind) if typing.get_origin(self.kind) is typing.Literal else None
+
+    @property
+    def allowed(self) -> str:
+        """What the knob accepts, in words (the wording of the validation errors)."""
+        return allowed(self.field, self.kind)
+
+    def convert(self, value: Any) -> Any:
+        """``value`` (as a widget or a command line gives it) as the field's type; None when empty.
+
+        Only the type is checked here (a whole number for an int, a choice for
+        a Literal); ranges are the Options dataclass's own check.
+        """
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return None
+        text = str(value).strip()
+        kind, problem = self.kind, f"{self.method}: {self.name} must be {self.allowed}, got {value!r}"
+        if self.choices is not None:
+            if text not in self.choices:
+                raise MethodError(problem)
+            return text
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            if text.lower() not in _TRUE + _FALSE:
+                raise MethodError(problem)
+            return text.lower() in _TRUE
+        if kind in (int, float):
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                raise MethodError(problem) from None
+            if kind is float:
+                return number
+            if not number.is_integer():
+                raise MethodError(problem)
+            return int(number)
+        return value
+
+
+def knobs(name: str) -> list[Knob]:
+    """The knobs of method ``name``, in the order of its Options fields."""
+    options = method_class(name).Options
+    kinds = option_types(options)
+    return [Knob(name, f, kinds[f.name]) for f in dataclasses.fields(options) if f.init]
+
+
+def all_knobs() -> dict[str, list[Knob]]:
+    """Every registered method's knobs, by method name (sorted)."""
+    return {name: knobs(name) for name in sorted(REGISTRY)}
+
+
+def options_from(name: str, values: dict[str, Any]) -> dict[str, Any]:
+    """The Options keyword arguments of ``name`` from values keyed by :attr:`Knob.key`.
+
+    Knobs absent from ``values`` or left empty (None, blank) are skipped: the
+    method's default (or its preset's value) applies.
+    """
+    out = {}
+    for knob in knobs(name):
+        value = knob.convert(values.get(knob.key))
+        if value is not None:
+            out[knob.name] = value
+    return out
+
+
+def presets(name: str) -> dict[str, dict[str, Any]]:
+    """The method's named configurations (preset name -> option values); {} when it has none."""
+    return {preset: dict(values) for preset, values in method_class(name).presets.items()}
+
+
+def query_awareness(name: str) -> Awareness:
+    """"yes", "no", or "options" when only some knob settings make the method query-aware."""
+    cls = method_class(name)
+    if cls.query_aware:
+        return "yes"
+    return "options" if cls.query_aware_when else "no"
+
+
+def aware_tag(name: str) -> str:
+    """The tag appended to a method's name in lists: ``"  [query-aware]"``,
+    ``"  [query-aware with query_source=question]"``, or ``""``."""
+    return {
+        "yes": "  [query-aware]",
+        "options": f"  [query-aware with {method_class(name).query_aware_when}]",
+        "no": "",
+    }[query_awareness(name)]
+
+
+def method_label(name: str) -> str:
+    """``name: summary`` and the query-awareness tag (the app's method menu)."""
+    return f"{name}: {method_class(name).summary}{aware_tag(name)}"
+
+
+def method_info(name: str) -> str:
+    """The markdown line under the app's method menu: whether the question matters, and the paper."""
+    cls = method_class(name)
+    aware = {
+        "yes": "**Query-aware**: the compression depends on your question (change the question, and the cache changes).",
+        "no": "Query-agnostic: the same compressed cache serves any question.",
+        "options": f"Query-agnostic with its default knobs; with {cls.query_aware_when} (see Advanced) it is "
+        "**query-aware**, i.e. the compression then depends on your question.",
+    }[query_awareness(name)]
+    paper = f" Paper: *{cls.paper}*." if cls.paper else ""
+    return f"{aware}{paper}"
+
+
+def _cell(text: str) -> str:
+    # A "|" inside a cell (e.g. ||v||) would split it.
+    return text.replace("|", "\\|")
+
+
+def knob_table(name: str) -> str:
+    """A markdown table of the method's knobs: default (from Options), what is allowed, what it does."""
+    rows = [
+        f"| `{k.name}` | `{k.default!r}` | {_cell(k.allowed)} | {_cell(k.help)} |" for k in knobs(name)
+    ]
+    if not rows:
+        return ""
+    return "\n".join(["| knob | default | allowed | what it does |", "|---|---|---|---|", *rows])
+
+
+def _preset_lines(name: str) -> list[str]:
+    return [
+        f"- `{preset}`: " + ", ".join(f"`{k}={v!r}`" for k, v in values.items())
+        for preset, values in presets(name).items()
+    ]
+
+
+def method_markdown(name: str) -> str:
+    """One method's full text: heading with its tag, summary, Learn text, paper, presets, knob table."""
+    cls = method_class(name)
+    parts = [f"### `{name}`{aware_tag(name)}", f"*{cls.summary}.*"]
+    if cls.learn:
+        parts.append(cls.learn)
+    if cls.paper:
+        parts.append(f"Paper: *{cls.paper}*.")
+    lines = _preset_lines(name)
+    if lines:
+        parts.append("Presets (`preset`; explicit knobs override them):\n\n" + "\n".join(lines))
+    table = knob_table(name)
+    if table:
+        parts.append(table)
+    return "\n\n".join(parts) + "\n"
+
+
+def methods_markdown() -> str:
+    """Every registered method's :func:`method_markdown`, sorted by name."""
+    return "\n".join(method_markdown(name) for name in sorted(REGISTRY))
+
+
+def describe(name: str, long: bool = False, width: int = 0) -> str:
+    """The CLI's text for a method: one line (name padded to ``width``, summary, tag), or with
+    ``long`` its full :func:`method_markdown`."""
+    if long:
+        return method_markdown(name)
+    return f"{name:<{width}}  {method_class(name).summary}{aware_tag(name)}"

@@ -1,0 +1,260 @@
+"""kvlab.methods.catalog and option validation: knobs reflected from the Options
+dataclasses, bad values refused in one line (library and CLI), the published
+Attention Matching presets, and the methods' own Learn text."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import typing
+
+import pytest
+
+from kvlab.cli import build_parser, main
+from kvlab.methods import REGISTRY, MethodError, get_method
+from kvlab.methods import catalog
+
+# (method, options, what the message must name): each value is outside what the method can do.
+BAD = [
+    ("snapkv", {"kernel": 4}, "kernel"),  # even: pooling would shift the scores by one token
+    ("pyramidkv", {"kernel": 2}, "kernel"),
+    ("snapkv", {"window": -1}, "window"),
+    ("snapkv", {"window": 0}, "window"),
+    ("attention_matching", {"max_queries": 0}, "max_queries"),
+    ("attention_matching", {"query_source": "bogus"}, "query_source"),
+    ("attention_matching", {"key_selection": "OMP"}, "key_selection"),
+    ("attention_matching", {"keys_per_iter": 0}, "keys_per_iter"),
+    ("attention_matching", {"ridge": -1.0}, "ridge"),
+    ("attention_matching", {"drop_below": math.nan}, "drop_below"),
+    ("attention_matching", {"on_policy": "yes"}, "on_policy"),
+    ("attention_matching", {"max_queries": 2.5}, "max_queries"),
+    ("attention_topk", {"scoring": "median"}, "scoring"),
+    ("summary_am", {"summary_tokens": 0}, "summary_tokens"),
+    ("h2o", {"recent_share": 1.5}, "recent_share"),
+    ("pyramidkv", {"beta": 0.5}, "beta"),
+    ("expected_attention", {"n_future_positions": 0}, "n_future_positions"),
+    ("expected_attention", {"epsilon": -0.1}, "epsilon"),
+    ("kvzip", {"prune": "none"}, "prune"),
+    ("kvzip", {"instruction": "  "}, "instruction"),
+    ("streaming_llm", {"n_sink": -1}, "n_sink"),
+    ("random", {"seed": -1}, "seed"),
+    ("summarisation", {"max_tokens": 0}, "max_tokens"),
+    ("summarisation", {"prompt": "Summarise in {n} words"}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("name", "options", "field"), BAD)
+def test_bad_option_values_are_refused_in_one_line(name, options, field):
+    with pytest.raises(MethodError) as info:
+        get_method(name, **options)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"{name}: {field} must be ")
+    assert repr(options[field]) in message
+
+
+def test_the_edges_of_the_allowed_ranges_are_accepted():
+    for name, options in [
+        ("snapkv", {"kernel": 1, "window": 1}),
+        ("h2o", {"recent_share": 0.0}), ("h2o", {"recent_share": 1}),
+        ("pyramidkv", {"beta": 1}),
+        ("attention_matching", {"max_queries": 1, "nnls_iters": 0, "chunk_size": 0, "drop_below": 0.0}),
+        ("summarisation", {"prompt": "Summarise in {words} words"}),
+    ]:
+        get_method(name, **options)
+
+
+def test_odd_kernels_score_every_token(tiny):
+    """An odd kernel pools each token's score with its neighbours on both sides: one score per token."""
+    from kvlab.context import prepare_context
+    from kvlab.methods import Request
+
+    ctx = prepare_context(tiny, " ".join(f"w{i % 60 + 2}" for i in range(40)))
+    for kernel in (1, 3, 7):
+        scores = get_method("snapkv", kernel=kernel, window=8).scores(Request(ctx, 4.0))
+        assert all(s.shape == (tiny.n_kv_heads, ctx.doc_len) for s in scores)
+
+
+@pytest.mark.parametrize(("argv", "fragment"), [
+    (["--method", "snapkv", "--kernel", "4"], "kernel must be an odd whole number"),
+    (["--method", "snapkv", "--window", "-3"], "window must be"),
+    (["--method", "attention_matching", "--max-queries", "0"], "max_queries must be"),
+    (["--method", "attention_matching", "--query-source", "bogus"], "invalid choice: 'bogus'"),
+    (["--method", "attention_matching", "--on-policy", "maybe"], "true or false"),
+    (["--method", "attention_matching", "--max-queries", "2.5"], "whole number"),
+    (["--method", "attention_matching", "--preset", "AM-Nope"], "invalid choice"),
+    (["--method", "snapkv", "--preset", "AM-OMP"], "snapkv has no preset"),
+])
+def test_cli_refuses_bad_option_values_with_exit_2_and_one_line(tmp_path, capsys, argv, fragment):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A short document.")
+    code = main(["run", "--doc", str(doc), "--ratio", "4", "--question", "Why?", *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and fragment in err
+
+
+def _action(parser, flag: str):
+    run = parser._subparsers._group_actions[0].choices["run"]
+    return next(a for a in run._actions if flag in a.option_strings)
+
+
+def test_cli_flags_come_from_the_knobs():
+    parser = build_parser()
+    assert tuple(_action(parser, "--query-source").choices) == ("repeat", "context", "self_study", "random", "question")
+    assert tuple(_action(parser, "--prune").choices) == ("global", "layer", "head")
+    assert set(_action(parser, "--preset").choices) >= {"AM-HighestAttnKeys", "AM-OMP", "AM-OMP-fast"}
+    base = ["run", "--doc", "d", "--method", "m", "--ratio", "2", "--question", "q"]
+    args = parser.parse_args(base + ["--on-policy", "false", "--max-queries", "64", "--drop-below", "-5",
+                                     "--key-selection", "omp"])
+    assert args.opt_on_policy is False and args.opt_max_queries == 64 and args.opt_drop_below == -5.0
+    assert args.opt_key_selection == "omp"
+    assert parser.parse_args(base + ["--fill-budget", "TRUE"]).opt_fill_budget is True
+
+
+# The Attention Matching knobs, written from the paper's description and the Options docs.
+AM_KINDS = {
+    "query_source": ("repeat", "context", "self_study", "random", "question"),
+    "max_queries": int, "seed": int, "self_study_tokens": int,
+    "scoring": ("rms", "mean", "max"),
+    "key_selection": ("highest_attn", "omp"),
+    "keys_per_iter": int, "refit_every": int, "drop_below": float, "nnls_iters": int, "ridge": float,
+    "budgets": ("uniform", "nonuniform"),
+    "chunk_size": int, "on_policy": bool,
+}
+
+
+def test_knobs_reflect_types_choices_and_defaults():
+    knobs = catalog.knobs("attention_matching")
+    assert [k.name for k in knobs] == list(AM_KINDS)
+    defaults = REGISTRY["attention_matching"].Options()
+    for k in knobs:
+        expected = AM_KINDS[k.name]
+        if isinstance(expected, tuple):
+            assert k.choices == expected and typing.get_origin(k.kind) is typing.Literal
+        else:
+            assert k.kind is expected and k.choices is None
+        assert k.default == getattr(defaults, k.name)
+        assert k.key == f"attention_matching__{k.name}" and k.help
+    every = catalog.all_knobs()
+    assert list(every) == sorted(REGISTRY)
+    for name, knobs in every.items():
+        fields = [f for f in dataclasses.fields(REGISTRY[name].Options) if f.init]
+        assert [k.name for k in knobs] == [f.name for f in fields]
+        instance = REGISTRY[name].Options()
+        assert all(k.default == getattr(instance, k.name) for k in knobs)
+
+
+def test_knob_conversion_and_options_from():
+    max_queries, on_policy = (next(k for k in catalog.knobs("attention_matching") if k.name == n)
+                              for n in ("max_queries", "on_policy"))
+    assert max_queries.convert("64") == 64 and max_queries.convert(64.0) == 64 and max_queries.convert(" ") is None
+    with pytest.raises(MethodError, match="max_queries must be a whole number"):
+        max_queries.convert(2.5)
+    assert on_policy.convert("off") is False and on_policy.convert(True) is True
+    values = {
+        "attention_matching__max_queries": 64.0,
+        "attention_matching__on_policy": True,
+        "attention_matching__seed": None,
+        "attention_matching__scoring": "",
+        "snapkv__window": 3,  # another method's knob
+    }
+    assert catalog.options_from("attention_matching", values) == {"max_queries": 64, "on_policy": True}
+    with pytest.raises(MethodError, match="query_source must be one of"):
+        catalog.options_from("attention_matching", {"attention_matching__query_source": "bogus"})
+
+
+# The published configurations as the paper's code names them (see the AM notes):
+# HighestAttnKeys: RMS scores, 2 NNLS steps (beta in [-3, 3]); OMP: beta below -7
+# dropped, one key per iteration and a refit each time unless "fast" (4 keys, refit
+# every 2); the names without "-basic" re-read each layer's queries on-policy.
+PUBLISHED = {
+    "AM-HighestAttnKeys-basic": {"key_selection": "highest_attn", "scoring": "rms", "nnls_iters": 2, "on_policy": False},
+    "AM-HighestAttnKeys": {"key_selection": "highest_attn", "scoring": "rms", "nnls_iters": 2, "on_policy": True},
+    "AM-OMP-basic": {"key_selection": "omp", "drop_below": -7.0, "keys_per_iter": 1, "refit_every": 1, "on_policy": False},
+    "AM-OMP": {"key_selection": "omp", "drop_below": -7.0, "keys_per_iter": 1, "refit_every": 1, "on_policy": True},
+    "AM-OMP-fast": {"key_selection": "omp", "drop_below": -7.0, "keys_per_iter": 4, "refit_every": 2, "on_policy": True},
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_presets_resolve_to_the_published_configurations(preset):
+    assert preset in catalog.presets("attention_matching")
+    for name in ("attention_matching", "summary_am"):
+        options = get_method(name, preset=preset).options
+        for field, value in PUBLISHED[preset].items():
+            assert getattr(options, field) == value, (name, field)
+
+
+def test_defaults_are_the_basic_highest_attn_configuration_and_knobs_override_presets():
+    assert get_method("attention_matching").options == get_method("attention_matching", preset="AM-HighestAttnKeys-basic").options
+    options = get_method("attention_matching", preset="AM-OMP-fast", keys_per_iter=8).options
+    assert options.keys_per_iter == 8 and options.refit_every == 2 and options.on_policy is True
+    assert catalog.presets("snapkv") == {}
+    with pytest.raises(MethodError, match="no preset"):
+        get_method("snapkv", preset="AM-OMP")
+
+
+def test_cli_preset_with_an_override_reaches_the_method():
+    from kvlab.cli import method_from_args
+
+    args = build_parser().parse_args(["run", "--doc", "d", "--method", "attention_matching", "--ratio", "2",
+                                      "--question", "q", "--preset", "AM-OMP", "--refit-every", "3"])
+    options = method_from_args("attention_matching", args).options
+    assert (options.key_selection, options.keys_per_iter, options.refit_every, options.on_policy) == ("omp", 1, 3, True)
+
+
+def test_methods_long_prints_every_learn_text_and_knob_table(capsys):
+    assert main(["methods", "--long"]) == 0
+    out = capsys.readouterr().out
+    for name, cls in REGISTRY.items():
+        assert f"### `{name}`" in out and cls.summary in out
+        if cls.learn:
+            assert cls.learn in out
+        for f in dataclasses.fields(cls.Options):
+            # The row shows the dataclass's own default.
+            assert re.search(rf"\| `{f.name}` \| `{re.escape(repr(f.default))}` \|", out), (name, f.name)
+    for preset in PUBLISHED:
+        assert f"`{preset}`" in out
+    # A "|" in a help text is escaped, so every table row keeps its four cells.
+    rows = [line for line in out.splitlines() if line.startswith("| `")]
+    assert rows and all(len(re.split(r"(?<!\\)\|", row)) == 6 for row in rows)
+
+
+def test_methods_lists_one_line_each_with_the_shared_tag(capsys):
+    assert main(["methods"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(REGISTRY)
+    by_name = {line.split()[0]: line for line in lines}
+    assert by_name["snapkv_question"].endswith("[query-aware]")
+    assert by_name["attention_matching"].endswith("[query-aware with query_source=question]")
+    assert "[query-aware" not in by_name["snapkv"]
+    for name in REGISTRY:
+        tag = catalog.aware_tag(name)
+        assert by_name[name].endswith(REGISTRY[name].summary + tag)
+        assert catalog.method_label(name).endswith(tag)
+    assert {catalog.query_awareness(n) for n in ("snapkv", "snapkv_question", "attention_matching")} == {"no", "yes", "options"}
+    assert "Query-agnostic" in catalog.method_info("snapkv") and "**Query-aware**" in catalog.method_info("snapkv_question")
+    assert "query_source=question" in catalog.method_info("attention_matching")
+
+
+OWN_LEARN = sorted(set(REGISTRY) - {"beaconkv", "beaconkv_mixed", "kivi"})  # those move with their own module
+
+
+@pytest.mark.parametrize("name", OWN_LEARN)
+def test_every_method_has_a_learn_text_and_no_default_in_its_prose(name):
+    cls = REGISTRY[name]
+    assert cls.learn.strip()
+    for f in dataclasses.fields(cls.Options):
+        value = f.default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value in (0, 1):
+            continue
+        pattern = rf"(?<![\w.-]){re.escape(f'{value:g}')}(?![\w.])"
+        assert not re.search(pattern, cls.summary), (f.name, cls.summary)
+        assert not re.search(pattern, cls.learn), (f.name, value)
+
+
+def test_unknown_methods_are_refused_everywhere():
+    for call in (catalog.knobs, catalog.presets, catalog.method_markdown, catalog.method_label):
+        with pytest.raises(MethodError, match="unknown method 'nope'"):
+            call("nope")
