@@ -19,7 +19,7 @@ from benchmarks.common import Measured, first_tokens, full_first_nll, full_logpp
 from kvlab.context import prepare_context
 from kvlab.methods import get_method
 from kvlab.models import get_model
-from kvlab.online import bounded_logprobs, window_compactor
+from kvlab.bounded.online import bounded_logprobs, window_compactor
 from kvlab.prompts import question_tokens
 from kvlab.queries import repeat_queries
 from kvlab.runtime.decode import continuation_logprobs, greedy

@@ -13,7 +13,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 _MARK = "\x00KVLAB-DOCUMENT\x00"
-REPEAT_INSTRUCTION = "Repeat the previous context verbatim."
+#: The repeat-prefill prompt: KVzip's (and kvpress's) wording. One repeat pass per
+#: document serves KVzip's reconstruction and Attention Matching's reference queries.
+REPEAT_INSTRUCTION = "Repeat the previous context exactly."
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ def question_tokens(tokenizer: PreTrainedTokenizerBase, question: str) -> torch.
     return encode(tokenizer, "\n\n" + question.strip() + Template.of(tokenizer).suffix)
 
 
-def repeat_tokens(tokenizer: PreTrainedTokenizerBase, doc_ids: torch.Tensor) -> torch.Tensor:
+def repeat_tokens(
+    tokenizer: PreTrainedTokenizerBase, doc_ids: torch.Tensor, instruction: str = REPEAT_INSTRUCTION
+) -> torch.Tensor:
     """The repeat instruction, then the document itself as the (teacher-forced) answer."""
-    return torch.cat([question_tokens(tokenizer, REPEAT_INSTRUCTION), doc_ids])
+    return torch.cat([question_tokens(tokenizer, instruction), doc_ids])

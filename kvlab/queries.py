@@ -7,14 +7,15 @@ is a source only for methods that say they are query-aware.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from kvlab.context import Context
-from kvlab.prompts import question_tokens, repeat_tokens
+from kvlab.prompts import REPEAT_INSTRUCTION, question_tokens, repeat_tokens
 from kvlab.runtime.cache import CompressedKV
-from kvlab.runtime.decode import extend, greedy, open_session
+from kvlab.runtime.decode import Session, greedy, open_session, read_chunked
 from kvlab.runtime.hooks import QueryCapture
 
 SELF_STUDY_PROMPTS = (
@@ -32,15 +33,20 @@ def _recorded(ctx: Context, key: str, make: Callable[[], list[torch.Tensor]]) ->
         return ctx.queries[key]
 
 
+def _session_after(ctx: Context, ids: torch.Tensor, capture: QueryCapture, stored: CompressedKV | None = None) -> Session:
+    """The working session after the model read ``ids`` after a stored cache (default: the full one)."""
+    session = open_session(ctx.lm, stored or ctx.full.stored)
+    read_chunked(ctx.lm, session, ids, capture)
+    return session
+
+
 def read_after(
     ctx: Context, ids: torch.Tensor, stored: CompressedKV | None = None, layers: int | None = None
 ) -> list[torch.Tensor]:
     """Queries [H, n, d] of the first ``layers`` layers (default all) while the model
     reads ``ids`` after a stored cache (default: the full one)."""
     capture = QueryCapture(layers or ctx.lm.n_layers)
-    session = open_session(ctx.lm, stored or ctx.full.stored)
-    for start in range(0, ids.numel(), 2048):
-        extend(ctx.lm, session, ids[start : start + 2048], capture, logits_to_keep=1)
+    _session_after(ctx, ids, capture, stored)
     return capture.per_layer()
 
 
@@ -49,10 +55,40 @@ def context_queries(ctx: Context) -> list[torch.Tensor]:
     return ctx.queries["context"]
 
 
+@dataclass(frozen=True)
+class RepeatPass:
+    """The model asked to repeat the document, then teacher-forced through it again.
+
+    queries: per layer [H, n, d] post-RoPE queries of the n repeat tokens
+    (instruction turn + document); keys: per layer [H_kv, n, d] the same
+    tokens' own keys, float32 on the CPU (KVzip's softmax includes them).
+    """
+
+    queries: list[torch.Tensor]
+    keys: list[torch.Tensor]
+
+
+def repeat_pass(ctx: Context, instruction: str = REPEAT_INSTRUCTION) -> RepeatPass:
+    """The repeat pass after the full cache, recorded once per context and instruction.
+
+    Kept in ``ctx.queries`` beside the other sources: the queries under
+    "repeat" (or "repeat:<instruction>" for another prompt), the keys under
+    that name + "/keys".
+    """
+    key = "repeat" if instruction == REPEAT_INSTRUCTION else f"repeat:{instruction}"
+    with ctx.lock:
+        if key not in ctx.queries:
+            ids = repeat_tokens(ctx.lm.tokenizer, ctx.tokens.ids[ctx.prefix_len :], instruction)
+            capture = QueryCapture(ctx.lm.n_layers)
+            session = _session_after(ctx, ids, capture)
+            ctx.queries[key] = capture.per_layer()
+            ctx.queries[key + "/keys"] = [layer.keys[0, :, ctx.length :].float().cpu() for layer in session.cache.layers]
+        return RepeatPass(ctx.queries[key], ctx.queries[key + "/keys"])
+
+
 def repeat_queries(ctx: Context) -> list[torch.Tensor]:
-    """Repeat-prefill: "Repeat the previous context verbatim." then the document, teacher-forced."""
-    doc_ids = ctx.tokens.ids[ctx.prefix_len :]
-    return _recorded(ctx, "repeat", lambda: read_after(ctx, repeat_tokens(ctx.lm.tokenizer, doc_ids)))
+    """Repeat-prefill: the repeat instruction then the document, teacher-forced (see :func:`repeat_pass`)."""
+    return repeat_pass(ctx).queries
 
 
 def question_queries(ctx: Context, question: str) -> list[torch.Tensor]:

@@ -9,11 +9,11 @@ import torch
 from kvlab.context import prepare_context
 from kvlab.methods import Request, get_method
 from kvlab.methods.h2o import h2o_scores
-from kvlab.methods.kvzip import KVZIP_INSTRUCTION, KVzipOptions, kvzip_scores
+from kvlab.methods.kvzip import KVzipOptions, kvzip_scores
 from kvlab.methods.pyramidkv import pyramid_budgets
 from kvlab.methods.summarisation import write_summary
 from kvlab.methods.tova import tova_scores
-from kvlab.prompts import question_tokens
+from kvlab.prompts import REPEAT_INSTRUCTION, question_tokens
 from kvlab.runtime.decode import extend, open_session, prefill
 
 DOC = " ".join(f"w{(i * 11) % 60 + 2}" for i in range(96))
@@ -80,7 +80,7 @@ def test_tova_scores_match_eager_attention(ctx, tiny_eager):
 
 def test_kvzip_scores_match_eager_attention_during_reconstruction(ctx, tiny_eager):
     assert ctx.prefix_len == 0  # the tiny model has no template: the softmax runs over every key
-    repeat = torch.cat([question_tokens(ctx.lm.tokenizer, KVZIP_INSTRUCTION), ctx.tokens.ids[ctx.prefix_len :]])
+    repeat = torch.cat([question_tokens(ctx.lm.tokenizer, REPEAT_INSTRUCTION), ctx.tokens.ids[ctx.prefix_len :]])
     attn = eager_attentions(tiny_eager, torch.cat([ctx.tokens.ids, repeat]))
     ours = kvzip_scores(Request(ctx, 4.0), KVzipOptions())
     g = ctx.lm.n_heads // ctx.lm.n_kv_heads

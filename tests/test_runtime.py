@@ -6,9 +6,15 @@ import math
 import pytest
 import torch
 
+from kvlab.context import prepare_context
+from kvlab.methods import Request
+from kvlab.methods.kvzip import KVzipOptions, kvzip_scores
+from kvlab.prompts import repeat_tokens
+from kvlab.queries import repeat_pass, repeat_queries
 from kvlab.runtime.attention import attend, causal_attention
-from kvlab.runtime.cache import CompressedKV, DenseSegment, FullKV
+from kvlab.runtime.cache import CompressedKV, DenseSegment, FullKV, template_segment
 from kvlab.runtime.decode import continuation_logprobs, extend, greedy, open_session, prefill
+from kvlab.runtime.hooks import QueryCapture
 
 T = 40
 
@@ -188,3 +194,35 @@ def test_a_block_with_no_key_has_zero_output_and_mass():
     out = attend(q, k, v, bias)
     assert torch.isfinite(out.output).all() and (out.output[1] == 0).all()
     assert torch.isneginf(out.lse[1]).all() and torch.isfinite(out.lse[0]).all()
+
+
+def test_template_segment_stores_the_first_tokens_of_every_head():
+    gen = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(2, 10, 4, generator=gen), torch.randn(2, 10, 4, generator=gen)
+    seg = template_segment(keys, values, 3)
+    view = seg.view()
+    assert seg.fate == "template" and seg.lengths().tolist() == [3, 3]
+    assert torch.equal(view.keys, keys[:, :3]) and torch.equal(view.values, values[:, :3])
+    assert view.token_index.tolist() == [[0, 1, 2], [0, 1, 2]] and (view.bias == 0).all()
+
+
+def test_one_repeat_pass_serves_attention_matching_and_kvzip(tiny):
+    ctx = prepare_context(tiny, " ".join(f"w{(i * 7) % 60 + 2}" for i in range(40)))
+    forwards = []
+    handle = tiny.model.register_forward_hook(lambda *args: forwards.append(1))
+    try:
+        queries = repeat_queries(ctx)
+        passes = len(forwards)
+        kvzip_scores(Request(ctx, 4.0), KVzipOptions())
+    finally:
+        handle.remove()
+    assert passes >= 1 and len(forwards) == passes  # KVzip read nothing more
+    # Reference: one plain prefill of context + repeat turn; the pass is its tail.
+    repeat = repeat_tokens(tiny.tokenizer, ctx.tokens.ids[ctx.prefix_len :])
+    capture = QueryCapture(tiny.n_layers)
+    whole = prefill(tiny, torch.cat([ctx.tokens.ids, repeat]), capture)
+    recorded = repeat_pass(ctx)
+    assert recorded.queries is queries
+    for layer in range(tiny.n_layers):
+        assert torch.allclose(recorded.queries[layer], capture.layer(layer)[:, ctx.length :], atol=1e-5)
+        assert torch.allclose(recorded.keys[layer], whole.keys[layer][:, ctx.length :], atol=1e-5)

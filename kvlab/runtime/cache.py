@@ -124,6 +124,24 @@ class DenseSegment:
         )
 
 
+def template_segment(keys: torch.Tensor, values: torch.Tensor, prefix_len: int) -> DenseSegment:
+    """The chat template's prefix of one layer, stored as it is (fate "template").
+
+    keys/values: [H_kv, L, d] whose first ``prefix_len`` keys of every head are
+    the template's tokens 0..prefix_len-1, in order (L >= prefix_len).
+    """
+    n_heads = keys.shape[0]
+    index = torch.arange(prefix_len).expand(n_heads, prefix_len)
+    return DenseSegment.from_padded(
+        keys[:, :prefix_len], values[:, :prefix_len], torch.full((n_heads,), prefix_len), index, fate="template"
+    )
+
+
+def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Each head's chosen keys (or values): x [H, L, d], index [H, n] -> [H, n, d]."""
+    return x.gather(1, index.to(x.device).unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
 def concat_views(views: list[PaddedView]) -> PaddedView:
     """Join segment views along the key axis (padding may sit in the middle)."""
     if len(views) == 1:

@@ -117,6 +117,26 @@ def extend(
     return out.logits[0].float()
 
 
+def read_chunked(
+    lm: LoadedModel,
+    session: Session,
+    ids: torch.Tensor,
+    capture: QueryCapture | None = None,
+    chunk_size: int = 2048,
+    on_chunk: Callable[[int, int], None] | None = None,
+) -> None:
+    """Feed ``ids`` [n] after the session's tokens, ``chunk_size`` at a time, keeping no logits.
+
+    Chunks bound the transient [H, chunk, kv] score matrix of a long read;
+    on_chunk(done, total) reports progress in tokens.
+    """
+    total = ids.numel()
+    for start in range(0, total, chunk_size):
+        extend(lm, session, ids[start : start + chunk_size], capture, logits_to_keep=1)
+        if on_chunk is not None:
+            on_chunk(min(start + chunk_size, total), total)
+
+
 def prefill(
     lm: LoadedModel,
     ids: torch.Tensor,
@@ -130,11 +150,7 @@ def prefill(
     on_chunk(done, total) reports progress in tokens.
     """
     session = open_session(lm)
-    total = ids.numel()
-    for start in range(0, total, chunk_size):
-        extend(lm, session, ids[start : start + chunk_size], capture, logits_to_keep=1)
-        if on_chunk is not None:
-            on_chunk(min(start + chunk_size, total), total)
+    read_chunked(lm, session, ids, capture, chunk_size, on_chunk)
     layers = session.cache.layers
     return FullKV(keys=[layer.keys[0] for layer in layers], values=[layer.values[0] for layer in layers])
 
