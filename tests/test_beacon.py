@@ -9,14 +9,10 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvlab.context import Context
 from kvlab.methods import MethodError, Request, get_method
-from kvlab.methods.beacon import (
-    BeaconBank,
-    BeaconOptions,
-    beacon_generate,
-    farthest_point_sampling,
-    key_scores,
-    plan_memory,
-)
+from kvlab.bounded.beacon import beacon_generate
+from kvlab.methods.beacon import BeaconOptions
+from kvlab.methods.beacon_core import BeaconBank, farthest_point_sampling, key_scores
+from kvlab.methods.memory_plan import plan_memory
 from kvlab.metrics import head_errors
 from kvlab.pipeline import evaluation
 from kvlab.prompts import ContextTokens
@@ -170,9 +166,24 @@ def test_beacon_sources(ctx):
     for stored in (asked, told):
         positions = [p for layer in stored.meta["beacon_positions"] for row in layer for p in row]
         assert min(positions) >= ctx.length  # read after the document
-        assert stored.kept_per_head().float().mean() == PREFIX + round(DOC_LEN / 4)
+        assert (stored.kept_per_head() == PREFIX + round(DOC_LEN / 4)).all()
     with pytest.raises(MethodError, match="beacon_source"):
         get_method("beaconkv", beacon_source="nope")
+
+
+@pytest.mark.parametrize(("name", "options", "field"), [
+    ("beaconkv", {"n_beacons": -1}, "n_beacons"),
+    ("beaconkv", {"n_beacons": 0, "n_recent": 0}, "n_beacons \\+ n_recent"),
+    ("beaconkv", {"buffer": 0}, "buffer"),
+    ("beaconkv", {"window": 2.5}, "window"),
+    ("beaconkv", {"beacon_instruction": " "}, "beacon_instruction"),
+    ("beaconkv_mixed", {"rest": "1bit"}, "rest"),
+    ("beaconkv_mixed", {"group_size": 0}, "group_size"),
+    ("beaconkv_mixed", {"n_recent": -3}, "n_recent"),
+])
+def test_bad_options_are_refused_with_their_name(name, options, field):
+    with pytest.raises(MethodError, match=f"^{name}: {field} must"):
+        get_method(name, **options)
 
 
 # --- BeaconKV mixed precision ------------------------------------------------

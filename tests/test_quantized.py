@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from kvlab.context import prepare_context
-from kvlab.methods import Request, get_method
+from kvlab.methods import MethodError, Request, get_method
+from kvlab.methods.memory_plan import plan_memory
 from kvlab.metrics import head_errors
 from kvlab.pipeline import evaluation
 from kvlab.runtime.cache import CompressedKV, DenseSegment
@@ -111,11 +112,38 @@ def test_kivi_quantises_everything_but_the_residual(ctx):
 def test_kivi_evicts_the_oldest_when_the_ratio_asks_for_more(ctx):
     stored = get_method("kivi", bits=4).compress(Request(ctx, 12.0))
     assert stored.nbytes <= ctx.full.nbytes / 12
-    kept = sorted(stored.fates(0, 0))
-    assert kept == list(range(ctx.length - len(kept), ctx.length))
-    assert stored.meta["evicted_tokens"] == ctx.doc_len - len(kept) > 0
+    kept = [[len(stored.fates(i, h)) for h in range(ctx.lm.n_kv_heads)] for i in range(ctx.lm.n_layers)]
+    for i, row in enumerate(kept):
+        for h, n in enumerate(row):  # each head keeps its newest tokens
+            assert sorted(stored.fates(i, h)) == list(range(ctx.length - n, ctx.length))
+    evicted = ctx.doc_len - torch.tensor(kept, dtype=torch.float64).mean()
+    assert stored.meta["evicted_tokens_mean"] == pytest.approx(float(evicted), abs=1e-9) and evicted > 0
 
 
-def test_kivi_refuses_unsupported_bits():
-    with pytest.raises(ValueError, match="bits"):
-        get_method("kivi", bits=3)
+def test_kivi_plan_keeps_the_most_newest_tokens_that_fit():
+    doc_len, d, bits, group, heads = 50, 16, 4, 8, 6
+    residual = doc_len % group
+    fp = 2 * d * 4  # float32 key + value
+
+    def cost(n: int) -> int:  # the newest n tokens: the residual at full precision, the rest quantised
+        dense = min(n, residual)
+        return dense * fp + quant_nbytes(n - dense, d, bits, group)
+
+    full = heads * doc_len * fp
+    plan = plan_memory(doc_len, 0, 2, 3, d, 4, full, 9.0, bits, group, fp_newest=residual)
+    share = (full // 9) // heads
+    brute = max(n for n in range(1, doc_len + 1) if cost(n) <= share)  # what every head can afford alone
+    kept = (plan.n_fp + plan.n_quant).flatten().tolist()
+    assert min(kept) == brute and (plan.n_fp == residual).all()
+    assert sum(cost(n) for n in kept) == plan.planned_bytes <= plan.target_bytes == full // 9
+    # What rounding left over was spent: no head could store one more token with the rest.
+    left = plan.target_bytes - plan.planned_bytes
+    assert all(n == doc_len or cost(n + 1) - cost(n) > left for n in kept)
+
+
+@pytest.mark.parametrize(("options", "field"), [
+    ({"bits": 3}, "bits"), ({"bits": 16}, "bits"), ({"bits": True}, "bits"), ({"group_size": 0}, "group_size"),
+])
+def test_kivi_refuses_unsupported_options(options, field):
+    with pytest.raises(MethodError, match=f"^kivi: {field} must"):
+        get_method("kivi", **options)

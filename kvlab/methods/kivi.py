@@ -11,50 +11,48 @@ Ratio semantics: the memory this takes is fixed by ``bits``, not by the
 requested ratio, which only caps it: ratio 1 means no compression (the full
 cache, like every method); above 1 the quantised cache is used, and if it is
 still larger than full bytes / ratio, the oldest document tokens are evicted
-until it fits. The actual memory ratio is what RunResult reports (and
-``meta["memory_ratio"]``); it can be far above the requested one.
+until it fits (kvlab.methods.memory_plan, which may give some heads one token
+more than others to use the bytes rounding leaves). The actual memory ratio
+is what RunResult reports (and ``meta["memory_ratio"]``); it can be far above
+the requested one.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
-from kvlab.methods.base import Method, MethodError, Request, register
+from kvlab.methods.base import Method, MethodError, Options, Request, knob, register
+from kvlab.methods.memory_plan import TokenSplit, build_layer, context_plan
+from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.quant import SUPPORTED_BITS
-from kvlab.runtime.cache import CompressedKV, DenseSegment, Segment
-from kvlab.runtime.quantized import QuantSegment, quant_nbytes
 
 
 @dataclass(frozen=True)
-class KIVIOptions:
-    bits: int = field(default=2, metadata={"help": "bits per quantised element: 2, 4 or 8"})
-    group_size: int = field(default=32, metadata={"help": "KIVI group size (tokens for keys, channels for values)"})
+class KIVIOptions(Options):
+    bits: int = knob(2, "bits per quantised element: 2, 4 or 8")
+    group_size: int = knob(32, "KIVI group size (tokens for keys, channels for values)", low=1)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.bits not in SUPPORTED_BITS:
             raise MethodError(f"bits must be one of {', '.join(map(str, SUPPORTED_BITS))}, got {self.bits}")
-        if self.group_size < 1:
-            raise MethodError("group_size must be >= 1")
-
-
-def kept_tokens(doc_len: int, residual: int, budget: int, fp: int, head_dim: int, bits: int, group_size: int) -> int:
-    """Most recent document tokens one head can keep in ``budget`` bytes (at least 1):
-    the newest ``residual`` at full precision (``fp`` bytes each), the others quantised."""
-    for n in range(doc_len, 0, -1):
-        dense = min(residual, n)
-        if dense * fp + quant_nbytes(n - dense, head_dim, bits, group_size) <= budget:
-            return n
-    return 1
 
 
 @register
 class KIVI(Method):
     name = "kivi"
-    summary = ("uniform KIVI quantisation (bits=2|4|8; keys per channel, values per token, groups of 32, the last "
-               "T mod 32 tokens at full precision): memory fixed by bits, the ratio only caps it (ratio 1 = none)")
+    summary = ("uniform KIVI quantisation to `bits` bits (keys per channel, values per token, in groups; the "
+               "tokens that do not fill a key group at full precision): memory fixed by bits, the ratio only caps it")
+    learn = (
+        "Keeps every token but stores keys and values as `bits`-bit codes. Asymmetric uniform quantisation per "
+        "group, $\\hat x=s\\cdot\\operatorname{round}\\big(\\tfrac{x-z}{s}\\big)+z$ with $z=\\min$ and "
+        "$s=\\tfrac{\\max-\\min}{L-1}$, $L$ the number of codes of that width: keys per channel (groups of "
+        "`group_size` tokens, because outliers live in channels), values per token (groups of `group_size` "
+        "channels). The newest $T \\bmod$ `group_size` tokens do not fill a key group and stay at full "
+        "precision, as in KIVI. The memory is set by the bits, not by the ratio: ratio 1 is the full cache, and "
+        "above it the ratio only caps the memory, by evicting the oldest tokens if needed. Codes, scales and "
+        "zero points are really packed and counted."
+    )
     paper = "Liu et al., 2024, KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache"
     Options = KIVIOptions
     #: The ratio is an upper bound on memory, not a token count (see the module docstring).
@@ -66,35 +64,18 @@ class KIVI(Method):
         if req.ratio == 1.0:
             return CompressedKV([list(layer) for layer in full.stored.layers], ctx.length,
                                 meta={"method": self.name, "bits": None, "memory_ratio": 1.0})
-        n_layers, (n_heads, _, head_dim) = len(full.keys), full.keys[0].shape
-        prefix, doc_len = ctx.prefix_len, ctx.doc_len
-        fp = 2 * head_dim * full.keys[0].element_size()
-        residual = doc_len % opts.group_size
-        budget = math.floor(full.nbytes / req.ratio) // (n_layers * n_heads) - prefix * fp
-        n_keep = kept_tokens(doc_len, residual, budget, fp, head_dim, opts.bits, opts.group_size)
-        n_dense = min(residual, n_keep)
-        quant = torch.arange(prefix + doc_len - n_keep, prefix + doc_len - n_dense)
-        dense = torch.arange(prefix + doc_len - n_dense, prefix + doc_len)
-        layers: list[list[Segment]] = []
-        for keys, values in zip(full.keys, full.values):
-            segments: list[Segment] = []
-            for index, fate in ((torch.arange(prefix), "template"), (dense, "kept")):
-                if index.numel():
-                    segments.append(DenseSegment.from_padded(
-                        keys[:, index], values[:, index], torch.full((n_heads,), index.numel()),
-                        index.expand(n_heads, -1), fate=fate))
-            if quant.numel():
-                segments.append(QuantSegment.quantize(
-                    keys[:, quant], values[:, quant], torch.full((n_heads,), quant.numel()),
-                    quant.expand(n_heads, -1), opts.bits, opts.group_size))
-            layers.append(segments)
+        residual = ctx.doc_len % opts.group_size
+        plan = context_plan(ctx, req.ratio, opts.bits, opts.group_size, fp_newest=residual)
+        layers = [
+            build_layer(ctx, i, [TokenSplit.newest(ctx.doc_len, int(n_fp), int(n_q)) for n_fp, n_q in zip(fp_row, q_row)],
+                        opts.bits, opts.group_size)
+            for i, (fp_row, q_row) in enumerate(zip(plan.n_fp, plan.n_quant))
+        ]
         stored = CompressedKV(layers, ctx.length, meta={})
         stored.meta = {
             "method": self.name,
             "bits": opts.bits,
-            "quantized_tokens": int(quant.numel()),
-            "full_precision_tokens": int(dense.numel()),
-            "evicted_tokens": doc_len - n_keep,
+            **plan.details(ctx.doc_len),
             "memory_ratio": full.nbytes / max(1, stored.nbytes),
         }
         return stored

@@ -1,0 +1,196 @@
+"""The beacon core of BeaconKV: beacon queries by farthest-point sampling, and key scores.
+
+Per query head, a few "beacon" queries are chosen by farthest-point sampling
+(cosine distance) over the history of pre-RoPE queries, kept bounded by
+continual FPS (a buffer of newer queries that, when full, is re-sampled
+together with the current beacons down to the beacon count). Beacons are
+rotated with the RoPE of the current position; a key's score is the max
+attention it gets over the scoring set (the recent queries + the beacons) and
+over the query heads of its GQA group. The methods (kvlab.methods.beacon) and
+budgeted generation (kvlab.bounded.beacon) both score keys this way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvlab.methods.base import MethodError
+from kvlab.runtime.attention import attention_weights, expand_kv_heads
+from kvlab.runtime.rope import rotate, unrotate
+
+
+def farthest_point_sampling(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of ``k`` farthest points by cosine distance, per batch row.
+
+    x: [B, m, d] -> long [B, min(k, m)], in selection order. The first pick
+    is point 0 (in continual FPS the oldest beacon, so beacons are stable);
+    each next pick maximises the cosine distance 1 - cos to the nearest point
+    already picked. A point is never picked twice.
+    """
+    n_rows, m, _ = x.shape
+    k = min(k, m)
+    picks = torch.zeros(n_rows, k, dtype=torch.long)
+    if k == 0:
+        return picks
+    unit = F.normalize(x.float(), dim=-1)
+    # Cosine distances between all candidates at once: m is small (beacons + buffer).
+    dist_all = 1 - unit @ unit.transpose(-1, -2)
+    rows = torch.arange(n_rows)
+    dist = dist_all[:, 0].clone()
+    dist[:, 0] = -1.0
+    for i in range(1, k):
+        nxt = dist.argmax(dim=-1)
+        picks[:, i] = nxt
+        dist = torch.minimum(dist, dist_all[rows, nxt])
+        dist[rows, nxt] = -1.0
+    return picks
+
+
+def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [B, m, ...], idx [B, k] -> [B, k, ...]."""
+    return x[torch.arange(x.shape[0]).unsqueeze(1), idx]
+
+
+@dataclass
+class BeaconBank:
+    """Continual FPS: per row (a query head of a layer), beacons + a buffer of newer queries.
+
+    Both hold pre-RoPE queries [R, n, d] with their positions [R, n]; the
+    buffer holds at most ``capacity`` queries; when it is full, FPS over
+    beacons + buffer re-samples them down to ``n_beacons`` beacons and the
+    buffer empties. Memory is bounded by ``n_beacons + capacity`` per row.
+    Rows are independent (each has its own beacons); batching every layer's
+    heads as rows makes one FPS serve the whole model.
+    """
+
+    n_beacons: int
+    capacity: int
+    beacons: torch.Tensor | None = None
+    beacon_pos: torch.Tensor | None = None
+    buffer: torch.Tensor | None = None
+    buffer_pos: torch.Tensor | None = None
+
+    def _candidates(self) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [(q, p) for q, p in ((self.beacons, self.beacon_pos), (self.buffer, self.buffer_pos)) if q is not None]
+        return torch.cat([q for q, _ in parts], dim=1), torch.cat([p for _, p in parts], dim=1)
+
+    def _resample(self) -> None:
+        cand, pos = self._candidates()
+        idx = farthest_point_sampling(cand, self.n_beacons)
+        self.beacons, self.beacon_pos = _take(cand, idx), _take(pos, idx)
+        self.buffer = self.buffer_pos = None
+
+    def add(self, pre: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append pre-RoPE queries [R, n, d] at ``positions`` [n] (in reading order)."""
+        if self.n_beacons == 0 or pre.shape[1] == 0:
+            return
+        pos = positions.reshape(1, -1).expand(pre.shape[0], -1)
+        start = 0
+        while start < pre.shape[1]:
+            held = 0 if self.buffer is None else self.buffer.shape[1]
+            end = min(pre.shape[1], start + self.capacity - held)
+            chunk, chunk_pos = pre[:, start:end], pos[:, start:end]
+            if self.buffer is None:
+                self.buffer, self.buffer_pos = chunk, chunk_pos
+            else:
+                self.buffer = torch.cat([self.buffer, chunk], dim=1)
+                self.buffer_pos = torch.cat([self.buffer_pos, chunk_pos], dim=1)
+            if self.buffer.shape[1] >= self.capacity:
+                self._resample()
+            start = end
+
+    def current(self, n_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The beacons now: FPS over beacons + buffer (state unchanged) -> [R, b, d], positions [R, b]."""
+        if self.beacons is None and self.buffer is None:
+            return torch.zeros(n_heads, 0, head_dim), torch.zeros(n_heads, 0, dtype=torch.long)
+        cand, pos = self._candidates()
+        idx = farthest_point_sampling(cand, self.n_beacons)
+        return _take(cand, idx), _take(pos, idx)
+
+
+@dataclass
+class BeaconState:
+    """A query history per row (query head of a layer): the ``n_recent`` latest
+    post-RoPE queries and a beacon bank.
+
+    Queries enter the bank (un-rotated to pre-RoPE) when they leave the recent set.
+    """
+
+    n_recent: int
+    bank: BeaconBank
+    recent: torch.Tensor | None = None  # [R, r, d] post-RoPE
+    recent_pos: torch.Tensor | None = None  # [r]
+    recent_cos: torch.Tensor | None = None  # [r, d]: the RoPE tables at recent_pos
+    recent_sin: torch.Tensor | None = None
+
+    def observe(self, post: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """New post-RoPE queries [R, n, d] at ``positions`` [n]; cos/sin [n, d] at those positions."""
+        pos = positions.long()
+        if self.recent is not None:
+            post = torch.cat([self.recent, post], dim=1)
+            pos = torch.cat([self.recent_pos, pos])
+            cos = torch.cat([self.recent_cos, cos])
+            sin = torch.cat([self.recent_sin, sin])
+        cut = max(0, post.shape[1] - self.n_recent)
+        if cut:
+            self.bank.add(unrotate(post[:, :cut], cos[:cut], sin[:cut]), pos[:cut])
+        self.recent, self.recent_pos = post[:, cut:], pos[cut:]
+        self.recent_cos, self.recent_sin = cos[cut:], sin[cut:]
+
+    def scoring_set(
+        self, cos_now: torch.Tensor, sin_now: torch.Tensor, now: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Recent queries + beacons rotated to position ``now`` (cos_now/sin_now: [1, d]).
+
+        -> queries [R, m, d] (post-RoPE), their positions [m] (the beacons': ``now``),
+        and the beacons' source positions [R, b].
+        """
+        held = next((t for t in (self.recent, self.bank.beacons, self.bank.buffer) if t is not None), None)
+        if held is None:
+            raise MethodError("BeaconKV has no queries to score with")
+        beacons, beacon_pos = self.bank.current(held.shape[0], held.shape[-1])
+        queries = [self.recent, rotate(beacons, cos_now, sin_now)]
+        positions = [self.recent_pos, torch.full((beacons.shape[1],), now, dtype=torch.long)]
+        if self.recent is None:
+            queries, positions = queries[1:], positions[1:]
+        return torch.cat(queries, dim=1), torch.cat(positions), beacon_pos
+
+
+def key_scores(queries: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """BeaconKV score of every key: max attention over the queries and the GQA group.
+
+    queries: [H, m, d] post-RoPE, q_pos: [m] their positions; keys: [H_kv, T, d]
+    post-RoPE, k_pos: [T] or [H_kv, T] their positions. A query sees the keys at
+    or before its position (softmax over those). -> [H_kv, T].
+    """
+    n_heads, n_kv, length = queries.shape[0], keys.shape[0], keys.shape[1]
+    k = expand_kv_heads(keys.float(), n_heads)
+    kp = expand_kv_heads(k_pos.reshape(-1, length).expand(n_kv, length), n_heads)
+    q = queries.float()
+    best = torch.zeros(n_heads, length)
+    visible = (kp.unsqueeze(1) <= q_pos.reshape(1, -1, 1)).sum(-1)  # [H, m] keys each query sees
+    sees_all = (visible == length).all(dim=0)
+    if sees_all.any():  # the beacons (at "now"): one softmax over every key
+        best = torch.maximum(best, attention_weights(q[:, sees_all], k).amax(dim=1))
+    rest = torch.nonzero(~sees_all).squeeze(1)
+    if rest.numel() == 0:
+        return best.reshape(n_kv, n_heads // n_kv, length).amax(dim=1)
+    counts = visible[:, rest]
+    in_order = bool((kp[:, 1:] >= kp[:, :-1]).all())
+    if in_order and bool((counts == counts[:1]).all()) and bool((counts[0].diff() == 1).all()):
+        # Consecutive queries over a key prefix (the recent queries): one causal softmax.
+        end = int(counts[0, -1])
+        w = attention_weights(q[:, rest], k[:, :end], causal=True)
+        best[:, :end] = torch.maximum(best[:, :end], w.amax(dim=1))
+    else:
+        for i in rest.tolist():
+            bias = torch.zeros(n_heads, length).masked_fill(kp > q_pos[i], float("-inf"))
+            best = torch.maximum(best, attention_weights(q[:, i : i + 1], k, bias=bias)[:, 0])
+    return best.reshape(n_kv, n_heads // n_kv, length).amax(dim=1)
+
+
+def stack_layers(per_layer: list[torch.Tensor]) -> torch.Tensor:
+    """Per layer [H, n, d] -> [L * H, n, d]: every (layer, head) is one row of the beacon state."""
+    return torch.cat(per_layer, dim=0)
