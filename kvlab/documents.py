@@ -16,6 +16,9 @@ import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvlab.limits import LIMITS
+from kvlab.paths import assets_dir
+
 __all__ = [
     "DocumentError",
     "Example",
@@ -27,8 +30,8 @@ __all__ = [
     "read_document",
 ]
 
-#: Largest file :func:`read_document` accepts, in bytes (20 MB).
-MAX_FILE_BYTES: int = 20 * 1024 * 1024
+#: Largest file :func:`read_document` accepts, in bytes (``KVLAB_MAX_UPLOAD_BYTES``, kvlab.limits).
+MAX_FILE_BYTES: int = LIMITS.upload_bytes
 
 _TEXT_SUFFIXES: frozenset[str] = frozenset({".txt", ".md", ".markdown", ""})
 _PDF_SUFFIXES: frozenset[str] = frozenset({".pdf"})
@@ -260,8 +263,8 @@ def clean_text(text: str) -> str:
 
 
 def default_examples_root() -> Path:
-    """Return the repository's ``assets/examples`` folder (``kvlab/../assets/examples``)."""
-    return Path(__file__).resolve().parent.parent / "assets" / "examples"
+    """Return the bundled ``assets/examples`` folder (installed or in a checkout)."""
+    return assets_dir() / "examples"
 
 
 @dataclass(frozen=True)
@@ -274,8 +277,12 @@ class Example:
         kind: Kind of document, e.g. ``"story"``, ``"contract"``, ``"medical record"``.
         path: Absolute path of the document file.
         questions: Short factual questions about the document.
-        answers: Gold answers, in the same order as ``questions``.
-        tokens: Length of the cleaned document in SmolLM2 tokens (None if unknown).
+        answers: The gold answer to each question, in the same order as ``questions``
+            (the first of its aliases: what the UI shows as the expected answer).
+        aliases: Every accepted form of each answer (``answers[i] == aliases[i][0]``),
+            for scorers such as :func:`kvlab.tasks.scoring.contains_match`.
+        tokens: Length of the cleaned document in SmolLM2 tokens, without special
+            tokens (None if unknown).
     """
 
     id: str
@@ -284,6 +291,7 @@ class Example:
     path: Path
     questions: tuple[str, ...]
     answers: tuple[str, ...]
+    aliases: tuple[tuple[str, ...], ...]
     tokens: int | None = None
 
     def text(self) -> str:
@@ -291,13 +299,27 @@ class Example:
         return read_document(self.path)
 
 
+def _is_text(value: object) -> bool:
+    return isinstance(value, str) and bool(value.strip())
+
+
 def _str_list(entry: dict, key: str, where: str) -> tuple[str, ...]:
     value = entry.get(key)
-    if not isinstance(value, list) or not value or not all(
-        isinstance(v, str) and v.strip() for v in value
-    ):
+    if not isinstance(value, list) or not value or not all(_is_text(v) for v in value):
         raise DocumentError(f"{where}: '{key}' must be a non-empty list of non-empty strings.")
     return tuple(value)
+
+
+def _answer_aliases(entry: dict, where: str) -> tuple[tuple[str, ...], ...]:
+    """Each of ``entry["answers"]`` as its aliases: a string is one alias, a list several."""
+    value = entry.get("answers")
+    groups = [[a] if isinstance(a, str) else a for a in value] if isinstance(value, list) else []
+    if groups and all(isinstance(g, list) and g and all(_is_text(a) for a in g) for g in groups):
+        return tuple(tuple(g) for g in groups)
+    raise DocumentError(
+        f"{where}: 'answers' must be a non-empty list whose items are non-empty strings "
+        "or non-empty lists of them (aliases, the first shown as the answer)."
+    )
 
 
 def load_examples(root: Path | None = None) -> list[Example]:
@@ -349,7 +371,8 @@ def load_examples(root: Path | None = None) -> list[Example]:
             raise DocumentError(f"{where}: file '{entry['file']}' not found.")
 
         questions = _str_list(entry, "questions", where)
-        answers = _str_list(entry, "answers", where)
+        aliases = _answer_aliases(entry, where)
+        answers = tuple(group[0] for group in aliases)
         if len(questions) != len(answers):
             raise DocumentError(
                 f"{where}: {len(questions)} questions but {len(answers)} answers."
@@ -369,6 +392,7 @@ def load_examples(root: Path | None = None) -> list[Example]:
                 questions=questions,
                 answers=answers,
                 tokens=tokens,
+                aliases=aliases,
             )
         )
     return examples

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvlab import documents
+from kvlab import documents, paths
 from kvlab.documents import (
     DocumentError,
-    Example,
     clean_text,
     default_examples_root,
     load_examples,
@@ -161,8 +160,12 @@ def test_too_large(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         read_document(f)
 
 
-def test_default_size_limit_is_20mb() -> None:
-    assert documents.MAX_FILE_BYTES == 20 * 1024 * 1024
+def test_a_file_just_over_20_mib_is_refused_before_reading(tmp_path: Path) -> None:
+    f = tmp_path / "huge.txt"
+    with f.open("wb") as fh:
+        fh.truncate(20 * 2**20 + 1)  # sparse: costs no disk, and it is never read
+    with pytest.raises(DocumentError, match="the limit is 20 MB"):
+        read_document(f)
 
 
 def test_pdf_renamed_to_txt(tmp_path: Path) -> None:
@@ -277,17 +280,24 @@ def test_clean_text_empty_raises(raw: str) -> None:
         clean_text(raw)
 
 
-def test_document_error_is_value_error() -> None:
-    assert issubclass(DocumentError, ValueError)
-
-
 # --------------------------------------------------------------------------- examples
 
 
-def test_default_root_is_repository_assets() -> None:
-    root = default_examples_root()
-    assert root == Path(documents.__file__).resolve().parent.parent / "assets" / "examples"
-    assert (root / "examples.json").is_file()
+CHECKOUT_EXAMPLES = Path(__file__).resolve().parents[1] / "assets" / "examples"
+
+
+def test_default_root_is_this_checkouts_examples() -> None:
+    # The tests run on a checkout, installed editable or not: either way the
+    # examples must be read from the checkout's own folder, not a stale copy.
+    assert default_examples_root().samefile(CHECKOUT_EXAMPLES)
+
+
+def test_default_root_without_an_installed_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    def not_installed(name: str):
+        raise ModuleNotFoundError(f"No module named {name!r}")
+
+    monkeypatch.setattr(paths.resources, "files", not_installed)
+    assert default_examples_root().samefile(CHECKOUT_EXAMPLES)
 
 
 def test_bundled_examples_load_and_answers_are_in_text() -> None:
@@ -296,7 +306,6 @@ def test_bundled_examples_load_and_answers_are_in_text() -> None:
     assert len({ex.id for ex in examples}) == len(examples)
     assert len({ex.kind for ex in examples}) >= 3
     for ex in examples:
-        assert isinstance(ex, Example)
         text = ex.text()
         assert text.strip(), ex.id
         assert 3 <= len(ex.questions) <= 5, ex.id
@@ -304,8 +313,11 @@ def test_bundled_examples_load_and_answers_are_in_text() -> None:
         assert isinstance(ex.tokens, int) and ex.tokens > 0, ex.id
         words = len(text.split())
         assert 1200 <= words <= 2000, (ex.id, words)
-        for answer in ex.answers:
-            assert answer.lower() in text.lower(), (ex.id, answer)
+        assert len(ex.aliases) == len(ex.questions), ex.id
+        for answer, aliases in zip(ex.answers, ex.aliases):
+            assert answer == aliases[0], ex.id
+            for alias in aliases:  # every accepted form is grounded in the document
+                assert alias.lower() in text.lower(), (ex.id, alias)
 
 
 def test_bundled_examples_include_a_2k_token_story() -> None:
@@ -337,8 +349,22 @@ def test_load_examples_custom_root(tmp_path: Path) -> None:
     assert ex.path == (tmp_path / "doc.txt").resolve()
     assert ex.questions == ("Where does Anna live?",)
     assert ex.answers == ("Oslo",)
+    assert ex.aliases == (("Oslo",),)
     assert ex.tokens == 6
     assert ex.text() == "Anna lives in Oslo."
+
+
+def test_answers_may_list_aliases(tmp_path: Path) -> None:
+    (tmp_path / "doc.txt").write_text("Anna Berg, 34, lives in Oslo.", encoding="utf-8")
+    _write_manifest(
+        tmp_path,
+        [{"id": "a", "title": "A", "file": "doc.txt", "kind": "note",
+          "questions": ["Who lives in Oslo?", "How old is she?"],
+          "answers": [["Anna Berg", "Anna"], "34"]}],
+    )
+    [ex] = load_examples(tmp_path)
+    assert ex.answers == ("Anna Berg", "34")  # the first alias is the answer shown
+    assert ex.aliases == (("Anna Berg", "Anna"), ("34",))
 
 
 @pytest.mark.parametrize(
@@ -349,6 +375,9 @@ def test_load_examples_custom_root(tmp_path: Path) -> None:
         ({"file": "../outside.txt"}, "outside"),
         ({"title": ""}, "'title'"),
         ({"answers": "a1"}, "'answers'"),
+        ({"answers": [[]]}, "'answers'"),
+        ({"answers": [["a1", " "]]}, "'answers'"),
+        ({"answers": [["a1", 2]]}, "'answers'"),
         ({"tokens": "many"}, "'tokens'"),
     ],
 )

@@ -17,8 +17,9 @@ import torch
 
 from kvlab.methods.base import MethodError, Request
 from kvlab.models import LoadedModel
+from kvlab.paths import assets_dir
 
-BUDGET_DIR = Path(__file__).resolve().parents[2] / "assets" / "budgets"
+BUDGET_DIR = assets_dir() / "budgets"
 MAX_SHARE = 9.0
 MIN_SHARE_DIV = 7.0
 

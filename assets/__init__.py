@@ -1,0 +1,1 @@
+"""The bundled assets (example documents, budget profiles), installed as kvlab.assets."""
