@@ -418,3 +418,26 @@ def test_low_precision_inputs():
     got = attend(q.bfloat16(), cb.keys, cb.values, cb.bias)
     assert torch.allclose(got.output, ref.output, atol=3e-2)
     assert torch.allclose(got.lse, ref.lse, atol=1e-3)
+
+
+
+@pytest.mark.parametrize(("selection", "beta"), [("highest_attn", 3.0), ("omp", math.log(64))])
+def test_beta_is_bounded_as_published(selection, beta):
+    """64 copies of one key compacted to one: its exact weight is 64, beta = log 64 ~ 4.16.
+    The published HighestAttnKeys configuration bounds beta to [-3, 3], so it stops at 3;
+    OMP's bound is 7 (keys below -7 dropped), so it keeps the exact log 64."""
+    q, k, v = _qkv(B=2, n=32, T=64, d=16, seed=20)
+    k = k[:, :1].expand(-1, 64, -1).contiguous()
+    cb = compact_block(q, k, v, 1, key_selection=selection)
+    assert torch.allclose(cb.bias, torch.full((2, 1), beta), atol=1e-3)
+
+
+@pytest.mark.parametrize("t", [1, 2, 3])
+def test_omp_with_fewer_slots_than_keys_per_iter(t):
+    """A budget below keys_per_iter (a high ratio on a short block) fills exactly t slots
+    with distinct keys, weighted by their NNLS fit."""
+    q, k, _ = _qkv(B=2, n=40, T=24, d=8, seed=21)
+    phi, z = mass_features(q, k)
+    idx, w = omp_select(phi, z, t, keys_per_iter=4)
+    assert idx.shape == (2, t) and all(len(set(row.tolist())) == t for row in idx) and bool((idx >= 0).all())
+    assert torch.allclose(w, nnls(_gather_cols(phi, idx), z), rtol=1e-3, atol=1e-4)

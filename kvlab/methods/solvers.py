@@ -420,7 +420,8 @@ def omp_select(
         torch.ones(B, T, dtype=torch.bool, device=dev) if key_valid is None else key_valid.to(dev)
     )
     target = valid_keys.sum(-1).clamp(max=t)  # [B]
-    kpi = min(keys_per_iter, T) if T > 0 else 1
+    # No round picks more than the slots (t) or the keys (T): the picks index ``slots``.
+    kpi = max(1, min(keys_per_iter, t, T))
     if max_iters is None:
         # Enough rounds to fill t slots several times over (drops refill);
         # bans make each key pickable once, so this is a safety net only.
