@@ -6,8 +6,11 @@ helpers of benchmarks/browser.py) and picks the bundled ~2,000-token story.
 Then, each time from the click on Run until both answers and all five plots
 of the run are on the page:
 
-1. the first run, with the default method at the default ratio (the prefill
-   of the story happens here);
+1. the first run, with the default method at the default ratio. The page
+   prepares the story as soon as it is shown (prefill, then the default
+   method's reference queries, in the background); with ``--think S`` the
+   visitor clicks Run S seconds after the page has the story (default 0: at
+   once, so the run waits for whatever preparation is left);
 2. the method changed (to snapkv, by default), nothing else;
 3. the ratio changed (to 20, by default), nothing else.
 
@@ -70,20 +73,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--method", default="snapkv", help="the method of the second run (default: snapkv)")
     parser.add_argument("--ratio", type=float, default=20, help="the ratio of the third run (default: 20)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed per run")
+    parser.add_argument("--think", type=float, default=0.0,
+                        help="seconds between the story appearing and the first click on Run (default 0)")
     args = parser.parse_args(argv)
 
-    from kvlab import ui
+    from kvlab import lab
     from kvlab.models import get_model
+    from kvlab.ui import default_method
+    from kvlab.ui.explore import RATIO_DEFAULT
 
     print(f"start: {_load()}", flush=True)
     start = time.perf_counter()
     lm = get_model()
     print(f"model loaded in {time.perf_counter() - start:.1f} s: {lm.name} (not counted)", flush=True)
-    example = next((e for e in ui._examples() if e.id == EXAMPLE_ID), None)
+    example = next((e for e in lab.examples() if e.id == EXAMPLE_ID), None)
     if example is None:
         print(f"the bundled example {EXAMPLE_ID!r} is missing", file=sys.stderr)
         return 2
-    method0, ratio0 = ui.default_method(), float(ui.RATIO_DEFAULT)
+    method0, ratio0 = default_method(), float(RATIO_DEFAULT)
     runs = [
         (f"1. first run: {method0} at {ratio0:g}x", method0, ratio0, FIRST_TARGET_S),
         (f"2. method changed: {args.method} at {ratio0:g}x", args.method, ratio0, CHANGE_TARGET_S),
@@ -102,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         shown = page.locator("#kvlab-method input").input_value()
         print(f"example: {example.title} (~{example.tokens:,} tokens); question: {example.questions[0]!r}")
         print(f"page starts with method {shown.split(':')[0]!r} at {page.locator('#kvlab-ratio input[type=number]').input_value()}x")
+        shown_at = time.perf_counter()
+        if args.think > 0:
+            time.sleep(args.think)
+        status = page.locator("#kvlab-doc-status").inner_text() if page.locator("#kvlab-doc-status").count() else ""
+        print(f"clicking Run {time.perf_counter() - shown_at:.1f} s after the story appeared; "
+              f"document status then: {status.strip() or '(none)'!r}")
         for i, (label, method, ratio, target) in enumerate(runs):
             if i == 1:
                 _pick_method(page, method)

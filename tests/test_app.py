@@ -13,9 +13,14 @@ gradio_client = pytest.importorskip("gradio_client")
 from gradio_client.exceptions import AppError  # noqa: E402
 
 from benchmarks.browser import serve_app  # noqa: E402
-from kvlab import ui  # noqa: E402
+from kvlab import lab  # noqa: E402
+from kvlab.context import CONTEXTS  # noqa: E402
 from kvlab.methods import REGISTRY  # noqa: E402
+from kvlab.methods.catalog import all_knobs  # noqa: E402
 from kvlab.models import EMBEDDED, EMBEDDED_LABEL  # noqa: E402
+from kvlab.ui import common, default_method, present  # noqa: E402
+from kvlab.ui.knobs import knob_component  # noqa: E402
+from kvlab.ui.learn import learn_markdown  # noqa: E402
 
 DOCUMENT = """\
 Harbor Street Bakery: staff notes for the spring season
@@ -33,7 +38,7 @@ The bakery's cat, a ginger tom named Biscuit, must never be allowed into the kit
 """
 QUESTION = "What is the name of the head baker?"
 # Cheap methods keep the tests quick whatever else gets registered.
-FAST = "streaming_llm" if "streaming_llm" in REGISTRY else ui.default_method()
+FAST = "streaming_llm" if "streaming_llm" in REGISTRY else default_method()
 OTHER = "tova" if "tova" in REGISTRY else FAST
 MISSING_MODEL = "/nonexistent/kvlab-missing-model.gguf"
 
@@ -74,44 +79,52 @@ def _run(client, text=DOCUMENT, method=FAST, **kw):
     return client.predict(**{**args, **kw})
 
 
-def test_knobs_follow_the_registry():
-    # Every registered method's Options fields are knobs named <method>__<field>, typed back.
-    knobs = ui.method_knobs()
-    assert set(knobs) == set(REGISTRY)
-    for name, cls in REGISTRY.items():
-        fields = [f.name for f in dataclasses.fields(cls.Options) if f.init]
-        assert [k.field.name for k in knobs[name]] == fields
-    name, knob = next((n, k) for n, ks in knobs.items() for k in ks if k.kind is int)
-    other = next((k for n, ks in knobs.items() if n != name for k in ks), None)
-    values = {knob.key: 7.0, **({other.key: other.default} if other else {})}
-    assert ui.method_options(name, knobs, values) == {knob.field.name: 7}
+def test_every_knob_gets_the_widget_of_its_type():
+    # A Literal knob offers exactly its choices; numbers, flags and texts get their own inputs.
+    import typing
+
+    import gradio as gr
+
+    for name, knobs in all_knobs().items():
+        for knob in knobs:
+            widget = knob_component(knob)
+            kind = typing.get_type_hints(REGISTRY[name].Options)[knob.name]
+            if typing.get_origin(kind) is typing.Literal:
+                assert isinstance(widget, gr.Dropdown)
+                assert [c[1] for c in widget.choices] == list(typing.get_args(kind))
+            elif kind is bool:
+                assert isinstance(widget, gr.Checkbox)
+            elif kind in (int, float):
+                assert isinstance(widget, gr.Number) and (widget.precision == 0) == (kind is int)
+            assert widget.label == knob.name
 
 
 def test_model_choices_come_from_the_environment():
-    assert ui.model_choices({}) == [(f"{EMBEDDED_LABEL} (default)", EMBEDDED)]
+    assert lab.model_choices({}) == [(f"{EMBEDDED_LABEL} (default)", EMBEDDED)]
     env = {"KVLAB_MODEL": "/models/big.gguf", "KVLAB_MODELS": " Qwen/Qwen3-4B, /models/big.gguf,,/data/llama "}
-    assert [spec for _, spec in ui.model_choices(env)] == ["/models/big.gguf", EMBEDDED, "Qwen/Qwen3-4B", "/data/llama"]
-    assert ui.model_choices(env)[0][0].endswith("(default)")
+    assert [spec for _, spec in lab.model_choices(env)] == ["/models/big.gguf", EMBEDDED, "Qwen/Qwen3-4B", "/data/llama"]
+    assert lab.model_choices(env)[0][0].endswith("(default)")
 
 
 def test_ratios_are_parsed_and_checked():
-    assert ui.parse_ratios([10, 2], "3, 20x 2") == [2.0, 3.0, 10.0, 20.0]
+    assert lab.parse_ratios([10, 2], "3, 20x 2") == [2.0, 3.0, 10.0, 20.0]
     for bad in ("abc", "0.5", "5000", "nan"):
-        with pytest.raises(ui.InputError):
-            ui.parse_ratios([], bad)
-    with pytest.raises(ui.InputError, match="at least one"):
-        ui.parse_ratios([], " ")
+        with pytest.raises(lab.InputError):
+            lab.parse_ratios([], bad)
+    with pytest.raises(lab.InputError, match="at least one"):
+        lab.parse_ratios([], " ")
 
 
 def test_learn_tab_explains_every_method():
-    text = ui.learn_markdown()
+    text = learn_markdown()
     for name, cls in REGISTRY.items():
-        assert f"### `{name}`" in text and cls.summary in text
+        assert f"`{name}`" in text and cls.summary in text
+        assert len(cls.learn) > 80, f"{name} has no Learn text"
+        assert cls.learn in text
         if cls.paper:
             assert cls.paper in text
-        if name in ui.METHOD_NOTES:
-            assert ui.METHOD_NOTES[name] in text
-    assert "secondary summaries" in ui.METHOD_NOTES.get("beaconkv", "secondary summaries")
+    # BeaconKV's details come from secondary summaries of the paper; its Learn text must say so.
+    assert "secondary summaries" in REGISTRY["beaconkv"].learn
     for plot in ("Attention-output error", "Attention mass, full vs compressed", "Keys per head", "Memory", "Time per stage",
                  "Token fates", "**intensity**", "log-ppl"):
         assert plot in text
@@ -124,27 +137,36 @@ def test_gpu_functions_use_spaces_when_importable(monkeypatch):
         calls.append(duration)
         return lambda fn: types.SimpleNamespace(wrapped=fn)
 
-    monkeypatch.setattr(ui, "spaces", types.SimpleNamespace(GPU=gpu))
+    monkeypatch.setattr(common, "spaces", types.SimpleNamespace(GPU=gpu))
     f = lambda: 1  # noqa: E731
-    assert ui.on_gpu(30)(f).wrapped is f and calls == [30]
-    monkeypatch.setattr(ui, "spaces", None)
-    assert ui.on_gpu(30)(f) is f
-    # A sweep's ZeroGPU slot grows with its runs, capped.
-    assert ui._sweep_duration("t", None, ["a", "b"], [2, 5]) == ui.GPU_SWEEP_BASE_S + 4 * ui.GPU_SWEEP_POINT_S
-    assert ui._sweep_duration("t", None, ["a"] * 50, list(range(50))) == ui.GPU_MAX_S
+    assert common.on_gpu(30)(f).wrapped is f and calls == [30]
+    monkeypatch.setattr(common, "spaces", None)
+    assert common.on_gpu(30)(f) is f
+
+
+def test_a_sweeps_gpu_slot_grows_with_its_runs_and_is_capped(monkeypatch):
+    # The rule: a base plus a share per (method, ratio), never above the cap. Hand-worked
+    # with base 10 s, 3 s a run and a 50 s cap: 2 methods x 2 ratios -> 10 + 4 * 3 = 22 s;
+    # 5 x 5 = 25 runs -> 85 s, capped to 50 s.
+    monkeypatch.setattr(present, "GPU_SWEEP_BASE_S", 10)
+    monkeypatch.setattr(present, "GPU_SWEEP_POINT_S", 3)
+    monkeypatch.setattr(present, "GPU_MAX_S", 50)
+    assert present.sweep_duration("t", None, ["a", "b"], [2, 5]) == 22
+    assert present.sweep_duration("t", None, list("abcde"), [2, 3, 4, 5, 6]) == 50
+    assert present.sweep_duration("t", None, [], []) == 13  # an empty sweep still gets one run's slot
 
 
 def test_gpu_results_are_plain_picklable_data(embedded):
     # ZeroGPU runs the heavy functions in a forked worker and pickles what they return:
     # figures, texts and token fates only, never the model or a cache.
-    view = ui.run_view(DOCUMENT, None, FAST, 4, QUESTION, 8, {}, None)
+    view = present.run_view(DOCUMENT, None, FAST, 4, QUESTION, 8, {}, None)
     blob = pickle.dumps(view)
     assert len(blob) < 2_000_000 and b"LlamaForCausalLM" not in blob
     assert view.fates.n_layers == embedded.n_layers and view.fates.n_kv_heads == embedded.n_kv_heads
     # FAST has no per-token score; the question's attention is there for every method.
     assert set(view.fates.levels) == {"question"}
     assert len(view.fates.levels["question"][0][0]) == len(view.fates.token_texts)
-    sweep = ui.sweep_view(DOCUMENT, None, [FAST], [4.0], QUESTION, 8, None)
+    sweep = present.sweep_view(DOCUMENT, None, [FAST], [4.0], QUESTION, 8, None)
     assert b"LlamaForCausalLM" not in pickle.dumps(sweep)
 
 
@@ -153,10 +175,10 @@ def test_models_sharing_a_name_never_share_a_context(tiny):
 
     other = tiny_llama(seed=1)  # also named "tiny-llama"
     text = "w1 w2 w3 w4 w5 w6 w7 w8"
-    first, _ = ui.prepared_context(tiny, text)
-    second, prefilled = ui.prepared_context(other, text)
+    first, _ = lab.prepared_context(tiny, text)
+    second, prefilled = lab.prepared_context(other, text)
     assert first.lm is tiny and second.lm is other and prefilled
-    assert ui.prepared_context(tiny, text) == (first, False)
+    assert lab.prepared_context(tiny, text) == (first, False)
 
 
 def test_endpoints_have_names(client):
@@ -165,7 +187,7 @@ def test_endpoints_have_names(client):
 
 
 def test_run_gives_two_answers_and_figures(client, embedded):
-    out = _run(client, layer=3, head=1, **{k.key: k.default for k in ui.method_knobs()[FAST]})
+    out = _run(client, layer=3, head=1, **{k.key: k.default for k in all_knobs()[FAST]})
     summary, full, compressed, diff, err_plot = out[:5]
     assert full.strip() and compressed.strip()
     assert "at **4x**" in summary
@@ -185,7 +207,7 @@ def test_token_view_shades_by_the_chosen_intensity(client, embedded):
     _run(client, method=OTHER)  # a method that scores tokens
     last = embedded.n_layers - 1
     views = {value: client.predict(layer=last, head=0, intensity=value, api_name="/token_view")
-             for _, value in ui.INTENSITIES}
+             for _, value in present.INTENSITIES}
     line, tokens = views["score"]
     assert "Intensity: the method's own score" in line
     assert "intensity = the method&#x27;s own score" in tokens and 'title="kept, percentile ' in tokens
@@ -206,10 +228,10 @@ def test_changing_the_method_reuses_the_prefill(client, embedded):
     text = DOCUMENT + "The oven in the back room was built in 1931 and still bakes every loaf.\n"
     first = _run(client, text=text)
     assert "done now" in first[0]
-    ctx = ui.CONTEXTS.get(embedded, ui.document_text(text, None))  # cached: no prefill here
+    ctx = CONTEXTS.get(embedded, lab.document_text(text, None))  # cached: no prefill here
     second = _run(client, text=text, method=OTHER, ratio=8)
     assert "reused" in second[0] and f"Prefill {ctx.prefill_s:.2f} s" in second[0]
-    assert ui.CONTEXTS.get(embedded, ui.document_text(text, None)) is ctx
+    assert CONTEXTS.get(embedded, lab.document_text(text, None)) is ctx
     assert "reused" in json.dumps(second[8])  # the time figure marks the prefill as reused
 
 
@@ -266,7 +288,7 @@ def test_compare_sweeps_methods_and_ratios(client):
     with open(csv_file, newline="", encoding="utf-8") as fh:
         rows = list(csv.DictReader(fh))
     assert [(r["method"], float(r["ratio"])) for r in rows] == pairs
-    assert set(ui.EXPORT_FIELDS) == set(rows[0])
+    assert set(lab.EXPORT_FIELDS) == set(rows[0])
     data = json.loads(open(json_file, encoding="utf-8").read())
     assert [(r["method"], r["ratio"]) for r in data["results"]] == pairs
     assert data["logppl_full"] == pytest.approx(float(rows[0]["logppl_full"]))
@@ -307,8 +329,52 @@ def test_binary_file_is_a_clear_error(client, tmp_path):
 
 
 def test_load_example_fills_text_and_questions(client):
-    examples = ui._examples()
+    examples = lab.examples()
     assert examples, "the bundled examples should load"
     text, suggested, question, _ = client.predict(examples[0].id, api_name="/load_example")
     assert len(text) > 1000
     assert question == examples[0].questions[0]
+
+
+def test_tasks_mode_scores_answers_against_known_ones(client, tmp_path):
+    # One short needle document, one cheap method at one ratio: the views come back filled,
+    # with the full cache (ceiling) and no context (floor) in the table.
+    status, task, accuracy, method, heatmap, table = client.predict(  # the per-user state is not returned
+        task="needle_grid", items=1, length=150, methods=[FAST], ratios=[2], more_ratios="", api_name="/tasks",
+    )
+    assert "needle_grid" in status and "ceiling" in status and "floor" in status
+    rows = {(r[1], r[2]) for r in table["data"]}
+    assert {("full", "-"), ("no_context", "-"), (FAST, 2)} <= rows
+    assert accuracy and heatmap and "needles found" in json.dumps(heatmap)
+
+
+def test_tasks_mode_loads_a_bench_results_file(client, tiny, tmp_path):
+    # Results written by the bench runner (tiny model, in-process) load into the same views.
+    from kvlab.tasks.runner import MethodSpec, run_items
+    from kvlab.tasks.synthetic import needle_items
+    from kvlab.tasks.store import ResultWriter, results_path
+
+    items = needle_items("w3 w4 w5. w6 w7 w8. w9 w10 w11.", [0.0, 1.0])
+    with ResultWriter(results_path(tmp_path)) as writer:
+        written = run_items(tiny, items, [MethodSpec(FAST)], [2.0], on_result=writer.write)
+    out = client.predict([gradio_client.handle_file(str(results_path(tmp_path)))], api_name="/load_results")
+    status, table = out[0], out[5]
+    assert f"{len(written)} answers scored" in status
+    assert sorted((r[1], r[2]) for r in table["data"]) == sorted({
+        (r.method, "-" if r.ratio is None else r.ratio) for r in written})
+
+
+def test_needle_test_on_the_users_document(client):
+    out = client.predict(text=DOCUMENT, methods=[FAST], ratios="2", depths=2, api_name="/needle_test")
+    status, table = out[0], out[5]
+    assert "needle test, 2 depths" in status
+    assert {r[1] for r in table["data"]} == {"full", "no_context", FAST}
+    with pytest.raises(AppError, match="depths|minimum value 1"):
+        client.predict(text=DOCUMENT, methods=[FAST], ratios="2", depths=0, api_name="/needle_test")
+
+
+def test_prepare_then_run_reuses_the_prefill(client):
+    text = DOCUMENT + "The flour store is in the cellar under the shop.\n"
+    status = client.predict(text=text, method=FAST, api_name="/prepare")
+    assert status.startswith("Ready:")
+    assert "reused" in _run(client, text=text)[0]

@@ -15,7 +15,10 @@ import pytest
 sync_api = pytest.importorskip("playwright.sync_api")
 
 from benchmarks.browser import chromium_page, chromium_path, mark_outputs, serve_app, wait_for_run  # noqa: E402
-from kvlab import ui  # noqa: E402
+from kvlab import lab  # noqa: E402
+from kvlab.ui import default_method  # noqa: E402
+from kvlab.ui.compare import SWEEP_DEFAULT_METHODS, SWEEP_DEFAULT_RATIOS  # noqa: E402
+from kvlab.ui.explore import RATIO_DEFAULT  # noqa: E402
 
 SCREENSHOT = Path(__file__).resolve().parent.parent / "assets" / "screenshot.png"
 RUN_TIMEOUT_MS = 240_000
@@ -40,19 +43,20 @@ def page(tmp_path):
 
 def test_explore_then_compare_in_the_browser(app_url, page):
     expect = sync_api.expect
-    examples = ui._examples()
+    examples = lab.examples()
     assert examples, "the bundled examples should load"
     example = examples[0]
 
+    # The page opens on the first example and its first question: a first click on Run works.
     page.goto(app_url, wait_until="domcontentloaded")
-    page.locator("#kvlab-example input").click()
-    page.get_by_role("option", name=re.compile(re.escape(example.title))).click()
     expect(page.locator("#kvlab-text textarea")).to_have_value(re.compile(r"\S{20,}"), timeout=20_000)
     expect(page.locator("#kvlab-question textarea, #kvlab-question input").first).to_have_value(
         example.questions[0], timeout=20_000
     )
+    # ... and prepares it at once (prefill and the default method's reference queries).
+    expect(page.locator("#kvlab-doc-status")).to_contain_text("Ready", timeout=RUN_TIMEOUT_MS)
     # The first visit starts with the default method at the default ratio, on the default model.
-    expect(page.locator("#kvlab-method input")).to_have_value(re.compile("^" + re.escape(ui.default_method())))
+    expect(page.locator("#kvlab-method input")).to_have_value(re.compile("^" + re.escape(default_method())))
     expect(page.locator("#kvlab-model input")).to_have_value(re.compile(r"\(default\)"))
 
     # A short answer keeps the test quick.
@@ -63,7 +67,7 @@ def test_explore_then_compare_in_the_browser(app_url, page):
 
     mark_outputs(page)
     page.locator("#kvlab-run").click()
-    wait_for_run(page, ui.default_method(), ui.RATIO_DEFAULT, RUN_TIMEOUT_MS)
+    wait_for_run(page, default_method(), RATIO_DEFAULT, RUN_TIMEOUT_MS)
     full = page.locator("#kvlab-answer-full textarea")
     compressed = page.locator("#kvlab-answer-compressed textarea")
     assert full.is_visible() and compressed.is_visible()
@@ -89,12 +93,12 @@ def test_explore_then_compare_in_the_browser(app_url, page):
     page.get_by_role("tab", name="Compare").click()
     methods = page.locator("#kvlab-compare-methods")
     expect(methods).to_be_visible()
-    for name in ui.SWEEP_DEFAULT_METHODS:  # each checkbox's name is its value
+    for name in SWEEP_DEFAULT_METHODS:  # each checkbox's name is its value
         if name != "streaming_llm":
             methods.locator(f'input[name="{name}"]').uncheck()
     methods.locator('input[name="streaming_llm"]').check()
     ratios = page.locator("#kvlab-compare-ratios")
-    for r in ui.SWEEP_DEFAULT_RATIOS:
+    for r in SWEEP_DEFAULT_RATIOS:
         if r not in (5, 10):
             ratios.locator(f'input[name="{r}"]').uncheck()
     page.locator("#kvlab-compare-run").click()

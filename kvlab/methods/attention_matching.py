@@ -341,6 +341,12 @@ class QuerySourced:
     def uses_question(self) -> bool:
         return self.options.query_source == "question"  # type: ignore[attr-defined]
 
+    def prepare(self, ctx: Context) -> None:
+        """Record the reference queries of a query-agnostic source (on-policy ones depend on the fit)."""
+        opts = self.options  # type: ignore[attr-defined]
+        if not self.uses_question() and not getattr(opts, "on_policy", False):
+            reference_queries(ctx, opts, None)
+
 
 @register
 class AttentionTopK(QuerySourced, EvictionMethod):

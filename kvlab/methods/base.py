@@ -156,6 +156,13 @@ class Method(ABC):
         """Whether this instance (with its options) compresses for the question it is given."""
         return self.query_aware
 
+    def prepare(self, ctx: Context) -> None:
+        """Do the work that depends on the document alone (e.g. record reference queries) ahead of a run.
+
+        Kept on ``ctx``, so a later ``compress`` finds it done (kvlab.lab.prepare_document
+        calls this as soon as a document is chosen). Nothing by default.
+        """
+
     @abstractmethod
     def compress(self, req: Request) -> CompressedKV:
         """Return the stored cache for ``req.ctx`` at ``req.ratio``."""

@@ -29,6 +29,7 @@ from typing import Literal
 
 import torch
 
+from kvlab.context import Context
 from kvlab.methods.base import EvictionMethod, Options, Request, knob, register
 from kvlab.methods.scoring import per_context, pool_group, protect, received_attention
 from kvlab.prompts import REPEAT_INSTRUCTION
@@ -101,6 +102,10 @@ class KVzip(EvictionMethod):
 
     def scores(self, req: Request) -> list[torch.Tensor]:
         return kvzip_scores(req, self.options)
+
+    def prepare(self, ctx: Context) -> None:
+        """Record the reconstruction pass (the slow, document-only part)."""
+        repeat_pass(ctx, self.options.instruction)
 
     def budgets(self, req: Request) -> torch.Tensor:
         if self.options.prune == "head":

@@ -1,0 +1,37 @@
+"""The lab: everything a front end does that is not widgets, with no gradio import.
+
+The app (kvlab.ui), the CLI (kvlab.cli) and the benchmarks call these:
+
+- :func:`explore`: one run (a document, a method, a ratio, a question) -> :class:`Explored`;
+- :func:`compare`: a sweep of methods x ratios on one document -> :class:`Sweep`,
+  written out by :func:`write_exports` (CSV and JSON);
+- :func:`prepare_document`: the prefill and a method's document-only work, ahead of a run;
+- :class:`TokenFates`: what happened to every token of a run, as light data;
+- :func:`run_tasks`, :func:`needle_test`, :func:`load_results`: accuracy on tasks
+  with known answers (a small live set, a needle in the user's document, a bench's results);
+- the input checks of :mod:`kvlab.lab.inputs` (their errors are fit to show as is).
+"""
+from kvlab.lab.compare import MAX_SWEEP_POINTS, Sweep, SweepError, compare
+from kvlab.lab.explore import Explored, explore, prepared_context, sub_progress, token_texts
+from kvlab.lab.exports import EXPORT_FIELDS, export_dir, sweep_json, sweep_records, write_exports
+from kvlab.lab.fates import TokenFates
+from kvlab.lab.inputs import (
+    InputError,
+    check_answer_length,
+    check_question,
+    document_text,
+    examples,
+    expected_answer,
+    model_choices,
+    parse_ratios,
+)
+from kvlab.lab.prepare import Prepared, prepare_document
+from kvlab.lab.tasks import TaskRun, load_results, needle_test, run_tasks
+
+__all__ = [
+    "EXPORT_FIELDS", "MAX_SWEEP_POINTS", "Explored", "InputError", "Prepared", "Sweep", "SweepError", "TaskRun",
+    "TokenFates", "load_results", "needle_test", "run_tasks",
+    "check_answer_length", "check_question", "compare", "document_text", "examples", "expected_answer",
+    "explore", "export_dir", "model_choices", "parse_ratios", "prepare_document", "prepared_context",
+    "sub_progress", "sweep_json", "sweep_records", "token_texts", "write_exports",
+]

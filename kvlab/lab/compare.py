@@ -1,0 +1,106 @@
+"""A Compare sweep: several methods at several ratios on one document and question."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from kvlab.context import Progress, no_progress
+from kvlab.lab.explore import prepared_context, sub_progress
+from kvlab import limits
+from kvlab.lab.inputs import InputError, check_answer_length, check_question, check_question_tokens, document_text
+from kvlab.methods import MethodError, get_method
+from kvlab import models
+from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS, RunResult, run
+
+log = logging.getLogger("kvlab.lab")
+
+#: At most this many (method, ratio) runs per sweep (``KVLAB_MAX_SWEEP``, read at import).
+MAX_SWEEP_POINTS = limits.LIMITS.sweep_points
+
+
+@dataclass
+class SweepError:
+    """One (method, ratio) of a sweep that failed, and why."""
+
+    method: str
+    ratio: float
+    message: str
+
+
+@dataclass
+class Sweep:
+    """A Compare sweep: every (method, ratio) run on one document and question, in order."""
+
+    model: str
+    question: str
+    doc_tokens: int
+    context_tokens: int
+    answer_full: str
+    logppl_full: float
+    prefill_s: float
+    prefill_reused: bool
+    results: list[RunResult] = field(default_factory=list)
+    query_aware: list[bool] = field(default_factory=list)
+    errors: list[SweepError] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def compare(
+    text: str | None,
+    file: str | None,
+    methods: list[str],
+    ratios: list[float],
+    question: str,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    progress: Progress = no_progress,
+    model: str | None = None,
+) -> Sweep:
+    """Every method in ``methods`` (default knobs) at every ratio, on one document and question.
+
+    The prefill and the full cache's answer are computed once and shared. A
+    (method, ratio) that fails is recorded in ``Sweep.errors`` and the sweep
+    goes on; if every one fails, raises MethodError with the reasons.
+    """
+    start = time.perf_counter()
+    if not methods:
+        raise InputError("Pick at least one method to compare.")
+    if not ratios:
+        raise InputError("Pick at least one compression ratio to sweep.")
+    points = len(methods) * len(ratios)
+    if points > limits.LIMITS.sweep_points:
+        raise InputError(
+            f"{points} runs is too many for one sweep: pick at most {limits.LIMITS.sweep_points} (methods x ratios)"
+        )
+    question = check_question(question)
+    max_new_tokens = check_answer_length(max_new_tokens)
+    document = document_text(text, file)
+    chosen = [get_method(name) for name in methods]  # unknown names fail here, before any work
+    progress(0.0, f"loading the model {model or ''} (the first use of a model takes a while)")
+    lm = models.get_model(model or None)
+    check_question_tokens(lm.tokenizer, question)
+    ctx, prefilled = prepared_context(lm, document, sub_progress(progress, 0.02, 0.18))
+    errors: list[SweepError] = []
+    results, aware = [], []
+    for done, (method_obj, ratio) in enumerate((m, r) for m in chosen for r in ratios):
+        label = f"{method_obj.name} at {ratio:g}x ({done + 1}/{points}): "
+        point_progress = sub_progress(progress, 0.2 + 0.8 * done / points, 0.8 / points, label)
+        try:
+            res = run(ctx, method_obj, float(ratio), question, max_new_tokens, point_progress).result
+        except Exception as exc:  # noqa: BLE001 - one failing point must not lose the sweep
+            if not isinstance(exc, (MethodError, ValueError)):
+                log.exception("sweep point failed (%s at %gx)", method_obj.name, ratio)
+            errors.append(SweepError(method_obj.name, float(ratio), f"{type(exc).__name__}: {exc}"))
+        else:
+            results.append(res)
+            aware.append(method_obj.uses_question())
+    if not results:
+        reasons = "; ".join(f"{e.method} at {e.ratio:g}x: {e.message}" for e in errors[:5])
+        raise MethodError(f"every run of the sweep failed: {reasons}")
+    first = results[0]
+    return Sweep(
+        model=first.model, question=question, doc_tokens=first.doc_tokens, context_tokens=first.context_tokens,
+        answer_full=first.answer_full, logppl_full=first.logppl_full, prefill_s=first.prefill_s,
+        prefill_reused=not prefilled, results=results, query_aware=aware, errors=errors,
+        wall_s=time.perf_counter() - start,
+    )

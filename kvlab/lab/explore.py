@@ -1,0 +1,140 @@
+"""One Explore run: a document, a method, a ratio and a question, measured end to end."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvlab.context import CONTEXTS, Context, Progress, no_progress
+from kvlab.lab.inputs import (
+    check_answer_length, check_question, check_question_tokens, document_text, expected_answer,
+)
+from kvlab.methods import get_method
+from kvlab import models
+from kvlab.models import LoadedModel
+from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS, Run, has_evaluation, run
+from kvlab.tasks.scoring import contains_match
+
+
+@dataclass
+class Explored:
+    """The last run of one user: the run, the decoded text of each context token, and what was reused.
+
+    expected: the gold answer when the question is a bundled example's (its aliases);
+    full_right / compressed_right: whether each answer contains the gold one
+    (kvlab.tasks.scoring.contains_match), None when no gold answer is known;
+    query_aware: the method compressed for this question;
+    prefill_reused: the document's prefill was not run by this call (an
+    earlier run, or the background preparation, did it);
+    full_answer_reused: so did the full cache's answer to this question;
+    wall_s: the seconds this run took, end to end.
+    """
+
+    run: Run
+    token_texts: list[str]
+    expected: tuple[str, ...] | None = None
+    query_aware: bool = False
+    prefill_reused: bool = False
+    full_answer_reused: bool = False
+    wall_s: float = 0.0
+
+    @property
+    def full_right(self) -> bool | None:
+        return None if self.expected is None else contains_match(self.run.result.answer_full, self.expected)
+
+    @property
+    def compressed_right(self) -> bool | None:
+        return None if self.expected is None else contains_match(self.run.result.answer_compressed, self.expected)
+
+    @property
+    def n_layers(self) -> int:
+        return self.run.ctx.lm.n_layers
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.run.ctx.lm.n_kv_heads
+
+
+def token_texts(tokenizer: Any, ids: list[int]) -> list[str]:
+    """The text each token adds when the ids are decoded in order.
+
+    Streaming detokenisation (decode a short window with and without the
+    token, keep the difference) keeps leading spaces of SentencePiece tokens;
+    a token that ends inside a multi-byte character gets "" and the character
+    goes to the token completing it.
+    """
+    out: list[str] = []
+    prefix_offset = read_offset = 0
+
+    def decode(part: list[int]) -> str:
+        return tokenizer.decode(part, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    for i in range(len(ids)):
+        prefix_text = decode(ids[prefix_offset:read_offset])
+        new_text = decode(ids[prefix_offset : i + 1])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            out.append(new_text[len(prefix_text) :])
+            prefix_offset, read_offset = read_offset, i + 1
+        else:
+            out.append("")
+    return out
+
+
+def prepared_context(lm: LoadedModel, document: str, progress: Progress = no_progress) -> tuple[Context, bool]:
+    """(the document's context for ``lm``, whether this call ran its prefill) through the shared cache.
+
+    The prefill runs only for a (model, document) pair not seen recently
+    (kvlab.context.CONTEXTS); changing the method, ratio or question reuses it.
+    """
+    prefilled = False
+
+    def on_prefill(fraction: float, desc: str) -> None:
+        nonlocal prefilled
+        prefilled = True
+        progress(fraction, desc)
+
+    return CONTEXTS.get(lm, document, on_prefill), prefilled
+
+
+def sub_progress(progress: Progress, lo: float, width: float, label: str = "") -> Progress:
+    """A progress sink reporting into [lo, lo + width] of ``progress``, its messages prefixed by ``label``."""
+    return lambda f, desc: progress(lo + width * min(max(f, 0.0), 1.0), f"{label}{desc}")
+
+
+def explore(
+    text: str | None,
+    file: str | None,
+    method: str,
+    ratio: float,
+    question: str,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    options: dict[str, Any] | None = None,
+    progress: Progress = no_progress,
+    model: str | None = None,
+) -> Explored:
+    """One Explore run: read the document, prefill (cached), compress, answer twice, measure.
+
+    Raises DocumentError (incl. ContextTooLong), MethodError, ModelLoadError or
+    InputError with a message fit for the user.
+    """
+    start = time.perf_counter()
+    question = check_question(question)
+    max_new_tokens = check_answer_length(max_new_tokens)
+    document = document_text(text, file)
+    method_obj = get_method(method, **(options or {}))
+    progress(0.0, f"loading the model {model or ''} (the first use of a model takes a while)")
+    lm = models.get_model(model or None)
+    check_question_tokens(lm.tokenizer, question)
+    ctx, prefilled = prepared_context(lm, document, sub_progress(progress, 0.05, 0.35))
+    answered = has_evaluation(ctx, question, max_new_tokens)
+    result = run(
+        ctx, method_obj, float(ratio), question, max_new_tokens, sub_progress(progress, 0.4, 0.6),
+        record_importance=True,
+    )
+    return Explored(
+        result, token_texts(lm.tokenizer, ctx.tokens.ids.tolist()), expected_answer(question),
+        method_obj.uses_question(),
+        prefill_reused=not prefilled,
+        full_answer_reused=answered,
+        wall_s=time.perf_counter() - start,
+    )

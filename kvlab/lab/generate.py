@@ -1,0 +1,175 @@
+"""The Generate tab's work without gradio: every bounded-cache policy writing after the same prompt.
+
+The unbounded cache writes first (the reference). Each bounded policy then
+writes on its own copy of nothing but the prompt (greedy), and re-reads the
+reference's text teacher-forced, so its log-probabilities of the reference
+text can be compared position by position. When the prompt is the copy-codes
+task's (kvlab.bounded.tasks), every answer is scored too.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab import models
+from kvlab.bounded.generate import BoundedRun, run_policy
+from kvlab.bounded.policies import BOUNDED, POLICIES, make_policy
+from kvlab.bounded.tasks import CopyScore, codes_in_prompt, score_copy
+from kvlab.context import Progress, no_progress
+from kvlab.lab.explore import token_texts
+from kvlab.lab.inputs import InputError, check_question, document_text
+from kvlab.prompts import Template, context_tokens, encode, question_tokens
+
+#: The most tokens one request may write (a CPU writes a few dozen per second).
+MAX_GENERATE_TOKENS = 2048
+DEFAULT_GENERATE_TOKENS = 200
+
+
+@dataclass
+class MethodGeneration:
+    """One policy's result beside the reference.
+
+    run: its own greedy text and cache trace; forced: log-probabilities [m] of the
+    reference's tokens under its cache (teacher-forced); divergence: the first
+    token index where its text leaves the reference's (None: identical);
+    logppl: -mean(forced); same / rest: its text before and from the divergence;
+    task: the copy task's score (None when the prompt is not the task's).
+    """
+
+    method: str
+    label: str
+    run: BoundedRun
+    forced: list[float]
+    divergence: int | None
+    logppl: float
+    same: str
+    rest: str
+    task: CopyScore | None = None
+
+
+@dataclass
+class Generated:
+    """Every policy after one prompt: the prompt's size, the budget, the reference and the bounded runs."""
+
+    model: str
+    prompt_tokens: int
+    protected: int
+    budget: int
+    max_new_tokens: int
+    reference: MethodGeneration
+    runs: list[MethodGeneration] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def unbounded_len(self) -> int:
+        """Tokens the unbounded cache held at the end: prompt + written."""
+        return self.prompt_tokens + len(self.reference.run.ids)
+
+
+def divergence(ids: list[int], reference: list[int]) -> int | None:
+    """First index where ``ids`` and ``reference`` differ (a shorter one ends there); None when equal."""
+    for i, (a, b) in enumerate(zip(ids, reference)):
+        if a != b:
+            return i
+    return None if len(ids) == len(reference) else min(len(ids), len(reference))
+
+
+def prompt_ids(tokenizer, prompt: str | None, document: str | None, question: str | None) -> tuple[torch.Tensor, int]:
+    """The chat-templated prompt [n] and its template prefix length: the prompt as one user turn,
+    or the document then the question (as Explore asks it)."""
+    if prompt is not None:
+        ctx = context_tokens(tokenizer, prompt)
+        return torch.cat([ctx.ids, encode(tokenizer, Template.of(tokenizer).suffix)]), ctx.prefix_len
+    ctx = context_tokens(tokenizer, document)
+    return torch.cat([ctx.ids, question_tokens(tokenizer, question)]), ctx.prefix_len
+
+
+def check_generate_tokens(n: int | float | None) -> int:
+    """The cap on written tokens as an int; InputError outside 1..MAX_GENERATE_TOKENS."""
+    if n is None or not 1 <= int(n) <= MAX_GENERATE_TOKENS:
+        raise InputError(f"The number of new tokens must be from 1 to {MAX_GENERATE_TOKENS:,}, got {n}.")
+    return int(n)
+
+
+def check_methods(methods: list[str] | None) -> list[str]:
+    """The bounded policies asked for, in the catalogue's order (default: all); InputError for unknown ones."""
+    chosen = list(BOUNDED) if methods is None else [m for m in methods if m != "unbounded"]
+    unknown = [m for m in chosen if m not in POLICIES]
+    if unknown:
+        raise InputError(f"unknown generation method {unknown[0]!r}; choose from: {', '.join(BOUNDED)}")
+    if not chosen:
+        raise InputError("Pick at least one bounded-cache method.")
+    return [m for m in BOUNDED if m in chosen]
+
+
+def _beside(lm, name: str, run: BoundedRun, forced: list[float], reference: list[int], codes) -> MethodGeneration:
+    cut = divergence(run.ids, reference)
+    pieces = token_texts(lm.tokenizer, run.ids)
+    split = len(pieces) if cut is None else cut
+    logppl = -sum(forced) / len(forced) if forced else 0.0
+    return MethodGeneration(
+        name, POLICIES[name][0], run, forced, cut, logppl, "".join(pieces[:split]), "".join(pieces[split:]),
+        score_copy(run.text, codes) if codes else None,
+    )
+
+
+def generate(
+    prompt: str | None = None,
+    document: str | None = None,
+    file: str | None = None,
+    question: str | None = None,
+    methods: list[str] | None = None,
+    budget: int | None = None,
+    max_new_tokens: int = DEFAULT_GENERATE_TOKENS,
+    model: str | None = None,
+    progress: Progress = no_progress,
+) -> Generated:
+    """Every method in ``methods`` (default: all bounded ones) writing greedily after the same prompt.
+
+    prompt: one user turn; else ``document`` (or the uploaded ``file``) then ``question``.
+    budget: keys per KV head (default: a quarter of the unbounded run's final length).
+    Raises InputError, DocumentError, MethodError or ModelLoadError with a message fit for the user.
+    """
+    start = time.perf_counter()
+    max_new_tokens = check_generate_tokens(max_new_tokens)
+    chosen = check_methods(methods)
+    if budget is not None and int(budget) < 1:
+        raise InputError(f"The budget is in keys per head and must be at least 1, got {budget}.")
+    if prompt is not None and prompt.strip():
+        prompt, codes = prompt.strip(), codes_in_prompt(prompt)
+    else:
+        prompt, codes = None, None
+        document, question = document_text(document, file), check_question(question)
+    progress(0.0, f"loading the model {model or ''}")
+    lm = models.get_model(model or None)
+    ids, protected = prompt_ids(lm.tokenizer, prompt, document, question)
+    total = max_new_tokens * (1 + 2 * len(chosen))
+    done = 0
+
+    def reporter(desc: str):
+        def report(tokens: int) -> None:
+            if tokens % 8 == 0:
+                progress(min(1.0, (done + tokens) / total), f"{desc}: {tokens} tokens")
+        return report
+
+    progress(0.01, f"unbounded: reading {ids.numel()} prompt tokens")
+    ref_run = run_policy(make_policy("unbounded", lm, None, protected), ids, max_new_tokens,
+                         on_token=reporter("unbounded, writing"))
+    done += max_new_tokens
+    reference = _beside(lm, "unbounded", ref_run, ref_run.logprobs, ref_run.ids, codes)
+    budget = int(budget) if budget is not None else max(1, (ids.numel() + len(ref_run.ids)) // 4)
+    out = Generated(lm.name, ids.numel(), protected, budget, max_new_tokens, reference)
+    for name in chosen:
+        label = POLICIES[name][0]
+        run = run_policy(make_policy(name, lm, budget, protected), ids, max_new_tokens,
+                         on_token=reporter(f"{label}, writing"))
+        done += max_new_tokens
+        forced = run_policy(make_policy(name, lm, budget, protected), ids, len(ref_run.ids), forced=ref_run.ids,
+                            on_token=reporter(f"{label}, re-reading the unbounded text")) if ref_run.ids else None
+        done += max_new_tokens
+        out.runs.append(_beside(lm, name, run, forced.logprobs if forced else [], ref_run.ids, codes))
+    progress(1.0, "done")
+    out.wall_s = time.perf_counter() - start
+    return out

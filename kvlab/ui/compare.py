@@ -1,0 +1,175 @@
+"""The Compare tab: methods x ratios, in two modes.
+
+- One question: a sweep on the Explore tab's document, question and model.
+  Endpoint ``/compare``: (text, file, methods, ratios, more_ratios, question,
+  max_new_tokens, model) -> a status line, the full cache's answer, three
+  line charts against the ratio (attention-output error, mass error, answer
+  log-perplexity), a table, and the results as CSV and JSON files.
+- Tasks with known answers: accuracy against the ratio, with the full
+  cache's ceiling and no_context's floor. Endpoint ``/tasks``: (task, items,
+  length, methods, ratios, more_ratios, model) -> kvlab.ui.tasks' views;
+  ``/load_results``: (results*.jsonl files of ``kvlab bench``) -> the same views.
+"""
+from __future__ import annotations
+
+import gradio as gr
+
+from kvlab.lab import load_results, parse_ratios, run_tasks, write_exports
+from kvlab.lab.tasks import MAX_LIVE_ITEMS, MAX_LIVE_LENGTH, MIN_LENGTH
+from kvlab.lab.inputs import MIN_RATIO, MAX_RATIO
+from kvlab.methods import REGISTRY
+from kvlab.methods.catalog import aware_tag
+from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
+from kvlab.ui import common
+from kvlab.tasks.datasets import data_dir
+from kvlab.tasks.registry import TASKS
+from kvlab.ui.common import GPU_MAX_S, USER_ERRORS, as_gr_error, on_gpu, unexpected
+from kvlab.ui.explore import DocumentInputs, checked_model
+from kvlab.ui.present import COMPARE_COLUMNS, compare_rows, sweep_status, sweep_view
+from kvlab.ui.tasks import build_task_outputs, show
+
+#: Ratios offered, and those ticked at first.
+SWEEP_RATIOS = (2, 5, 10, 20, 50)
+SWEEP_DEFAULT_RATIOS = (5, 10, 20, 50)
+#: Methods ticked at first (those registered).
+SWEEP_DEFAULT_METHODS = ("attention_matching", "snapkv", "streaming_llm")
+#: The live task set a visitor starts with: needles at several depths of ~1,000-token documents.
+TASK_DEFAULT, TASK_ITEMS_DEFAULT, TASK_LENGTH_DEFAULT = "needle_grid", 5, 1000
+#: Tasks that read the evaluation data (../shared/data), offered only where it is present.
+DATA_TASKS = {"quality": "quality_examples.json", "hotpotqa": "hotpotqa_distractor_dev_sample100.json"}
+
+
+def offered_tasks() -> list[tuple[str, str]]:
+    """(label, name) of the tasks this server can build."""
+    return [
+        (f"{name}: {spec.summary}", name) for name, spec in TASKS.items()
+        if name not in DATA_TASKS or (data_dir() / DATA_TASKS[name]).is_file()
+    ]
+
+
+@on_gpu(duration=GPU_MAX_S)
+def tasks_view(task, n, length, methods, ratios, model, progress=None):  # noqa: ANN001 - a ZeroGPU function
+    """The heavy part of ``/tasks``: kvlab.lab.run_tasks (plain results come back)."""
+    return run_tasks(task, int(n), methods, ratios, int(length), model, progress=progress or (lambda f, d: None))
+
+
+def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> None:
+    """The Compare tab's widgets and its ``/compare`` event (inside an open ``gr.Tab``)."""
+    methods = sorted(REGISTRY)
+    ticked = [m for m in SWEEP_DEFAULT_METHODS if m in REGISTRY] or methods[:3]
+    gr.Markdown(
+        "Every chosen method, with its default knobs, at every chosen ratio. **One question**: a sweep on the "
+        "**document, question, answer length and model of the Explore tab** (the prefill and the full cache's "
+        "answer are computed once and shared), measuring attention errors and the answer. **Tasks**: questions "
+        "with known answers, scored, so you see whether the answer is still *right*; the full cache is the "
+        "ceiling and no context the floor."
+    )
+    mode = gr.Radio(
+        [("One question: attention errors and answers", "question"), ("Tasks with known answers: accuracy", "tasks")],
+        value="question", label="Compare on", elem_id="kvlab-compare-mode",
+    )
+    with gr.Row():
+        cmp_methods = gr.CheckboxGroup(
+            choices=[(n + aware_tag(n), n) for n in methods],
+            value=ticked, label="Methods", elem_id="kvlab-compare-methods", scale=3,
+        )
+        with gr.Column(scale=2):
+            cmp_ratios = gr.CheckboxGroup(
+                choices=[(f"{r}x", r) for r in SWEEP_RATIOS], value=list(SWEEP_DEFAULT_RATIOS),
+                label="Compression ratios", elem_id="kvlab-compare-ratios",
+            )
+            cmp_more = gr.Textbox(
+                label="More ratios", placeholder="e.g. 3, 8, 100", lines=1,
+                info=f"Comma-separated, from {MIN_RATIO:g} to {MAX_RATIO:g}", elem_id="kvlab-compare-more",
+            )
+    with gr.Column(visible=True) as question_box:
+        cmp_go = gr.Button("Run the sweep", variant="primary", elem_id="kvlab-compare-run")
+        cmp_status = gr.Markdown(elem_id="kvlab-compare-status")
+        cmp_full = gr.Textbox(label="Answer from the full cache", interactive=False, elem_id="kvlab-compare-full")
+        with gr.Row():
+            cmp_err = gr.Plot(label="Attention-output error vs ratio", elem_id="kvlab-compare-err")
+            cmp_mass = gr.Plot(label="Attention-mass error vs ratio", elem_id="kvlab-compare-mass")
+            cmp_ppl = gr.Plot(label="Log-perplexity vs ratio", elem_id="kvlab-compare-ppl")
+        cmp_table = gr.Dataframe(
+            headers=COMPARE_COLUMNS, label="Results", interactive=False, wrap=True,
+            column_widths=["13%", "6%", "7%", "8%", "8%", "8%", "9%", "8%", "33%"], elem_id="kvlab-compare-table",
+        )
+        with gr.Row():
+            cmp_csv = gr.File(label="Results as CSV", interactive=False, height=90, elem_id="kvlab-compare-csv")
+            cmp_json = gr.File(label="Results as JSON (with per-head errors)", interactive=False, height=90,
+                               elem_id="kvlab-compare-json")
+    with gr.Column(visible=False) as tasks_box:
+        with gr.Row():
+            task = gr.Dropdown(offered_tasks(), value=TASK_DEFAULT, label="Task", elem_id="kvlab-tasks-task-pick", scale=3)
+            items = gr.Slider(1, MAX_LIVE_ITEMS, value=TASK_ITEMS_DEFAULT, step=1, label="Items",
+                              info="Each item is a document of its own: one prefill each", elem_id="kvlab-tasks-items")
+            length = gr.Slider(MIN_LENGTH, MAX_LIVE_LENGTH, value=TASK_LENGTH_DEFAULT, step=50,
+                               label="Document length (model tokens)", elem_id="kvlab-tasks-length")
+        tasks_go = gr.Button("Run the tasks", variant="primary", elem_id="kvlab-tasks-run")
+        results_files = gr.File(
+            label="Or show results written by `kvlab bench` (its results*.jsonl files)", file_count="multiple",
+            file_types=[".jsonl"], type="filepath", height=90, elem_id="kvlab-tasks-files",
+        )
+        views = build_task_outputs("tasks")
+
+    def on_compare(text=None, file=None, methods=None, ratios=None, more_ratios="", question=None,
+                   max_new_tokens=DEFAULT_MAX_NEW_TOKENS, model=None, progress=gr.Progress()):
+        chosen = list(methods or [])
+        try:
+            view = sweep_view(
+                common.document_input(text, file), None, chosen, parse_ratios(ratios, more_ratios), question,
+                int(max_new_tokens or DEFAULT_MAX_NEW_TOKENS), checked_model(model, specs), progress,
+            )
+        except USER_ERRORS as exc:
+            raise as_gr_error(exc) from exc
+        except Exception as exc:  # noqa: BLE001 - say what failed; the server stays up
+            raise unexpected(exc, ", ".join(chosen)) from exc
+        sweep = view.sweep
+        csv_path, json_path = write_exports(sweep)
+        return (
+            sweep_status(sweep),
+            f"{sweep.answer_full}  (log-perplexity {sweep.logppl_full:.3f})",
+            *view.charts,
+            {"headers": COMPARE_COLUMNS, "data": compare_rows(sweep)},
+            csv_path,
+            json_path,
+        )
+
+    mode.change(
+        lambda m: (gr.Column(visible=m == "question"), gr.Column(visible=m == "tasks")),
+        [mode], [question_box, tasks_box], api_name=False, concurrency_limit=None,
+    )
+
+    def on_tasks(task=TASK_DEFAULT, items=TASK_ITEMS_DEFAULT, length=TASK_LENGTH_DEFAULT, methods=None,
+                 ratios=None, more_ratios="", model=None, progress=gr.Progress()):
+        chosen = list(methods or [])
+        try:
+            run = tasks_view(task, items, length, chosen, parse_ratios(ratios, more_ratios),
+                             checked_model(model, specs), progress)
+        except USER_ERRORS as exc:
+            raise as_gr_error(exc) from exc
+        except Exception as exc:  # noqa: BLE001 - say what failed; the server stays up
+            raise unexpected(exc, ", ".join(chosen)) from exc
+        return show(run)
+
+    tasks_go.click(
+        on_tasks, [task, items, length, cmp_methods, cmp_ratios, cmp_more, inputs.model], views.all,
+        api_name="tasks", concurrency_limit=1, concurrency_id="compute",
+    )
+
+    def on_results(paths):
+        try:
+            return show(load_results(paths if isinstance(paths, list) else [paths]))
+        except USER_ERRORS as exc:
+            raise as_gr_error(exc) from exc
+
+    results_files.upload(on_results, [results_files], views.all, api_name="load_results", concurrency_limit=4)
+
+    cmp_go.click(
+        on_compare,
+        [inputs.text, inputs.upload, cmp_methods, cmp_ratios, cmp_more, inputs.question, inputs.max_new, inputs.model],
+        [cmp_status, cmp_full, cmp_err, cmp_mass, cmp_ppl, cmp_table, cmp_csv, cmp_json],
+        api_name="compare",
+        concurrency_limit=1,
+        concurrency_id="compute",
+    )

@@ -1,0 +1,362 @@
+"""The Explore tab: one document, one method at one ratio, one question; everything measured.
+
+Endpoints (each event has an ``api_name``, so ``gradio_client`` can drive it):
+
+- ``/run``: (text, file, method, ratio, question, max_new_tokens, layer, head,
+  model, intensity, and one keyword per knob named ``<method>__<field>``) ->
+  summary, both answers, their word diff, five figures, the token-fate view;
+  ``layer`` and ``head`` must lie in the sliders' range, which follows the
+  model of the session's last run.
+- ``/prepare``: (text, file, method, model, knobs) -> a status line. Fired as
+  soon as a document is chosen (example, upload, or the text box left), so
+  that Run finds the prefill and the method's reference queries done.
+- ``/token_view``: (layer, head, intensity) -> the document coloured by token
+  fate for that layer and KV head of the session's last run.
+- ``/load_example``: (example id) -> document text, suggested questions, question.
+- ``/pick_question``: (suggested question) -> question.
+- ``/load_file``: (file) -> document text.
+- ``/select_method``: (method) -> its description and which knobs show.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gradio as gr
+
+from kvlab import figures
+from kvlab.documents import DocumentError, Example
+from kvlab.lab import InputError, Prepared, needle_test, parse_ratios, prepare_document
+from kvlab.lab.tasks import MAX_DEPTHS
+from kvlab.methods import REGISTRY
+from kvlab.methods.catalog import Knob, aware_tag, method_info, method_label, options_from, presets
+from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
+from kvlab.ui import common
+from kvlab.ui.common import GPU_MAX_S, USER_ERRORS, as_gr_error, on_gpu, unexpected
+from kvlab.ui.knobs import knob_component
+from kvlab.ui.tasks import build_task_outputs, show
+from kvlab.ui.present import INTENSITIES, INTENSITY_DEFAULT, TokenFates, run_view, token_view
+
+RATIO_MIN, RATIO_MAX, RATIO_DEFAULT = 2, 100, 10
+#: The needle test's first settings: methods besides the one chosen, ratios, depths.
+NEEDLE_METHODS, NEEDLE_RATIOS, NEEDLE_DEPTHS = ("streaming_llm",), "5, 10, 20", 3
+#: The preset menu's entry for knobs set by hand.
+CUSTOM = "(knobs as set below)"
+MAX_NEW_TOKENS_MAX = 256
+
+
+@dataclass
+class DocumentInputs:
+    """The Explore tab's inputs that the other tabs read too."""
+
+    text: gr.Textbox
+    upload: gr.File
+    question: gr.Textbox
+    max_new: gr.Slider
+    model: gr.Dropdown
+
+
+def checked_model(spec: str | None, specs: list[str]) -> str:
+    """The model spec to use; refuses one not offered, before any heavy work (the run loads it)."""
+    spec = (spec or "").strip() or specs[0]
+    if spec not in specs:
+        raise InputError(f"the model {spec!r} is not offered here; choose one of: {', '.join(specs)}")
+    return spec
+
+
+@on_gpu(duration=GPU_MAX_S)
+def needle_view(text, file, methods, ratios, depths, model, progress=None):  # noqa: ANN001 - a ZeroGPU function
+    """The heavy part of ``/needle_test``: kvlab.lab.needle_test (plain results come back)."""
+    return needle_test(text, file, methods, ratios, depths, model, progress=progress or (lambda f, d: None))
+
+
+def preset_values(method_knobs: list[Knob], preset: str) -> list:
+    """Each knob's value under ``preset`` (its default where the preset says nothing); unchanged for CUSTOM."""
+    if preset == CUSTOM or not method_knobs:
+        return [gr.update() for _ in method_knobs]
+    chosen = presets(method_knobs[0].method)[preset]
+    return [chosen.get(k.name, k.default) for k in method_knobs]
+
+
+def prepared_status(p: Prepared) -> str:
+    """The line under the document once it is prepared."""
+    prefill = f"prefill {p.prefill_s:.1f} s" + ("" if p.prefilled_now else " (already done)")
+    return (
+        f"Ready: {p.doc_tokens:,} document tokens read by {p.model} ({prefill}; {p.method} prepared in "
+        f"{p.method_s:.1f} s). Run reuses this work."
+    )
+
+
+def build_explore_tab(
+    demo: gr.Blocks,
+    model: gr.Dropdown,
+    examples: list[Example],
+    knobs: dict[str, list[Knob]],
+    start_method: str,
+    specs: list[str],
+    n_layers: int,
+    n_kv: int,
+) -> DocumentInputs:
+    """The Explore tab's widgets and events (inside an open ``gr.Tab``); returns the inputs other tabs share.
+
+    The page opens on the first bundled example and its first question, so a
+    visitor's first click on Run works.
+    """
+    methods = sorted(REGISTRY)
+    first = examples[0] if examples else None
+    last = gr.State(None, time_to_live=3600)
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=5):
+            example = gr.Dropdown(
+                choices=[(f"{ex.title}" + (f" (~{ex.tokens:,} tokens)" if ex.tokens else ""), ex.id) for ex in examples],
+                value=first.id if first else None,
+                label="Bundled example",
+                info="Fills the document and offers questions about it",
+                elem_id="kvlab-example",
+            )
+            upload = gr.File(
+                label="Upload a document (.txt, .md, .pdf)", file_types=[".txt", ".md", ".pdf"],
+                type="filepath", height=110, elem_id="kvlab-file",
+            )
+            text = gr.Textbox(
+                label="Document", value=_example_text(first),
+                placeholder="Paste a document here, upload a file or pick an example.",
+                lines=9, max_lines=16, elem_id="kvlab-text",
+            )
+            doc_status = gr.Markdown(elem_id="kvlab-doc-status")
+        with gr.Column(scale=4):
+            method = gr.Dropdown(
+                choices=[(method_label(n), n) for n in methods], value=start_method, label="Method",
+                elem_id="kvlab-method",
+            )
+            info = gr.Markdown(method_info(start_method))
+            ratio = gr.Slider(
+                RATIO_MIN, RATIO_MAX, value=RATIO_DEFAULT, step=1, label="Compression ratio",
+                info="The document's tokens are reduced to about 1/ratio per KV head", elem_id="kvlab-ratio",
+            )
+            suggested = gr.Dropdown(
+                choices=list(first.questions) if first else [], value=first.questions[0] if first else None,
+                label="Suggested questions", info="From the bundled example", elem_id="kvlab-suggested",
+            )
+            question = gr.Textbox(
+                label="Question", value=first.questions[0] if first else "",
+                placeholder="Ask something the document answers.", lines=1, elem_id="kvlab-question",
+            )
+            with gr.Accordion("Advanced", open=False, elem_id="kvlab-advanced"):
+                max_new = gr.Slider(
+                    1, MAX_NEW_TOKENS_MAX, value=DEFAULT_MAX_NEW_TOKENS, step=1,
+                    label="Answer length (max new tokens)", elem_id="kvlab-max-new",
+                )
+                groups, knob_inputs, preset_menus = [], {}, {}
+                for name in methods:
+                    with gr.Column(visible=name == start_method, min_width=160) as group:
+                        gr.Markdown(f"Knobs of **{name}**" if knobs[name] else f"**{name}** has no knobs.")
+                        if presets(name):
+                            preset_menus[name] = gr.Dropdown(
+                                choices=[CUSTOM, *presets(name)], value=CUSTOM, label="Published configuration",
+                                info="Sets the knobs below to a configuration of the paper", elem_id=f"kvlab-preset-{name}",
+                            )
+                        for pair in range(0, len(knobs[name]), 2):
+                            with gr.Row():
+                                for knob in knobs[name][pair : pair + 2]:
+                                    knob_inputs[knob.key] = knob_component(knob)
+                    groups.append(group)
+            run_btn = gr.Button("Run", variant="primary", elem_id="kvlab-run")
+
+    summary = gr.Markdown(elem_id="kvlab-summary")
+    with gr.Row():
+        answer_full = gr.Textbox(
+            label="Answer from the full cache", lines=3, interactive=False,
+            elem_id="kvlab-answer-full", elem_classes="kvlab-answer",
+        )
+        answer_comp = gr.Textbox(
+            label="Answer from the compressed cache", lines=3, interactive=False,
+            elem_id="kvlab-answer-compressed", elem_classes="kvlab-answer",
+        )
+    diff = gr.HighlightedText(
+        label="Differences (word diff)", color_map=figures.DIFF_COLORS,
+        show_legend=True, show_inline_category=False, elem_id="kvlab-diff",
+    )
+    with gr.Row():
+        err_plot = gr.Plot(label="Attention-output error", elem_id="kvlab-err")
+        mass_plot = gr.Plot(label="Attention mass, full vs compressed", elem_id="kvlab-mass")
+    with gr.Row():
+        kept_plot = gr.Plot(label="Keys per head", elem_id="kvlab-kept")
+        mem_plot = gr.Plot(label="Memory", elem_id="kvlab-memory")
+        time_plot = gr.Plot(label="Time", elem_id="kvlab-time")
+    with gr.Row(visible=False) as fit_row:
+        bias_plot = gr.Plot(label="Fitted biases", elem_id="kvlab-bias")
+        fit_plot = gr.Plot(label="Fitting vs evaluation queries", elem_id="kvlab-fit")
+    gr.Markdown("### The document, coloured by token fate, shaded by importance")
+    with gr.Row():
+        layer = gr.Slider(0, n_layers - 1, value=n_layers // 2, step=1, label="Layer", elem_id="kvlab-layer")
+        head = gr.Slider(0, n_kv - 1, value=0, step=1, label="KV head", elem_id="kvlab-head")
+        intensity = gr.Radio(
+            INTENSITIES, value=INTENSITY_DEFAULT, label="Intensity",
+            info="Shade each token by its percentile within the head", elem_id="kvlab-intensity",
+        )
+    counts = gr.Markdown(token_view(None, 0, 0)[0])
+    tokens = gr.HTML(elem_id="kvlab-tokens", label="Token fates")
+    with gr.Accordion("Needle test on this document", open=False, elem_id="kvlab-needle"):
+        gr.Markdown(
+            "A sentence with a number (*\"The special magic number for ... is ...\"*) is inserted into **this "
+            "document** at evenly spaced depths; the model is asked for the number from the full cache, with no "
+            "context, and from each method at each ratio. Low attention error does not always mean the number "
+            "survives: this shows whether it does. Each depth is a document of its own (one prefill each)."
+        )
+        with gr.Row():
+            needle_methods = gr.CheckboxGroup(
+                choices=[(n + aware_tag(n), n) for n in methods],
+                value=[m for m in dict.fromkeys([start_method, *NEEDLE_METHODS]) if m in REGISTRY],
+                label="Methods", elem_id="kvlab-needle-methods", scale=3,
+            )
+            with gr.Column(scale=2):
+                needle_ratios = gr.Textbox(value=NEEDLE_RATIOS, label="Ratios", lines=1, elem_id="kvlab-needle-ratios")
+                needle_depths = gr.Slider(1, MAX_DEPTHS, value=NEEDLE_DEPTHS, step=1, label="Depths",
+                                          elem_id="kvlab-needle-depths")
+        needle_go = gr.Button("Run the needle test", elem_id="kvlab-needle-run")
+        needle_views = build_task_outputs("needle")
+
+    # ------------------------------------------------------------------ events
+    def on_example(example_id: str | None):
+        ex = next((e for e in examples if e.id == example_id), None)
+        if ex is None:
+            return gr.Textbox(), gr.Dropdown(choices=[], value=None), gr.Textbox(), None
+        try:
+            body = ex.text()
+        except DocumentError as exc:
+            raise as_gr_error(exc) from exc
+        return body, gr.Dropdown(choices=list(ex.questions), value=ex.questions[0]), ex.questions[0], None
+
+    loaded = example.change(
+        on_example, [example], [text, suggested, question, upload], api_name="load_example", concurrency_limit=None,
+    )
+    suggested.input(lambda q: q or gr.Textbox(), [suggested], [question], api_name="pick_question",
+                    concurrency_limit=None)
+
+    def on_upload(path: str | None):
+        if not path:
+            return gr.Textbox()
+        try:
+            return common.read_upload(path)
+        except (DocumentError, InputError) as exc:
+            raise as_gr_error(exc) from exc
+
+    uploaded = upload.upload(on_upload, [upload], [text], api_name="load_file", concurrency_limit=4)
+
+    def on_method(name: str):
+        return (method_info(name), *[gr.Column(visible=n == name) for n in methods])
+
+    method.change(on_method, [method], [info, *groups], api_name="select_method", concurrency_limit=None)
+
+    for name, menu in preset_menus.items():
+        menu.input(
+            lambda preset, name=name: preset_values(knobs[name], preset),
+            [menu], [knob_inputs[k.key] for k in knobs[name]], api_name=False, concurrency_limit=None,
+        )
+
+    def on_prepare(text=None, file=None, method=start_method, model=None, progress=gr.Progress(), **knob_values):
+        if common.spaces is not None:  # ZeroGPU: nothing computed outside a GPU slot survives it
+            return "The document is read when you click Run."
+        try:
+            prepared = prepare_document(
+                common.document_input(text, file), None, method, options_from(method, knob_values),
+                checked_model(model, specs), progress,
+            )
+        except USER_ERRORS as exc:
+            return f"Not prepared: {exc}"
+        except Exception as exc:  # noqa: BLE001 - Run will report it; the server stays up
+            ident = common.error_id()
+            common.log.error("error %s: preparing the document failed", ident, exc_info=exc)
+            return f"Not prepared ({type(exc).__name__}, error id {ident}); Run will try again."
+        return prepared_status(prepared)
+
+    prepare_args = dict(
+        fn=on_prepare, inputs=[text, upload, method, model], outputs=[doc_status], inputs_kwargs=knob_inputs,
+        concurrency_limit=1, concurrency_id="prepare", trigger_mode="always_last", show_progress_on=[doc_status],
+    )
+    loaded.then(api_name="prepare", **prepare_args)
+    uploaded.then(api_name=False, **prepare_args)
+    text.blur(api_name=False, **prepare_args)
+    demo.load(api_name=False, **prepare_args)  # the example the page opens on
+
+    run_outputs = [
+        summary, answer_full, answer_comp, diff, err_plot, mass_plot, kept_plot, mem_plot,
+        time_plot, layer, head, counts, tokens, last, fit_row, bias_plot, fit_plot,
+    ]
+
+    def on_run(text=None, file=None, method=start_method, ratio=RATIO_DEFAULT, question=None,
+               max_new_tokens=DEFAULT_MAX_NEW_TOKENS, layer=0, head=0, model=None,
+               intensity=INTENSITY_DEFAULT, progress=gr.Progress(), **knob_values):
+        try:
+            view = run_view(
+                common.document_input(text, file), None, method, ratio, question, int(max_new_tokens or DEFAULT_MAX_NEW_TOKENS),
+                options_from(method, knob_values), checked_model(model, specs), progress,
+            )
+        except USER_ERRORS as exc:
+            raise as_gr_error(exc) from exc
+        except Exception as exc:  # noqa: BLE001 - say what failed; the server stays up
+            raise unexpected(exc, method) from exc
+        fates = view.fates
+        layer = min(max(int(layer or 0), 0), fates.n_layers - 1)
+        head = min(max(int(head or 0), 0), fates.n_kv_heads - 1)
+        line, html = token_view(fates, layer, head, intensity)
+        return (
+            *view.outputs,
+            gr.Slider(minimum=0, maximum=fates.n_layers - 1, value=layer, step=1),
+            gr.Slider(minimum=0, maximum=fates.n_kv_heads - 1, value=head, step=1),
+            line,
+            html,
+            fates,
+            gr.Row(visible=view.fit_figures is not None),
+            *(view.fit_figures or (None, None)),
+        )
+
+    run_btn.click(
+        on_run,
+        [text, upload, method, ratio, question, max_new, layer, head, model, intensity],
+        run_outputs,
+        inputs_kwargs=knob_inputs,
+        api_name="run",
+        concurrency_limit=1,
+        concurrency_id="compute",
+        # One progress bar where the answers will appear: an animated overlay on
+        # every output costs a CPU machine's browser (and the server beside it) time.
+        show_progress_on=[summary, answer_full, answer_comp],
+    )
+
+    def on_needle(text=None, file=None, methods=None, ratios="", depths=NEEDLE_DEPTHS, model=None,
+                  progress=gr.Progress()):
+        chosen = list(methods or [])
+        try:
+            run = needle_view(text, file, chosen, parse_ratios([], ratios), int(depths), checked_model(model, specs),
+                              progress)
+        except USER_ERRORS as exc:
+            raise as_gr_error(exc) from exc
+        except Exception as exc:  # noqa: BLE001 - say what failed; the server stays up
+            raise unexpected(exc, ", ".join(chosen)) from exc
+        return show(run)
+
+    needle_go.click(
+        on_needle, [text, upload, needle_methods, needle_ratios, needle_depths, model], needle_views.all,
+        api_name="needle_test", concurrency_limit=1, concurrency_id="compute",
+    )
+
+    def on_view(view: TokenFates | None, layer: int, head: int, intensity: str = INTENSITY_DEFAULT):
+        return token_view(view, layer, head, intensity)
+
+    gr.on(
+        [layer.input, head.input, intensity.input], on_view, [last, layer, head, intensity], [counts, tokens],
+        api_name="token_view", show_progress="minimal", trigger_mode="always_last", concurrency_limit=4,
+    )
+    return DocumentInputs(text, upload, question, max_new, model)
+
+
+def _example_text(ex: Example | None) -> str:
+    """The example's document, or "" when it is missing or unreadable (the page still opens)."""
+    if ex is None:
+        return ""
+    try:
+        return ex.text()
+    except DocumentError as exc:
+        common.log.warning("example %s unreadable: %s", ex.id, exc)
+        return ""

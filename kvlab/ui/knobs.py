@@ -1,0 +1,20 @@
+"""Method knobs as widgets: one input per field of a method's Options (kvlab.methods.catalog.Knob)."""
+from __future__ import annotations
+
+import gradio as gr
+
+from kvlab.methods.catalog import Knob
+
+
+def knob_component(knob: Knob) -> gr.components.Component:
+    """The input for one knob: a dropdown of choices, a checkbox, a number or a text box."""
+    info = f"{knob.help} (default {knob.default!r})".strip()
+    if knob.choices:
+        return gr.Dropdown(choices=list(knob.choices), value=knob.default, label=knob.name, info=info)
+    if knob.kind is bool:
+        return gr.Checkbox(value=bool(knob.default), label=knob.name, info=info)
+    if knob.kind is int:
+        return gr.Number(value=knob.default, precision=0, step=1, label=knob.name, info=info)
+    if knob.kind is float:
+        return gr.Number(value=knob.default, step=0.01, label=knob.name, info=info)
+    return gr.Textbox(value="" if knob.default is None else str(knob.default), label=knob.name, info=info)

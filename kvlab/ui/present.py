@@ -1,0 +1,269 @@
+"""Presenting results: a run or a sweep as texts, tables and figures (plain picklable data).
+
+The two heavy functions, :func:`run_view` and :func:`sweep_view`, are what a
+ZeroGPU Space runs on its GPU (``spaces.GPU``): they take and return only
+plain data (no model, no cache), because ZeroGPU runs them in a forked
+worker and pickles what they return.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvlab import figures
+from kvlab.context import Progress, no_progress
+from kvlab.lab import Explored, Sweep, TokenFates, compare, explore
+from kvlab.ui.common import GPU_MAX_S, GPU_RUN_S, GPU_SWEEP_BASE_S, GPU_SWEEP_POINT_S, on_gpu
+
+#: What shades the token view: (label, value); the value names an entry of TokenFates.levels.
+INTENSITIES = [("method's score", "score"), ("question's attention (full cache)", "question"), ("none", "none")]
+INTENSITY_DEFAULT = "score"
+#: What each intensity measures, for the view's legend.
+INTENSITY_NOTES = {
+    "score": "the method's own score of the token",
+    "question": "the attention the question and the answer pay the token in the full cache",
+}
+
+COMPARE_COLUMNS = [
+    "method", "ratio", "query-aware", "memory ratio", "output error", "mass error",
+    "log-ppl (full answer)", "compression s", "answer (compressed cache)",
+]
+
+
+def summary_markdown(ex: Explored) -> str:
+    """The run's headline: method, ratio, verdict on the answers, memory, time and errors."""
+    r = ex.run.result
+    prefix = r.context_tokens - r.doc_tokens
+    agree = figures.answers_agree(r.answer_full, r.answer_compressed)
+    verdict = (
+        "The two answers are **identical**."
+        if r.answer_full.strip() == r.answer_compressed.strip()
+        else f"The answers **differ** (word overlap {agree:.0%})."
+    )
+    expected = ""
+    if ex.expected:
+        mark = {True: "right", False: "**wrong**"}
+        expected = (
+            f" Expected answer (from the example): **{ex.expected[0]}**; the full cache's answer is "
+            f"{mark[ex.full_right]}, the compressed cache's is {mark[ex.compressed_right]}."
+        )
+    prefill = (
+        f"Prefill {r.prefill_s:.2f} s: reused (done before this run), not re-run."
+        if ex.prefill_reused
+        else f"Prefill {r.prefill_s:.2f} s (done now; reused by later runs on this document)."
+    )
+    return (
+        f"**{r.method}**{' (query-aware: compressed for this question)' if ex.query_aware else ''} at **{r.ratio:g}x** on {r.doc_tokens:,} document tokens "
+        f"(+ {prefix} chat-template tokens, always kept) with {r.model}: "
+        f"{r.kept_tokens_mean:.1f} keys stored per head on average. {verdict}{expected}\n\n"
+        "| | full cache | compressed cache |\n|---|---|---|\n"
+        f"| memory | {figures.human_bytes(r.bytes_full)} | {figures.human_bytes(r.bytes_compressed)} ({r.memory_ratio:.1f}x smaller) |\n"
+        f"| answer time | {r.answer_full_s:.2f} s{' (cached)' if ex.full_answer_reused else ''} | {r.answer_compressed_s:.2f} s |\n"
+        f"| log-perplexity of the full cache's answer | {r.logppl_full:.3f} | {r.logppl_compressed:.3f} |\n\n"
+        f"Attention error on held-out queries (mean over layers x KV heads): "
+        f"output {r.attn_output_rel_err:.3f}, mass {r.attn_mass_rel_err:.3f}. "
+        f"{prefill} Compression {r.compress_s:.2f} s; this run took {ex.wall_s:.1f} s in all."
+    )
+
+
+def stage_timings(ex: Explored) -> tuple[dict[str, float], dict[str, str]]:
+    """(seconds per stage of this run, notes for stages reused from earlier runs) for the time figure.
+
+    Stages: prefill, reference queries (when the method reports them in
+    ``details["fit_s"]["queries"]``), compression, both answers, and the
+    rest of the run (errors, log-perplexity, token texts). A reused stage
+    counts 0 s and is labelled with the time it took when it ran.
+    """
+    r = ex.run.result
+    fit = r.details.get("fit_s") if isinstance(r.details.get("fit_s"), dict) else {}
+    queries_s = float(fit.get("queries", 0.0)) if fit else 0.0
+    has_queries = bool(fit) and "queries" in fit
+    timings: dict[str, float] = {}
+    notes: dict[str, str] = {}
+    timings["prefill"] = 0.0 if ex.prefill_reused else r.prefill_s
+    if ex.prefill_reused:
+        notes["prefill"] = f"reused ({r.prefill_s:.2f} s when run)"
+    if has_queries:
+        timings["reference queries"] = queries_s
+    timings["compression" + (" (fit)" if has_queries else "")] = max(0.0, r.compress_s - queries_s)
+    timings["answer, full cache"] = 0.0 if ex.full_answer_reused else r.answer_full_s
+    if ex.full_answer_reused:
+        notes["answer, full cache"] = f"reused ({r.answer_full_s:.2f} s when run)"
+    timings["answer, compressed cache"] = r.answer_compressed_s
+    timings["errors, log-ppl, other"] = max(0.0, ex.wall_s - sum(timings.values()))
+    return timings, notes
+
+
+def token_view(
+    view: TokenFates | None, layer: int, head: int, intensity: str = INTENSITY_DEFAULT
+) -> tuple[str, str]:
+    """(counts line, the document as HTML coloured by token fate) for one layer and KV head of a run.
+
+    intensity: a value of INTENSITIES; tokens are shaded by that source's
+    levels when the run has them, and the counts line says when it has not.
+    """
+    if view is None or not view.codes:
+        return "Run a compression first: the document will appear here, coloured by what happened to each token.", ""
+    layer = min(max(int(layer), 0), view.n_layers - 1)
+    head = min(max(int(head), 0), view.n_kv_heads - 1)
+    fates = view.fates(layer, head)
+    n = len(view.token_texts)
+    counts = figures.fate_counts(n, fates)
+    parts = ", ".join(f"{c:,} {fate}" for fate, c in sorted(counts.items(), key=lambda kv: -kv[1]))
+    line = f"Layer {layer}, KV head {head}: {parts} (of {n:,} context tokens)."
+    levels, note = view.levels.get(intensity), None
+    if levels is not None:
+        note = INTENSITY_NOTES[intensity]
+        line += f" Intensity: {note}, as a percentile within this head."
+    elif intensity == "score":
+        line += " This method has no per-token score: shown without intensity."
+    segments = figures.fate_segments(view.token_texts, fates, levels=None if levels is None else levels[layer][head])
+    return line, figures.bits_strip_html(n, fates) + figures.fate_html(segments, intensity=note)
+
+
+@dataclass
+class RunView:
+    """Everything ``/run`` shows for one run, as plain picklable data (no model, no cache).
+
+    outputs: summary, full answer, compressed answer, word diff, and the
+    error, mass, kept, memory and time figures.
+    """
+
+    outputs: tuple
+    fates: TokenFates
+    fit_figures: tuple | None = None  # Attention Matching: bias histogram, fitting vs evaluation error
+
+
+def present(ex: Explored) -> RunView:
+    """The figures and texts of one finished run."""
+    r = ex.run.result
+    timings, notes = stage_timings(ex)
+    return RunView(
+        (
+            summary_markdown(ex),
+            r.answer_full,
+            r.answer_compressed,
+            figures.word_diff(r.answer_full, r.answer_compressed),
+            figures.error_heatmap(r.per_head),
+            figures.mass_heatmap(r.per_head),
+            figures.kept_heatmap(r.per_head),
+            figures.memory_figure(r.bytes_full, r.bytes_compressed, r.memory_breakdown),
+            figures.time_figure(timings, notes, total=ex.wall_s),
+        ),
+        TokenFates.of(ex),
+        fit_figures(ex),
+    )
+
+
+def fit_figures(ex: Explored) -> tuple | None:
+    """Attention Matching's inner workings, when the run has them."""
+    r = ex.run.result
+    train = r.details.get("train_attn_output_rel_err")
+    if train is None:
+        return None
+    return (
+        figures.bias_histogram(ex.run.fitted_biases()),
+        figures.fit_vs_eval_figure(train, r.per_head["attn_output_rel_err"]),
+    )
+
+
+@on_gpu(duration=GPU_RUN_S)
+def run_view(
+    text: str | None,
+    file: str | None,
+    method: str,
+    ratio: float,
+    question: str,
+    max_new_tokens: int,
+    options: dict[str, Any],
+    model: str | None,
+    progress: Progress = no_progress,
+) -> RunView:
+    """The heavy part of ``/run``: kvlab.lab.explore, then :func:`present`.
+
+    ``progress`` may be a ``gr.Progress`` (it is picklable; a lambda would not be).
+    """
+    return present(explore(text, file, method, ratio, question, max_new_tokens, options, progress, model))
+
+
+@dataclass
+class SweepView:
+    """Everything ``/compare`` computes, as plain picklable data: the sweep and its three charts."""
+
+    sweep: Sweep
+    charts: tuple
+
+
+def sweep_charts(sweep: Sweep) -> tuple:
+    """(output error, mass error, log-perplexity) against the ratio, one line per method."""
+    points = [
+        {"method": r.method, "ratio": r.ratio, "output": r.attn_output_rel_err,
+         "mass": r.attn_mass_rel_err, "logppl": r.logppl_compressed}
+        for r in sweep.results
+    ]
+    return (
+        figures.sweep_figure(points, "output", "Attention-output error vs ratio (held-out queries)", "relative error"),
+        figures.sweep_figure(points, "mass", "Attention-mass error vs ratio (held-out queries)", "relative error"),
+        figures.sweep_figure(
+            points, "logppl", "Log-perplexity of the full cache's answer vs ratio", "log-perplexity (nats/token)",
+            reference=sweep.logppl_full, reference_label="full cache",
+        ),
+    )
+
+
+def sweep_duration(text, file, methods, ratios, *args, **kwargs) -> int:  # noqa: ANN001 - spaces' signature
+    """The ZeroGPU slot of a sweep: a base plus a share per (method, ratio), capped."""
+    points = max(1, len(methods or []) * len(ratios or []))
+    return int(min(GPU_MAX_S, GPU_SWEEP_BASE_S + GPU_SWEEP_POINT_S * points))
+
+
+@on_gpu(duration=sweep_duration)
+def sweep_view(
+    text: str | None,
+    file: str | None,
+    methods: list[str],
+    ratios: list[float],
+    question: str,
+    max_new_tokens: int,
+    model: str | None,
+    progress: Progress = no_progress,
+) -> SweepView:
+    """The heavy part of ``/compare``: kvlab.lab.compare and its charts."""
+    sweep = compare(text, file, methods, ratios, question, max_new_tokens, progress, model)
+    return SweepView(sweep, sweep_charts(sweep))
+
+
+def sweep_status(sweep: Sweep) -> str:
+    """The sweep's headline: what ran, how long, and what failed."""
+    methods = list(dict.fromkeys(r.method for r in sweep.results))
+    ratios = sorted({r.ratio for r in sweep.results})
+    prefill = "reused from an earlier run" if sweep.prefill_reused else f"{sweep.prefill_s:.1f} s, done now"
+    text = (
+        f"**{len(sweep.results)} runs**: {len(methods)} method(s) x {len(ratios)} ratio(s) "
+        f"({', '.join(f'{r:g}x' for r in ratios)}) on {sweep.doc_tokens:,} document tokens with {sweep.model}, "
+        f"in {sweep.wall_s:.1f} s (prefill {prefill}). Full cache's log-perplexity of its own answer: "
+        f"{sweep.logppl_full:.3f}."
+    )
+    if sweep.errors:
+        text += "\n\n**Failed** (left out of the charts): " + "; ".join(
+            f"{e.method} at {e.ratio:g}x ({e.message})" for e in sweep.errors
+        )
+    return text
+
+
+def compare_rows(sweep: Sweep) -> list[list]:
+    """The comparison table's rows (see COMPARE_COLUMNS), one per (method, ratio)."""
+    return [
+        [
+            r.method,
+            r.ratio,
+            "yes" if a else "no",
+            round(r.memory_ratio, 2),
+            round(r.attn_output_rel_err, 4),
+            round(r.attn_mass_rel_err, 4),
+            round(r.logppl_compressed, 3),
+            round(r.compress_s, 2),
+            r.answer_compressed,
+        ]
+        for r, a in zip(sweep.results, sweep.query_aware)
+    ]

@@ -1,0 +1,145 @@
+"""The gradio-free lab layer: one preparation per document, sweeps and their exports, the CLI's compare."""
+from __future__ import annotations
+
+import csv
+import json
+import threading
+import time
+
+import pytest
+
+from kvlab import context as context_module
+from kvlab import queries as queries_module
+from kvlab import lab, models
+from kvlab.cli import main
+from kvlab.context import ContextStore, prepare_context
+from kvlab.methods import REGISTRY
+
+DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(120))
+
+
+def test_racing_requests_share_one_preparation(tiny, monkeypatch):
+    # Two users (or a background preparation and a Run) ask for the same document at once:
+    # one prefill runs, both get its context.
+    calls = []
+
+    def slow_prepare(lm, text, progress=None):
+        calls.append(text)
+        time.sleep(0.3)
+        return prepare_context(lm, text)
+
+    monkeypatch.setattr(context_module, "prepare_context", slow_prepare)
+    store = ContextStore(capacity=2)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(store.get(tiny, DOC))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(got) == 3 and all(c is got[0] for c in got)
+    assert store.peek(tiny, DOC) is got[0] and store.peek(tiny, DOC + " w3") is None
+
+
+def test_a_failed_preparation_reaches_every_waiter_and_is_not_kept(tiny, monkeypatch):
+    attempts = []
+
+    def failing_once(lm, text, progress=None):
+        attempts.append(text)
+        time.sleep(0.2)
+        if len(attempts) == 1:
+            raise RuntimeError("disk on fire")
+        return prepare_context(lm, text)
+
+    monkeypatch.setattr(context_module, "prepare_context", failing_once)
+    store = ContextStore()
+    errors = []
+
+    def ask():
+        try:
+            store.get(tiny, DOC)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == ["disk on fire", "disk on fire"] and len(attempts) == 1
+    assert store.get(tiny, DOC).lm is tiny and len(attempts) == 2  # the next request tries again
+
+
+def test_preparing_a_document_records_the_methods_queries(tiny, monkeypatch):
+    # After prepare_document, a Run of Attention Matching finds the prefill and its repeat-prefill
+    # queries done: neither runs again (both are made to fail if they do).
+    monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
+    text = DOC + " w9 w8 w7"
+    prepared = lab.prepare_document(text, None, "attention_matching")
+    assert prepared.prefilled_now and prepared.doc_tokens > 100
+    monkeypatch.setattr(context_module, "prepare_context", lambda *a, **k: pytest.fail("prefilled again"))
+    monkeypatch.setattr(queries_module, "_session_after", lambda *a, **k: pytest.fail("repeat pass recorded again"))
+    ex = lab.explore(text, None, "attention_matching", 4, "w5 w6", max_new_tokens=2)
+    assert ex.prefill_reused and ex.run.result.method == "attention_matching"
+    assert not lab.prepare_document(text, None, "attention_matching").prefilled_now
+
+
+def test_a_sweep_keeps_going_past_a_failing_point_and_exports_every_run(tiny, monkeypatch, tmp_path):
+    monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
+    methods = ["streaming_llm", "tova"]
+    original = REGISTRY["tova"].compress
+
+    def fails_at_three(self, req):
+        if req.ratio == 3:
+            raise ValueError("no good at 3x")
+        return original(self, req)
+
+    monkeypatch.setattr(REGISTRY["tova"], "compress", fails_at_three)
+    sweep = lab.compare(DOC, None, methods, [2.0, 3.0], "w5 w6", max_new_tokens=3)
+    assert [(r.method, r.ratio) for r in sweep.results] == [("streaming_llm", 2.0), ("streaming_llm", 3.0), ("tova", 2.0)]
+    assert [(e.method, e.ratio) for e in sweep.errors] == [("tova", 3.0)] and "no good" in sweep.errors[0].message
+    csv_path, json_path = lab.write_exports(sweep, tmp_path, stem="sweep")
+    with open(csv_path, newline="", encoding="utf-8") as fh:
+        rows = list(csv.DictReader(fh))
+    data = json.loads(open(json_path, encoding="utf-8").read())
+    assert [(r["method"], float(r["ratio"])) for r in rows] == [(r.method, r.ratio) for r in sweep.results]
+    assert [float(r["bytes_compressed"]) for r in rows] == [r["bytes_compressed"] for r in data["results"]]
+    # Bytes are those of the stored caches: keeping half of the document stores fewer bytes than a third more.
+    assert float(rows[1]["bytes_compressed"]) < float(rows[0]["bytes_compressed"]) < float(rows[0]["bytes_full"])
+    assert data["errors"] == [{"method": "tova", "ratio": 3.0, "message": "ValueError: no good at 3x"}]
+
+
+def test_a_sweep_refuses_bad_input_before_any_work(tiny, monkeypatch):
+    monkeypatch.setattr(models, "get_model", lambda spec=None: pytest.fail("loaded a model"))
+    with pytest.raises(lab.InputError, match="at least one method"):
+        lab.compare(DOC, None, [], [2.0], "q")
+    with pytest.raises(lab.InputError, match="too many"):
+        lab.compare(DOC, None, ["streaming_llm"] * 11, [float(r) for r in range(2, 12)], "q")
+    with pytest.raises(lab.InputError, match="question is empty"):
+        lab.compare(DOC, None, ["streaming_llm"], [2.0], "  ")
+
+
+def test_cli_compare_writes_a_sweep(embedded, tmp_path, capsys):
+    doc = tmp_path / "notes.txt"
+    doc.write_text("The lighthouse keeper is called Ada Vance. She keeps a red boat named Puffin.\n" * 8)
+    out = tmp_path / "out"
+    code = main(["compare", "--doc", str(doc), "--methods", "streaming_llm,tova", "--ratios", "2,4",
+                 "--question", "What is the boat called?", "--max-new-tokens", "6", "--out", str(out)])
+    assert code == 0
+    with open(out / "compare.csv", newline="", encoding="utf-8") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["method"], float(r["ratio"])) for r in rows] == [
+        ("streaming_llm", 2.0), ("streaming_llm", 4.0), ("tova", 2.0), ("tova", 4.0)]
+    data = json.loads((out / "compare.json").read_text())
+    assert data["question"] == "What is the boat called?" and len(data["results"]) == 4
+    assert "compare.csv" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["compare", "--doc", "x.txt", "--methods", "", "--ratios", "2", "--question", "q", "--out", "o"], "method"),
+    (["compare", "--doc", "x.txt", "--methods", "tova", "--ratios", "two", "--question", "q", "--out", "o"], "ratio"),
+    (["compare", "--doc", "x.txt", "--methods", "nope", "--ratios", "2", "--question", "q", "--out", "o"], "nope"),
+])
+def test_cli_compare_bad_arguments_exit_2_with_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
