@@ -206,3 +206,13 @@ def test_bits_strip_counts_every_token():
     assert "flex:2 1 0" in figures.bits_strip_html(6, {0: "template", 1: "template"})
     assert [figures.bits_of(f) for f in ("template", "4-bit", "2-bit", figures.EVICTED)] == ["full", 4, 2, 0]
     assert figures.BIT_COLORS[0] in strip and figures.BIT_COLORS[4] in strip
+
+
+def test_divergence_figure_draws_both_caches_and_marks_where_answers_part():
+    fig = figures.divergence_figure([" The", " cat", "."], [-0.1, -0.2, -0.3], [-0.1, -2.5, -0.4], 1)
+    full, compressed = fig.data
+    assert list(full.y) == [-0.1, -0.2, -0.3] and list(compressed.y) == [-0.1, -2.5, -0.4]
+    assert [s.x0 for s in fig.layout.shapes] == [1]
+    assert "token 1" in fig.layout.title.text and "cat" in fig.layout.title.text
+    same = figures.divergence_figure(["a"], [-0.5], [-0.5], None)
+    assert not same.layout.shapes and "the same" in same.layout.title.text

@@ -143,3 +143,29 @@ def test_cli_compare_bad_arguments_exit_2_with_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
+
+
+@pytest.mark.parametrize("reference, other, expected", [
+    ([5, 6, 7], [5, 6, 7], None),
+    ([5, 6, 7], [5, 9, 7], 1),
+    ([5, 6, 7], [5, 6], 2),
+    ([5], [5, 6], 1),
+    ([], [], None),
+])
+def test_first_divergence_by_hand(reference, other, expected):
+    from kvlab.pipeline import first_divergence
+
+    assert first_divergence(reference, other) == expected
+
+
+def test_answer_log_probabilities_follow_the_full_answer(tiny, monkeypatch):
+    # At ratio 1 nothing is evicted: the compressed cache scores the full answer exactly like the
+    # full cache does (an independent computation: the greedy decode's own log-probabilities).
+    monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
+    ex = lab.explore(DOC, None, "streaming_llm", 1.0, "w5 w6", max_new_tokens=5)
+    r = ex.run.result
+    assert len(r.answer_tokens) == len(r.answer_logprobs_full) == len(r.answer_logprobs_compressed) == 5
+    assert r.answer_logprobs_compressed == pytest.approx(r.answer_logprobs_full, abs=1e-4)
+    assert r.first_divergence is None and r.answer_logprobs_full == ex.run.evaluation.answer.logprobs
+    squeezed = lab.explore(DOC, None, "streaming_llm", 30.0, "w5 w6", max_new_tokens=5).run.result
+    assert squeezed.answer_logprobs_compressed != pytest.approx(squeezed.answer_logprobs_full, abs=1e-4)

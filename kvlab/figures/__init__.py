@@ -8,9 +8,9 @@ by notebooks or reports) on small synthetic data.
 
 - :mod:`kvlab.figures.plots`: heatmaps per layer x KV head, memory, time, sweeps;
 - :mod:`kvlab.figures.tokens`: the document coloured by token fate, the bits strip;
-- :mod:`kvlab.figures.diff`: the word diff of two answers.
+- :mod:`kvlab.figures.diff`: the word diff of two answers, and where they part token by token.
 """
-from kvlab.figures.diff import DIFF_COLORS, DIFF_COMPRESSED, DIFF_FULL, answers_agree, word_diff
+from kvlab.figures.diff import DIFF_COLORS, DIFF_COMPRESSED, DIFF_FULL, answers_agree, divergence_figure, word_diff
 from kvlab.figures.plots import (
     FIGURE_HEIGHT,
     MASS_RATIO_LIMIT,
@@ -45,7 +45,7 @@ from kvlab.figures.tokens import (
 __all__ = [
     "BIT_COLORS", "DIFF_COLORS", "DIFF_COMPRESSED", "DIFF_FULL", "EVICTED", "EVICTED_SHADE", "FATE_COLORS",
     "FIGURE_HEIGHT", "LEVEL_STEPS", "MASS_RATIO_LIMIT", "METHOD_COLORS", "WEAKEST_SHADE",
-    "answers_agree", "bias_histogram", "bits_of", "bits_strip_html", "error_heatmap", "fate_colors",
+    "answers_agree", "bias_histogram", "divergence_figure", "bits_of", "bits_strip_html", "error_heatmap", "fate_colors",
     "fate_counts", "fate_html", "fate_segments", "fit_vs_eval_figure", "head_heatmap", "human_bytes",
     "kept_heatmap", "level_step", "mass_heatmap", "memory_figure", "sweep_figure", "time_figure", "word_diff",
 ]

@@ -183,6 +183,7 @@ def build_explore_tab(
         kept_plot = gr.Plot(label="Keys per head", elem_id="kvlab-kept")
         mem_plot = gr.Plot(label="Memory", elem_id="kvlab-memory")
         time_plot = gr.Plot(label="Time", elem_id="kvlab-time")
+    divergence_plot = gr.Plot(label="Where the answers part", elem_id="kvlab-divergence")
     with gr.Row(visible=False) as fit_row:
         bias_plot = gr.Plot(label="Fitted biases", elem_id="kvlab-bias")
         fit_plot = gr.Plot(label="Fitting vs evaluation queries", elem_id="kvlab-fit")
@@ -281,7 +282,7 @@ def build_explore_tab(
 
     run_outputs = [
         summary, answer_full, answer_comp, diff, err_plot, mass_plot, kept_plot, mem_plot,
-        time_plot, layer, head, counts, tokens, last, fit_row, bias_plot, fit_plot,
+        time_plot, layer, head, counts, tokens, last, fit_row, bias_plot, fit_plot, divergence_plot,
     ]
 
     def on_run(text=None, file=None, method=start_method, ratio=RATIO_DEFAULT, question=None,
@@ -300,8 +301,12 @@ def build_explore_tab(
         layer = min(max(int(layer or 0), 0), fates.n_layers - 1)
         head = min(max(int(head or 0), 0), fates.n_kv_heads - 1)
         line, html = token_view(fates, layer, head, intensity)
+        summary_md, full, compressed, *figs = view.outputs
         return (
-            *view.outputs,
+            summary_md,
+            gr.Textbox(value=full, label=view.answer_labels[0]),
+            gr.Textbox(value=compressed, label=view.answer_labels[1]),
+            *figs,
             gr.Slider(minimum=0, maximum=fates.n_layers - 1, value=layer, step=1),
             gr.Slider(minimum=0, maximum=fates.n_kv_heads - 1, value=head, step=1),
             line,
@@ -309,6 +314,7 @@ def build_explore_tab(
             fates,
             gr.Row(visible=view.fit_figures is not None),
             *(view.fit_figures or (None, None)),
+            view.divergence,
         )
 
     run_btn.click(

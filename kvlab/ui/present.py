@@ -126,12 +126,16 @@ class RunView:
     """Everything ``/run`` shows for one run, as plain picklable data (no model, no cache).
 
     outputs: summary, full answer, compressed answer, word diff, and the
-    error, mass, kept, memory and time figures.
+    error, mass, kept, memory and time figures; divergence: the answers
+    token by token (kvlab.figures.divergence_figure); answer_labels: the two
+    answers' labels, marked right or wrong when the gold answer is known.
     """
 
     outputs: tuple
     fates: TokenFates
     fit_figures: tuple | None = None  # Attention Matching: bias histogram, fitting vs evaluation error
+    divergence: object = None
+    answer_labels: tuple[str, str] = ("Answer from the full cache", "Answer from the compressed cache")
 
 
 def present(ex: Explored) -> RunView:
@@ -152,7 +156,17 @@ def present(ex: Explored) -> RunView:
         ),
         TokenFates.of(ex),
         fit_figures(ex),
+        figures.divergence_figure(
+            r.answer_tokens, r.answer_logprobs_full, r.answer_logprobs_compressed, r.first_divergence,
+        ),
+        answer_labels(ex),
     )
+
+
+def answer_labels(ex: Explored) -> tuple[str, str]:
+    """The two answer boxes' labels, with "right" or "wrong" where the gold answer is known."""
+    mark = {None: "", True: ": right", False: ": wrong"}
+    return (f"Answer from the full cache{mark[ex.full_right]}", f"Answer from the compressed cache{mark[ex.compressed_right]}")
 
 
 def fit_figures(ex: Explored) -> tuple | None:
