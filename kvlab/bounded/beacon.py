@@ -1,25 +1,84 @@
 """BeaconKV's budgeted decoding: greedy generation with at most a fixed number of keys per head.
 
 This is the paper's own setting (long reasoning outputs): the cache never
-holds more than ``token_budget`` keys per layer and head; before it would,
-each layer evicts by the beacon scores of the running query history
-(kvlab.methods.beacon_core), keeping the template prefix and a recent window.
+holds more than ``budget`` keys per layer and head; before it would, each
+layer evicts by the beacon scores of the running query history
+(kvlab.methods.beacon_core: the recent queries + beacons chosen by continual
+FPS over everything read and written), keeping the template prefix and a
+recent window. It evicts ``evict_chunk`` tokens at a time, so it scores once
+every ``evict_chunk`` written tokens rather than at every step.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
+from kvlab.bounded.generate import BeaconSnapshot, EvictionPolicy, run_policy
 from kvlab.context import Context
 from kvlab.methods.base import MethodError, top_k_per_head
 from kvlab.methods.beacon import BeaconOptions, document_state
 from kvlab.methods.beacon_core import BeaconBank, BeaconState, key_scores, stack_layers
 from kvlab.models import LoadedModel
-from kvlab.runtime.cache import gather_tokens
-from kvlab.runtime.decode import GrowingLayer, Generation, extend, greedy_loop, open_session, stop_token_ids
-from kvlab.runtime.hooks import QueryCapture
+from kvlab.runtime.cache import CompressedKV
+from kvlab.runtime.decode import Generation
 from kvlab.runtime.rope import rope_cos_sin
+
+#: Tokens evicted at once (the budget keeps room for them).
+EVICT_CHUNK = 16
+
+
+class BeaconPolicy(EvictionPolicy):
+    """BeaconKV under a budget: keys scored by the query history, the template prefix and a window kept.
+
+    protected: leading tokens (the template prefix) never evicted; state: the beacon
+    state after a starting cache (default: empty, the history starts with the prompt).
+    """
+
+    name = "beaconkv"
+    wants_queries = True
+
+    def __init__(self, lm: LoadedModel, budget: int | None = None, stored: CompressedKV | None = None,
+                 options: BeaconOptions | None = None, protected: int = 0, evict_chunk: int = EVICT_CHUNK,
+                 state: BeaconState | None = None):
+        super().__init__(lm, budget, stored)
+        self.opts = options or BeaconOptions()
+        if self.opts.beacon_source != "context":
+            raise MethodError("budgeted BeaconKV scores with the model's own query history (beacon_source=context)")
+        self.protected, self.evict_chunk = protected, max(1, evict_chunk)
+        self.state = state or BeaconState(self.opts.n_recent, BeaconBank(self.opts.n_beacons, self.opts.buffer))
+
+    def reserved(self) -> int:
+        return self.protected + self.opts.window
+
+    def check(self, chunk: int) -> None:
+        super().check(max(chunk, self.evict_chunk))
+
+    def target(self, n: int) -> int:
+        return self.budget - max(n, self.evict_chunk)
+
+    def observe(self, queries: list[torch.Tensor] | None, positions: torch.Tensor) -> None:
+        super().observe(queries, positions)
+        cos, sin = rope_cos_sin(self.lm, positions)
+        self.state.observe(stack_layers(queries), positions, cos, sin)
+
+    def choose(self, target: int) -> list[torch.Tensor]:
+        now = self.session.position
+        cos_now, sin_now = rope_cos_sin(self.lm, torch.tensor([now]))
+        queries, q_pos, beacon_pos = self.state.scoring_set(cos_now, sin_now, now)
+        counts = Counter(beacon_pos.flatten().tolist())
+        self.beacons.append(BeaconSnapshot(now, sorted(counts), [counts[t] for t in sorted(counts)]))
+        n_heads, n_kv, length = self.lm.n_heads, self.lm.n_kv_heads, self.size()
+        out = []
+        for layer in range(self.lm.n_layers):
+            keys = self.session.cache.layers[layer].keys[0]
+            rows = slice(layer * n_heads, (layer + 1) * n_heads)
+            score = key_scores(queries[rows], q_pos, keys.float().cpu(), self.k_pos[layer])
+            score[:, : self.protected] = float("inf")
+            score[:, max(self.protected, length - self.opts.window) :] = float("inf")
+            out.append(top_k_per_head(score, torch.full((n_kv,), target)))
+        return out
 
 
 @dataclass
@@ -37,84 +96,24 @@ def beacon_generate(
     max_new_tokens: int,
     token_budget: int,
     options: BeaconOptions | None = None,
-    evict_chunk: int = 16,
+    evict_chunk: int = EVICT_CHUNK,
     stop: bool = True,
 ) -> BeaconGeneration:
-    """Greedy decoding with at most ``token_budget`` keys per layer and head (the paper's setting).
+    """Greedy decoding with at most ``token_budget`` keys per layer and head, after ``ctx``'s document.
 
-    Starts from ``ctx``'s full cache (or an empty one) and reads ``prompt_ids``
-    then its own tokens, in chunks of at most ``evict_chunk`` tokens. Before a
-    chunk would make the physical cache exceed the budget, each layer evicts
-    down to ``token_budget - evict_chunk`` keys per head: it keeps the template
-    prefix (``ctx.prefix_len`` tokens), the ``window`` most recent tokens and the
-    best-scored others, scored by the running query history (recent queries +
-    beacons from continual FPS, rotated to the current position). Every head
-    keeps the same number of keys, so the working cache stays plain.
-    ``options.beacon_source`` must be ``context`` (the model's own queries).
+    Starts from a copy of ``ctx``'s full cache (or an empty one) and its beacon
+    state, reads ``prompt_ids`` then its own tokens, ``evict_chunk`` at a time;
+    before the cache would exceed the budget, each layer evicts down to
+    ``token_budget - evict_chunk`` keys per head (see :class:`BeaconPolicy`).
     """
     opts = options or BeaconOptions()
     if opts.beacon_source != "context":
         raise MethodError("beacon_generate scores with the model's own query history (beacon_source=context)")
-    chunk = max(1, evict_chunk)
-    keep_prefix = ctx.prefix_len if ctx is not None else 0
-    if token_budget - chunk < keep_prefix + opts.window + 1:
-        raise MethodError(
-            f"token_budget {token_budget} leaves no room beyond the template ({keep_prefix}), "
-            f"the window ({opts.window}) and one eviction chunk ({chunk})")
-    session = open_session(lm, ctx.full.stored if ctx is not None else None)
-    if session.key_bias is not None:
-        raise MethodError("beacon_generate needs a plain starting cache")
-    n_kv = lm.n_kv_heads
-    n_heads = lm.n_heads
-    k_pos: list[torch.Tensor] = [torch.zeros(n_kv, 0, dtype=torch.long) for _ in range(lm.n_layers)]
-    if ctx is not None:
-        state = document_state(ctx, opts, None)
-        k_pos = [torch.arange(ctx.length).expand(n_kv, -1).clone() for _ in range(lm.n_layers)]
-    else:
-        state = BeaconState(opts.n_recent, BeaconBank(opts.n_beacons, opts.buffer))
-    stats = {"max": 0, "evictions": 0}
-
-    def physical() -> int:
-        layers = session.cache.layers
-        return int(layers[0].keys.shape[-2]) if layers else 0
-
-    def evict_to(target: int) -> None:
-        now = session.position
-        cos_now, sin_now = rope_cos_sin(lm, torch.tensor([now]))
-        queries, q_pos, _ = state.scoring_set(cos_now, sin_now, now)
-        for layer in range(lm.n_layers):
-            cached = session.cache.layers[layer]
-            keys, values = cached.keys[0], cached.values[0]
-            length = keys.shape[1]
-            rows = slice(layer * n_heads, (layer + 1) * n_heads)
-            score = key_scores(queries[rows], q_pos, keys.float().cpu(), k_pos[layer])
-            score[:, :keep_prefix] = float("inf")
-            score[:, max(keep_prefix, length - opts.window) :] = float("inf")
-            index = top_k_per_head(score, torch.full((n_kv,), target))
-            session.cache.layers[layer] = GrowingLayer(
-                gather_tokens(keys, index).unsqueeze(0), gather_tokens(values, index).unsqueeze(0))
-            k_pos[layer] = k_pos[layer].gather(1, index)
-        stats["evictions"] += 1
-
-    def feed(ids: torch.Tensor) -> torch.Tensor:
-        n = ids.numel()
-        if physical() + n > token_budget:
-            evict_to(token_budget - max(n, chunk))
-        capture = QueryCapture(lm.n_layers)
-        positions = torch.arange(session.position, session.position + n)
-        logits = extend(lm, session, ids, capture, logits_to_keep=1)[-1]
-        stats["max"] = max(stats["max"], physical())
-        cos, sin = rope_cos_sin(lm, positions)
-        state.observe(stack_layers(capture.per_layer()), positions, cos, sin)
-        for layer in range(lm.n_layers):
-            k_pos[layer] = torch.cat([k_pos[layer], positions.expand(n_kv, -1)], dim=1)
-        return logits
-
-    logits = None
-    for start in range(0, prompt_ids.numel(), chunk):
-        logits = feed(prompt_ids[start : start + chunk])
-    if logits is None:
-        raise MethodError("beacon_generate needs a non-empty prompt")
-    gen = greedy_loop(lm, logits, feed, max_new_tokens, stop_token_ids(lm) if stop else set())
-    return BeaconGeneration(ids=gen.ids, text=gen.text, logprobs=gen.logprobs,
-                            max_cache_len=stats["max"], evictions=stats["evictions"])
+    policy = BeaconPolicy(
+        lm, token_budget, ctx.full.stored if ctx is not None else None, opts,
+        protected=ctx.prefix_len if ctx is not None else 0, evict_chunk=evict_chunk,
+        state=document_state(ctx, opts, None) if ctx is not None else None,
+    )
+    run = run_policy(policy, prompt_ids, max_new_tokens, chunk=policy.evict_chunk, stop=stop)
+    return BeaconGeneration(ids=run.ids, text=run.text, logprobs=run.logprobs,
+                            max_cache_len=run.max_size, evictions=len(run.events))

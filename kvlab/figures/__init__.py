@@ -11,6 +11,7 @@ by notebooks or reports) on small synthetic data.
 - :mod:`kvlab.figures.diff`: the word diff of two answers, and where they part token by token.
 """
 from kvlab.figures.diff import DIFF_COLORS, DIFF_COMPRESSED, DIFF_FULL, answers_agree, divergence_figure, word_diff
+from kvlab.figures.generation import beacon_figure, cache_size_figure, logprob_figure, texts_html
 from kvlab.figures.plots import (
     FIGURE_HEIGHT,
     MASS_RATIO_LIMIT,
@@ -48,4 +49,5 @@ __all__ = [
     "answers_agree", "bias_histogram", "divergence_figure", "bits_of", "bits_strip_html", "error_heatmap", "fate_colors",
     "fate_counts", "fate_html", "fate_segments", "fit_vs_eval_figure", "head_heatmap", "human_bytes",
     "kept_heatmap", "level_step", "mass_heatmap", "memory_figure", "sweep_figure", "time_figure", "word_diff",
+    "beacon_figure", "cache_size_figure", "logprob_figure", "texts_html",
 ]

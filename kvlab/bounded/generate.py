@@ -1,0 +1,317 @@
+"""One generation loop for every bounded-cache policy, and the policies that need no other module.
+
+:func:`run_policy` reads a prompt in chunks, then writes greedily (or re-reads
+a given text, teacher-forced), one token per step. Before every forward pass
+the policy makes room, so the working cache (counted in keys per KV head, the
+longest head) never exceeds its budget, not even during the pass. Every
+shrink is recorded as a :class:`CacheEvent`.
+
+Policies (one small class each; :data:`POLICIES` names them):
+
+- :class:`CachePolicy` itself: unbounded, the reference;
+- :class:`WindowPolicy`: StreamingLLM, attention sinks + the most recent tokens;
+- :class:`H2OPolicy`: heavy hitters by accumulated attention + a recent window;
+- :class:`kvlab.bounded.beacon.BeaconPolicy`: BeaconKV's budgeted decoding;
+- :class:`kvlab.bounded.online.OnlineAMPolicy`: Attention Matching compaction to half when full.
+
+Every policy works on its own session (kvlab.runtime.decode.open_session copies
+a stored starting cache), so stored caches are never changed.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from kvlab.methods.base import MethodError, top_k_per_head
+from kvlab.methods.h2o import H2OOptions
+from kvlab.methods.scoring import pool_group, received_attention
+from kvlab.methods.streaming import StreamingOptions
+from kvlab.models import LoadedModel
+from kvlab.runtime.cache import CompressedKV, gather_tokens
+from kvlab.runtime.decode import GrowingLayer, extend, greedy_loop, open_session, stop_token_ids
+from kvlab.runtime.hooks import QueryCapture
+
+#: Prompt tokens read per forward pass by :func:`run_policy` (a budget must leave room for one chunk).
+PROMPT_CHUNK = 16
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    """One shrink of the working cache.
+
+    position: logical position of the token about to be read; before/after:
+    keys per head (longest head) around the shrink. ``step`` (generated tokens
+    so far, 0 while reading the prompt) is set by :func:`run_policy`.
+    """
+
+    position: int
+    before: int
+    after: int
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class BeaconSnapshot:
+    """BeaconKV's beacons at one eviction: the token positions they came from and in how many
+    (layer, query head) rows each one is a beacon. ``step`` as in :class:`CacheEvent`."""
+
+    position: int
+    tokens: list[int]
+    rows: list[int]
+    step: int = 0
+
+
+class CachePolicy:
+    """A working cache and how it makes room; this base class never shrinks (the unbounded reference).
+
+    budget: keys per KV head the cache may hold (None: unbounded);
+    stored: a starting cache, copied (never changed).
+    """
+
+    name = "unbounded"
+    #: Whether :meth:`observe` needs the queries of each forward pass.
+    wants_queries = False
+
+    def __init__(self, lm: LoadedModel, budget: int | None = None, stored: CompressedKV | None = None):
+        self.lm, self.budget = lm, budget
+        self.session = open_session(lm, stored)
+        self.events: list[CacheEvent] = []
+        self.beacons: list[BeaconSnapshot] = []
+
+    def size(self) -> int:
+        """Keys per head in the working cache now (the longest head, padding included)."""
+        layers = self.session.cache.layers
+        return int(layers[0].keys.shape[-2]) if layers else 0
+
+    def nbytes(self) -> int:
+        """Bytes of the working cache now: keys, values and (Attention Matching) biases."""
+        total = sum(layer.keys.nbytes + layer.values.nbytes for layer in self.session.cache.layers)
+        return total + sum(b.nbytes for b in self.session.key_bias or [])
+
+    def check(self, chunk: int) -> None:
+        """Raise MethodError when the budget cannot hold what the policy always keeps plus ``chunk`` new tokens."""
+
+    def make_room(self, n: int) -> None:
+        """Shrink, if needed, so that ``n`` more tokens fit in the budget."""
+
+    def observe(self, queries: list[torch.Tensor] | None, positions: torch.Tensor) -> None:
+        """After a forward pass over ``positions`` [n]: its post-RoPE queries per layer [H, n, d] (if wanted)."""
+
+
+class EvictionPolicy(CachePolicy):
+    """A plain working cache (every head holds the same number of keys) that evicts tokens.
+
+    ``k_pos`` per layer [H_kv, L]: the logical position of every held key.
+    Subclasses choose which keys stay (:meth:`choose`), in reading order.
+    """
+
+    def __init__(self, lm: LoadedModel, budget: int | None = None, stored: CompressedKV | None = None):
+        super().__init__(lm, budget, stored)
+        if self.session.key_bias is not None:
+            raise MethodError(f"{self.name} needs a plain starting cache (no biases, the same length per head)")
+        start = stored.logical_len if stored is not None else 0
+        self.k_pos = [torch.arange(start).expand(lm.n_kv_heads, -1).clone() for _ in range(lm.n_layers)]
+
+    def reserved(self) -> int:
+        """Keys the policy keeps whatever their score (sinks, template prefix, a window)."""
+        return 0
+
+    def check(self, chunk: int) -> None:
+        if self.budget is not None and self.budget - chunk < self.reserved() + 1:
+            raise MethodError(
+                f"{self.name}: a budget of {self.budget} keys per head leaves no room beyond the "
+                f"{self.reserved()} it always keeps and {chunk} new tokens; raise the budget")
+
+    def target(self, n: int) -> int:
+        """Keys per head to keep when ``n`` new tokens do not fit (the fewest evictions: budget - n)."""
+        return self.budget - n
+
+    def choose(self, target: int) -> list[torch.Tensor]:
+        """Per layer, the slots [H_kv, target] to keep, ascending."""
+        raise NotImplementedError
+
+    def make_room(self, n: int) -> None:
+        before = self.size()
+        if self.budget is None or before + n <= self.budget:
+            return
+        for layer, index in enumerate(self.choose(self.target(n))):
+            self.keep(layer, index)
+        self.events.append(CacheEvent(self.session.position, before, self.size()))
+
+    def keep(self, layer: int, index: torch.Tensor) -> None:
+        """Keep the slots ``index`` [H_kv, n] of one layer (subclasses also gather their own per-key state)."""
+        cached = self.session.cache.layers[layer]
+        keys, values = cached.keys[0], cached.values[0]
+        self.session.cache.layers[layer] = GrowingLayer(
+            gather_tokens(keys, index).unsqueeze(0), gather_tokens(values, index).unsqueeze(0))
+        self.k_pos[layer] = self.k_pos[layer].gather(1, index)
+
+    def observe(self, queries: list[torch.Tensor] | None, positions: torch.Tensor) -> None:
+        n_kv = self.lm.n_kv_heads
+        self.k_pos = [torch.cat([p, positions.expand(n_kv, -1)], dim=1) for p in self.k_pos]
+
+
+class WindowPolicy(EvictionPolicy):
+    """StreamingLLM: the first ``n_sink`` tokens (attention sinks) and the most recent ones.
+
+    Once full, writing evicts exactly one token per step (the oldest after the sinks).
+    """
+
+    name = "sliding_window"
+
+    def __init__(self, lm: LoadedModel, budget: int | None = None, stored: CompressedKV | None = None,
+                 options: StreamingOptions | None = None):
+        super().__init__(lm, budget, stored)
+        self.n_sink = (options or StreamingOptions()).n_sink
+
+    def reserved(self) -> int:
+        return self.n_sink
+
+    def choose(self, target: int) -> list[torch.Tensor]:
+        length = self.size()
+        # The cache is in reading order: sinks are its first slots, the window its last.
+        index = torch.cat([torch.arange(self.n_sink), torch.arange(length - (target - self.n_sink), length)])
+        return [index.expand(self.lm.n_kv_heads, -1) for _ in range(self.lm.n_layers)]
+
+
+class H2OPolicy(EvictionPolicy):
+    """H2O in its decoding setting: every key accumulates the attention it receives (summed over
+    the queries read so far, averaged over its GQA group); when full, each head keeps the
+    ``recent_share`` most recent keys and the heaviest hitters among the others. Once full,
+    writing evicts one token per step."""
+
+    name = "h2o"
+    wants_queries = True
+
+    def __init__(self, lm: LoadedModel, budget: int | None = None, stored: CompressedKV | None = None,
+                 options: H2OOptions | None = None):
+        super().__init__(lm, budget, stored)
+        self.recent_share = (options or H2OOptions()).recent_share
+        # A starting cache's keys have received no attention that this policy saw.
+        self.scores = [torch.zeros(p.shape, dtype=torch.float32) for p in self.k_pos]
+
+    def reserved(self) -> int:
+        return round(self.recent_share * self.budget) if self.budget is not None else 0
+
+    def observe(self, queries: list[torch.Tensor] | None, positions: torch.Tensor) -> None:
+        super().observe(queries, positions)
+        n_kv, n = self.lm.n_kv_heads, positions.numel()
+        for layer, q in enumerate(queries):
+            keys = self.session.cache.layers[layer].keys[0].float().cpu()
+            received = pool_group(received_attention(q, keys, reduce="sum", causal=True), n_kv, "mean")
+            self.scores[layer] = torch.cat([self.scores[layer], torch.zeros(n_kv, n)], dim=1) + received
+
+    def choose(self, target: int) -> list[torch.Tensor]:
+        length, recent = self.size(), min(round(self.recent_share * target), target)
+        out = []
+        for score in self.scores:
+            score = score.clone()
+            score[:, length - recent :] = float("inf")
+            out.append(top_k_per_head(score, torch.full((self.lm.n_kv_heads,), target)))
+        return out
+
+    def keep(self, layer: int, index: torch.Tensor) -> None:
+        super().keep(layer, index)
+        self.scores[layer] = self.scores[layer].gather(1, index)
+
+
+@dataclass
+class BoundedRun:
+    """One policy's pass over a prompt and a continuation.
+
+    ids / logprobs: the written tokens (greedy) or the given ones (teacher-forced)
+    and each one's log-probability under the policy's cache; sizes / nbytes:
+    keys per head and bytes of the cache each token was predicted from
+    (sizes[i] for token i); max_size: the most keys per head held at any
+    moment, prompt included; events / beacons: the shrinks and BeaconKV's
+    beacons, with ``step`` = tokens written when they happened;
+    prompt_s / decode_s: seconds reading the prompt and writing.
+    """
+
+    method: str
+    budget: int | None
+    ids: list[int]
+    text: str
+    logprobs: list[float]
+    sizes: list[int] = field(default_factory=list)
+    nbytes: list[int] = field(default_factory=list)
+    max_size: int = 0
+    events: list[CacheEvent] = field(default_factory=list)
+    beacons: list[BeaconSnapshot] = field(default_factory=list)
+    prompt_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.ids) / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def run_policy(
+    policy: CachePolicy,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    forced: list[int] | None = None,
+    chunk: int = PROMPT_CHUNK,
+    stop: bool = True,
+    on_token: Callable[[int], None] | None = None,
+) -> BoundedRun:
+    """Read ``prompt_ids`` [n] (``chunk`` tokens per pass), then write up to ``max_new_tokens``
+    greedily, stopping at an end-of-turn token when ``stop``; with ``forced`` (token ids), read
+    those instead and score each one (teacher forcing). on_token(tokens done) reports progress.
+    """
+    lm = policy.lm
+    if prompt_ids.numel() == 0:
+        raise MethodError("the prompt is empty")
+    policy.check(max(1, min(chunk, prompt_ids.numel())))
+    trace: list[tuple[int, int]] = []  # (keys per head, bytes) after each pass
+    biggest = 0
+
+    def feed(ids: torch.Tensor) -> torch.Tensor:
+        nonlocal biggest
+        policy.make_room(ids.numel())
+        capture = QueryCapture(lm.n_layers) if policy.wants_queries else None
+        positions = torch.arange(policy.session.position, policy.session.position + ids.numel())
+        logits = extend(lm, policy.session, ids, capture, logits_to_keep=1)[-1]
+        biggest = max(biggest, policy.size())
+        policy.observe(capture.per_layer() if capture is not None else None, positions)
+        trace.append((policy.size(), policy.nbytes()))
+        return logits
+
+    def feed_written(ids: torch.Tensor) -> torch.Tensor:
+        logits = feed(ids)
+        if on_token is not None:
+            on_token(len(trace) - n_prompt_feeds + 1)
+        return logits
+
+    start = time.perf_counter()
+    for first in range(0, prompt_ids.numel(), chunk):
+        logits = feed(prompt_ids[first : first + chunk])
+    n_prompt_feeds, gen_start = len(trace), policy.session.position
+    prompt_s = time.perf_counter() - start
+    start = time.perf_counter()
+    if forced is None:
+        gen = greedy_loop(lm, logits, feed_written, max_new_tokens, stop_token_ids(lm) if stop else set())
+        ids, text, logprobs = gen.ids, gen.text, gen.logprobs
+    else:
+        ids, text, logprobs = list(forced), lm.tokenizer.decode(forced, skip_special_tokens=True).strip(), []
+        for i, token in enumerate(ids):
+            logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
+            if i + 1 < len(ids):
+                logits = feed_written(torch.tensor([token]))
+    decode_s = time.perf_counter() - start
+
+    def step(position: int) -> int:
+        # The i-th written token (0-based) is read at gen_start + i, after i + 1 were written.
+        return max(0, position - gen_start + 1)
+
+    kept = trace[n_prompt_feeds - 1 : n_prompt_feeds - 1 + len(ids)]
+    return BoundedRun(
+        method=policy.name, budget=policy.budget, ids=ids, text=text, logprobs=logprobs,
+        sizes=[s for s, _ in kept], nbytes=[b for _, b in kept], max_size=biggest,
+        events=[CacheEvent(e.position, e.before, e.after, step(e.position)) for e in policy.events],
+        beacons=[BeaconSnapshot(b.position, b.tokens, b.rows, step(b.position)) for b in policy.beacons],
+        prompt_s=prompt_s, decode_s=decode_s,
+    )

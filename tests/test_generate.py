@@ -1,0 +1,187 @@
+"""Generation under a bounded cache (kvlab.bounded): budgets, events, and the unbounded reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.bounded import generate
+from kvlab.bounded.generate import H2OPolicy, run_policy
+from kvlab.bounded.policies import BOUNDED, POLICIES, make_policy
+from kvlab.methods.scoring import pool_group
+from kvlab.runtime.decode import greedy
+
+PROTECTED = 4
+PROMPT = torch.tensor([(i * 5) % 60 + 2 for i in range(40)])
+
+
+def _run(lm, name, budget, n_new=60, chunk=1, forced=None, stop=False):
+    policy = make_policy(name, lm, budget, PROTECTED)
+    return policy, run_policy(policy, PROMPT, n_new, forced=forced, chunk=chunk, stop=stop)
+
+
+@pytest.mark.parametrize("name", BOUNDED)
+def test_the_cache_never_exceeds_its_budget(tiny, name, monkeypatch):
+    budget, held = 48, []
+    real_extend = generate.extend
+
+    def watched(lm, session, ids, *args, **kwargs):
+        # Keys are appended before attention runs: after the pass is the most the pass held.
+        out = real_extend(lm, session, ids, *args, **kwargs)
+        held.append(max(layer.keys.shape[-2] for layer in session.cache.layers))
+        return out
+
+    monkeypatch.setattr(generate, "extend", watched)
+    _, run = _run(tiny, name, budget, n_new=60, chunk=8)
+    assert len(run.ids) == 60 and len(run.sizes) == 60
+    assert len(held) == PROMPT.numel() // 8 + 59
+    assert max(held) <= budget and run.max_size <= budget
+    assert run.events, "100 tokens in a budget of 48 must shrink the cache"
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_with_room_for_everything_every_method_is_plain_greedy(tiny, name):
+    reference = greedy(tiny, None, PROMPT, 30)
+    _, run = _run(tiny, name, budget=PROMPT.numel() + 30, n_new=30, chunk=16, stop=True)
+    assert run.ids == reference.ids
+    assert run.logprobs == pytest.approx(reference.logprobs, abs=1e-4)
+    assert run.events == []
+
+
+def test_sliding_window_evicts_one_per_step_and_keeps_sinks_and_recent(tiny):
+    budget, n_new = 24, 30
+    policy, run = _run(tiny, "sliding_window", budget, n_new)
+    fed = PROMPT.numel() + n_new - 1  # the last written token is never read back
+    assert len(run.events) == fed - budget
+    assert all(e.before == budget and e.after == budget - 1 for e in run.events)
+    sinks = 4
+    expected = list(range(sinks)) + list(range(fed - (budget - sinks), fed))
+    assert policy.k_pos[0][0].tolist() == expected
+
+
+def test_h2o_evicts_one_per_step(tiny):
+    budget, n_new = 24, 30
+    _, run = _run(tiny, "h2o", budget, n_new)
+    assert len(run.events) == PROMPT.numel() + n_new - 1 - budget
+
+
+def test_h2o_scores_are_the_attention_each_key_received(tiny_eager, tiny):
+    """With no eviction, each key's score is its column sum of the eager attention, averaged over its group."""
+    policy = H2OPolicy(tiny, budget=None)
+    run_policy(policy, PROMPT, 1, chunk=7, stop=False)
+    out = tiny_eager.model(PROMPT.unsqueeze(0), output_attentions=True)
+    for layer, attn in enumerate(out.attentions):
+        expected = pool_group(attn[0].sum(dim=1), tiny.n_kv_heads, "mean")
+        torch.testing.assert_close(policy.scores[layer], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_online_am_compacts_every_half_budget_after_the_first_fill(tiny):
+    budget, n_new = 32, 60
+    _, run = _run(tiny, "online_am", budget, n_new)
+    fed, half = PROMPT.numel() + n_new - 1, budget // 2
+    # Worked by hand: the first compaction when the cache is full (budget tokens read),
+    # then one each time the budget - half tokens read since refill it.
+    expected = 1 + (fed - budget - 1) // (budget - half)
+    assert len(run.events) == expected
+    assert all(e.before == budget and e.after == half for e in run.events)
+    gaps = [b.position - a.position for a, b in zip(run.events, run.events[1:])]
+    assert all(g == budget - half for g in gaps)
+
+
+def test_beaconkv_evicts_a_chunk_at_a_time_and_records_its_beacons(tiny):
+    budget, n_new = 48, 60
+    _, run = _run(tiny, "beaconkv", budget, n_new)
+    gaps = [b.position - a.position for a, b in zip(run.events, run.events[1:])]
+    assert gaps and all(g == 16 for g in gaps)
+    assert all(e.after == budget - 16 for e in run.events)
+    assert len(run.beacons) == len(run.events)
+    last = run.beacons[-1]
+    assert sum(last.rows) == tiny.n_layers * tiny.n_heads * 16  # 16 beacons per (layer, query head)
+    assert max(last.tokens) < last.position
+
+
+def test_teacher_forcing_scores_the_given_text(tiny):
+    _, free = _run(tiny, "sliding_window", 24, 20)
+    _, forced = _run(tiny, "sliding_window", 24, 20, forced=free.ids)
+    assert forced.ids == free.ids
+    assert forced.logprobs == pytest.approx(free.logprobs, abs=1e-5)
+
+
+def test_a_budget_too_small_is_refused_in_one_line(tiny):
+    from kvlab.methods import MethodError
+
+    for name in BOUNDED:
+        with pytest.raises(MethodError, match="budget"):
+            _run(tiny, name, budget=6, chunk=4)
+
+
+# --- the lab, the task, the figures, the CLI ------------------------------------
+
+
+def test_divergence_is_the_first_differing_token():
+    from kvlab.lab.generate import divergence
+
+    assert divergence([1, 2, 3], [1, 2, 3]) is None
+    assert divergence([1, 2, 4], [1, 2, 3]) == 2
+    assert divergence([1, 2], [1, 2, 3]) == 2
+    assert divergence([], [5]) == 0
+
+
+def test_copy_task_prompt_round_trips_and_scores_by_hand():
+    from kvlab.bounded.tasks import codes_in_prompt, copy_prompt, make_codes, score_copy
+
+    codes = make_codes(5, seed=3)
+    assert len(set(codes)) == 5 and all(len(c) == 4 and c[0].isupper() and c[1:].isdigit() for c in codes)
+    assert codes_in_prompt(copy_prompt(codes)) == codes
+    assert codes_in_prompt("Tell me a story.") is None
+    # Two of five codes right then a wrong one: in order 2; F1 = 2 * (3/4 * 3/5) / (3/4 + 3/5) with 3 common.
+    answer = "\n".join([codes[0], codes[1], "Z999", codes[3]])
+    score = score_copy(answer, codes)
+    assert score.in_order == 2 and score.n_codes == 5
+    assert score.f1 == pytest.approx(2 * 0.75 * 0.6 / (0.75 + 0.6))
+
+
+def test_copy_task_items_fit_their_length():
+    from kvlab.bounded.tasks import copy_codes
+
+    count = lambda text: len(text.split())  # noqa: E731 - one "token" per word
+    items = copy_codes(count, 2, seed=0, length=40)
+    assert len(items) == 2 and items[0].item_id != items[1].item_id
+    assert all(count(item.document) <= 40 for item in items)
+    assert items[0].answers[0].split() == items[0].document.split()[6:]
+
+
+def test_cache_size_figure_marks_every_event():
+    from kvlab.figures.generation import cache_size_figure
+
+    fig = cache_size_figure({"window": [3, 4, 4]}, {"window": [30, 40, 40]}, {"window": [(2, 5, 4)]}, budget=4)
+    lines = [t for t in fig.data if t.mode == "lines"]
+    marks = [t for t in fig.data if t.mode == "markers"]
+    assert list(lines[0].y) == [3, 4, 4] and list(marks[0].x) == [2] and list(marks[0].y) == [5]
+    assert fig.layout.height > 0
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate"],
+    ["generate", "--prompt", "hi", "--doc", "x.txt"],
+    ["generate", "--prompt", "   "],
+    ["generate", "--doc", "x.txt"],
+    ["generate", "--prompt", "hi", "--budget", "ten"],
+])
+def test_cli_generate_refuses_bad_input_in_one_line(argv, capsys):
+    from kvlab.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvlab: error:") and "\n" not in err
+
+
+def test_lab_refuses_bad_input_before_loading_a_model():
+    from kvlab.lab.generate import generate
+    from kvlab.lab.inputs import InputError
+
+    with pytest.raises(InputError, match="new tokens"):
+        generate(prompt="hi", max_new_tokens=5000)
+    with pytest.raises(InputError, match="unknown generation method"):
+        generate(prompt="hi", methods=["nope"])
+    with pytest.raises(InputError, match="budget"):
+        generate(prompt="hi", budget=0)
