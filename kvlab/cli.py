@@ -3,6 +3,7 @@
     python -m kvlab methods [--long]
     python -m kvlab run --doc PATH --method NAME --ratio R --question TEXT [--model M] [--json]
     python -m kvlab compare --doc PATH --methods A,B --ratios 2,5,10 --question TEXT --out DIR [--model M]
+    python -m kvlab generate --prompt TEXT | --doc PATH --question Q [--method M] [--budget KEYS] [--json]
 
 Each method's knobs (the fields of its Options dataclass, reflected by
 kvlab.methods.catalog) are flags too, e.g. ``--window 32`` for SnapKV, and
@@ -111,6 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--question", action="append", default=None, help="a question (repeatable; default: the example's)")
     sweep.add_argument("--ratio", type=float, default=20.0, help="baseline compression ratio of every head (default 20)")
     sweep.add_argument("--boost", type=float, default=4.0, help="budget multiplier of the head under test (default 4)")
+    gen = sub.add_parser("generate", help="write after a prompt with every bounded-cache method (or those named)")
+    gen_source = gen.add_mutually_exclusive_group(required=True)
+    gen_source.add_argument("--prompt", default=None, help="the prompt (one user turn)")
+    gen_source.add_argument("--doc", default=None, help="a document (.txt, .md or .pdf), then --question")
+    gen.add_argument("--question", default=None, help="the question asked after --doc")
+    gen.add_argument("--method", default="all", help="comma-separated: sliding_window, h2o, beaconkv, online_am, or all")
+    gen.add_argument("--budget", type=int, default=None, help="keys per KV head (default: a quarter of the unbounded length)")
+    gen.add_argument("--max-new-tokens", type=int, default=200, help="tokens written at most (default 200, at most 2048)")
+    gen.add_argument("--model", default=None, help="as for run")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
     add_method_options(run)
     from kvlab.tasks.cli import add_parser as add_bench_parser
 
@@ -177,6 +188,34 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvlab.lab.generate import generate, generation_record
+    from kvlab.lab.inputs import InputError
+
+    if args.doc is not None and not (args.question or "").strip():
+        raise UsageError("--doc needs --question")
+    if args.prompt is not None and not args.prompt.strip():
+        raise UsageError("--prompt is empty")
+    methods = None if args.method == "all" else [m.strip() for m in args.method.split(",") if m.strip()]
+    try:
+        g = generate(args.prompt, None, args.doc, args.question, methods, args.budget, args.max_new_tokens,
+                     args.model, (lambda f, desc: None) if args.json else _stderr_progress)
+    except (InputError, MethodError) as exc:
+        raise UsageError(str(exc)) from exc
+    record = generation_record(g)
+    if args.json:
+        print(json.dumps(record))
+        return 0
+    print(f"{g.model}: {g.prompt_tokens} prompt tokens, budget {g.budget} keys per head, {g.wall_s:.1f} s")
+    print(f"{'method':<16} {'diverges':>8} {'log-ppl':>8} {'task F1':>8} {'shrinks':>7} {'max keys':>8} {'tok/s':>6}  text")
+    for m in record["methods"]:
+        diverges = "-" if m["divergence"] is None else m["divergence"]
+        task = "-" if m["task_f1"] is None else f"{m['task_f1']:.3f}"
+        print(f"{m['method']:<16} {diverges:>8} {m['logppl']:>8.3f} {task:>8} {m['events']:>7} {m['max_keys']:>8} "
+              f"{m['tokens_per_s']:>6.1f}  {m['text'][:50]!r}")
+    return 0
+
+
 def cmd_budgets(args: argparse.Namespace) -> int:
     from kvlab.context import CONTEXTS
     from kvlab.documents import load_examples, read_document
@@ -227,7 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvlab.tasks.cli import main_bench
 
         commands = {
-            "methods": cmd_methods, "run": cmd_run, "compare": cmd_compare, "budgets": cmd_budgets, "bench": main_bench,
+            "methods": cmd_methods, "run": cmd_run, "compare": cmd_compare, "budgets": cmd_budgets,
+            "generate": cmd_generate, "bench": main_bench,
         }
         return commands[args.command](args)
     except UsageError as exc:

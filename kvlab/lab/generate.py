@@ -173,3 +173,19 @@ def generate(
     progress(1.0, "done")
     out.wall_s = time.perf_counter() - start
     return out
+
+
+def generation_record(g: Generated) -> dict:
+    """A Generated as plain data (the CLI's --json and the benchmark): one entry per method, the reference first."""
+    methods = []
+    for m in [g.reference, *g.runs]:
+        methods.append({
+            "method": m.method, "divergence": m.divergence, "logppl": m.logppl,
+            "task_f1": None if m.task is None else m.task.f1,
+            "task_in_order": None if m.task is None else m.task.in_order,
+            "events": len(m.run.events), "max_keys": m.run.max_size,
+            "bytes_end": m.run.nbytes[-1] if m.run.nbytes else 0, "tokens": len(m.run.ids),
+            "tokens_per_s": m.run.tokens_per_s, "text": m.run.text,
+        })
+    return {"model": g.model, "prompt_tokens": g.prompt_tokens, "budget": g.budget,
+            "max_new_tokens": g.max_new_tokens, "wall_s": g.wall_s, "methods": methods}

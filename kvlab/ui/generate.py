@@ -1,0 +1,107 @@
+"""The Generate tab: every bounded-cache method writing after one prompt, step by step.
+
+Endpoint ``/generate``: (source, prompt, text, file, question, methods, budget,
+max_new_tokens, model) -> a status table, the texts side by side, the cache
+size while writing, the log-probabilities of the unbounded text, BeaconKV's beacons.
+"""
+from __future__ import annotations
+
+import gradio as gr
+
+from kvlab.bounded.policies import BOUNDED, POLICIES
+from kvlab.bounded.tasks import copy_prompt, make_codes
+from kvlab.figures.generation import beacon_figure, cache_size_figure, logprob_figure, texts_html
+from kvlab.figures.plots import human_bytes
+from kvlab.lab.generate import DEFAULT_GENERATE_TOKENS, MAX_GENERATE_TOKENS, Generated, generate
+from kvlab.ui import common
+from kvlab.ui.common import USER_ERRORS, as_gr_error, unexpected
+from kvlab.ui.explore import DocumentInputs, checked_model
+
+SOURCES = ("the prompt below", "the Explore tab's document and question")
+#: The prompt the tab opens with: the copy task with 24 codes (about 120 tokens to write).
+DEFAULT_PROMPT = copy_prompt(make_codes(24, 0))
+COLUMNS = ["method", "first difference", "log-ppl of the unbounded text", "copy task F1", "in order",
+           "shrinks", "most keys per head", "memory at the end", "tokens/s"]
+
+
+def generation_rows(g: Generated) -> list[list]:
+    """One table row per method, the unbounded reference first."""
+    rows = []
+    for m in [g.reference, *g.runs]:
+        rows.append([
+            m.label, "-" if m.divergence is None else m.divergence, round(m.logppl, 3),
+            "-" if m.task is None else round(m.task.f1, 3), "-" if m.task is None else f"{m.task.in_order}/{m.task.n_codes}",
+            len(m.run.events), m.run.max_size, human_bytes(m.run.nbytes[-1]) if m.run.nbytes else "-",
+            round(m.run.tokens_per_s, 1),
+        ])
+    return rows
+
+
+def generation_figures(g: Generated) -> tuple:
+    """The texts' HTML and the three figures of one Generated."""
+    every = [g.reference, *g.runs]
+    texts = texts_html([(m.label, m.same, m.rest) for m in every])
+    size = cache_size_figure(
+        {m.label: m.run.sizes for m in every}, {m.label: m.run.nbytes for m in every},
+        {m.label: [(e.step, e.before, e.after) for e in m.run.events] for m in every}, g.budget,
+    )
+    logp = logprob_figure({m.label: m.forced for m in every}, {m.label: m.divergence for m in g.runs})
+    beacon = next((m.run.beacons for m in g.runs if m.method == "beaconkv"), [])
+    beacons = beacon_figure([b.step for b in beacon], [b.tokens for b in beacon], [b.rows for b in beacon],
+                            g.prompt_tokens)
+    return texts, size, logp, beacons
+
+
+def build_generate_tab(inputs: DocumentInputs, specs: list[str]) -> None:
+    """The Generate tab's widgets and its ``/generate`` event (inside an open ``gr.Tab``)."""
+    gr.Markdown(
+        "**Compression while the model writes.** The unbounded cache writes first; then each chosen method "
+        "writes after the same prompt with at most *budget* keys per KV head, shrinking its cache as it goes, "
+        "and re-reads the unbounded text to score it token by token. The prompt opens on the copy task "
+        "(a list of codes to copy back: a cache that drops part of the list loses those codes)."
+    )
+    with gr.Row():
+        source = gr.Radio(list(SOURCES), value=SOURCES[0], label="Write after", elem_id="kvlab-gen-source", scale=2)
+        methods = gr.CheckboxGroup([(POLICIES[m][0], m) for m in BOUNDED], value=list(BOUNDED),
+                                   label="Bounded-cache methods", elem_id="kvlab-gen-methods", scale=3)
+    prompt = gr.Textbox(value=DEFAULT_PROMPT, lines=6, max_lines=12, label="Prompt", elem_id="kvlab-gen-prompt")
+    with gr.Row():
+        budget = gr.Number(value=0, precision=0, minimum=0, label="Budget (keys per KV head; 0: a quarter of the "
+                           "unbounded length)", elem_id="kvlab-gen-budget")
+        max_new = gr.Slider(1, MAX_GENERATE_TOKENS, value=DEFAULT_GENERATE_TOKENS, step=1, label="New tokens at most",
+                            elem_id="kvlab-gen-max-new")
+    go_button = gr.Button("Generate", variant="primary", elem_id="kvlab-gen-run")
+    status = gr.Markdown(elem_id="kvlab-gen-status")
+    table = gr.Dataframe(headers=COLUMNS, label="Per method", interactive=False, elem_id="kvlab-gen-table")
+    texts = gr.HTML(elem_id="kvlab-gen-texts")
+    with gr.Row():
+        size_plot = gr.Plot(label="Cache size while writing", elem_id="kvlab-gen-size")
+        logp_plot = gr.Plot(label="Log-probability of the unbounded text", elem_id="kvlab-gen-logp")
+    beacon_plot = gr.Plot(label="BeaconKV's beacons", elem_id="kvlab-gen-beacons")
+
+    def on_generate(source_=SOURCES[0], prompt_="", text=None, file=None, question=None, methods_=None,
+                    budget_=0, max_new_=DEFAULT_GENERATE_TOKENS, model=None, progress=gr.Progress()):
+        chosen = list(methods_ or [])
+        try:
+            use_prompt = source_ != SOURCES[1]
+            g = generate(
+                prompt=prompt_ if use_prompt else None,
+                document=None if use_prompt else common.document_input(text, file),
+                question=None if use_prompt else question, methods=chosen,
+                budget=int(budget_) if budget_ else None, max_new_tokens=int(max_new_ or DEFAULT_GENERATE_TOKENS),
+                model=checked_model(model, specs), progress=progress,
+            )
+        except USER_ERRORS as exc:
+            raise as_gr_error(exc) from exc
+        except Exception as exc:  # noqa: BLE001 - say what failed; the server stays up
+            raise unexpected(exc, "generation") from exc
+        summary = (f"**{g.model}**: {g.prompt_tokens} prompt tokens, {len(g.reference.run.ids)} written by the "
+                   f"unbounded cache; budget **{g.budget}** keys per KV head; {g.wall_s:.1f} s in all.")
+        return (summary, {"headers": COLUMNS, "data": generation_rows(g)}, *generation_figures(g))
+
+    go_button.click(
+        on_generate,
+        [source, prompt, inputs.text, inputs.upload, inputs.question, methods, budget, max_new, inputs.model],
+        [status, table, texts, size_plot, logp_plot, beacon_plot],
+        api_name="generate", concurrency_limit=1, concurrency_id="compute",
+    )
