@@ -1,27 +1,41 @@
-"""A document read by a model: its tokens, its full cache, and recorded queries.
+"""A document read by a model: its tokens, its full cache, and what is derived from it.
 
 Preparing a context (the prefill) is the slow step; it is done once per
-(model, document) and kept in a small in-process cache, so changing the
-method, ratio or question never re-runs it.
+(model, document) and kept in an in-process cache, so changing the method,
+ratio or question never re-runs it. What runs then derive from the document
+(recorded query sources, the full cache's answers, methods' scores) is kept
+on the Context too, through :meth:`Context.cached`: one computation per key
+even when requests race, without holding a lock other users need.
+
+Memory is bounded two ways (limits in kvlab.limits): a document remembers at
+most ``remembered_questions`` questions (the least recently used one's
+entries go first), and :class:`ContextStore` holds a byte budget for all of
+it (contexts and everything cached on them), evicting least recently used
+entries, then whole contexts, when it is exceeded.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Hashable, TypeVar
 
+import psutil
 import torch
 
+from kvlab import limits
 from kvlab.documents import DocumentError
-from kvlab.models import LoadedModel
+from kvlab.models import LoadedModel, pick_device
 from kvlab.prompts import ContextTokens, context_tokens
 from kvlab.runtime.cache import FullKV
 from kvlab.runtime.decode import prefill
 from kvlab.runtime.hooks import QueryCapture
 
+T = TypeVar("T")
 Progress = Callable[[float, str], None]
 
 # Room left after the document for the question turn and the answer.
@@ -32,13 +46,93 @@ def no_progress(fraction: float, desc: str) -> None:
     """Default progress sink."""
 
 
+_MISSING = object()
+
+
+def compute_once(
+    lock: threading.Lock,
+    flights: dict[Hashable, Future],
+    key: Hashable,
+    find: Callable[[], object],
+    make: Callable[[], T],
+    keep: Callable[[T], None],
+) -> T:
+    """``find()`` (under ``lock``), else ``make()`` once per key however many callers race.
+
+    find: the kept value or ``_MISSING``; the first caller that misses runs
+    ``make()`` with ``lock`` released (so nobody else is blocked meanwhile) and
+    ``keep``s the value under it; callers asking for the same key in the
+    meantime wait for that value, or get its exception (nothing is kept then).
+    """
+    with lock:
+        found = find()
+        if found is not _MISSING:
+            return found  # type: ignore[return-value]
+        flight = flights.get(key)
+        leader = flight is None
+        if leader:
+            flight = flights[key] = Future()
+    if not leader:
+        return flight.result()
+    try:
+        value = make()
+    except BaseException as exc:
+        with lock:
+            del flights[key]
+        flight.set_exception(exc)
+        raise
+    with lock:
+        del flights[key]
+        keep(value)
+    flight.set_result(value)
+    return value
+
+
+def held_bytes(obj: object, seen: set[int] | None = None) -> int:
+    """Bytes of the tensor storages ``obj`` keeps alive, each storage counted once.
+
+    Tensors are found inside lists, tuples, dict values and dataclass
+    instances (their cached properties included). A view costs its whole
+    storage: a small slice of a large tensor keeps all of it alive.
+    """
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        if storage.data_ptr() in seen:
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+    if isinstance(obj, dict):
+        parts = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        parts = obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        parts = list(vars(obj).values())
+    else:
+        return 0
+    return sum(held_bytes(part, seen) for part in parts)
+
+
+@dataclass
+class _Entry:
+    """One cached value's bookkeeping: its bytes, and the question it belongs to (None: the document's)."""
+
+    nbytes: int
+    question: str | None
+
+
 @dataclass
 class Context:
-    """One document prepared for one model.
+    """One document prepared for one model, and what runs derived from it.
 
     queries: recorded post-RoPE query sets by source name, each a list over
     layers of [H, n, d] tensors; "context" (the prefill's own queries) is
     filled at once, other sources on first use (see kvlab.queries).
+    evaluations: held-out evaluation data per question (kvlab.pipeline.Evaluation);
+    kept apart from ``queries`` so it can never be picked as fitting queries.
+    memos: methods' ratio-independent scores (kvlab.methods.scoring.per_context).
+    Everything but "context" is added through :meth:`cached`, which bounds it:
+    at most ``remembered`` questions, at most ``budget`` bytes in all.
     """
 
     lm: LoadedModel
@@ -47,10 +141,87 @@ class Context:
     full: FullKV
     prefill_s: float
     queries: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    # Held-out evaluation data per question (kvlab.pipeline.Evaluation); kept
-    # apart from ``queries`` so it can never be picked as fitting queries.
     evaluations: dict[str, object] = field(default_factory=dict)
+    memos: dict[str, object] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    #: Byte budget of this context with all it caches (None: unbounded); its store sets it.
+    budget: int | None = None
+    remembered: int = field(default_factory=lambda: limits.LIMITS.remembered_questions)
+    #: Called after the context grew (its store re-checks its budget).
+    on_grow: Callable[[], None] = field(default=lambda: None, repr=False)
+    _entries: OrderedDict[tuple[str, Hashable], _Entry] = field(default_factory=OrderedDict, repr=False)
+    _questions: OrderedDict[str, None] = field(default_factory=OrderedDict, repr=False)
+    _flights: dict[Hashable, Future] = field(default_factory=dict, repr=False)
+    _nbytes: int = field(default=0, repr=False)
+
+    def __post_init__(self) -> None:
+        self._nbytes = self._count_bytes()
+
+    def _count_bytes(self) -> int:
+        # FullKV.stored (the keep-all view) is built on first use: count it as soon as it exists.
+        return held_bytes([self.tokens, self.full, self.queries, self.evaluations, self.memos])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this context keeps alive (as of its last change): cache, tokens and everything cached."""
+        return self._nbytes
+
+    @property
+    def questions(self) -> list[str]:
+        """The questions remembered, least recently used first."""
+        with self.lock:
+            return list(self._questions)
+
+    def cached(self, store: str, key: Hashable, make: Callable[[], T], question: str | None = None) -> T:
+        """``getattr(self, store)[key]``, made by ``make()`` once (see :func:`compute_once`).
+
+        store: "queries", "evaluations" or "memos"; question: the question the
+        value belongs to; it is forgotten with that question when newer ones
+        push it past ``remembered``. Least recently used values are dropped
+        while the context is over its budget (never the one just made).
+        """
+        slot = (store, key)
+
+        def find() -> object:
+            if slot not in self._entries:
+                return _MISSING
+            self._entries.move_to_end(slot)
+            if question in self._questions:
+                self._questions.move_to_end(question)
+            return getattr(self, store)[key]
+
+        def keep(value: T) -> None:
+            getattr(self, store)[key] = value
+            self._entries[slot] = _Entry(held_bytes(value), question)
+            if question is not None:
+                self._questions[question] = None
+                self._questions.move_to_end(question)
+            self._shrink(slot)
+
+        value = compute_once(self.lock, self._flights, slot, find, make, keep)
+        self.on_grow()
+        return value
+
+    def _shrink(self, newest: tuple[str, Hashable]) -> None:
+        """Forget questions beyond ``remembered``, then old entries while over budget (under ``self.lock``)."""
+        while len(self._questions) > max(1, self.remembered):
+            oldest, _ = self._questions.popitem(last=False)
+            for slot in [s for s, e in self._entries.items() if e.question == oldest]:
+                self._drop(slot)
+        total = self._count_bytes()
+        while self.budget is not None and total > self.budget:
+            slot = next((s for s in self._entries if s != newest), None)
+            if slot is None:
+                break
+            total -= self._drop(slot)
+        self._nbytes = self._count_bytes()
+
+    def _drop(self, slot: tuple[str, Hashable]) -> int:
+        entry = self._entries.pop(slot)
+        del getattr(self, slot[0])[slot[1]]
+        if entry.question is not None and all(e.question != entry.question for e in self._entries.values()):
+            self._questions.pop(entry.question, None)
+        return entry.nbytes
 
     @property
     def prefix_len(self) -> int:
@@ -94,13 +265,53 @@ def prepare_context(lm: LoadedModel, text: str, progress: Progress = no_progress
     return Context(lm, text, tokens, full, elapsed, queries={"context": capture.per_layer()})
 
 
-class ContextStore:
-    """Recently prepared contexts, keyed by (loaded model, document hash); thread-safe."""
+def default_budget() -> int:
+    """The byte budget of cached contexts: ``KVLAB_CACHE_BYTES``, else sized from free memory now.
 
-    def __init__(self, capacity: int = 4):
+    Half the free memory of the GPU the models run on, or a quarter of the
+    available RAM on a CPU (the rest is for models, runs and other programs).
+    """
+    if limits.LIMITS.cache_bytes:
+        return limits.LIMITS.cache_bytes
+    device, _ = pick_device()
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free // 2
+    return psutil.virtual_memory().available // 4
+
+
+class ContextStore:
+    """Recently prepared contexts, keyed by (loaded model, document hash); thread-safe.
+
+    A document being prepared is in flight: a second request for it (a Run
+    clicked while the lab prepares the document in the background, or two
+    users on one document) waits for that preparation instead of repeating it.
+
+    budget: bytes for all contexts with everything cached on them (default:
+    :func:`default_budget`, sized on first use); the least recently used
+    contexts go while it is exceeded, but never the last one, which is bounded
+    by the same budget on its own (:meth:`Context.cached`). capacity: at most
+    this many contexts as well (None: bytes only).
+    """
+
+    def __init__(self, capacity: int | None = None, budget: int | None = None):
         self.capacity = capacity
+        self._budget = budget
         self._items: OrderedDict[tuple[int, str], Context] = OrderedDict()
+        self._flights: dict[Hashable, Future] = {}
         self._lock = threading.Lock()
+
+    @property
+    def budget(self) -> int:
+        if self._budget is None:
+            self._budget = default_budget()
+        return self._budget
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the contexts kept (as of their last change)."""
+        with self._lock:
+            return sum(ctx.nbytes for ctx in self._items.values())
 
     @staticmethod
     def key(lm: LoadedModel, text: str) -> tuple[int, str]:
@@ -109,18 +320,52 @@ class ContextStore:
         # be reused by another object while the entry lives.
         return id(lm), hashlib.sha256(text.encode()).hexdigest()
 
+    def peek(self, lm: LoadedModel, text: str) -> Context | None:
+        """The prepared context, or None when it is not ready (never prepares)."""
+        with self._lock:
+            return self._items.get(self.key(lm, text))
+
     def get(self, lm: LoadedModel, text: str, progress: Progress = no_progress) -> Context:
+        """The context of ``text`` for ``lm``: cached, awaited if in flight, else prepared now.
+
+        ``progress`` hears the prefill only when this call runs it.
+        """
         key = self.key(lm, text)
+        budget = self.budget  # sized outside the lock: it may ask the GPU
+
+        def find() -> object:
+            if key not in self._items:
+                return _MISSING
+            self._items.move_to_end(key)
+            return self._items[key]
+
+        def keep(ctx: Context) -> None:
+            ctx.budget, ctx.on_grow = budget, lambda: self.grew(key)
+            self._items[key] = ctx
+            self._trim()
+
+        return compute_once(self._lock, self._flights, key, find, lambda: prepare_context(lm, text, progress), keep)
+
+    def grew(self, key: tuple[int, str]) -> None:
+        """A context grew while in use: it becomes the most recently used, and the others go if need be."""
         with self._lock:
             if key in self._items:
                 self._items.move_to_end(key)
-                return self._items[key]
-        ctx = prepare_context(lm, text, progress)
+            self._trim()
+
+    def _trim(self) -> None:
+        def over() -> bool:
+            too_many = self.capacity is not None and len(self._items) > self.capacity
+            return too_many or sum(ctx.nbytes for ctx in self._items.values()) > self.budget
+
+        while len(self._items) > 1 and over():
+            self._items.popitem(last=False)
+
+    def forget(self, lm: LoadedModel) -> None:
+        """Drop every context of ``lm`` (its model is being unloaded)."""
         with self._lock:
-            self._items[key] = ctx
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
-        return ctx
+            for key in [k for k, ctx in self._items.items() if ctx.lm is lm]:
+                del self._items[key]
 
 
 CONTEXTS = ContextStore()

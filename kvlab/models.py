@@ -5,15 +5,19 @@ means the lab works with no model hub at all.
 """
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import threading
+import typing
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from kvlab import limits
 from kvlab.runtime.hooks import ATTENTION_NAME, register_attention
 
 EMBEDDED = "embedded"
@@ -129,12 +133,14 @@ def device_map(device: torch.device) -> str | dict[str, torch.device] | None:
 def load_model(spec: str | None = None) -> LoadedModel:
     """Load tokenizer and model, with kvlab's attention function switched on.
 
-    Placed by :func:`pick_device` and :func:`device_map`; ``trust_remote_code``
-    is never set.
+    Placed by :func:`pick_device` and :func:`device_map`. ``trust_remote_code``
+    is always False: a hub repository's own Python never runs here.
     """
     source = resolve_source(spec)
     device, dtype = pick_device()
-    kwargs: dict = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    kwargs: dict = {"trust_remote_code": False}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(
@@ -154,14 +160,75 @@ def load_model(spec: str | None = None) -> LoadedModel:
     )
 
 
-_cache: dict[str, LoadedModel] = {}
+def in_space(environ: typing.Mapping[str, str] | None = None) -> bool:
+    """Whether kvlab serves a public Space: Hugging Face sets ``SPACE_ID``; ``KVLAB_SPACE=1`` says so elsewhere."""
+    env = os.environ if environ is None else environ
+    return bool(env.get("SPACE_ID")) or env.get("KVLAB_SPACE", "") == "1"
+
+
+def allowed_models(environ: typing.Mapping[str, str] | None = None) -> set[str] | None:
+    """The model specs a Space may load (None: any, outside a Space).
+
+    ``KVLAB_ALLOWED_MODELS`` (comma-separated) when set, else the models the
+    app offers: the embedded one, ``KVLAB_MODEL`` and ``KVLAB_MODELS``.
+    """
+    env = os.environ if environ is None else environ
+    if not in_space(env):
+        return None
+    listed = env.get("KVLAB_ALLOWED_MODELS") or ",".join(
+        [EMBEDDED, env.get("KVLAB_MODEL") or "", env.get("KVLAB_MODELS") or ""]
+    )
+    return {s.strip() for s in listed.split(",") if s.strip()}
+
+
+def check_allowed(spec: str | None, environ: typing.Mapping[str, str] | None = None) -> None:
+    """ModelLoadError when a Space is asked for a model not on its allowlist (before anything is read)."""
+    allowed = allowed_models(environ)
+    name = (spec or (environ if environ is not None else os.environ).get("KVLAB_MODEL") or EMBEDDED).strip()
+    if allowed is not None and name not in allowed:
+        raise ModelLoadError(f"the model {name!r} is not allowed here; allowed: {', '.join(sorted(allowed))}")
+
+
+_cache: OrderedDict[str, LoadedModel] = OrderedDict()
 _lock = threading.Lock()
 
 
 def get_model(spec: str | None = None) -> LoadedModel:
-    """Load a model once per process and share it (the app's users, the CLI's runs)."""
-    key = resolve_source(spec).location + "|" + str(resolve_source(spec).gguf_file)
+    """Load a model once per process and share it (the app's users, the CLI's runs).
+
+    At most ``KVLAB_MAX_MODELS`` stay loaded: loading another unloads the least
+    recently used (:func:`unload`). In a Space, only allowed models load
+    (:func:`check_allowed`). Loads are serialised: two models never load at once.
+    """
+    check_allowed(spec)
+    source = resolve_source(spec)
+    key = source.location + "|" + str(source.gguf_file)
     with _lock:
-        if key not in _cache:
-            _cache[key] = load_model(spec)
-        return _cache[key]
+        if key in _cache:
+            _cache.move_to_end(key)
+            return _cache[key]
+        lm = load_model(spec)
+        _cache[key] = lm
+        while len(_cache) > max(1, limits.LIMITS.max_models):
+            unload(_cache.popitem(last=False)[1])
+        return lm
+
+
+def loaded_models() -> list[str]:
+    """Names of the models loaded now, least recently used first."""
+    with _lock:
+        return [lm.name for lm in _cache.values()]
+
+
+def unload(lm: LoadedModel) -> None:
+    """Let ``lm``'s memory go: its prepared contexts are dropped, then its weights are collected.
+
+    A run still using it keeps it alive until it ends; nothing new will find it.
+    """
+    from kvlab.context import CONTEXTS  # kvlab.context imports this module
+
+    CONTEXTS.forget(lm)
+    del lm  # this frame's reference too, or the collection below could not free it
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

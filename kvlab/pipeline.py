@@ -37,20 +37,32 @@ class Evaluation:
     answer_s: float
 
 
+def evaluation_key(question: str, max_new_tokens: int) -> str:
+    """Where :func:`evaluation` keeps a question's answer in ``Context.evaluations``."""
+    return f"{max_new_tokens}:{question}"
+
+
 def evaluation(ctx: Context, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Evaluation:
-    """Answer ``question`` from the full cache, once per (context, question)."""
-    key = f"{max_new_tokens}:{question}"
+    """Answer ``question`` from the full cache, once per (context, question, length).
+
+    Racing requests for the same question wait for one answer; the context
+    remembers a bounded number of questions (kvlab.context.Context.cached).
+    """
+
+    def make() -> Evaluation:
+        ids = question_tokens(ctx.lm.tokenizer, question)
+        capture = QueryCapture(ctx.lm.n_layers)
+        start = time.perf_counter()
+        answer = greedy(ctx.lm, ctx.full.stored, ids, max_new_tokens, capture)
+        return Evaluation(question, ids, answer, capture.per_layer(), time.perf_counter() - start)
+
+    return ctx.cached("evaluations", evaluation_key(question, max_new_tokens), make, question)
+
+
+def has_evaluation(ctx: Context, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> bool:
+    """Whether the full cache's answer to ``question`` is already kept (a run would reuse it)."""
     with ctx.lock:
-        if key in ctx.evaluations:
-            return ctx.evaluations[key]
-    ids = question_tokens(ctx.lm.tokenizer, question)
-    capture = QueryCapture(ctx.lm.n_layers)
-    start = time.perf_counter()
-    answer = greedy(ctx.lm, ctx.full.stored, ids, max_new_tokens, capture)
-    result = Evaluation(question, ids, answer, capture.per_layer(), time.perf_counter() - start)
-    with ctx.lock:
-        ctx.evaluations[key] = result
-    return result
+        return evaluation_key(question, max_new_tokens) in ctx.evaluations
 
 
 @dataclass
@@ -80,6 +92,13 @@ class RunResult:
     logppl_compressed: float
     per_head: dict[str, list[list[float]]]
     details: dict = field(default_factory=dict)
+    # Along the full cache's answer (teacher-forced): each token's text and its
+    # log-probability under the full and the compressed cache, and the first
+    # token where the compressed cache's own greedy answer leaves it (None: never).
+    answer_tokens: list[str] = field(default_factory=list)
+    answer_logprobs_full: list[float] = field(default_factory=list)
+    answer_logprobs_compressed: list[float] = field(default_factory=list)
+    first_divergence: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -103,6 +122,14 @@ class Run:
                 if seg.fate == "compacted" and bias is not None:
                     out.extend(bias[torch.isfinite(bias)].tolist())
         return out
+
+
+def first_divergence(reference: list[int], other: list[int]) -> int | None:
+    """The first position where two token sequences differ (one ending early counts), or None if equal."""
+    for i, (a, b) in enumerate(zip(reference, other)):
+        if a != b:
+            return i
+    return None if len(reference) == len(other) else min(len(reference), len(other))
 
 
 def run(
@@ -132,6 +159,7 @@ def run(
     progress(0.8, "measuring errors")
     errors = head_errors(ctx.full.stored, stored, ev.queries)
     target = torch.tensor(ev.answer.ids, dtype=torch.long)
+    logprobs = continuation_logprobs(ctx.lm, stored, ev.question_ids, target)
     kept = stored.kept_per_head().float()
     result = RunResult(
         method=method.name,
@@ -154,7 +182,7 @@ def run(
         attn_output_rel_err=errors.mean_output,
         attn_mass_rel_err=errors.mean_mass,
         logppl_full=log_perplexity(torch.tensor(ev.answer.logprobs)),
-        logppl_compressed=log_perplexity(continuation_logprobs(ctx.lm, stored, ev.question_ids, target)),
+        logppl_compressed=log_perplexity(logprobs),
         per_head={
             "attn_output_rel_err": errors.output.tolist(),
             "attn_mass_rel_err": errors.mass.tolist(),
@@ -162,6 +190,10 @@ def run(
             "kept_tokens": kept.tolist(),
         },
         details={k: v for k, v in stored.meta.items() if k != "method"},
+        answer_tokens=[ctx.lm.tokenizer.decode([t]) for t in ev.answer.ids],
+        answer_logprobs_full=list(ev.answer.logprobs),
+        answer_logprobs_compressed=logprobs.tolist(),
+        first_divergence=first_divergence(ev.answer.ids, answer.ids),
     )
     progress(1.0, "done")
     return Run(result, stored, ctx, ev)

@@ -26,11 +26,11 @@ SELF_STUDY_PROMPTS = (
 )
 
 
-def _recorded(ctx: Context, key: str, make: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
-    with ctx.lock:
-        if key not in ctx.queries:
-            ctx.queries[key] = make()
-        return ctx.queries[key]
+def _recorded(
+    ctx: Context, key: str, make: Callable[[], list[torch.Tensor]], question: str | None = None
+) -> list[torch.Tensor]:
+    """``ctx.queries[key]``, recorded once (racing requests wait for the first); ``question``: see Context.cached."""
+    return ctx.cached("queries", key, make, question)
 
 
 def _session_after(ctx: Context, ids: torch.Tensor, capture: QueryCapture, stored: CompressedKV | None = None) -> Session:
@@ -71,19 +71,20 @@ class RepeatPass:
 def repeat_pass(ctx: Context, instruction: str = REPEAT_INSTRUCTION) -> RepeatPass:
     """The repeat pass after the full cache, recorded once per context and instruction.
 
-    Kept in ``ctx.queries`` beside the other sources: the queries under
-    "repeat" (or "repeat:<instruction>" for another prompt), the keys under
-    that name + "/keys".
+    Kept in ``ctx.queries`` beside the other sources, under "repeat" (or
+    "repeat:<instruction>" for another prompt).
     """
     key = "repeat" if instruction == REPEAT_INSTRUCTION else f"repeat:{instruction}"
-    with ctx.lock:
-        if key not in ctx.queries:
-            ids = repeat_tokens(ctx.lm.tokenizer, ctx.tokens.ids[ctx.prefix_len :], instruction)
-            capture = QueryCapture(ctx.lm.n_layers)
-            session = _session_after(ctx, ids, capture)
-            ctx.queries[key] = capture.per_layer()
-            ctx.queries[key + "/keys"] = [layer.keys[0, :, ctx.length :].float().cpu() for layer in session.cache.layers]
-        return RepeatPass(ctx.queries[key], ctx.queries[key + "/keys"])
+
+    def make() -> RepeatPass:
+        ids = repeat_tokens(ctx.lm.tokenizer, ctx.tokens.ids[ctx.prefix_len :], instruction)
+        capture = QueryCapture(ctx.lm.n_layers)
+        session = _session_after(ctx, ids, capture)
+        # A copy: a slice would keep the whole working cache (document included) alive.
+        keys = [layer.keys[0, :, ctx.length :].float().cpu().clone() for layer in session.cache.layers]
+        return RepeatPass(capture.per_layer(), keys)
+
+    return ctx.cached("queries", key, make)
 
 
 def repeat_queries(ctx: Context) -> list[torch.Tensor]:
@@ -94,7 +95,7 @@ def repeat_queries(ctx: Context) -> list[torch.Tensor]:
 def question_queries(ctx: Context, question: str) -> list[torch.Tensor]:
     """The question turn's queries (query-aware methods only)."""
     ids = question_tokens(ctx.lm.tokenizer, question)
-    return _recorded(ctx, "question:" + question, lambda: read_after(ctx, ids))
+    return _recorded(ctx, "question:" + question, lambda: read_after(ctx, ids), question)
 
 
 def self_study_queries(ctx: Context, token_budget: int = 256) -> list[torch.Tensor]:

@@ -8,8 +8,6 @@ so that a second ratio does not recompute them.
 """
 from __future__ import annotations
 
-import threading
-import weakref
 from typing import Callable, Literal, TypeVar
 
 import torch
@@ -59,27 +57,13 @@ def pool_group(scores: torch.Tensor, n_kv_heads: int, how: Literal["mean", "max"
     return grouped.mean(dim=1) if how == "mean" else grouped.amax(dim=1)
 
 
-_MEMO: dict[int, dict[str, object]] = {}
-_MEMO_LOCK = threading.Lock()
+def per_context(ctx: Context, key: str, make: Callable[[], T], question: str | None = None) -> T:
+    """``make()`` computed once per context and key (ratio-independent scores), kept in ``ctx.memos``.
 
-
-def per_context(ctx: Context, key: str, make: Callable[[], T]) -> T:
-    """``make()`` computed once per live context and key (ratio-independent scores).
-
-    Entries go when the context is garbage-collected. Not computed under a
-    lock: ``make`` may itself record queries (which takes ``ctx.lock``); two
-    concurrent first calls may both compute, and the first result is kept.
+    Racing first calls compute it once (kvlab.context.Context.cached); a
+    ``question`` in the key must be passed too, so the memo is forgotten with it.
     """
-    with _MEMO_LOCK:
-        store = _MEMO.get(id(ctx))
-        if store is not None and key in store:
-            return store[key]  # type: ignore[return-value]
-    value = make()
-    with _MEMO_LOCK:
-        if id(ctx) not in _MEMO:
-            _MEMO[id(ctx)] = {}
-            weakref.finalize(ctx, _MEMO.pop, id(ctx), None)
-        return _MEMO[id(ctx)].setdefault(key, value)  # type: ignore[return-value]
+    return ctx.cached("memos", key, make, question)
 
 
 def protect(score: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,307 @@
+"""Limits checked before work, bounded memory, one computation per key, error ids, upload paths, model LRU."""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from kvlab import lab, limits, models, pipeline
+from kvlab.context import CONTEXTS, ContextStore, held_bytes, prepare_context
+from kvlab.documents import DocumentError
+from kvlab.queries import question_queries
+
+DOC = " ".join(f"w{(i * 5) % 60 + 2}" for i in range(90))
+
+
+def with_limits(monkeypatch, **changes) -> None:
+    monkeypatch.setattr(limits, "LIMITS", limits.Limits(**{**vars(limits.LIMITS), **changes}))
+
+
+def no_model(spec=None):
+    pytest.fail("a model was loaded: the limit was checked after the work")
+
+
+# --------------------------------------------------------------------------- limits
+
+
+def test_limits_come_from_the_environment_and_bad_values_say_which():
+    got = limits.from_env({"KVLAB_MAX_QUESTION_TOKENS": "64", "KVLAB_CACHE_BYTES": "1_000_000", "OTHER": "x"})
+    assert got.question_tokens == 64 and got.cache_bytes == 1_000_000
+    assert got.new_tokens == limits.Limits().new_tokens
+    with pytest.raises(limits.LimitConfigError, match="KVLAB_MAX_SWEEP='lots' is not a whole number"):
+        limits.from_env({"KVLAB_MAX_SWEEP": "lots"})
+    with pytest.raises(limits.LimitConfigError, match="KVLAB_MAX_MODELS='0': use a number >= 1"):
+        limits.from_env({"KVLAB_MAX_MODELS": "0"})
+    assert set(limits.ENV) == set(vars(limits.Limits()))  # every limit has its variable
+
+
+def test_a_long_pasted_document_is_refused_before_tokenising(monkeypatch):
+    with_limits(monkeypatch, document_chars=50)
+    monkeypatch.setattr(models, "get_model", no_model)
+    monkeypatch.setattr(lab.inputs, "clean_text", lambda text: pytest.fail("the text was processed"))
+    with pytest.raises(DocumentError, match="has 60 characters; the limit here is 50"):
+        lab.explore("x" * 60, None, "streaming_llm", 2, "q")
+
+
+def test_an_uploads_text_is_held_to_the_same_limit(monkeypatch, tmp_path):
+    with_limits(monkeypatch, document_chars=50)
+    doc = tmp_path / "long.txt"
+    doc.write_text("word " * 20, encoding="utf-8")
+    with pytest.raises(DocumentError, match="limit here is 50"):
+        lab.document_text(None, str(doc))
+
+
+def test_an_upload_over_the_byte_limit_is_never_read(monkeypatch, tmp_path):
+    from kvlab import documents
+
+    monkeypatch.setattr(documents, "MAX_FILE_BYTES", 100)
+    doc = tmp_path / "big.txt"
+    doc.write_text("a" * 101, encoding="utf-8")
+    monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail("the file was read"))
+    with pytest.raises(DocumentError, match="too large"):
+        lab.document_text("", str(doc))
+
+
+def test_question_and_answer_length_limits(monkeypatch, tiny):
+    with_limits(monkeypatch, question_chars=30, question_tokens=3, new_tokens=8)
+    monkeypatch.setattr(models, "get_model", no_model)
+    with pytest.raises(lab.InputError, match="31 characters; ask in at most 30"):
+        lab.explore(DOC, None, "streaming_llm", 2, "w" * 31)
+    with pytest.raises(lab.InputError, match="limit here is 8"):
+        lab.explore(DOC, None, "streaming_llm", 2, "w2", max_new_tokens=9)
+    # Tokens need the model, and are counted before the prefill: four words are four tokens here.
+    monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
+    monkeypatch.setattr(CONTEXTS, "get", lambda *a, **k: pytest.fail("prefilled"))
+    with pytest.raises(lab.InputError, match="4 tokens long; ask in at most 3"):
+        lab.explore(DOC, None, "streaming_llm", 2, "w2 w3 w4 w5", max_new_tokens=4)
+    assert lab.inputs.check_question_tokens(tiny.tokenizer, "w2 w3 w4") == "w2 w3 w4"
+
+
+def test_the_sweep_limit_is_read_when_the_sweep_starts(monkeypatch):
+    with_limits(monkeypatch, sweep_points=3)
+    monkeypatch.setattr(models, "get_model", no_model)
+    with pytest.raises(lab.InputError, match="4 runs is too many for one sweep: pick at most 3"):
+        lab.compare(DOC, None, ["streaming_llm", "tova"], [2.0, 4.0], "w2")
+
+
+# --------------------------------------------------------------------------- one computation per key
+
+
+def test_racing_requests_compute_a_value_once_and_do_not_block_other_keys(tiny):
+    ctx = prepare_context(tiny, DOC)
+    release, calls, got = threading.Event(), [], []
+
+    def slow():
+        calls.append("slow")
+        release.wait(5)
+        return [torch.ones(3)]
+
+    threads = [threading.Thread(target=lambda: got.append(ctx.cached("memos", "k", slow))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    # While "k" is being made (the lock is free), another key is made and read at once.
+    start = time.perf_counter()
+    assert ctx.cached("memos", "other", lambda: 7) == 7 and time.perf_counter() - start < 1
+    release.set()
+    for t in threads:
+        t.join()
+    assert calls == ["slow"] and len(got) == 3 and all(g is got[0] for g in got)
+
+
+def test_a_failure_reaches_every_waiter_and_nothing_is_kept(tiny):
+    ctx = prepare_context(tiny, DOC)
+    errors = []
+
+    def failing():
+        time.sleep(0.2)
+        raise RuntimeError("no luck")
+
+    def ask():
+        try:
+            ctx.cached("memos", "k", failing)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == ["no luck", "no luck"] and "k" not in ctx.memos
+    assert ctx.cached("memos", "k", lambda: 1) == 1
+
+
+def test_two_requests_for_one_question_answer_it_once(tiny, monkeypatch):
+    ctx = prepare_context(tiny, DOC)
+    answers = []
+    greedy = pipeline.greedy
+
+    def counted(*args, **kwargs):
+        answers.append(1)
+        time.sleep(0.2)
+        return greedy(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "greedy", counted)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(pipeline.evaluation(ctx, "w7 w8", 3))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(answers) == 1 and got[0] is got[1]
+
+
+# --------------------------------------------------------------------------- bounded memory
+
+
+def test_held_bytes_counts_each_storage_once_and_a_view_as_its_storage():
+    big = torch.zeros(100, 10)  # 4000 bytes
+    small = torch.zeros(5, dtype=torch.float64)  # 40 bytes
+    assert held_bytes([big[:1], {"again": big}, (small,), 3, "text"]) == 4000 + 40
+
+
+def test_a_document_remembers_its_latest_questions_only(tiny, monkeypatch):
+    with_limits(monkeypatch, remembered_questions=3)
+    ctx = prepare_context(tiny, DOC)
+    asked = [f"w{i} w{i + 1}" for i in range(10, 16)]
+    for q in asked:
+        pipeline.evaluation(ctx, q, 2)
+        question_queries(ctx, q)
+    pipeline.evaluation(ctx, asked[3], 2)  # used again: the most recent now
+    assert ctx.questions == [asked[4], asked[5], asked[3]]
+    assert [q for q in asked if pipeline.has_evaluation(ctx, q, 2)] == asked[3:]
+    assert sorted(ctx.queries) == sorted(["context"] + [f"question:{q}" for q in asked[3:]])
+
+
+def test_a_context_over_its_budget_drops_its_oldest_entries(tiny):
+    ctx = prepare_context(tiny, DOC)
+    one = torch.zeros(1000)  # 4000 bytes each
+    ctx.budget = ctx.nbytes + 3 * 4000
+    for i in range(6):
+        ctx.cached("memos", i, lambda: one.clone())
+    assert sorted(ctx.memos) == [3, 4, 5] and ctx.nbytes <= ctx.budget
+    # What is kept is what it says: the cache, the tokens and queries, plus three memos.
+    base = sum(t.untyped_storage().nbytes() for t in [*ctx.full.keys, *ctx.full.values, ctx.tokens.ids,
+                                                       *ctx.queries["context"]])
+    assert ctx.nbytes == base + 3 * 4000
+
+
+def test_the_store_evicts_least_recently_used_contexts_by_bytes(tiny):
+    docs = [DOC, DOC + " w3", DOC + " w3 w4"]
+    size = prepare_context(tiny, DOC).nbytes
+    store = ContextStore(budget=int(2.5 * size))
+    first, second = store.get(tiny, docs[0]), store.get(tiny, docs[1])
+    store.get(tiny, docs[0])  # used again: docs[1] is now the oldest
+    store.get(tiny, docs[2])
+    assert store.peek(tiny, docs[0]) is first and store.peek(tiny, docs[1]) is None
+    assert store.nbytes <= store.budget
+    # A context that grows past the budget pushes out the others, never itself.
+    first.cached("memos", "big", lambda: torch.zeros(2 * size // 4))
+    assert store.peek(tiny, docs[0]) is first and store.peek(tiny, docs[2]) is None
+    del second
+
+
+def test_the_default_budget_follows_free_memory_unless_set(monkeypatch):
+    import psutil
+
+    from kvlab import context
+
+    monkeypatch.setenv("KVLAB_DEVICE", "cpu")
+    with_limits(monkeypatch, cache_bytes=0)
+    free = psutil.virtual_memory().available
+    assert 0.8 * free / 4 < context.default_budget() < 1.2 * free / 4
+    with_limits(monkeypatch, cache_bytes=12345)
+    assert context.default_budget() == 12345
+
+
+# --------------------------------------------------------------------------- models
+
+
+def test_models_beyond_the_limit_are_unloaded_with_their_contexts(monkeypatch):
+    with_limits(monkeypatch, max_models=1)
+    monkeypatch.setattr(models, "_cache", type(models._cache)())
+    monkeypatch.setattr(models, "load_model", lambda spec=None: tiny_llama(seed=len(spec)))
+    first = models.get_model("model-a")
+    assert models.get_model("model-a") is first
+    CONTEXTS.get(first, DOC)
+    key, gone = CONTEXTS.key(first, DOC), weakref.ref(first.model)
+    del first
+    second = models.get_model("model-bb")
+    gc.collect()
+    assert gone() is None and models.loaded_models() == [second.name]
+    assert key not in CONTEXTS._items
+
+
+def test_trust_remote_code_is_never_enabled(monkeypatch):
+    seen = []
+
+    def record(location, **kwargs):
+        seen.append(kwargs)
+        raise OSError("stop here")
+
+    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", record)
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", record)
+    with pytest.raises(models.ModelLoadError, match="stop here"):
+        models.load_model("some-org/some-model")
+    assert seen and all(kw.get("trust_remote_code") is False for kw in seen)
+
+
+def test_a_space_loads_only_allowed_models():
+    space = {"SPACE_ID": "someone/kvlab", "KVLAB_MODELS": "HuggingFaceTB/SmolLM2-360M-Instruct"}
+    models.check_allowed("embedded", space)
+    models.check_allowed("HuggingFaceTB/SmolLM2-360M-Instruct", space)
+    with pytest.raises(models.ModelLoadError, match="'/etc' is not allowed here"):
+        models.check_allowed("/etc", space)
+    listed = {"KVLAB_SPACE": "1", "KVLAB_ALLOWED_MODELS": "a/b, c/d"}
+    assert models.allowed_models(listed) == {"a/b", "c/d"}
+    with pytest.raises(models.ModelLoadError, match="not allowed"):
+        models.check_allowed(None, {**listed, "KVLAB_MODEL": "x/y"})
+    models.check_allowed("/anything", {})  # outside a Space, the operator chooses
+
+
+# --------------------------------------------------------------------------- errors and uploads
+
+
+def test_an_unexpected_error_is_logged_with_an_id_the_user_sees(caplog):
+    from kvlab.ui import common
+
+    try:
+        raise KeyError("secret/server/path")
+    except KeyError as exc:
+        with caplog.at_level(logging.ERROR, logger="kvlab.app"):
+            err = common.unexpected(exc, "snapkv")
+    record = caplog.records[-1]
+    ident = record.args[0]
+    assert len(ident) == 8 and ident in str(err) and "KeyError" in str(err)
+    assert "secret/server/path" not in str(err)
+    assert record.exc_info and "secret/server/path" in caplog.text  # the traceback is in the log
+
+
+def test_only_gradio_uploads_are_read_and_each_is_deleted(monkeypatch, tmp_path):
+    from kvlab.ui import common
+
+    uploads = tmp_path / "gradio"
+    uploads.mkdir()
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(uploads))
+    doc = uploads / "abc" / "notes.txt"
+    doc.parent.mkdir()
+    doc.write_text("The code word is heron.", encoding="utf-8")
+    assert common.document_input("", str(doc)) == "The code word is heron." and not doc.exists()
+    secret = tmp_path / "secret.txt"
+    secret.write_text("do not read", encoding="utf-8")
+    (uploads / "link.txt").symlink_to(secret)
+    for path in [str(secret), str(uploads / ".." / "secret.txt"), str(uploads / "link.txt"), "/etc/passwd",
+                 os.path.relpath(secret)]:
+        with pytest.raises(lab.InputError, match="not uploaded here"):
+            common.read_upload(path)
+    assert secret.read_text() == "do not read"
+    assert common.document_input("typed text", str(secret)) == "typed text"  # text wins; the path is not touched
