@@ -117,7 +117,7 @@ AM_KINDS = {
     "query_source": ("repeat", "context", "self_study", "random", "question"),
     "max_queries": int, "seed": int, "self_study_tokens": int,
     "scoring": ("rms", "mean", "max"),
-    "key_selection": ("highest_attn", "omp"),
+    "key_selection": ("highest_attn", "omp", "kvzip"),
     "keys_per_iter": int, "refit_every": int, "drop_below": float, "nnls_iters": int, "ridge": float,
     "budgets": ("uniform", "nonuniform"),
     "chunk_size": int, "on_policy": bool,

@@ -308,3 +308,32 @@ def test_mass_ratio_is_the_share_of_the_full_mass(ctx):
     share = torch.exp(attend(grouped, kept.keys, kept.values, bias=kept.bias).lse
                       - attend(grouped, every.keys, every.values, bias=every.bias).lse)
     assert torch.allclose(errors.mass_ratio[0], share.mean(-1), atol=1e-5)
+
+
+def test_attention_matching_with_kvzip_keys_keeps_kvzips_keys_and_fits_them(templated):
+    """key_selection=kvzip keeps, in every head, what KVzip keeps with the same uniform budget;
+    the values are then the solver's ridge least-squares fit of the block's output on the
+    reference queries (at least as good as a plain ridge solve, far better than the kept
+    keys' own values)."""
+    ctx = templated
+    am = get_method("attention_matching", key_selection="kvzip").compress(Request(ctx, 4.0))
+    kvzip = get_method("kvzip", prune="head").compress(Request(ctx, 4.0))
+    prefix = ctx.prefix_len
+    for layer, q in enumerate(reference_queries(ctx, AMOptions(), None)):
+        grouped = fitting_queries(q, ctx.lm.n_kv_heads, AMOptions())
+        view = am.layer_view(layer)
+        for head in range(ctx.lm.n_kv_heads):
+            assert set(am.fates(layer, head)) == set(kvzip.fates(layer, head))
+            doc = view.token_index[head] >= prefix
+            keys, values, bias = view.keys[head, doc], view.values[head, doc], view.bias[head, doc]
+            full_keys = ctx.full.keys[layer][head, prefix:]
+            scale = keys.shape[-1] ** -0.5
+            y = torch.softmax(grouped[head] @ full_keys.T * scale, dim=-1) @ ctx.full.values[layer][head, prefix:]
+            x = torch.softmax(grouped[head] @ keys.T * scale + bias, dim=-1)
+            gram = (x.T @ x).double()
+            ridge = 1e-6 * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=torch.float64)
+            best = torch.linalg.solve(gram + ridge, (x.T @ y).double()).float()
+            own = ctx.full.values[layer][head, view.token_index[head, doc]]
+            residual = lambda v: float((x @ v - y).norm())  # noqa: E731
+            assert residual(values) <= 1.05 * residual(best) + 1e-4
+            assert residual(values) < 0.5 * residual(own)

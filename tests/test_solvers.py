@@ -441,3 +441,27 @@ def test_omp_with_fewer_slots_than_keys_per_iter(t):
     idx, w = omp_select(phi, z, t, keys_per_iter=4)
     assert idx.shape == (2, t) and all(len(set(row.tolist())) == t for row in idx) and bool((idx >= 0).all())
     assert torch.allclose(w, nnls(_gather_cols(phi, idx), z), rtol=1e-3, atol=1e-4)
+
+
+def test_given_key_scores_pick_the_keys_and_the_fit_stays_highest_attn():
+    """key_scores equal to an eager RMS score reproduce the default compaction; other
+    scores pick their own top-t, and the values are still the least-squares optimum."""
+    q, k, v = _qkv(B=2, n=64, T=32, seed=22)
+    t = 8
+    a = torch.softmax(q @ k.transpose(1, 2) / k.shape[-1] ** 0.5, dim=-1)  # [B, n, T]
+    default = compact_block(q, k, v, t)
+    given = compact_block(q, k, v, t, key_scores=a.square().mean(dim=1).sqrt())
+    assert torch.equal(given.index, default.index)
+    assert torch.allclose(given.bias, default.bias, atol=1e-6) and torch.allclose(given.values, default.values, atol=1e-5)
+
+    scores = torch.rand(2, 32, generator=_gen(23))
+    cb = compact_block(q, k, v, t, key_scores=scores)
+    for b in range(2):
+        assert set(cb.index[b].tolist()) == set(scores[b].argsort(descending=True)[:t].tolist())
+    assert cb.bias.min() >= -3.0 - 1e-6 and cb.bias.max() <= 3.0 + 1e-6  # the HighestAttnKeys bounds
+    x = torch.softmax(q @ cb.keys.transpose(1, 2) / k.shape[-1] ** 0.5 + cb.bias.unsqueeze(1), dim=-1)
+    y = a @ v
+    best = torch.linalg.lstsq(x.double(), y.double()).solution.float()
+    assert torch.allclose(cb.values, best, atol=1e-3)
+    with pytest.raises(ValueError, match="key_scores"):
+        compact_block(q, k, v, t, key_scores=scores, key_selection="omp")

@@ -23,6 +23,7 @@ import torch
 from kvlab.context import Context
 from kvlab.methods.base import EvictionMethod, Method, MethodError, Options, Request, knob, register
 from kvlab.methods.budgets import head_budgets
+from kvlab.methods.kvzip import KVzipOptions, kvzip_scores
 from kvlab.methods.solvers import CompactBlock, compact_block, score_keys
 from kvlab.metrics import block_errors
 from kvlab.prompts import question_tokens, repeat_tokens
@@ -78,8 +79,9 @@ class ScoredOptions(QueryOptions):
 
 @dataclass(frozen=True)
 class AMOptions(ScoredOptions):
-    key_selection: Literal["highest_attn", "omp"] = knob(
-        "highest_attn", "highest_attn (HighestAttnKeys) or omp (orthogonal matching pursuit on the mass)")
+    key_selection: Literal["highest_attn", "omp", "kvzip"] = knob(
+        "highest_attn", "highest_attn (HighestAttnKeys), omp (orthogonal matching pursuit on the mass) or "
+                        "kvzip (KVzip's reconstruction scores per head, then the same bias and value fit)")
     keys_per_iter: int = knob(4, "OMP: keys added per iteration (the fast variant's 4; plain OMP: 1)", low=1)
     refit_every: int = knob(2, "OMP: refit the weights every this many iterations (the fast variant's 2; plain OMP: 1)", low=1)
     # Also OMP's lower bound on beta: above 0 it would drop keys standing for a whole original key.
@@ -161,6 +163,7 @@ class BlockJob:
     values: torch.Tensor  # [B, T, d]
     bias: torch.Tensor | None  # [B, T]
     budgets: torch.Tensor  # [B]
+    key_scores: torch.Tensor | None = None  # [B, T]: rank keys by these (key_selection=kvzip)
 
 
 def solve(job: BlockJob, opts: AMOptions) -> CompactBlock:
@@ -181,7 +184,8 @@ def solve(job: BlockJob, opts: AMOptions) -> CompactBlock:
         )
     return compact_block(
         job.queries, job.keys, job.values, int(job.budgets.max()),
-        bias=job.bias, key_selection=opts.key_selection, scoring=opts.scoring,
+        bias=job.bias, key_selection="omp" if opts.key_selection == "omp" else "highest_attn",
+        scoring=opts.scoring, key_scores=job.key_scores,
         budgets=job.budgets, nnls_iters=opts.nnls_iters, keys_per_iter=opts.keys_per_iter,
         refit_every=opts.refit_every, drop_below=opts.drop_below, ridge=opts.ridge,
     )
@@ -207,27 +211,31 @@ def split_budget(budgets: torch.Tensor, spans: list[tuple[int, int]], total: int
 
 
 def compact_blocks(
-    block: PaddedView, queries: torch.Tensor, budgets: torch.Tensor, opts: AMOptions, score: bool = False
+    block: PaddedView, queries: torch.Tensor, budgets: torch.Tensor, opts: AMOptions, score: bool = False,
+    key_scores: torch.Tensor | None = None,
 ) -> tuple[list[CompactBlock], list[torch.Tensor], torch.Tensor | None]:
     """Compact one layer's block (all heads at once), chunk by chunk.
 
     block: keys/values [H_kv, T, d], bias [H_kv, T]; queries: [H_kv, n, d];
-    budgets: [H_kv]. Returns each chunk's CompactBlock and its token offset,
-    and with ``score`` each key's HighestAttnKeys score [H_kv, T] within its
-    chunk (``CompactBlock.scores``; scored here only for a chunk kept whole,
+    budgets: [H_kv]; key_scores: [H_kv, T] what to rank the keys by instead of
+    the queries' attention (None: HighestAttnKeys or OMP). Returns each
+    chunk's CompactBlock and its token offset, and with ``score`` each key's
+    score [H_kv, T] within its chunk (``CompactBlock.scores``; scored here only for a chunk kept whole,
     which the solver returns unscored).
     """
     spans = chunk_spans(block.keys.shape[1], opts.chunk_size)
     out, offsets, scores = [], [], []
     for (s, e), share in zip(spans, split_budget(budgets, spans, block.keys.shape[1])):
         bias = block.bias[:, s:e]
-        job = BlockJob(queries, block.keys[:, s:e], block.values[:, s:e], None if bool((bias == 0).all()) else bias, share)
+        job = BlockJob(queries, block.keys[:, s:e], block.values[:, s:e], None if bool((bias == 0).all()) else bias, share,
+                       None if key_scores is None else key_scores[:, s:e])
         out.append(solve(job, opts))
         offsets.append(torch.tensor(s))
         if score:
             block_scores = out[-1].scores
             if block_scores is None:
-                block_scores = score_keys(job.queries, job.keys, job.bias, scoring=opts.scoring)
+                block_scores = job.key_scores if job.key_scores is not None else score_keys(
+                    job.queries, job.keys, job.bias, scoring=opts.scoring)
             scores.append(block_scores)
     return out, offsets, torch.cat(scores, dim=1) if score else None
 
@@ -267,7 +275,7 @@ class LayerFit:
 
 def compact_layer(
     view: PaddedView, q: torch.Tensor, budgets: torch.Tensor, opts: AMOptions, protected: int,
-    importance_len: int | None = None,
+    importance_len: int | None = None, key_scores: torch.Tensor | None = None,
 ) -> LayerFit:
     """Attention Matching on one layer of a stored cache.
 
@@ -275,13 +283,18 @@ def compact_layer(
     an existing bias enters the targets); q: [H, n, d] reference queries;
     budgets: [H_kv] compact keys per head; protected: leading original tokens
     (the template prefix) left as they are; importance_len: the cache's
-    logical length, to record each compacted token's key score (None: not recorded).
+    logical length, to record each compacted token's key score (None: not recorded);
+    key_scores: [H_kv, T_doc] each document key's score to rank by (key_selection=kvzip),
+    which only a full cache's block matches.
     """
     keep = (view.token_index < protected) & (view.token_index >= 0)
     grouped = fitting_queries(q, view.keys.shape[0], opts)
     block = select_keys(view, ~keep & torch.isfinite(view.bias))
+    if key_scores is not None and key_scores.shape != block.keys.shape[:2]:
+        raise MethodError("key_selection=kvzip scores the full document: it cannot re-compact a compacted cache")
     blocks, offsets, scores = compact_blocks(
-        block, grouped.to(block.keys.device), budgets, opts, score=importance_len is not None
+        block, grouped.to(block.keys.device), budgets, opts, score=importance_len is not None,
+        key_scores=None if key_scores is None else key_scores.to(block.keys.device),
     )
     timings = {k: sum(b.timings.get(k, 0.0) for b in blocks) for k in ("keys", "bias", "values")}
     seg = to_segment(blocks, offsets, block.token_index)
@@ -318,16 +331,19 @@ def compact_cache(
     opts: AMOptions,
     protected: int,
     record_importance: bool = False,
+    key_scores: list[torch.Tensor] | None = None,
 ) -> CompressedKV:
     """Attention Matching on every layer of ``reference`` (see :func:`compact_layer`).
 
     queries: per layer [H, n, d]; budgets: [n_layers, H_kv]. Re-compacting an
     already compacted cache works the same way: its bias is part of the targets.
     record_importance: fill ``importance`` with each compacted token's key score.
+    key_scores: per layer [H_kv, T_doc] scores to rank the keys by (key_selection=kvzip).
     """
     length = reference.logical_len if record_importance else None
     fits = [
-        compact_layer(reference.layer_view(i), q, budgets[i], opts, protected, length)
+        compact_layer(reference.layer_view(i), q, budgets[i], opts, protected, length,
+                      None if key_scores is None else key_scores[i])
         for i, q in enumerate(queries)
     ]
     return fitted_cache(fits, reference.logical_len)
@@ -401,7 +417,16 @@ class AttentionMatching(QuerySourced, Method):
         "`AM-HighestAttnKeys` (the same, on-policy: each layer's queries are re-read with the layers before "
         "it already compacted), `AM-OMP-basic`, `AM-OMP` (on-policy) and `AM-OMP-fast` (more keys per OMP "
         "iteration, fewer refits). The defaults are not on-policy because that costs one more pass over the "
-        "document per layer, which is slow on a CPU, for a small gain."
+        "document per layer, which is slow on a CPU, for a small gain. `key_selection=kvzip` keeps KVzip's "
+        "keys (the most attended while the model repeats the document) and fits their bias and values.\n\n"
+        "**Why it can lose a needle that eviction keeps** (`python -m benchmarks.retrieval_gap`): the keys are "
+        "not the problem, the value refit is. The values are a least-squares compromise over thousands of "
+        "reference queries, of which only the few that copy the needle read its tokens, so the refitted values "
+        "at the needle's keys no longer spell it exactly. On a needle document that the full cache answers "
+        "right, AM kept the keys that hold 86% of the answer's attention to the needle at 5x (error 0.12) and "
+        "lost it; fitted on KVzip's own keys (92%) it lost it too, while KVzip, which keeps the original "
+        "values, found it at 5x with a larger error (0.25): a small average attention error does not "
+        "guarantee exact recall of a rare token."
     )
     paper = "Zweiger, Fu, Guo, Kim, 2026, Fast KV Compaction via Attention Matching (arXiv 2602.16284)"
     Options = AMOptions
@@ -412,13 +437,18 @@ class AttentionMatching(QuerySourced, Method):
         budgets = head_budgets(ctx.lm, req, opts.budgets)
         req.progress(0.3, f"reference queries: {opts.query_source}")
         start = time.perf_counter()
+        # KVzip's scores need the reconstruction pass: timed with the queries.
+        key_scores = kvzip_scores(req, KVzipOptions()) if opts.key_selection == "kvzip" else None
         if opts.on_policy:
-            stored, queries_s = self._on_policy(req, budgets)
+            scores_s = time.perf_counter() - start
+            stored, queries_s = self._on_policy(req, budgets, key_scores)
+            queries_s += scores_s
         else:
             queries = reference_queries(ctx, opts, req.question)
             queries_s = time.perf_counter() - start
             req.progress(0.4, "fitting keys, biases and values")
-            stored = compact_cache(ctx.full.stored, queries, budgets, opts, ctx.prefix_len, req.record_importance)
+            stored = compact_cache(ctx.full.stored, queries, budgets, opts, ctx.prefix_len, req.record_importance,
+                                   key_scores)
         stored.meta = {
             "method": self.name,
             "query_source": opts.query_source,
@@ -428,7 +458,9 @@ class AttentionMatching(QuerySourced, Method):
         }
         return stored
 
-    def _on_policy(self, req: Request, budgets: torch.Tensor) -> tuple[CompressedKV, float]:
+    def _on_policy(
+        self, req: Request, budgets: torch.Tensor, key_scores: list[torch.Tensor] | None
+    ) -> tuple[CompressedKV, float]:
         """Compact layer by layer, each layer's queries read with the layers before it compacted."""
         ctx, opts = req.ctx, self.options
         ids = source_tokens(ctx, opts, req.question)
@@ -441,6 +473,7 @@ class AttentionMatching(QuerySourced, Method):
             mixed = CompressedKV([f.segments for f in fits] + full.layers[layer:], full.logical_len)
             q = read_after(ctx, ids, mixed, layers=layer + 1)[layer]
             queries_s += time.perf_counter() - start
-            fits.append(compact_layer(full.layer_view(layer), q, budgets[layer], opts, ctx.prefix_len, length))
+            fits.append(compact_layer(full.layer_view(layer), q, budgets[layer], opts, ctx.prefix_len, length,
+                                      None if key_scores is None else key_scores[layer]))
             req.progress(0.3 + 0.3 * (layer + 1) / ctx.lm.n_layers, f"on-policy: layer {layer + 1}")
         return fitted_cache(fits, full.logical_len), queries_s

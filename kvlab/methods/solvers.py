@@ -599,7 +599,8 @@ class CompactBlock:
     lengths: [B] long number of real slots per head (always a prefix),
     timings: seconds spent on ``keys``, ``bias`` and ``values``,
     scores: [B, T] float32 HighestAttnKeys score of every original key (what
-    ``highest_attn`` ranks by; also filled for ``omp``, for display), or None.
+    ``highest_attn`` ranks by, or the caller's ``key_scores``; also filled for
+    ``omp``, for display), or None.
     """
 
     keys: torch.Tensor
@@ -637,6 +638,7 @@ def compact_block(
     refit_every: int = 2,
     drop_below: float | None = -7.0,
     omp_nnls_iters: int = 20,
+    key_scores: torch.Tensor | None = None,
 ) -> CompactBlock:
     """Attention Matching compaction of one block for ``B`` heads at once.
 
@@ -657,6 +659,10 @@ def compact_block(
     A pre-existing bias is part of the targets and is carried into beta
     (``beta`` is the total bias of the compact key), which is what makes
     re-compaction of a compacted cache work.
+
+    ``key_scores`` [B, T] (``highest_attn`` only): rank the keys by these
+    scores instead of the reference queries' attention, e.g. KVzip's, which
+    come from other queries under another softmax; steps 2 and 3 are unchanged.
     """
     B, n, d = q.shape
     T = k.shape[1]
@@ -664,6 +670,9 @@ def compact_block(
         raise ValueError(f"t={t} must be in [0, T={T}]")
     if key_selection not in ("highest_attn", "omp"):
         raise ValueError(f"key_selection must be 'highest_attn' or 'omp', got {key_selection!r}")
+    if key_scores is not None and (key_selection != "highest_attn" or key_scores.shape != (B, T)):
+        raise ValueError(f"key_scores must be [B={B}, T={T}] with highest_attn selection, "
+                         f"got {tuple(key_scores.shape)} with {key_selection!r}")
     if beta_bounds is None:
         beta_bounds = (-3.0, 3.0) if key_selection == "highest_attn" else (
             -7.0 if drop_below is None else drop_below, 7.0)
@@ -685,7 +694,12 @@ def compact_block(
     y = torch.matmul(phi, v.float()) / z.unsqueeze(-1)
     w_omp = None
     # Cheap next to the features; the app shows it as each token's importance.
-    scores = _scores_from_mass(phi, z, scoring, key_valid)
+    if key_scores is None:
+        scores = _scores_from_mass(phi, z, scoring, key_valid)
+    else:
+        scores = key_scores.to(dev).float()
+        if key_valid is not None:
+            scores = scores.masked_fill(~key_valid, float("-inf"))
     if key_selection == "highest_attn":
         idx = select_highest_attn(scores, t)
     else:

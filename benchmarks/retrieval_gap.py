@@ -1,0 +1,230 @@
+"""The retrieval gap: why Attention Matching loses needles that KVzip keeps (issue 10, item 6).
+
+    python -m benchmarks.retrieval_gap                       # about 15 minutes on 2 shared CPU cores
+    python -m benchmarks.retrieval_gap --items 2 --on-policy-items 0 --json out.json
+
+Setting: single-needle items (``niah_single``, a 7-digit number in noise
+lines, seeded) at about 2,000 tokens of the embedded model, keeping only the
+items whose full cache answers right. For every variant at 5x and 10x:
+
+- accuracy: the needle's number is in the compressed cache's greedy answer;
+- attention-output error on held-out queries: the question turn's and the
+  full cache's answer's queries, over the whole cache as the app shows it,
+  and over the document block alone as the Attention Matching paper reports it;
+- heads keeping the needle: the share of (layer, KV head) pairs whose cache
+  still holds every token of the needle's number (a key at that position;
+  Attention Matching refits its value);
+- needle attention kept: of the attention that the held-out queries pay to
+  the needle's number in the full cache (summed over every layer and head),
+  the share that lands on keys still held. This weights the heads that
+  actually read the needle to answer.
+
+The on-policy preset re-reads the document once per layer: it runs on the
+first ``--on-policy-items`` items only.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.context import Context, prepare_context
+from kvlab.methods import Request
+from kvlab.metrics import head_errors, question_attention
+from kvlab.models import LoadedModel, get_model
+from kvlab.runtime.cache import CompressedKV
+from kvlab.runtime.decode import greedy
+from kvlab.runtime.hooks import QueryCapture
+from kvlab.tasks.items import TaskItem
+from kvlab.tasks.registry import build_items
+from kvlab.tasks.runner import MethodSpec, answer_item, prompt_ids
+from kvlab.tasks.scoring import contains_match
+
+# The answer is "...: 1234567." (digits are single tokens): 16 new tokens hold it.
+ANSWER_TOKENS = 16
+
+#: (label, method) in table order; ON_POLICY is the label run on fewer items.
+ON_POLICY = "AM on-policy (AM-HighestAttnKeys)"
+VARIANTS: tuple[tuple[str, MethodSpec], ...] = (
+    ("AM rms (default)", MethodSpec("attention_matching")),
+    ("AM kvzip keys", MethodSpec("attention_matching", options=(("key_selection", "kvzip"),))),
+    ("kvzip (global prune)", MethodSpec("kvzip")),
+    ("kvzip prune=head (uniform)", MethodSpec("kvzip", options=(("prune", "head"),))),
+    ("AM max", MethodSpec("attention_matching", options=(("scoring", "max"),))),
+    ("AM mean", MethodSpec("attention_matching", options=(("scoring", "mean"),))),
+    ("attention_topk rms", MethodSpec("attention_topk")),
+    ("attention_topk max", MethodSpec("attention_topk", options=(("scoring", "max"),))),
+    ("attention_topk mean", MethodSpec("attention_topk", options=(("scoring", "mean"),))),
+    ("snapkv", MethodSpec("snapkv")),
+    ("streaming_llm", MethodSpec("streaming_llm")),
+    ("AM OMP (AM-OMP-basic)", MethodSpec("attention_matching", preset="AM-OMP-basic")),
+    (ON_POLICY, MethodSpec("attention_matching", preset="AM-HighestAttnKeys")),
+)
+
+
+@dataclass
+class Needle:
+    """A needle item on its prepared document, answered right by the full cache.
+
+    positions: context positions of the needle number's tokens; queries: per
+    layer [H, n, d] held-out queries (question turn and the full cache's
+    answer); attention: per layer [H_kv, T] the mean attention those queries
+    pay to each cached token of the full cache.
+    """
+
+    item: TaskItem
+    ctx: Context
+    prompt: torch.Tensor
+    positions: torch.Tensor
+    queries: list[torch.Tensor]
+    attention: list[torch.Tensor]
+
+
+@dataclass
+class Row:
+    """One variant at one ratio on one item."""
+
+    label: str
+    ratio: float
+    item_id: str
+    correct: bool
+    err_cache: float
+    err_block: float
+    heads_kept: float
+    attention_kept: float
+    compress_s: float
+
+
+def value_positions(lm: LoadedModel, ctx: Context, item: TaskItem) -> torch.Tensor:
+    """Context positions of the tokens that spell the needle's number (its sentence located, then the number)."""
+    pieces = [lm.tokenizer.decode([int(t)]) for t in ctx.tokens.ids]
+    text = "".join(pieces)
+    value = item.answers[0]
+    sentence = text.find(f"is: {value}")
+    if sentence < 0:
+        raise ValueError(f"{item.item_id}: the needle's number is not in the decoded context")
+    start = sentence + len("is: ")
+    ends = torch.tensor([len(p) for p in pieces]).cumsum(0)
+    begins = ends - torch.tensor([len(p) for p in pieces])
+    return torch.nonzero((begins < start + len(value)) & (ends > start)).flatten()
+
+
+def prepare_needle(lm: LoadedModel, item: TaskItem) -> Needle | None:
+    """Prefill the item's document and answer it from the full cache; None when that answer is wrong."""
+    ctx = prepare_context(lm, item.document)
+    prompt = prompt_ids(lm, item)
+    capture = QueryCapture(lm.n_layers)
+    answer = greedy(lm, ctx.full.stored, prompt, item.max_new_tokens, capture)
+    if not contains_match(answer.text, item.answers):
+        return None
+    queries = capture.per_layer()
+    return Needle(item, ctx, prompt, value_positions(lm, ctx, item), queries,
+                  question_attention(queries, ctx.full.keys))
+
+
+def needle_kept(needle: Needle, stored: CompressedKV) -> tuple[float, float]:
+    """(share of (layer, KV head) pairs holding every needle token, share of the needle's attention on held keys)."""
+    whole, paid, held = [], 0.0, 0.0
+    for layer, attention in enumerate(needle.attention):
+        index = stored.layer_view(layer).token_index  # [H_kv, L]
+        kept = (index.unsqueeze(-1) == needle.positions).any(dim=1)  # [H_kv, P]
+        whole.append(kept.all(dim=-1).float())
+        needle_attention = attention[:, needle.positions]
+        paid += float(needle_attention.sum())
+        held += float((needle_attention * kept).sum())
+    return float(torch.cat(whole).mean()), held / paid
+
+
+def measure(needle: Needle, label: str, spec: MethodSpec, ratio: float) -> Row:
+    ctx = needle.ctx
+    start = time.perf_counter()
+    stored = spec.instantiate().compress(Request(ctx, ratio, needle.item.question))
+    compress_s = time.perf_counter() - start
+    out = answer_item(ctx.lm, stored, needle.item, needle.prompt)
+    err_cache = head_errors(ctx.full.stored, stored, needle.queries).mean_output
+    err_block = head_errors(ctx.full.stored, stored, needle.queries, block_start=ctx.prefix_len).mean_output
+    heads, attention = needle_kept(needle, stored)
+    return Row(label, ratio, needle.item.item_id, out.score >= 1.0, err_cache, err_block, heads, attention, compress_s)
+
+
+def needles(lm: LoadedModel, n: int, seed: int, length: int, tries: int) -> tuple[list[Needle], int]:
+    """The first ``n`` of ``tries`` seeded items that the full cache answers right, and how many were tried."""
+    found, tried = [], 0
+    for item in build_items("niah_single", lm, tries, seed, length):
+        tried += 1
+        needle = prepare_needle(lm, dataclasses.replace(item, max_new_tokens=ANSWER_TOKENS))
+        if needle is not None:
+            found.append(needle)
+            print(f"  {item.item_id}: depth {item.depth:.2f}, {needle.ctx.doc_len} tokens, needle at "
+                  f"{needle.positions.tolist()}", flush=True)
+        if len(found) == n:
+            break
+    return found, tried
+
+
+def table(rows: list[Row], ratios: list[float]) -> str:
+    lines = [
+        "| variant | ratio | n | accuracy | attn-output err (whole cache) | attn-output err (document block) "
+        "| heads keeping the needle | needle attention kept | compress s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    labels = list(dict.fromkeys(r.label for r in rows))
+    for ratio in ratios:
+        for label in labels:
+            rs = [r for r in rows if r.label == label and r.ratio == ratio]
+            if not rs:
+                continue
+
+            def mean(field: str) -> float:
+                return sum(getattr(r, field) for r in rs) / len(rs)
+
+            lines.append(
+                f"| {label} | {ratio:g}x | {len(rs)} | {mean('correct'):.0%} | {mean('err_cache'):.3f} "
+                f"| {mean('err_block'):.3f} | {mean('heads_kept'):.0%} | {mean('attention_kept'):.0%} "
+                f"| {mean('compress_s'):.1f} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--items", type=int, default=4, help="needle items the full cache answers right (default 4)")
+    parser.add_argument("--on-policy-items", type=int, default=1, help="of those, how many the on-policy preset runs on")
+    parser.add_argument("--tries", type=int, default=12, help="items generated at most to find them")
+    parser.add_argument("--length", type=int, default=2000, help="document tokens at most (default 2000)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ratios", type=float, nargs="+", default=[5, 10])
+    parser.add_argument("--json", default=None, help="also write every row to this file")
+    args = parser.parse_args()
+
+    start = time.perf_counter()
+    lm = get_model()
+    found, tried = needles(lm, args.items, args.seed, args.length, args.tries)
+    print(f"{len(found)} of {tried} needle items answered right by the full cache", flush=True)
+    rows: list[Row] = []
+    for i, needle in enumerate(found):
+        for label, spec in VARIANTS:
+            if label == ON_POLICY and i >= args.on_policy_items:
+                continue
+            for ratio in args.ratios:
+                row = measure(needle, label, spec, ratio)
+                rows.append(row)
+                print(f"  {needle.item.item_id} {label} {ratio:g}x: right {row.correct}, err {row.err_cache:.3f}, "
+                      f"heads {row.heads_kept:.0%}, attention {row.attention_kept:.0%}", flush=True)
+    wall = time.perf_counter() - start
+    print()
+    print(f"niah_single, seed {args.seed}, at most {args.length} tokens: n = {len(found)} items "
+          f"({args.on_policy_items} for the on-policy preset); wall time {wall / 60:.1f} min")
+    print(table(rows, args.ratios))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"seed": args.seed, "length": args.length, "wall_s": wall,
+                       "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
