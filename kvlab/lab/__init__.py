@@ -5,6 +5,7 @@ The app (kvlab.ui), the CLI (kvlab.cli) and the benchmarks call these:
 - :func:`explore`: one run (a document, a method, a ratio, a question) -> :class:`Explored`;
 - :func:`compare`: a sweep of methods x ratios on one document -> :class:`Sweep`,
   written out by :func:`write_exports` (CSV and JSON);
+- :func:`generate`: every bounded-cache method writing after one prompt -> :class:`Generated`;
 - :func:`prepare_document`: the prefill and a method's document-only work, ahead of a run;
 - :class:`TokenFates`: what happened to every token of a run, as light data;
 - :func:`run_tasks`, :func:`needle_test`, :func:`load_results`: accuracy on tasks
@@ -15,6 +16,7 @@ from kvlab.lab.compare import MAX_SWEEP_POINTS, Sweep, SweepError, compare
 from kvlab.lab.explore import Explored, explore, prepared_context, sub_progress, token_texts
 from kvlab.lab.exports import EXPORT_FIELDS, export_dir, sweep_json, sweep_records, write_exports
 from kvlab.lab.fates import TokenFates
+from kvlab.lab.generate import MAX_GENERATE_TOKENS, Generated, MethodGeneration, generate, generation_record
 from kvlab.lab.inputs import (
     InputError,
     check_answer_length,
@@ -29,6 +31,7 @@ from kvlab.lab.prepare import Prepared, prepare_document
 from kvlab.lab.tasks import TaskRun, load_results, needle_test, run_tasks
 
 __all__ = [
+    "MAX_GENERATE_TOKENS", "Generated", "MethodGeneration", "generate", "generation_record",
     "EXPORT_FIELDS", "MAX_SWEEP_POINTS", "Explored", "InputError", "Prepared", "Sweep", "SweepError", "TaskRun",
     "TokenFates", "load_results", "needle_test", "run_tasks",
     "check_answer_length", "check_question", "compare", "document_text", "examples", "expected_answer",

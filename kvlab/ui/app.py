@@ -28,6 +28,7 @@ from kvlab.ui import common
 from kvlab.ui.common import CSS
 from kvlab.ui.compare import build_compare_tab
 from kvlab.ui.explore import build_explore_tab
+from kvlab.ui.generate import build_generate_tab
 from kvlab.ui.learn import build_learn_tab
 
 log = logging.getLogger("kvlab.app")
@@ -82,6 +83,8 @@ def build_app(lm: LoadedModel | None = None, models: list[tuple[str, str]] | Non
                 )
             with gr.Tab("Compare", id="compare"):
                 build_compare_tab(inputs, specs)
+            with gr.Tab("Generate", id="generate"):
+                build_generate_tab(inputs, specs)
             with gr.Tab("Learn", id="learn"):
                 build_learn_tab()
     return demo

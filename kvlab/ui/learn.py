@@ -52,6 +52,18 @@ $$\\text{log-ppl}=-\\frac1m\\sum_{t=1}^{m}\\log p_{\\text{compressed}}(y_t\\mid\
 with the full cache's value as a dashed reference line: the closer to it, the more the compressed cache \
 behaves like the full one. The table and the CSV / JSON downloads hold every number.
 
+### The Generate tab
+Compression while the model *writes*: the cache may hold at most a budget B of keys per KV head while the \
+model reads the prompt and writes its answer, and each method makes room its own way: the **sliding window** \
+(StreamingLLM: 4 sinks + the latest tokens, one eviction per step), **H2O** (the keys with the most attention \
+accumulated so far + a recent half), **BeaconKV** (keys scored by recent queries and beacon queries picked by \
+farthest-point sampling over the whole history; 16 evicted at a time) and **online Attention Matching** \
+(compacts the cache to B/2 fitted keys with biases whenever it is full). The unbounded cache writes first; the \
+tab shows each text from where it first differs from the unbounded one (highlighted), the cache size against \
+the tokens written with every eviction or compaction marked, the log-probability of each token of the unbounded \
+text re-read under each bounded cache, which tokens were BeaconKV's beacons at each eviction, and tokens per \
+second. The default prompt is a copy task (a list of codes to copy back), scored by the codes' F1.
+
 ## Methods
 """
 
