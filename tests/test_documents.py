@@ -160,12 +160,16 @@ def test_too_large(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         read_document(f)
 
 
-def test_a_file_just_over_20_mib_is_refused_before_reading(tmp_path: Path) -> None:
-    f = tmp_path / "huge.txt"
-    with f.open("wb") as fh:
-        fh.truncate(20 * 2**20 + 1)  # sparse: costs no disk, and it is never read
-    with pytest.raises(DocumentError, match="the limit is 20 MB"):
-        read_document(f)
+def test_the_size_limit_is_inclusive_and_checked_before_reading(tmp_path: Path) -> None:
+    # Sparse files of NUL bytes: no disk used; read, they would be refused as binary.
+    at_limit, over = tmp_path / "at.txt", tmp_path / "over.txt"
+    for path, size in ((at_limit, documents.MAX_FILE_BYTES), (over, documents.MAX_FILE_BYTES + 1)):
+        with path.open("wb") as fh:
+            fh.truncate(size)
+    with pytest.raises(DocumentError, match="binary"):
+        read_document(at_limit)
+    with pytest.raises(DocumentError, match="too large"):
+        read_document(over)
 
 
 def test_pdf_renamed_to_txt(tmp_path: Path) -> None:
