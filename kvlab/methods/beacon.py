@@ -1,4 +1,4 @@
-"""BeaconKV, in its two readings (see docs/beaconkv.md), sharing one beacon core.
+"""BeaconKV, in its two readings (the project's notes: ../shared/docs/beaconkv.md), sharing one beacon core.
 
 1. ``beaconkv``, as published (Kim, Kim, Shim, Choi, 2026, "BeaconKV: Key-Value
    Cache Compression Guided by Beacon Queries for Efficient Large Reasoning

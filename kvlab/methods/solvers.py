@@ -5,8 +5,8 @@ keys ``Ck`` (a subset of the original keys), refitted values ``Cv`` and one
 additive logit bias ``beta`` per compact key, so that for the reference
 queries both the block's local attention output and its attention mass
 ``sum_j exp(logit_j)`` are preserved. Matching the mass is what makes the
-compact block a drop-in replacement next to other blocks (see
-``docs/attention-matching.md``).
+compact block a drop-in replacement next to other blocks (the paper;
+the project's notes on it are in ``../shared/docs/attention-matching.md``).
 
 Every function is a pure function on tensors, batched over a leading dim
 ``B`` (the heads compacted together, e.g. all KV heads of a layer) so that one
@@ -17,6 +17,11 @@ dtype: the mass targets are sums of exponentials.
 Shapes: ``B`` heads, ``n`` reference queries, ``T`` original keys, ``t``
 compact keys, ``d`` key dim, ``dv`` value dim. Attention itself is computed
 only through :mod:`kvlab.runtime.attention`.
+
+One module on purpose (about 750 lines): key scoring, the bounded NNLS for the
+biases, the value least squares and OMP are the stages of one solve and share
+their batched shapes, masks and float32 conventions; split apart, each stage
+would have to re-derive them.
 
 Ridge convention: every ``ridge`` argument is *relative*: the added diagonal
 is ``ridge * mean(diag(Gram))`` over the real (non-padding) columns. The

@@ -5,7 +5,7 @@ import logging
 import os
 import secrets
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import gradio as gr
 from gradio import utils as gradio_utils
@@ -84,6 +84,20 @@ def as_gr_error(exc: Exception) -> gr.Error:
         InputError: "Missing input",
     }.get(type(exc), "Document problem" if isinstance(exc, DocumentError) else "Error")
     return gr.Error(str(exc), title=title, print_exception=False)
+
+
+T = TypeVar("T")
+
+
+def guarded(what: str, work: Callable[[], T]) -> T:
+    """``work()``, with any failure turned into a message for the user: a user's error as it is
+    (:func:`as_gr_error`), anything else logged with an id (:func:`unexpected`); the server stays up."""
+    try:
+        return work()
+    except USER_ERRORS as exc:
+        raise as_gr_error(exc) from exc
+    except Exception as exc:  # noqa: BLE001 - say what failed; the server stays up
+        raise unexpected(exc, what) from exc
 
 
 def error_id() -> str:

@@ -23,7 +23,7 @@ from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
 from kvlab.ui import common
 from kvlab.tasks.datasets import data_dir
 from kvlab.tasks.registry import TASKS
-from kvlab.ui.common import GPU_MAX_S, USER_ERRORS, as_gr_error, on_gpu, unexpected
+from kvlab.ui.common import GPU_MAX_S, USER_ERRORS, as_gr_error, guarded, on_gpu
 from kvlab.ui.explore import DocumentInputs, checked_model
 from kvlab.ui.present import COMPARE_COLUMNS, compare_rows, sweep_status, sweep_view
 from kvlab.ui.tasks import build_task_outputs, show
@@ -115,15 +115,10 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> None:
     def on_compare(text=None, file=None, methods=None, ratios=None, more_ratios="", question=None,
                    max_new_tokens=DEFAULT_MAX_NEW_TOKENS, model=None, progress=gr.Progress()):
         chosen = list(methods or [])
-        try:
-            view = sweep_view(
-                common.document_input(text, file), None, chosen, parse_ratios(ratios, more_ratios), question,
-                int(max_new_tokens or DEFAULT_MAX_NEW_TOKENS), checked_model(model, specs), progress,
-            )
-        except USER_ERRORS as exc:
-            raise as_gr_error(exc) from exc
-        except Exception as exc:  # noqa: BLE001 - say what failed; the server stays up
-            raise unexpected(exc, ", ".join(chosen)) from exc
+        view = guarded(", ".join(chosen), lambda: sweep_view(
+            common.document_input(text, file), None, chosen, parse_ratios(ratios, more_ratios), question,
+            int(max_new_tokens or DEFAULT_MAX_NEW_TOKENS), checked_model(model, specs), progress,
+        ))
         sweep = view.sweep
         csv_path, json_path = write_exports(sweep)
         return (
@@ -143,13 +138,9 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> None:
     def on_tasks(task=TASK_DEFAULT, items=TASK_ITEMS_DEFAULT, length=TASK_LENGTH_DEFAULT, methods=None,
                  ratios=None, more_ratios="", model=None, progress=gr.Progress()):
         chosen = list(methods or [])
-        try:
-            run = tasks_view(task, items, length, chosen, parse_ratios(ratios, more_ratios),
-                             checked_model(model, specs), progress)
-        except USER_ERRORS as exc:
-            raise as_gr_error(exc) from exc
-        except Exception as exc:  # noqa: BLE001 - say what failed; the server stays up
-            raise unexpected(exc, ", ".join(chosen)) from exc
+        run = guarded(", ".join(chosen), lambda: tasks_view(
+            task, items, length, chosen, parse_ratios(ratios, more_ratios), checked_model(model, specs), progress,
+        ))
         return show(run)
 
     tasks_go.click(

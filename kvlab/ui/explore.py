@@ -31,7 +31,7 @@ from kvlab.methods import REGISTRY
 from kvlab.methods.catalog import Knob, aware_tag, method_info, method_label, options_from, presets
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
 from kvlab.ui import common
-from kvlab.ui.common import GPU_MAX_S, USER_ERRORS, as_gr_error, on_gpu, unexpected
+from kvlab.ui.common import GPU_MAX_S, USER_ERRORS, as_gr_error, guarded, on_gpu
 from kvlab.ui.knobs import knob_component
 from kvlab.ui.tasks import build_task_outputs, show
 from kvlab.ui.present import INTENSITIES, INTENSITY_DEFAULT, TokenFates, run_view, token_view
@@ -288,15 +288,10 @@ def build_explore_tab(
     def on_run(text=None, file=None, method=start_method, ratio=RATIO_DEFAULT, question=None,
                max_new_tokens=DEFAULT_MAX_NEW_TOKENS, layer=0, head=0, model=None,
                intensity=INTENSITY_DEFAULT, progress=gr.Progress(), **knob_values):
-        try:
-            view = run_view(
-                common.document_input(text, file), None, method, ratio, question, int(max_new_tokens or DEFAULT_MAX_NEW_TOKENS),
-                options_from(method, knob_values), checked_model(model, specs), progress,
-            )
-        except USER_ERRORS as exc:
-            raise as_gr_error(exc) from exc
-        except Exception as exc:  # noqa: BLE001 - say what failed; the server stays up
-            raise unexpected(exc, method) from exc
+        view = guarded(method, lambda: run_view(
+            common.document_input(text, file), None, method, ratio, question, int(max_new_tokens or DEFAULT_MAX_NEW_TOKENS),
+            options_from(method, knob_values), checked_model(model, specs), progress,
+        ))
         fates = view.fates
         layer = min(max(int(layer or 0), 0), fates.n_layers - 1)
         head = min(max(int(head or 0), 0), fates.n_kv_heads - 1)
@@ -333,13 +328,9 @@ def build_explore_tab(
     def on_needle(text=None, file=None, methods=None, ratios="", depths=NEEDLE_DEPTHS, model=None,
                   progress=gr.Progress()):
         chosen = list(methods or [])
-        try:
-            run = needle_view(text, file, chosen, parse_ratios([], ratios), int(depths), checked_model(model, specs),
-                              progress)
-        except USER_ERRORS as exc:
-            raise as_gr_error(exc) from exc
-        except Exception as exc:  # noqa: BLE001 - say what failed; the server stays up
-            raise unexpected(exc, ", ".join(chosen)) from exc
+        run = guarded(", ".join(chosen), lambda: needle_view(
+            common.document_input(text, file), None, chosen, parse_ratios([], ratios), int(depths), checked_model(model, specs), progress,
+        ))
         return show(run)
 
     needle_go.click(

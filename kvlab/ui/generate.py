@@ -14,7 +14,7 @@ from kvlab.figures.generation import beacon_figure, cache_size_figure, logprob_f
 from kvlab.figures.plots import human_bytes
 from kvlab.lab.generate import DEFAULT_GENERATE_TOKENS, MAX_GENERATE_TOKENS, Generated, generate
 from kvlab.ui import common
-from kvlab.ui.common import USER_ERRORS, as_gr_error, unexpected
+from kvlab.ui.common import guarded
 from kvlab.ui.explore import DocumentInputs, checked_model
 
 SOURCES = ("the prompt below", "the Explore tab's document and question")
@@ -82,19 +82,14 @@ def build_generate_tab(inputs: DocumentInputs, specs: list[str]) -> None:
     def on_generate(source_=SOURCES[0], prompt_="", text=None, file=None, question=None, methods_=None,
                     budget_=0, max_new_=DEFAULT_GENERATE_TOKENS, model=None, progress=gr.Progress()):
         chosen = list(methods_ or [])
-        try:
-            use_prompt = source_ != SOURCES[1]
-            g = generate(
-                prompt=prompt_ if use_prompt else None,
-                document=None if use_prompt else common.document_input(text, file),
-                question=None if use_prompt else question, methods=chosen,
-                budget=int(budget_) if budget_ else None, max_new_tokens=int(max_new_ or DEFAULT_GENERATE_TOKENS),
-                model=checked_model(model, specs), progress=progress,
-            )
-        except USER_ERRORS as exc:
-            raise as_gr_error(exc) from exc
-        except Exception as exc:  # noqa: BLE001 - say what failed; the server stays up
-            raise unexpected(exc, "generation") from exc
+        use_prompt = source_ != SOURCES[1]
+        g = guarded("generation", lambda: generate(
+            prompt=prompt_ if use_prompt else None,
+            document=None if use_prompt else common.document_input(text, file),
+            question=None if use_prompt else question, methods=chosen,
+            budget=int(budget_) if budget_ else None, max_new_tokens=int(max_new_ or DEFAULT_GENERATE_TOKENS),
+            model=checked_model(model, specs), progress=progress,
+        ))
         summary = (f"**{g.model}**: {g.prompt_tokens} prompt tokens, {len(g.reference.run.ids)} written by the "
                    f"unbounded cache; budget **{g.budget}** keys per KV head; {g.wall_s:.1f} s in all.")
         return (summary, {"headers": COLUMNS, "data": generation_rows(g)}, *generation_figures(g))
