@@ -378,3 +378,17 @@ def test_prepare_then_run_reuses_the_prefill(client):
     status = client.predict(text=text, method=FAST, api_name="/prepare")
     assert status.startswith("Ready:")
     assert "reused" in _run(client, text=text)[0]
+
+
+def test_answers_are_marked_right_or_wrong_when_the_gold_answer_is_known(client):
+    # A bundled example's question: the gold answer is known, so both answers get a mark, judged by
+    # whether they contain it (kvlab.tasks.scoring.contains_match, checked here by hand).
+    example = lab.examples()[0]
+    out = _run(client, text=example.text(), question=example.questions[0], method=FAST, ratio=2, max_new_tokens=24)
+    full, compressed, mark_full, mark_comp = out[1], out[2], out[-2], out[-1]
+    gold = example.answers[0]
+    assert ("right" in mark_full) == (gold.lower() in full.lower()) and f"expected: {gold}" in mark_full
+    assert ("right" in mark_comp) == (gold.lower() in compressed.lower())
+    # A question of the user's own: no gold answer, no mark.
+    plain = _run(client)
+    assert plain[-2] == "" and plain[-1] == ""

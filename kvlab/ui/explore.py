@@ -164,14 +164,18 @@ def build_explore_tab(
 
     summary = gr.Markdown(elem_id="kvlab-summary")
     with gr.Row():
-        answer_full = gr.Textbox(
-            label="Answer from the full cache", lines=3, interactive=False,
-            elem_id="kvlab-answer-full", elem_classes="kvlab-answer",
-        )
-        answer_comp = gr.Textbox(
-            label="Answer from the compressed cache", lines=3, interactive=False,
-            elem_id="kvlab-answer-compressed", elem_classes="kvlab-answer",
-        )
+        with gr.Column():
+            mark_full = gr.Markdown(elem_id="kvlab-mark-full")
+            answer_full = gr.Textbox(
+                label="Answer from the full cache", lines=3, interactive=False,
+                elem_id="kvlab-answer-full", elem_classes="kvlab-answer",
+            )
+        with gr.Column():
+            mark_comp = gr.Markdown(elem_id="kvlab-mark-compressed")
+            answer_comp = gr.Textbox(
+                label="Answer from the compressed cache", lines=3, interactive=False,
+                elem_id="kvlab-answer-compressed", elem_classes="kvlab-answer",
+            )
     diff = gr.HighlightedText(
         label="Differences (word diff)", color_map=figures.DIFF_COLORS,
         show_legend=True, show_inline_category=False, elem_id="kvlab-diff",
@@ -283,6 +287,7 @@ def build_explore_tab(
     run_outputs = [
         summary, answer_full, answer_comp, diff, err_plot, mass_plot, kept_plot, mem_plot,
         time_plot, layer, head, counts, tokens, last, fit_row, bias_plot, fit_plot, divergence_plot,
+        mark_full, mark_comp,
     ]
 
     def on_run(text=None, file=None, method=start_method, ratio=RATIO_DEFAULT, question=None,
@@ -296,12 +301,8 @@ def build_explore_tab(
         layer = min(max(int(layer or 0), 0), fates.n_layers - 1)
         head = min(max(int(head or 0), 0), fates.n_kv_heads - 1)
         line, html = token_view(fates, layer, head, intensity)
-        summary_md, full, compressed, *figs = view.outputs
         return (
-            summary_md,
-            gr.Textbox(value=full, label=view.answer_labels[0]),
-            gr.Textbox(value=compressed, label=view.answer_labels[1]),
-            *figs,
+            *view.outputs,
             gr.Slider(minimum=0, maximum=fates.n_layers - 1, value=layer, step=1),
             gr.Slider(minimum=0, maximum=fates.n_kv_heads - 1, value=head, step=1),
             line,
@@ -310,6 +311,7 @@ def build_explore_tab(
             gr.Row(visible=view.fit_figures is not None),
             *(view.fit_figures or (None, None)),
             view.divergence,
+            *view.answer_marks,
         )
 
     run_btn.click(

@@ -127,15 +127,15 @@ class RunView:
 
     outputs: summary, full answer, compressed answer, word diff, and the
     error, mass, kept, memory and time figures; divergence: the answers
-    token by token (kvlab.figures.divergence_figure); answer_labels: the two
-    answers' labels, marked right or wrong when the gold answer is known.
+    token by token (kvlab.figures.divergence_figure); answer_marks: a line
+    above each answer, right or wrong when the gold answer is known, else "".
     """
 
     outputs: tuple
     fates: TokenFates
     fit_figures: tuple | None = None  # Attention Matching: bias histogram, fitting vs evaluation error
     divergence: object = None
-    answer_labels: tuple[str, str] = ("Answer from the full cache", "Answer from the compressed cache")
+    answer_marks: tuple[str, str] = ("", "")
 
 
 def present(ex: Explored) -> RunView:
@@ -159,14 +159,17 @@ def present(ex: Explored) -> RunView:
         figures.divergence_figure(
             r.answer_tokens, r.answer_logprobs_full, r.answer_logprobs_compressed, r.first_divergence,
         ),
-        answer_labels(ex),
+        answer_marks(ex),
     )
 
 
-def answer_labels(ex: Explored) -> tuple[str, str]:
-    """The two answer boxes' labels, with "right" or "wrong" where the gold answer is known."""
-    mark = {None: "", True: ": right", False: ": wrong"}
-    return (f"Answer from the full cache{mark[ex.full_right]}", f"Answer from the compressed cache{mark[ex.compressed_right]}")
+def answer_marks(ex: Explored) -> tuple[str, str]:
+    """A line above each answer: right or wrong against the gold answer when it is known, else ""."""
+    if not ex.expected:
+        return "", ""
+    mark = {True: "✅ **right**", False: "❌ **wrong**"}
+    gold = f" (expected: {ex.expected[0]})"
+    return mark[ex.full_right] + gold, mark[ex.compressed_right] + gold
 
 
 def fit_figures(ex: Explored) -> tuple | None:
