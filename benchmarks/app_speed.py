@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--method", default="snapkv", help="the method of the second run (default: snapkv)")
     parser.add_argument("--ratio", type=float, default=20, help="the ratio of the third run (default: 20)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed per run")
+    parser.add_argument("--question", default=None,
+                        help="ask this instead of the example's first question (to compare runs across versions)")
     parser.add_argument("--think", type=float, default=0.0,
                         help="seconds between the story appearing and the first click on Run (default 0)")
     args = parser.parse_args(argv)
@@ -107,8 +109,12 @@ def main(argv: list[str] | None = None) -> int:
             arg=example.questions[0], timeout=30_000,
         )
         shown = page.locator("#kvlab-method input").input_value()
-        print(f"example: {example.title} (~{example.tokens:,} tokens); question: {example.questions[0]!r}")
+        print(f"example: {example.title} (~{example.tokens:,} tokens); question: {args.question or example.questions[0]!r}")
         print(f"page starts with method {shown.split(':')[0]!r} at {page.locator('#kvlab-ratio input[type=number]').input_value()}x")
+        if args.question:
+            box = page.locator("#kvlab-question textarea, #kvlab-question input").first
+            box.fill(args.question)
+            box.press("Tab")
         shown_at = time.perf_counter()
         if args.think > 0:
             time.sleep(args.think)
