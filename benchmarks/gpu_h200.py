@@ -32,15 +32,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from kvlab import kernels
 from kvlab.kernels import bench, reference
 from kvlab.methods.solvers import score_keys
-from kvlab.models import ATTENTION_NAME, register_attention
 from kvlab.runtime.decode import GrowingLayer, _working_cache
 from kvlab.runtime.hooks import ForwardContext
 from kvlab.runtime.quant import quantize_keys, quantize_values
+from kvlab.synthetic import random_llama
 
 LLAMA_31_8B = dict(
     num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
@@ -104,15 +104,6 @@ def check_kernels(device: torch.device) -> list[dict]:
     return rows
 
 
-def random_model(config: dict, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """Random weights, initialised directly on the device (an 8B model on the CPU would take minutes)."""
-    with torch.device(device):
-        model = LlamaForCausalLM._from_config(LlamaConfig(**config), dtype=dtype)
-    register_attention()
-    model.set_attn_implementation(ATTENTION_NAME)
-    return model.eval()
-
-
 def compacted_cache(n_layers: int, batch: int, n_kv: int, stored: int, head_dim: int, device: torch.device,
                     dtype: torch.dtype, biased: bool) -> tuple[list[GrowingLayer], list[torch.Tensor] | None]:
     """Random cache of ``stored`` keys per head; with ``biased``, float32 betas and ragged heads.
@@ -158,7 +149,7 @@ def end_to_end(device: torch.device, dry_run: bool, deadline: float) -> list[Dec
     """Decode tokens/s: full cache (SDPA) vs compacted caches (Triton kernel and SDPA with a float mask)."""
     config = TINY if dry_run else LLAMA_31_8B
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = random_model(config, device, dtype)
+    model = random_llama(config, device, dtype)
     seq_len, steps = (256, 4) if dry_run else (32 * 1024, 32)
     n_layers, n_kv = config["num_hidden_layers"], config["num_key_value_heads"]
     head_dim = config["hidden_size"] // config["num_attention_heads"]

@@ -223,6 +223,13 @@ class Context:
             self._questions.pop(entry.question, None)
         return entry.nbytes
 
+    def forget(self) -> None:
+        """Drop every cached value: what remains is the cache, the tokens and the prefill's own queries."""
+        with self.lock:
+            for slot in list(self._entries):
+                self._drop(slot)
+            self._nbytes = self._count_bytes()
+
     @property
     def prefix_len(self) -> int:
         return self.tokens.prefix_len

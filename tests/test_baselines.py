@@ -11,6 +11,7 @@ from kvlab.methods import Request, get_method
 from kvlab.methods.h2o import h2o_scores
 from kvlab.methods.kvzip import KVzipOptions, kvzip_scores
 from kvlab.methods.pyramidkv import pyramid_budgets
+from kvlab.methods.scoring import received_attention
 from kvlab.methods.summarisation import write_summary
 from kvlab.methods.tova import tova_scores
 from kvlab.prompts import REPEAT_INSTRUCTION, question_tokens
@@ -59,6 +60,23 @@ def test_h2o_scores_match_eager_attention(ctx, tiny_eager):
         naive = a.sum(dim=1) / torch.arange(n, 0, -1)  # key j is seen by n - j queries
         naive = naive.reshape(ctx.lm.n_kv_heads, g, n).mean(dim=1)[:, ctx.prefix_len :]
         assert torch.allclose(ours[layer], naive, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "max"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_received_attention_in_small_blocks_matches_one_dense_softmax(reduce, causal):
+    # Blocks of 1, 2 and 3 query rows (GQA 3: each KV head read by 3 query heads)
+    # against one dense [H, n, T] softmax written out with the keys copied per head.
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(6, 7, 8, generator=gen), torch.randn(2, 11, 8, generator=gen)
+    logits = q @ k.repeat_interleave(3, dim=0).transpose(1, 2) / 8 ** 0.5  # [6, 7, 11]
+    if causal:  # query i is token 4 + i of the 11
+        logits = logits.masked_fill(torch.arange(11) > 4 + torch.arange(7).unsqueeze(1), float("-inf"))
+    dense = torch.softmax(logits, dim=-1)
+    expected = dense.sum(dim=1) if reduce == "sum" else dense.amax(dim=1)
+    for rows in (1, 2, 3):
+        got = received_attention(q, k, reduce=reduce, causal=causal, block_elements=rows * 6 * 11)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_h2o_keeps_its_recent_window(ctx):

@@ -70,6 +70,21 @@ def test_new_block_after_a_cache_sees_the_cache_and_its_own_past(bias):
         assert torch.allclose(fast[0, :, i], slow.reshape(4, 16), atol=1e-5)
 
 
+def test_a_bf16_read_after_a_fitted_cache_keeps_the_biases_in_float32():
+    # Two cached keys the queries cannot tell apart, biases 200.0 and 200.6: in bf16
+    # both round to 200 (spacing 1 there) and each would get half the attention.
+    q = torch.zeros(1, 2, 3, 8, dtype=torch.bfloat16)
+    k = torch.zeros(1, 1, 5, 8, dtype=torch.bfloat16)
+    v = torch.zeros(1, 1, 5, 8, dtype=torch.bfloat16)
+    v[0, 0, 1] = 1.0
+    key_bias = torch.tensor([[200.0, 200.6]])
+    out = causal_attention(q, k, v, key_bias, 0.25)
+    # The new tokens' own keys (bias 0) get e^-200 of the mass: the two fitted keys take it all.
+    expected = 1 / (1 + math.exp(-0.6))
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out[0, :, :, 0].float(), torch.full((2, 3), expected), atol=4e-3)
+
+
 def test_keep_all_cache_reproduces_full_logits_over_8_steps(tiny, tiny_eager):
     ids = context_ids()
     full = prefill(tiny, ids)

@@ -12,6 +12,9 @@ import pytest
 import torch
 
 from kvlab.methods.solvers import (
+    _box_nnls_gram,
+    _gram,
+    streamed_mass,
     compact_block,
     fit_values,
     mass_features,
@@ -465,3 +468,49 @@ def test_given_key_scores_pick_the_keys_and_the_fit_stays_highest_attn():
     assert torch.allclose(cb.values, best, atol=1e-3)
     with pytest.raises(ValueError, match="key_scores"):
         compact_block(q, k, v, t, key_scores=scores, key_selection="omp")
+
+
+def test_streamed_mass_matches_attention_in_chunks_of_three_keys():
+    q, k, v = _qkv(B=2, n=16, T=20, seed=21, q_scale=3.0)
+    bias = torch.randn(2, 20, generator=_gen(22))
+    bias[1, 5:12] = float("-inf")  # padding in the middle of head 1
+    shift, z, y = streamed_mass(q, k, v, bias, block_elements=2 * 16 * 3)
+    ref = attend(q, k, v, bias)
+    torch.testing.assert_close(y, ref.output, rtol=1e-5, atol=1e-6)
+    # The block's log-mass: shift + log z.
+    torch.testing.assert_close(shift + z.log(), ref.lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(shift, attention_logits(q, k, bias).amax(dim=-1))
+
+
+@pytest.mark.parametrize("scoring", ["rms", "mean", "max"])
+def test_highest_attn_streamed_over_the_keys_equals_the_dense_fit(scoring):
+    # dense_max=0 forces the streamed path; the dense one (mass features held) is the reference.
+    q, k, v = _qkv(B=3, n=48, T=40, seed=23)
+    bias = torch.zeros(3, 40)
+    bias[2, 30:] = float("-inf")
+    budgets = torch.tensor([12, 7, 12])
+    dense = compact_block(q, k, v, 12, bias=bias, budgets=budgets, scoring=scoring)
+    streamed = compact_block(q, k, v, 12, bias=bias, budgets=budgets, scoring=scoring, dense_max=0)
+    assert torch.equal(streamed.index, dense.index)
+    torch.testing.assert_close(streamed.bias, dense.bias, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(streamed.values, dense.values, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(streamed.scores, dense.scores, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("ridge", [1e-2, 1e-1])
+def test_nnls_bias_on_a_wide_design_equals_the_primal_gram_form(ridge):
+    # 12 queries, 30 kept keys: nnls_bias takes the 12 x 12 dual; the 30 x 30 Gram
+    # form is the reference. A ridge that keeps the rank-12 primal Gram well
+    # conditioned in float32, so that the two forms must agree closely.
+    gen = _gen(31)
+    m = torch.rand(2, 12, 30, generator=gen)
+    z = (m @ torch.exp(2 * torch.randn(2, 30, 1, generator=gen))).squeeze(-1)  # box constraints bind
+    valid = torch.ones(2, 30, dtype=torch.bool)
+    valid[1, 24:] = False
+    lo, hi = math.exp(-3), math.exp(3)
+    got = nnls_bias(m, z, valid, lo, hi, iters=3, ridge=ridge)
+    gram, b, active, design = _gram(m, z, valid)
+    w = _box_nnls_gram(gram, b, active, lo, hi, 3, ridge, design, z)
+    expected = w.log().masked_fill(~valid, float("-inf"))
+    assert torch.isinf(got[1, 24:]).all()
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from kvlab.runtime.attention import attend, attention_logits
 from kvlab.runtime.quant import PackedTensor
 
-# Keys per chunk of the chunked key scores: n x 4096 float32 logits at a time.
-SCORE_CHUNK = 4096
+# Keys per chunk of the chunked key scores: n x 1024 float32 logits at a time.
+SCORE_CHUNK = 1024
 
 
 def full_bias(bias: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:

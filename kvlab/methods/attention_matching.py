@@ -20,11 +20,12 @@ from typing import Any, Literal
 
 import torch
 
+from kvlab import kernels
 from kvlab.context import Context
 from kvlab.methods.base import EvictionMethod, Method, MethodError, Options, Request, knob, register
 from kvlab.methods.budgets import head_budgets
 from kvlab.methods.kvzip import KVzipOptions, kvzip_scores
-from kvlab.methods.solvers import CompactBlock, compact_block, score_keys
+from kvlab.methods.solvers import CompactBlock, compact_block
 from kvlab.metrics import block_errors
 from kvlab.prompts import question_tokens, repeat_tokens
 from kvlab.queries import (
@@ -234,7 +235,7 @@ def compact_blocks(
         if score:
             block_scores = out[-1].scores
             if block_scores is None:
-                block_scores = job.key_scores if job.key_scores is not None else score_keys(
+                block_scores = job.key_scores if job.key_scores is not None else kernels.key_scores(
                     job.queries, job.keys, job.bias, scoring=opts.scoring)
             scores.append(block_scores)
     return out, offsets, torch.cat(scores, dim=1) if score else None
@@ -386,7 +387,8 @@ class AttentionTopK(QuerySourced, EvictionMethod):
         for layer, q in enumerate(reference_queries(ctx, opts, req.question)):
             keys = ctx.full.keys[layer][:, ctx.prefix_len :]
             grouped = fitting_queries(q, keys.shape[0], opts)
-            out.append(score_keys(grouped.to(keys.device), keys, scoring=opts.scoring))
+            # Chunked over the keys (a Triton kernel on CUDA): no [H_kv, n, T] matrix at long context.
+            out.append(kernels.key_scores(grouped.to(keys.device), keys, scoring=opts.scoring))
         return out
 
 

@@ -13,12 +13,14 @@ from typing import Callable, Literal, TypeVar
 import torch
 
 from kvlab.context import Context
-from kvlab.runtime.attention import attention_weights, expand_kv_heads
+from kvlab.runtime.attention import attention_logits, future_mask, group_queries
 
 T = TypeVar("T")
 
-# Query rows per attention block: bounds the transient [H, rows, T] matrix.
-QUERY_CHUNK = 256
+# Logits per attention block (float32 elements, 16 MiB): bounds the transient
+# [H, rows, T] matrices whatever the length, instead of a fixed row count whose
+# block grows with T (256 rows of 32 heads at 32k keys would be 1 GiB).
+BLOCK_ELEMENTS = 1 << 22
 
 
 def received_attention(
@@ -26,24 +28,32 @@ def received_attention(
     keys: torch.Tensor,
     reduce: Literal["sum", "max"] = "sum",
     causal: bool = True,
-    chunk: int = QUERY_CHUNK,
+    block_elements: int = BLOCK_ELEMENTS,
 ) -> torch.Tensor:
     """Attention each key receives from each query head, summed or maxed over the queries.
 
     queries: [H, n, d], keys: [H_kv, T, d] -> [H, T] (float32). With
     ``causal`` the queries are the last n of the T keys' tokens (each sees the
     keys up to its own); the softmax of every query runs over all the keys it
-    can see. Computed in blocks of ``chunk`` queries.
+    can see. Computed in blocks of query rows of at most ``block_elements``
+    logits; the query heads of a KV head's group are stacked against its keys
+    (kvlab.runtime.attention.group_queries) rather than the keys copied per head.
     """
     n_heads, n = queries.shape[0], queries.shape[1]
-    total = keys.shape[1]
-    keys = expand_kv_heads(keys.float(), n_heads)
+    n_kv, total = keys.shape[0], keys.shape[1]
+    group = n_heads // n_kv
+    keys = keys.float()
+    rows = max(1, block_elements // max(1, n_heads * total))
     out = torch.zeros(n_heads, total)
-    for start in range(0, n, chunk):
-        end = min(start + chunk, n)
+    for start in range(0, n, rows):
+        end = min(start + rows, n)
         # Query i of the block sits at key position total - n + i: it sees keys up to there.
         visible = total - n + end if causal else total
-        weights = attention_weights(queries[:, start:end].float(), keys[:, :visible], causal=causal)
+        block = group_queries(queries[:, start:end].float(), n_kv)  # [H_kv, group * rows, d]
+        logits = attention_logits(block, keys[:, :visible]).view(n_kv, group, end - start, visible)
+        if causal:
+            logits.masked_fill_(future_mask(end - start, visible), float("-inf"))
+        weights = torch.softmax(logits, dim=-1).view(n_heads, end - start, visible)
         if reduce == "sum":
             out[:, :visible] += weights.sum(dim=1)
         else:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -109,6 +109,49 @@ def _scores_from_mass(
     return scores
 
 
+# Above this many [B, n, T] float32 elements (64 MiB) the HighestAttnKeys fit
+# streams over key chunks instead of holding the mass features: at 16k keys,
+# 8 heads and 2,048 queries per head they would be 1 GiB per layer. The
+# embedded model's documents (3 heads, up to ~2,700 keys) stay below it.
+DENSE_FEATURES_MAX = 1 << 24
+# Logits per streamed key chunk (16 MiB of float32).
+STREAM_BLOCK_ELEMENTS = 1 << 22
+
+
+def streamed_mass(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    block_elements: int = STREAM_BLOCK_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the fit needs of :func:`mass_features` without the [B, n, T] matrix.
+
+    q: [B, n, d], k: [B, T, d], v: [B, T, dv], bias: [B, T] or None ->
+    ``shift`` [B, n] (each query's largest logit, 0 for a query that sees only
+    padding), ``z`` [B, n] (``sum_j exp(s_ij - shift_i)``) and ``y`` [B, n, dv]
+    (the block's attention output). One pass over key chunks with the running
+    maximum of a streaming softmax.
+    """
+    n_batch, n = q.shape[:2]
+    chunk = max(1, block_elements // max(1, n_batch * n))
+    top = torch.full((n_batch, n), float("-inf"), device=q.device)
+    z = torch.zeros(n_batch, n, device=q.device)
+    acc = torch.zeros(n_batch, n, v.shape[-1], device=q.device)
+    for a in range(0, k.shape[1], chunk):
+        s = attention_logits(q, k[:, a : a + chunk], None if bias is None else bias[:, a : a + chunk], scale)
+        new_top = torch.maximum(top, s.amax(dim=-1))
+        new_shift = torch.where(torch.isfinite(new_top), new_top, torch.zeros_like(new_top))
+        rescale = torch.exp(top - new_shift)  # 0 while nothing was seen (top = -inf)
+        phi = s.sub_(new_shift.unsqueeze(-1)).exp_()
+        z = z * rescale + phi.sum(dim=-1)
+        acc = acc * rescale.unsqueeze(-1) + torch.matmul(phi, v[:, a : a + chunk].float())
+        top = new_top
+    shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    return shift, z, acc / z.unsqueeze(-1)
+
+
 def score_keys(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -170,14 +213,16 @@ def _ridge_factor(
     the whole cache.
     """
     m = gram.shape[-1]
-    base = gram * (active.unsqueeze(-1) * active.unsqueeze(-2))
+    base = _active_block(gram, active)
     ridge_scale = (_ridge_scale(base, active) if ridge_scale is None else ridge_scale).clamp_min(_RIDGE_FLOOR)
     lam = ridge * ridge_scale  # [B]
-    eye = torch.eye(m, dtype=gram.dtype, device=gram.device)
 
     def assemble(b: torch.Tensor, lam_: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
-        diag = lam_.unsqueeze(-1) * act + (1.0 - act)
-        return b + eye * diag.unsqueeze(-1)
+        # Added on the diagonal in place: an identity times the diagonal would be
+        # two more [B, m, m] temporaries, and m (kept keys) reaches thousands.
+        out = b.clone()
+        out.diagonal(dim1=-2, dim2=-1).add_(lam_.unsqueeze(-1) * act + (1.0 - act))
+        return out
 
     chol, info = torch.linalg.cholesky_ex(assemble(base, lam, active))
     bad = info != 0
@@ -192,8 +237,15 @@ def _ridge_factor(
         info[where] = info_b
         bad = info != 0
     if bool(bad.any()):
-        chol = torch.where(bad.view(-1, 1, 1), eye, chol)
+        chol = torch.where(bad.view(-1, 1, 1), torch.eye(m, dtype=gram.dtype, device=gram.device), chol)
     return chol, ~bad
+
+
+def _active_block(gram: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """``gram`` [B, m, m] with the rows and columns of padding entries (active 0) zeroed; no copy without padding."""
+    if bool((active > 0).all()):
+        return gram
+    return gram * (active.unsqueeze(-1) * active.unsqueeze(-2))
 
 
 def _factor_solve(
@@ -259,6 +311,39 @@ def _ridge_lstsq(
     )
 
 
+def _ridge_lstsq_dual(
+    design: torch.Tensor,
+    target: torch.Tensor,
+    active: torch.Tensor,
+    ridge: float,
+    kern: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`_ridge_lstsq` through the n x n dual, for designs with fewer rows than columns.
+
+    design: [B, n, m] (padding columns zero), target: [B, n, c], active: [B, m]
+    -> ``X = D^T (D D^T + lam I)^{-1} target`` [B, m, c], the same ridge
+    estimator as the primal (the push-through identity) and the minimum-norm
+    solution as lam -> 0. ``lam = ridge * ||D||_F^2 / m_active``: the primal
+    Gram's mean diagonal, not the dual's own (/ n), so that both forms are one
+    estimator and switching between them is invisible to callers. ``kern``:
+    ``D D^T`` when the caller holds it.
+    """
+    dt = design.transpose(-1, -2)
+    kern = torch.bmm(design, dt) if kern is None else kern  # [B, n, n]
+    fro2 = torch.diagonal(kern, dim1=-2, dim2=-1).sum(-1)
+    rows = torch.ones(design.shape[0], design.shape[1], dtype=design.dtype, device=design.device)
+    chol, ok = _ridge_factor(kern, rows, ridge, fro2 / active.sum(-1).clamp_min(1.0))
+    solve = lambda b: _factor_solve(chol, ok, b, rows)  # noqa: E731
+    alpha = _refine(
+        solve(target),
+        lambda a: target - torch.bmm(design, torch.bmm(dt, a)),
+        lambda r: r,
+        solve,
+        _REFINE_STEPS,
+    )
+    return torch.bmm(dt, alpha)
+
+
 def _top_eig(gram: torch.Tensor, active: torch.Tensor, steps: int = 10) -> torch.Tensor:
     """Largest eigenvalue of PSD ``gram`` [B, m, m] by power iteration: [B].
 
@@ -301,6 +386,25 @@ def _box_nnls_gram(
         w = _factor_solve(chol, ok, b.unsqueeze(-1), active).squeeze(-1)
     else:
         w = _ridge_lstsq(design, target.unsqueeze(-1), active, ridge, gram, b.unsqueeze(-1)).squeeze(-1)
+    g, b = _active_block(gram, active), b * active
+    return _box_steps(w, active, lo, hi, iters, lambda: _top_eig(g, active),
+                      lambda x: torch.bmm(g, x.unsqueeze(-1)).squeeze(-1) - b)
+
+
+def _box_steps(
+    w: torch.Tensor,
+    active: torch.Tensor,
+    lo: float,
+    hi: float,
+    iters: int,
+    lipschitz: Callable[[], torch.Tensor],
+    gradient: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """From a least-squares start ``w`` [B, m]: clamp into ``[lo, hi]``, then ``iters`` projected-gradient steps.
+
+    ``gradient(w)`` = ``M^T (M w - z)`` [B, m]; ``lipschitz()`` = ``||M||_2^2``
+    [B] (only evaluated when a step is taken); padding entries (active 0) stay 0.
+    """
     real = active > 0
     clamped = w.clamp(lo, hi)
     # An interior least-squares solution is already the box optimum; skipping
@@ -308,23 +412,45 @@ def _box_nnls_gram(
     interior = bool(((clamped == w) | ~real).all())
     w = torch.where(real, clamped, torch.zeros_like(w))
     if iters > 0 and not interior:
-        g = gram * (active.unsqueeze(-1) * active.unsqueeze(-2))
-        step = 1.0 / _top_eig(g, active).clamp_min(_RIDGE_FLOOR)
-        b = b * active
+        step = 1.0 / lipschitz().clamp_min(_RIDGE_FLOOR)
         for _ in range(iters):
-            grad = torch.bmm(g, w.unsqueeze(-1)).squeeze(-1) - b
-            w = torch.where(real, (w - step.unsqueeze(-1) * grad).clamp(lo, hi), w)
+            w = torch.where(real, (w - step.unsqueeze(-1) * gradient(w)).clamp(lo, hi), w)
     return w
+
+
+def _box_nnls_dual(m: torch.Tensor, z: torch.Tensor, active: torch.Tensor, lo: float, hi: float, iters: int,
+                   ridge: float) -> torch.Tensor:
+    """:func:`_box_nnls_gram` for a wide design, never forming the m x m Gram: [B, m].
+
+    m: [B, n, m] design with fewer rows than active columns (padding columns
+    zero), z: [B, n]. The start is the same ridge estimator through the
+    n x n dual (:func:`_ridge_lstsq_dual`); gradient steps use design
+    products, and ``||M||_2^2`` is the top eigenvalue of ``M M^T`` as of
+    ``M^T M``. Memory O(n^2 + n m) instead of O(m^2): m is the number of kept
+    keys, which grows with the document.
+    """
+    mt = m.transpose(-1, -2)
+    kern = torch.bmm(m, mt)  # [B, n, n]
+    w = _ridge_lstsq_dual(m, z.unsqueeze(-1), active, ridge, kern).squeeze(-1)
+    rows = torch.ones(m.shape[0], m.shape[1], dtype=m.dtype, device=m.device)
+    return _box_steps(
+        w, active, lo, hi, iters, lambda: _top_eig(kern, rows),
+        lambda x: torch.bmm(mt, torch.bmm(m, x.unsqueeze(-1)) - z.unsqueeze(-1)).squeeze(-1),
+    )
+
+
+def _masked(m: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(float32 M with padding columns zeroed, active [B, t])`` for a design ``m`` [B, n, t]."""
+    m = m.float()
+    if valid is None:
+        return m, torch.ones(m.shape[0], m.shape[-1], dtype=m.dtype, device=m.device)
+    # padding columns may hold inf/NaN (exp of a -inf bias shift): drop them
+    return torch.where(valid.unsqueeze(-2), m, torch.zeros_like(m)), valid.to(m.dtype)
 
 
 def _gram(m: torch.Tensor, z: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """``(M^T M, M^T z, active, masked M)`` for a design ``m`` [B, n, t]."""
-    m = m.float()
-    active = torch.ones(m.shape[0], m.shape[-1], dtype=m.dtype, device=m.device)
-    if valid is not None:
-        active = valid.to(m.dtype)
-        # padding columns may hold inf/NaN (exp of a -inf bias shift): drop them
-        m = torch.where(valid.unsqueeze(-2), m, torch.zeros_like(m))
+    m, active = _masked(m, valid)
     mt = m.transpose(-1, -2)
     return torch.bmm(mt, m), torch.bmm(mt, z.float().unsqueeze(-1)).squeeze(-1), active, m
 
@@ -366,8 +492,13 @@ def nnls_bias(
     """
     if not 0.0 < w_min <= w_max:
         raise ValueError(f"need 0 < w_min <= w_max, got {w_min}, {w_max}")
-    gram, b, active, m = _gram(m, z, valid)
-    w = _box_nnls_gram(gram, b, active, w_min, w_max, iters, ridge, m, z.float())
+    m_real, active = _masked(m, valid)
+    if m.shape[-2] < int(active.sum(-1).max()):
+        # Fewer queries than kept keys (a long document): the n x n dual, not the t x t Gram.
+        w = _box_nnls_dual(m_real, z.float(), active, w_min, w_max, iters, ridge)
+    else:
+        gram, b, active, m = _gram(m, z, valid)
+        w = _box_nnls_gram(gram, b, active, w_min, w_max, iters, ridge, m, z.float())
     beta = w.log()
     if valid is not None:
         beta = beta.masked_fill(~valid, float("-inf"))
@@ -558,31 +689,8 @@ def fit_values(
         t_real = int(valid.sum(-1).max()) if valid.numel() else 0
     else:
         t_real = t
-    xt = x.transpose(-1, -2)
-    if n < t_real:
-        kern = torch.bmm(x, xt)  # [B, n, n]
-        # Same lambda as the primal form (mean diagonal of x^T x, i.e.
-        # ||x||_F^2 / t_h), not the dual Gram's own mean diagonal (/ n), so
-        # that both forms are one estimator and switching between them is
-        # invisible to callers.
-        t_h = valid.sum(-1).to(x.dtype) if valid is not None else torch.full((B,), float(t), device=x.device)
-        fro2 = torch.diagonal(kern, dim1=-2, dim2=-1).sum(-1)
-        active = torch.ones(B, n, dtype=x.dtype, device=x.device)
-        chol, ok = _ridge_factor(kern, active, ridge, fro2 / t_h.clamp_min(1.0))
-        solve = lambda b: _factor_solve(chol, ok, b, active)  # noqa: E731
-        alpha = _refine(
-            solve(y),
-            lambda a: y - torch.bmm(x, torch.bmm(xt, a)),
-            lambda r: r,
-            solve,
-            _REFINE_STEPS,
-        )
-        cv = torch.bmm(xt, alpha)
-    else:
-        active = torch.ones(B, t, dtype=x.dtype, device=x.device)
-        if valid is not None:
-            active = valid.to(x.dtype)
-        cv = _ridge_lstsq(x, y, active, ridge)
+    active = torch.ones(B, t, dtype=x.dtype, device=x.device) if valid is None else valid.to(x.dtype)
+    cv = _ridge_lstsq_dual(x, y, active, ridge) if n < t_real else _ridge_lstsq(x, y, active, ridge)
     if valid is not None:
         cv = cv * valid.unsqueeze(-1)
     return cv
@@ -644,6 +752,7 @@ def compact_block(
     drop_below: float | None = -7.0,
     omp_nnls_iters: int = 20,
     key_scores: torch.Tensor | None = None,
+    dense_max: int = DENSE_FEATURES_MAX,
 ) -> CompactBlock:
     """Attention Matching compaction of one block for ``B`` heads at once.
 
@@ -668,6 +777,10 @@ def compact_block(
     ``key_scores`` [B, T] (``highest_attn`` only): rank the keys by these
     scores instead of the reference queries' attention, e.g. KVzip's, which
     come from other queries under another softmax; steps 2 and 3 are unchanged.
+
+    ``highest_attn`` holds the [B, n, T] mass features only up to
+    ``dense_max`` elements; above, it streams over key chunks
+    (:func:`streamed_mass`, chunked key scores) with the same results.
     """
     B, n, d = q.shape
     T = k.shape[1]
@@ -693,14 +806,23 @@ def compact_block(
     timings: dict[str, float] = {}
 
     start = _clock(dev)
-    phi, z = mass_features(q, k, bias, scale)
-    # The block's own output is phi V / z (the max shift cancels): reusing phi
-    # saves recomputing every logit, the largest cost of the whole fit.
-    y = torch.matmul(phi, v.float()) / z.unsqueeze(-1)
+    phi = shift = None
+    if key_selection == "omp" or B * n * T <= dense_max:
+        phi, z = mass_features(q, k, bias, scale)
+        # The block's own output is phi V / z (the max shift cancels): reusing phi
+        # saves recomputing every logit, the largest cost of the whole fit.
+        y = torch.matmul(phi, v.float()) / z.unsqueeze(-1)
+    else:
+        shift, z, y = streamed_mass(q, k, v, bias, scale)
     w_omp = None
     # Cheap next to the features; the app shows it as each token's importance.
-    if key_scores is None:
+    if key_scores is None and phi is not None:
         scores = _scores_from_mass(phi, z, scoring, key_valid)
+    elif key_scores is None:
+        from kvlab import kernels  # a late import: kvlab.kernels' reference is built on this package
+
+        # Chunked over the keys (a Triton kernel on CUDA): the same scores without phi.
+        scores = kernels.key_scores(q, k, bias, scale, scoring)
     else:
         scores = key_scores.to(dev).float()
         if key_valid is not None:
@@ -717,8 +839,13 @@ def compact_block(
 
     # Design of the compact keys *without* any old bias, so that the fitted
     # w is exp(total beta) and the bounds apply to the stored beta.
-    m_sel = phi.gather(2, safe.unsqueeze(1).expand(B, n, t))
-    del phi  # the largest tensor; the value fit needs the room
+    if phi is not None:
+        m_sel = phi.gather(2, safe.unsqueeze(1).expand(B, n, t))
+        del phi  # the largest tensor; the value fit needs the room
+    else:
+        chosen = attention_logits(q, k.gather(1, safe.unsqueeze(-1).expand(B, t, d)),
+                                  None if bias is None else bias.gather(1, safe), scale)
+        m_sel = chosen.sub_(shift.unsqueeze(-1)).exp_()
     old = torch.zeros(B, t, device=dev) if bias is None else bias.float().gather(1, safe)
     old = torch.where(slot_valid, old, torch.zeros_like(old))
     if w_omp is None:

@@ -154,8 +154,12 @@ def causal_attention(
     if q_len == 1 and kernels.backend(q) == "triton":
         # Decode over a biased cache on CUDA: split-K kernel, biases kept in float32.
         return kernels.decode_attention(q, k, v, key_bias, scale).output
-    mask = causal_bias_mask(q_len, kv_len, key_bias, n_heads, q.dtype, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    # SDPA takes a float mask only in the queries' dtype, and in bf16 a fitted
+    # bias keeps 8 bits: this call (several tokens read after a fitted cache,
+    # e.g. the question) runs in float32 so the biases stay exact.
+    mask = causal_bias_mask(q_len, kv_len, key_bias, n_heads, torch.float32, q.device)
+    out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.to(q.dtype)
 
 
 # PyTorch's CPU flash kernel, which also returns the log-sum-exp; None if this
@@ -169,14 +173,20 @@ def _past_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     The earlier keys are seen by every query (no mask) and the queries' own
     block is square-causal: two fast kernels whose outputs are merged by their
     log-sum-exps, instead of a masked kernel that scores every masked-out pair
-    too (about 1.5x slower for a 2,000-token repeat-prefill on CPU).
+    too (about 1.5x slower for a 2,000-token repeat-prefill on CPU). One KV
+    head's query group at a time: the kernel takes no GQA, and keys copied for
+    every query head at once would be group-size times the layer's cache.
     """
-    n_heads, q_len, kv_len = q.shape[1], q.shape[2], k.shape[2]
-    past = kv_len - q_len
-    k, v = expand_kv_heads(k[0], n_heads).unsqueeze(0), expand_kv_heads(v[0], n_heads).unsqueeze(0)
-    out_past, lse_past = _CPU_FLASH(q, k[:, :, :past], v[:, :, :past], 0.0, False, scale=scale)[:2]
-    out_new, lse_new = _CPU_FLASH(q, k[:, :, past:], v[:, :, past:], 0.0, True, scale=scale)[:2]
-    top = torch.maximum(lse_past, lse_new)
-    w_past = torch.exp(lse_past - top).unsqueeze(-1)
-    w_new = torch.exp(lse_new - top).unsqueeze(-1)
-    return ((w_past * out_past.float() + w_new * out_new.float()) / (w_past + w_new)).to(q.dtype)
+    n_kv, q_len, kv_len = k.shape[1], q.shape[2], k.shape[2]
+    group, past = q.shape[1] // n_kv, kv_len - q_len
+    out = torch.empty_like(q)
+    for h in range(n_kv):
+        heads = slice(h * group, (h + 1) * group)
+        kh, vh = k[:, h : h + 1].expand(-1, group, -1, -1), v[:, h : h + 1].expand(-1, group, -1, -1)
+        out_past, lse_past = _CPU_FLASH(q[:, heads], kh[:, :, :past], vh[:, :, :past], 0.0, False, scale=scale)[:2]
+        out_new, lse_new = _CPU_FLASH(q[:, heads], kh[:, :, past:], vh[:, :, past:], 0.0, True, scale=scale)[:2]
+        top = torch.maximum(lse_past, lse_new)
+        w_past = torch.exp(lse_past - top).unsqueeze(-1)
+        w_new = torch.exp(lse_new - top).unsqueeze(-1)
+        out[:, heads] = ((w_past * out_past.float() + w_new * out_new.float()) / (w_past + w_new)).to(q.dtype)
+    return out

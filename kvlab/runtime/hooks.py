@@ -22,9 +22,10 @@ ATTENTION_NAME = "kvlab"
 class QueryCapture:
     """Post-RoPE queries seen by the first ``n_layers`` layers during some forward passes.
 
-    ``chunks[layer]`` is a list of [H, q, d] tensors in call order; stored on
-    the CPU in float32 so that the solvers see exact values whatever the
-    model's dtype.
+    ``chunks[layer]`` is a list of [H, q, d] tensors in call order, stored on
+    the CPU in the model's dtype: a float32 copy of a bf16 model's queries
+    would be four times its KV cache (GQA 4:1). Every use casts to float32
+    inside the maths (kvlab.runtime.attention.attention_logits).
     """
 
     n_layers: int
@@ -33,7 +34,7 @@ class QueryCapture:
     def record(self, layer: int, query: torch.Tensor) -> None:
         if layer >= self.n_layers:
             return
-        self.chunks.setdefault(layer, []).append(query[0].detach().float().cpu())
+        self.chunks.setdefault(layer, []).append(query[0].detach().cpu())
 
     def layer(self, layer: int) -> torch.Tensor:
         """All queries recorded for ``layer``: [H, n, d]."""
