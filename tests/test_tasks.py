@@ -71,9 +71,9 @@ from kvlab.prompts import context_tokens
 from kvlab.tasks import datasets, registry, synthetic
 from kvlab.tasks.items import TaskError, TaskItem, token_counter
 from kvlab.tasks.registry import build_items
-from kvlab.tasks.runner import FLOOR, FULL, MethodSpec, answer_item, prompt_ids, run_items, summarise
+from kvlab.tasks.runner import FLOOR, FULL, MethodSpec, SummaryRow, answer_item, prompt_ids, run_items, summarise
 from kvlab.tasks.store import ResultWriter, Shard, read_results
-from kvlab.tasks.report import write_report
+from kvlab.tasks.report import table_markdown, write_report
 
 LENGTH = 150  # tokens of the tiny word-level tokenizer: one per whitespace-separated word
 
@@ -368,8 +368,9 @@ def test_bench_writes_csv_and_html_and_rebuilds_them(tiny_cli, tmp_path, capsys)
     assert "Plotly.newPlot" in page and len(page) > 1_000_000 and 'src="https://cdn' not in page
     assert "needles found: snapkv" in page and "needle_grid: accuracy against compression" in page
     assert "<table>" in page
+    assert "| snapkv | " in (out / "table.md").read_text()
     # rebuild from the JSONL alone
-    for name in ("results.csv", "summary.csv", "report.html"):
+    for name in ("results.csv", "summary.csv", "report.html", "table.md"):
         (out / name).unlink()
     assert main(["bench", "--report", str(out)]) == 0
     assert (out / "report.html").read_text().count("needles found") == 1
@@ -405,3 +406,17 @@ def test_embedded_full_cache_finds_single_needles(embedded):
     full = [r for r in results if r.method == FULL]
     assert all(1900 <= r.doc_tokens <= 2000 for r in full)
     assert [r.correct for r in full] == [True, True, True], [r.answer for r in full]
+
+
+def test_markdown_table_puts_ceiling_and_floor_in_every_ratio_column():
+    def row(method, ratio, accuracy, n=4, note=""):
+        return SummaryRow("niah_single", method, "", ratio, n, accuracy, accuracy, 1.0, None, None, None, note)
+
+    rows = [row(FULL, None, 1.0), row(FLOOR, None, 0.0), row("kvzip", 2.0, 0.75), row("kvzip", 10.0, 0.5, n=2)]
+    assert table_markdown(rows).splitlines() == [
+        "**niah_single**", "",
+        "| method | 2x | 10x |", "|---|---|---|",
+        "| full | 1.00 (4) | 1.00 (4) |",
+        "| no_context | 0.00 (4) | 0.00 (4) |",
+        "| kvzip | 0.75 (4) | 0.50 (2) |",
+    ]

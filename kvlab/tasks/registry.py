@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from kvlab.bounded.tasks import copy_codes
 from kvlab.models import LoadedModel
 from kvlab.tasks import datasets, synthetic
 from kvlab.tasks.items import TaskError, TaskItem, token_counter
@@ -33,6 +34,8 @@ TASKS: dict[str, TaskSpec] = {
         TaskSpec("quality", "QuALITY four-way multiple choice by option log-likelihood (shared data)", False, datasets.quality),
         TaskSpec("hotpotqa", "HotpotQA distractor setting, token F1 (shared data)", False, datasets.hotpotqa),
         TaskSpec("examples", "the bundled examples' suggested questions", False, datasets.examples),
+        TaskSpec("copy_codes", "copy a list of codes back: a long answer, token F1 (the Generate tab's task)", True,
+                 copy_codes),
     )
 }
 

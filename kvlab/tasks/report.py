@@ -115,6 +115,32 @@ def table_html(rows: Sequence[SummaryRow]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
+def table_markdown(rows: Sequence[SummaryRow]) -> str:
+    """Per task, a Markdown grid: one line per method, one column per ratio, cells "accuracy (n)".
+
+    The full cache (the ceiling) and no_context (the floor) come first, with their
+    score in every column; a task whose ceiling is below 60 % carries the note.
+    """
+    out = []
+    for task in dict.fromkeys(r.task for r in rows):
+        mine = [r for r in rows if r.task == task]
+        ratios = sorted({r.ratio for r in mine if r.ratio is not None})
+        cells: dict[str, dict[float | None, SummaryRow]] = defaultdict(dict)
+        for r in mine:
+            cells[method_label(r.method, r.preset)][r.ratio] = r
+        note = next((r.note for r in mine if r.note), "")
+        out += [f"**{task}**" + (f" ({note})" if note else ""), "",
+                "| method | " + " | ".join(f"{x:g}x" for x in ratios) + " |",
+                "|---|" + "---|" * len(ratios)]
+        for label, by_ratio in cells.items():
+            fixed = by_ratio.get(None)  # the full cache and no_context ignore the ratio
+            row = [fixed or by_ratio.get(x) for x in ratios]
+            out.append(f"| {label} | " + " | ".join(
+                "-" if r is None else f"{r.accuracy:.2f} ({r.n})" for r in row) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def report_html(results: Sequence[TaskResult], title: str = "kvlab bench") -> str:
     """A self-contained page (plotly.js embedded): accuracy curves per task, needle heatmaps per method, the table."""
     rows = summarise(results)
@@ -137,11 +163,12 @@ def report_html(results: Sequence[TaskResult], title: str = "kvlab bench") -> st
 
 
 def write_report(out: Path) -> list[SummaryRow]:
-    """Rebuild results.csv, summary.csv and report.html in ``out`` from its JSONL files alone."""
+    """Rebuild results.csv, summary.csv, report.html and table.md in ``out`` from its JSONL files alone."""
     out = Path(out)
     results = read_results(out)
     rows = summarise(results)
     write_csv(out / "results.csv", [r.to_dict() for r in results])
     write_csv(out / "summary.csv", [r.to_dict() for r in rows])
     (out / "report.html").write_text(report_html(results), encoding="utf-8")
+    (out / "table.md").write_text(table_markdown(rows), encoding="utf-8")
     return rows
