@@ -71,9 +71,9 @@ from kvlab.prompts import context_tokens
 from kvlab.tasks import datasets, registry, synthetic
 from kvlab.tasks.items import TaskError, TaskItem, token_counter
 from kvlab.tasks.registry import build_items
-from kvlab.tasks.runner import FLOOR, FULL, MethodSpec, SummaryRow, answer_item, prompt_ids, run_items, summarise
+from kvlab.tasks.runner import FLOOR, FULL, MethodSpec, SummaryRow, TaskResult, answer_item, prompt_ids, run_items, summarise
 from kvlab.tasks.store import ResultWriter, Shard, read_results
-from kvlab.tasks.report import table_markdown, write_report
+from kvlab.tasks.report import needle_heatmap, table_markdown, write_report
 
 LENGTH = 150  # tokens of the tiny word-level tokenizer: one per whitespace-separated word
 
@@ -373,7 +373,10 @@ def test_bench_writes_csv_and_html_and_rebuilds_them(tiny_cli, tmp_path, capsys)
     for name in ("results.csv", "summary.csv", "report.html", "table.md"):
         (out / name).unlink()
     assert main(["bench", "--report", str(out)]) == 0
-    assert (out / "report.html").read_text().count("needles found") == 1
+    # one heatmap per task with needle depths
+    page = (out / "report.html").read_text()
+    assert page.count("needles found") == 2
+    assert "needles found: snapkv on needle_grid" in page and "needles found: snapkv on niah_single" in page
     assert len(list(csv.DictReader((out / "results.csv").open()))) == len(rows)
 
 
@@ -420,3 +423,17 @@ def test_markdown_table_puts_ceiling_and_floor_in_every_ratio_column():
         "| no_context | 0.00 (4) | 0.00 (4) |",
         "| kvzip | 0.75 (4) | 0.50 (2) |",
     ]
+
+
+def test_needle_heatmap_of_one_task_ignores_the_others_at_the_same_depth():
+    def result(task, method, ratio, score):
+        return TaskResult(task, f"{task}-0", method, "", ratio, "m", score, score == 1.0, score == 1.0, score,
+                          "a", "a", True, None, None, 0.5, 100, 0.0, 0.0)
+
+    results = [result("niah_single", FULL, None, 1.0), result("niah_single", "kvzip", 2.0, 1.0),
+               result("niah_multikey", FULL, None, 0.0), result("niah_multikey", "kvzip", 2.0, 0.0)]
+    single = needle_heatmap(results, "kvzip", task="niah_single").data[0]
+    assert list(single.x) == ["full", "2x"] and list(single.y) == ["50%"]
+    assert single.z == ((1.0, 1.0),) or [list(r) for r in single.z] == [[1.0, 1.0]]
+    both = needle_heatmap(results, "kvzip").data[0]
+    assert [list(r) for r in both.z] == [[0.5, 0.5]]

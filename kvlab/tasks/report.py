@@ -48,15 +48,16 @@ def accuracy_figure(rows: Sequence[SummaryRow], task: str) -> go.Figure:
     return fig
 
 
-def needle_heatmap(results: Iterable[TaskResult], method: str, preset: str = "") -> go.Figure:
-    """Mean score by needle depth (rows) and ratio (columns) for one method, on every result with a depth.
+def needle_heatmap(results: Iterable[TaskResult], method: str, preset: str = "", task: str | None = None) -> go.Figure:
+    """Mean score by needle depth (rows) and ratio (columns) for one method, on the results
+    of ``task`` (default: every task) that have a depth.
 
     The full cache is the first column, so a method's losses read against it.
     """
     cells: dict[tuple[float, str], list[float]] = defaultdict(list)
     ratios: set[float] = set()
     for r in results:
-        if r.depth is None:
+        if r.depth is None or (task is not None and r.task != task):
             continue
         if r.method == FULL:
             cells[(r.depth, "full")].append(r.score)
@@ -72,7 +73,7 @@ def needle_heatmap(results: Iterable[TaskResult], method: str, preset: str = "")
         hovertemplate="depth %{y}, %{x}: %{z:.2f}<extra></extra>",
     ))
     fig.update_layout(
-        title=dict(text=f"needles found: {method_label(method, preset)}"),
+        title=dict(text=f"needles found: {method_label(method, preset)}" + (f" on {task}" if task else "")),
         xaxis=dict(title=dict(text="cache"), type="category"),
         yaxis=dict(title=dict(text="needle depth"), type="category"),
         height=figures.FIGURE_HEIGHT, template="plotly_white", margin=dict(l=70, r=20, t=60, b=50),
@@ -145,9 +146,9 @@ def report_html(results: Sequence[TaskResult], title: str = "kvlab bench") -> st
     """A self-contained page (plotly.js embedded): accuracy curves per task, needle heatmaps per method, the table."""
     rows = summarise(results)
     figs = [accuracy_figure(rows, task) for task in dict.fromkeys(r.task for r in rows)]
-    if any(r.depth is not None for r in results):
-        methods = dict.fromkeys((r.method, r.preset) for r in results if r.ratio is not None)
-        figs += [needle_heatmap(results, m, p) for m, p in methods]
+    methods = dict.fromkeys((r.method, r.preset) for r in results if r.ratio is not None)
+    for task in dict.fromkeys(r.task for r in results if r.depth is not None):
+        figs += [needle_heatmap(results, m, p, task) for m, p in methods]
     parts = [pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figs)]
     models = ", ".join(sorted({r.model for r in results})) or "-"
     style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"

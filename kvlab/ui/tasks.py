@@ -49,18 +49,19 @@ def build_task_outputs(prefix: str) -> TaskOutputs:
     table = gr.Dataframe(headers=TABLE_COLUMNS, label="Accuracy table", interactive=False, wrap=True,
                          elem_id=f"kvlab-{prefix}-table")
     out = TaskOutputs(state, status, task, accuracy, method, heatmap, table)
-    task.input(lambda run, t: accuracy_figure(run.rows, t) if run else None, [state, task], [accuracy],
-               api_name=False, concurrency_limit=None)
-    method.input(lambda run, m: _heatmap(run, m), [state, method], [heatmap], api_name=False, concurrency_limit=None)
+    task.input(lambda run, t, m: (accuracy_figure(run.rows, t) if run else None, _heatmap(run, m, t)),
+               [state, task, method], [accuracy, heatmap], api_name=False, concurrency_limit=None)
+    method.input(_heatmap, [state, method, task], [heatmap], api_name=False, concurrency_limit=None)
     return out
 
 
-def _heatmap(run: TaskRun | None, label: str | None):
-    if run is None or not label:
+def _heatmap(run: TaskRun | None, label: str | None, task: str | None):
+    """The needle heatmap of the method labelled ``label`` on ``task`` (None when that task has no depths)."""
+    if run is None or not label or not any(r.depth is not None and r.task == task for r in run.results):
         return None
     for m, p in run.methods:
         if method_label(m, p) == label:
-            return needle_heatmap(run.results, m, p)
+            return needle_heatmap(run.results, m, p, task)
     return None
 
 
@@ -103,6 +104,6 @@ def show(run: TaskRun) -> tuple:
         gr.Dropdown(choices=run.tasks, value=task),
         accuracy_figure(run.rows, task) if task else None,
         gr.Dropdown(choices=labels if has_depths else [], value=method),
-        _heatmap(run, method),
+        _heatmap(run, method, task),
         {"headers": TABLE_COLUMNS, "data": table_rows(run)},
     )
