@@ -133,11 +133,17 @@ def test_copy_task_prompt_round_trips_and_scores_by_hand():
     assert len(set(codes)) == 5 and all(len(c) == 4 and c[0].isupper() and c[1:].isdigit() for c in codes)
     assert codes_in_prompt(copy_prompt(codes)) == codes
     assert codes_in_prompt("Tell me a story.") is None
-    # Two of five codes right then a wrong one: in order 2; F1 = 2 * (3/4 * 3/5) / (3/4 + 3/5) with 3 common.
+    # Two of five codes right, a wrong one, then the fourth: 3 in the list's order;
+    # F1 = 2 * (3/4 * 3/5) / (3/4 + 3/5) with 3 codes in common.
     answer = "\n".join([codes[0], codes[1], "Z999", codes[3]])
     score = score_copy(answer, codes)
-    assert score.in_order == 2 and score.n_codes == 5
+    assert score.in_order == 3 and score.n_codes == 5
     assert score.f1 == pytest.approx(2 * 0.75 * 0.6 / (0.75 + 0.6))
+    # The embedded model's own format: each code in a sentence, then in a block (counted once).
+    verbose = "".join(f'The code for the "{c}" is:\n\n```\n{c}\n```\n\n' for c in [codes[1], codes[0], codes[2]])
+    score = score_copy(verbose, codes)
+    assert score.in_order == 2  # codes[0], codes[2] (or codes[1], codes[2]) in order
+    assert score.f1 == pytest.approx(2 * 1.0 * 0.6 / (1.0 + 0.6))
 
 
 def test_copy_task_items_fit_their_length():
@@ -185,3 +191,22 @@ def test_lab_refuses_bad_input_before_loading_a_model():
         generate(prompt="hi", methods=["nope"])
     with pytest.raises(InputError, match="budget"):
         generate(prompt="hi", budget=0)
+
+
+def test_common_subsequence_against_brute_force():
+    import itertools
+    import random
+
+    from kvlab.bounded.tasks import common_subsequence
+
+    rng = random.Random(5)
+    for _ in range(200):
+        a = [rng.choice("abc") for _ in range(rng.randint(0, 6))]
+        b = [rng.choice("abc") for _ in range(rng.randint(0, 6))]
+        # the longest subsequence of a (by brute force over index subsets) that is also one of b
+        def is_subsequence(s, t):
+            it = iter(t)
+            return all(x in it for x in s)
+        best = max(k for k in range(len(a) + 1)
+                   if any(is_subsequence([a[i] for i in idx], b) for idx in itertools.combinations(range(len(a)), k)))
+        assert common_subsequence(a, b) == best
