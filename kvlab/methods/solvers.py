@@ -18,10 +18,15 @@ Shapes: ``B`` heads, ``n`` reference queries, ``T`` original keys, ``t``
 compact keys, ``d`` key dim, ``dv`` value dim. Attention itself is computed
 only through :mod:`kvlab.runtime.attention`.
 
-One module on purpose (about 750 lines): key scoring, the bounded NNLS for the
+One module on purpose (about 880 lines): key scoring, the bounded NNLS for the
 biases, the value least squares and OMP are the stages of one solve and share
 their batched shapes, masks and float32 conventions; split apart, each stage
 would have to re-derive them.
+
+Memory: a long document has many kept keys ``t``; no stage holds a ``t x t``
+matrix when there are fewer reference queries than kept keys (both least
+squares then use the ``n x n`` dual), and HighestAttnKeys streams over key
+chunks instead of holding the ``[B, n, T]`` mass features when they are large.
 
 Ridge convention: every ``ridge`` argument is *relative*: the added diagonal
 is ``ridge * mean(diag(Gram))`` over the real (non-padding) columns. The
