@@ -1,8 +1,9 @@
 """The retrieval gap: why Attention Matching loses needles that KVzip keeps (issue 10, item 6).
 
-    python -m benchmarks.retrieval_gap                       # about 15 minutes on 2 shared CPU cores
+    python -m benchmarks.retrieval_gap       # every variant on 4 items: hours on a CPU (plain OMP is slow)
     python -m benchmarks.retrieval_gap --items 2 --on-policy-items 0 --json out.json
     python -m benchmarks.retrieval_gap --items 1 --variants "AM rms (default);kvzip (global prune)"
+    python -m benchmarks.retrieval_gap --skip 1 --items 3 --variants "..."   # three more items
 
 Setting: single-needle items (``niah_single``, a 7-digit number in noise
 lines, seeded) at about 2,000 tokens of the embedded model, keeping only the
@@ -156,16 +157,21 @@ def measure(needle: Needle, label: str, spec: MethodSpec, ratio: float) -> Row:
     return Row(label, ratio, needle.item.item_id, out.score >= 1.0, err_cache, err_block, heads, attention, compress_s)
 
 
-def needles(lm: LoadedModel, n: int, seed: int, length: int, tries: int) -> tuple[list[Needle], int]:
-    """The first ``n`` of ``tries`` seeded items that the full cache answers right, and how many were tried."""
-    found, tried = [], 0
+def needles(lm: LoadedModel, n: int, seed: int, length: int, tries: int, skip: int = 0) -> tuple[list[Needle], int]:
+    """The ``n`` seeded items, after the first ``skip``, that the full cache answers right (of at most
+    ``tries`` items), and how many were tried."""
+    found, tried, right = [], 0, 0
     for item in build_items("niah_single", lm, tries, seed, length):
         tried += 1
         needle = prepare_needle(lm, dataclasses.replace(item, max_new_tokens=ANSWER_TOKENS))
-        if needle is not None:
-            found.append(needle)
-            print(f"  {item.item_id}: depth {item.depth:.2f}, {needle.ctx.doc_len} tokens, needle at "
-                  f"{needle.positions.tolist()}", flush=True)
+        if needle is None:
+            continue
+        right += 1
+        if right <= skip:
+            continue
+        found.append(needle)
+        print(f"  {item.item_id}: depth {item.depth:.2f}, {needle.ctx.doc_len} tokens, needle at "
+              f"{needle.positions.tolist()}", flush=True)
         if len(found) == n:
             break
     return found, tried
@@ -199,11 +205,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--items", type=int, default=4, help="needle items the full cache answers right (default 4)")
     parser.add_argument("--on-policy-items", type=int, default=1, help="of those, how many the on-policy preset runs on")
+    parser.add_argument("--skip", type=int, default=0,
+                        help="skip the first SKIP such items (to extend an earlier run to new items)")
     parser.add_argument("--tries", type=int, default=12, help="items generated at most to find them")
     parser.add_argument("--length", type=int, default=2000, help="document tokens at most (default 2000)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ratios", type=float, nargs="+", default=[5, 10])
-    parser.add_argument("--json", default=None, help="also write every row to this file")
+    parser.add_argument("--json", default=None, help="also write every row to this file, rewritten after each row")
     parser.add_argument("--variants", default=None,
                         help="only these variants, by label, separated by ';' (default: all)")
     args = parser.parse_args()
@@ -215,9 +223,16 @@ def main() -> None:
 
     start = time.perf_counter()
     lm = get_model()
-    found, tried = needles(lm, args.items, args.seed, args.length, args.tries)
+    found, tried = needles(lm, args.items, args.seed, args.length, args.tries, args.skip)
     print(f"{len(found)} of {tried} needle items answered right by the full cache", flush=True)
     rows: list[Row] = []
+
+    def save(wall: float | None = None) -> None:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"seed": args.seed, "length": args.length, "skip": args.skip, "wall_s": wall,
+                           "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+
     for i, needle in enumerate(found):
         for label, spec in VARIANTS:
             if label not in chosen or (label == ON_POLICY and i >= args.on_policy_items):
@@ -227,15 +242,14 @@ def main() -> None:
                 rows.append(row)
                 print(f"  {needle.item.item_id} {label} {ratio:g}x: right {row.correct}, err {row.err_cache:.3f}, "
                       f"heads {row.heads_kept:.0%}, attention {row.attention_kept:.0%}", flush=True)
+                save()
     wall = time.perf_counter() - start
     print()
     print(f"niah_single, seed {args.seed}, at most {args.length} tokens: n = {len(found)} items "
+          f"(after the first {args.skip}) "
           f"({args.on_policy_items} for the on-policy preset); wall time {wall / 60:.1f} min")
     print(table(rows, args.ratios))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"seed": args.seed, "length": args.length, "wall_s": wall,
-                       "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+    save(wall)
 
 
 if __name__ == "__main__":
