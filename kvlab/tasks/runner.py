@@ -325,7 +325,7 @@ def summarise(results: Iterable[TaskResult]) -> list[SummaryRow]:
     ceilings = {row.task: row.accuracy for row in rows if row.method == FULL}
     for row in rows:
         if ceilings.get(row.task, 1.0) < LOW_CEILING:
-            row.note = f"full cache below {LOW_CEILING:.0%} on this task ({ceilings[row.task]:.0%})"
+            row.note = f"full cache below {LOW_CEILING:.0%} on this task: {ceilings[row.task]:.0%}"
     order = {FULL: 0, FLOOR: 1}
     rows.sort(key=lambda r: (r.task, order.get(r.method, 2), r.method, r.preset, r.ratio or 0.0))
     return rows
