@@ -423,6 +423,10 @@ def test_markdown_table_puts_ceiling_and_floor_in_every_ratio_column():
         "| no_context | 0.00 (4) | 0.00 (4) |",
         "| kvzip | 0.75 (4) | 0.50 (2) |",
     ]
+    # A run of the ceiling and the floor alone (--methods "") has no ratio: one column.
+    assert table_markdown(rows[:2]).splitlines()[2:] == [
+        "| method | accuracy |", "|---|---|", "| full | 1.00 (4) |", "| no_context | 0.00 (4) |",
+    ]
 
 
 def test_needle_heatmap_of_one_task_ignores_the_others_at_the_same_depth():

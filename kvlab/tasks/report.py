@@ -130,12 +130,14 @@ def table_markdown(rows: Sequence[SummaryRow]) -> str:
         for r in mine:
             cells[method_label(r.method, r.preset)][r.ratio] = r
         note = next((r.note for r in mine if r.note), "")
+        # Only ratio-free runs (the ceiling and floor alone): one accuracy column.
+        columns = ratios or [None]
         out += [f"**{task}**" + (f" ({note})" if note else ""), "",
-                "| method | " + " | ".join(f"{x:g}x" for x in ratios) + " |",
-                "|---|" + "---|" * len(ratios)]
+                "| method | " + " | ".join("accuracy" if x is None else f"{x:g}x" for x in columns) + " |",
+                "|---|" + "---|" * len(columns)]
         for label, by_ratio in cells.items():
             fixed = by_ratio.get(None)  # the full cache and no_context ignore the ratio
-            row = [fixed or by_ratio.get(x) for x in ratios]
+            row = [fixed or by_ratio.get(x) for x in columns]
             out.append(f"| {label} | " + " | ".join(
                 "-" if r is None else f"{r.accuracy:.2f} ({r.n})" for r in row) + " |")
         out.append("")
