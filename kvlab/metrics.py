@@ -45,8 +45,8 @@ def block_errors(
     bias per head) -> (output error [H_kv], mass error [H_kv], mass ratio
     [H_kv]), each averaged over the queries.
     """
-    full = attend(q, ref.keys.cpu(), ref.values.cpu(), bias=ref.bias.cpu())
-    comp = attend(q, approx.keys.cpu(), approx.values.cpu(), bias=approx.bias.cpu())
+    full = attend(q, ref.keys, ref.values, bias=ref.bias)
+    comp = attend(q, approx.keys, approx.values, bias=approx.bias)
     out_err = (comp.output - full.output).norm(dim=-1) / full.output.norm(dim=-1).clamp_min(1e-12)
     ratio = torch.exp(comp.lse - full.lse)
     return out_err.mean(dim=-1), (ratio - 1).abs().mean(dim=-1), ratio.mean(dim=-1)
@@ -56,6 +56,9 @@ def head_errors(
     reference: CompressedKV, stored: CompressedKV, queries: list[torch.Tensor], block_start: int = 0
 ) -> HeadErrors:
     """Per-head errors of ``stored`` against ``reference`` for queries [H, n, d] per layer.
+
+    Computed on the caches' device; the [n_layers, H_kv] results come back to
+    the CPU (they go to figures and JSON).
 
     block_start > 0 compares only the keys that stand for tokens from that
     position on (e.g. the document without the template prefix that every
@@ -72,7 +75,7 @@ def head_errors(
         outs.append(out)
         masses.append(mass)
         ratios.append(ratio)
-    return HeadErrors(torch.stack(outs), torch.stack(masses), torch.stack(ratios))
+    return HeadErrors(torch.stack(outs).cpu(), torch.stack(masses).cpu(), torch.stack(ratios).cpu())
 
 
 def log_perplexity(logprobs: torch.Tensor) -> float:
@@ -90,13 +93,9 @@ def question_attention(queries: list[torch.Tensor], keys: list[torch.Tensor]) ->
     of the KV head's group. The softmax runs over the cache only (the tokens
     after it, which these queries also see, are left out): each query's row
     sums to 1 over the cache, and the relative weights of cached tokens are
-    the model's own.
+    the model's own. Computed where the keys are; returned on the CPU (for the token view).
     """
-    out = []
-    for q, k in zip(queries, keys):
-        k = k.cpu()
-        out.append(attention_weights(group_queries(q, k.shape[0]), k).mean(dim=1))
-    return out
+    return [attention_weights(group_queries(q, k.shape[0]), k).mean(dim=1).cpu() for q, k in zip(queries, keys)]
 
 
 def percentile_levels(scores: torch.Tensor) -> torch.Tensor:
@@ -108,7 +107,7 @@ def percentile_levels(scores: torch.Tensor) -> torch.Tensor:
     Ranks, not values: attention scores are heavy-tailed (a few tokens take
     most of it), so scaled values would leave almost every token at 0.
     """
-    out = torch.zeros(scores.shape, dtype=torch.uint8)
+    out = torch.zeros(scores.shape, dtype=torch.uint8, device=scores.device)
     for head, row in enumerate(scores.float()):
         scored = ~torch.isnan(row)
         values = row[scored]

@@ -96,8 +96,35 @@ def resolve_source(spec: str | None) -> ModelSource:
             raise ModelLoadError(f"GGUF file not found: {path}")
         return ModelSource(path.name, str(path.parent), path.name)
     if path.is_dir():
-        return ModelSource(path.name, str(path))
+        check_model_folder(path)
+        # Named after the folder itself: "." or "models/.." would otherwise give an empty or odd name.
+        return ModelSource(path.resolve().name or str(path), str(path))
     return ModelSource(spec, spec)
+
+
+#: Files of which a model folder needs one for its tokenizer (tokenizer_config.json: any tokenizer's
+#: save_pretrained writes it; the others: fast, SentencePiece, BPE, WordPiece, Mistral's tekken).
+TOKENIZER_FILES = (
+    "tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tekken.json",
+)
+
+
+def check_model_folder(path: Path) -> None:
+    """ModelLoadError, in one line, unless ``path`` holds a config.json and a tokenizer.
+
+    transformers would otherwise fail with a long message about tokenizer
+    backends, or, given only a config, build an empty tokenizer that reads
+    every document as no tokens at all.
+    """
+    if not (path / "config.json").is_file():
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        hint = f"; for a GGUF file give its path, e.g. {path / ggufs[0]}" if ggufs else ""
+        raise ModelLoadError(f"{path} is not a model folder: it has no config.json (save_pretrained writes one){hint}")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"the model folder {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+            "save the tokenizer there too (tokenizer.save_pretrained)"
+        )
 
 
 def pick_device() -> tuple[torch.device, torch.dtype]:
@@ -130,11 +157,98 @@ def device_map(device: torch.device) -> str | dict[str, torch.device] | None:
     return "auto" if device.index is None else {"": device}
 
 
+#: Why kvlab refuses a model whose layers rotate by different RoPEs (also raised by kvlab.runtime.rope).
+PER_LAYER_ROPE = "BeaconKV, Expected Attention and bounded BeaconKV re-rotate queries with one RoPE for every layer"
+
+
+def unsupported_message(name: str, problems: list[tuple[str, str]]) -> str:
+    """One line: ``"<name>: <feature> is not supported by kvlab (<why>)"``, features joined when several."""
+    features = [feature for feature, _ in problems]
+    listed = features[0] if len(features) == 1 else ", ".join(features[:-1]) + " and " + features[-1]
+    verb = "is" if len(features) == 1 else "are"
+    return f"{name}: {listed} {verb} not supported by kvlab ({'; '.join(why for _, why in problems)})"
+
+
+def _attention_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
+    """The model's attention modules: every transformers attention class has ``layer_idx`` and ``scaling``."""
+    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+
+
+def unsupported_features(model: PreTrainedModel) -> list[tuple[str, str]]:
+    """(feature, why kvlab would get it wrong) for each attention feature of ``model`` kvlab does not handle.
+
+    kvlab's attention function (kvlab.runtime.hooks) builds its own causal
+    mask and ignores transformers' ``attention_mask``, ``sliding_window`` and
+    ``softcap``; its methods and metrics score keys at ``1/sqrt(head_dim)``
+    and re-rotate queries with the model's one rotary embedding. A model that
+    needs any of these otherwise would get silently wrong numbers, so it is
+    refused instead. A sliding window at least ``max_position_embeddings``
+    long never drops a key and is full attention: accepted.
+    """
+    # A multimodal model (Gemma 3 4B+) keeps the language model's settings in its text config.
+    cfg = model.config.get_text_config()
+    problems: list[tuple[str, str]] = []
+    every_key = "kvlab's attention and compression methods let every layer see every cached key"
+    if getattr(cfg, "use_bidirectional_attention", False):
+        problems.append(("bidirectional attention", "kvlab's attention is causal"))
+    types = list(getattr(cfg, "layer_types", None) or [])
+    for kind in sorted(set(types) - {"full_attention", "sliding_attention"}):
+        problems.append((f"{kind} layers", every_key))
+    modules = _attention_modules(model)
+    horizon = getattr(cfg, "max_position_embeddings", None)
+    # Qwen2/Qwen3/Gemma 3 keep a per-layer window on the module (None on full layers); Mistral
+    # reads config.sliding_window in every layer.
+    windows = [getattr(m, "sliding_window", getattr(cfg, "sliding_window", None)) for m in modules]
+    biting = [w for w in windows if w and (horizon is None or w < horizon)]
+    if biting:
+        within = f", within a {horizon}-token context" if horizon else ""
+        problems.append((
+            f"sliding-window attention ({len(biting)} of {len(modules)} layers see only the last "
+            f"{min(biting)} tokens{within})", every_key,
+        ))
+    softcap = getattr(cfg, "attn_logit_softcapping", None)
+    if softcap:
+        problems.append((f"attention logit softcapping ({softcap:g})", "kvlab's attention applies no tanh cap"))
+    scales = {float(m.scaling) for m in modules if m.scaling is not None} - {float(m.head_dim) ** -0.5 for m in modules}
+    if scales:
+        head_dim = modules[0].head_dim
+        problems.append((
+            f"attention scaling {min(scales):.6g} instead of 1/sqrt(head_dim {head_dim}) = {head_dim ** -0.5:.6g}",
+            "its compression methods and metrics score keys at 1/sqrt(head_dim)",
+        ))
+    rope = getattr(cfg, "rope_parameters", None)
+    if types and isinstance(rope, dict) and set(types) <= set(rope):
+        # One RoPE per layer type (Gemma 3: local and global).
+        per_type = {kind: rope[kind] for kind in sorted(set(types))}
+        if len({repr(sorted(p.items())) for p in per_type.values()}) > 1:
+            described = ", ".join(
+                f"{kind} {p.get('rope_type', 'default')} theta {p.get('rope_theta', 0):,.0f}"
+                + (f" factor {p['factor']:g}" if p.get("factor") else "")
+                for kind, p in per_type.items()
+            )
+            problems.append((f"a different rotary embedding per layer type ({described})", PER_LAYER_ROPE))
+    return problems
+
+
+def check_supported(model: PreTrainedModel, name: str | None = None) -> None:
+    """ModelLoadError, in one line naming the model and the feature, for a model kvlab would get wrong.
+
+    Called before any work wherever a LoadedModel is built from a model
+    (:func:`load_model`, :mod:`kvlab.synthetic`). See :func:`unsupported_features`.
+    """
+    problems = unsupported_features(model)
+    if problems:
+        label = name or getattr(model.config, "name_or_path", "") or model.config.model_type
+        raise ModelLoadError(unsupported_message(label, problems))
+
+
 def load_model(spec: str | None = None) -> LoadedModel:
     """Load tokenizer and model, with kvlab's attention function switched on.
 
     Placed by :func:`pick_device` and :func:`device_map`. ``trust_remote_code``
-    is always False: a hub repository's own Python never runs here.
+    is always False: a hub repository's own Python never runs here. A model
+    whose attention kvlab would get wrong is refused in one line
+    (:func:`check_supported`).
     """
     source = resolve_source(spec)
     device, dtype = pick_device()
@@ -152,6 +266,7 @@ def load_model(spec: str | None = None) -> LoadedModel:
     except Exception as exc:  # noqa: BLE001 - any loader failure gets one clear message
         tried = source.location + (f" (gguf file {source.gguf_file})" if source.gguf_file else "")
         raise ModelLoadError(f"could not load model {source.label!r} from {tried}: {exc}") from exc
+    check_supported(model, source.label)  # before any document is read with it
     register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
     model.eval()

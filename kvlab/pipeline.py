@@ -158,7 +158,7 @@ def run(
     answer_s = time.perf_counter() - start
     progress(0.8, "measuring errors")
     errors = head_errors(ctx.full.stored, stored, ev.queries)
-    target = torch.tensor(ev.answer.ids, dtype=torch.long)
+    target = torch.tensor(ev.answer.ids, dtype=torch.long, device="cpu")  # token ids, as the question's
     logprobs = continuation_logprobs(ctx.lm, stored, ev.question_ids, target)
     kept = stored.kept_per_head().float()
     result = RunResult(
@@ -181,7 +181,7 @@ def run(
         answer_compressed=answer.text,
         attn_output_rel_err=errors.mean_output,
         attn_mass_rel_err=errors.mean_mass,
-        logppl_full=log_perplexity(torch.tensor(ev.answer.logprobs)),
+        logppl_full=log_perplexity(torch.tensor(ev.answer.logprobs, device="cpu")),
         logppl_compressed=log_perplexity(logprobs),
         per_head={
             "attn_output_rel_err": errors.output.tolist(),

@@ -42,8 +42,11 @@ class Template:
 
 
 def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> torch.Tensor:
-    """Token ids [n] of ``text`` with special tokens parsed, none added."""
-    return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)
+    """Token ids [n] of ``text`` with special tokens parsed, none added.
+
+    On the CPU: ids are the tokenizer's, and the decode path moves what it feeds to the model's device.
+    """
+    return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long, device="cpu")
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ def context_tokens(tokenizer: PreTrainedTokenizerBase, document: str) -> Context
     prefix = encode(tokenizer, template.prefix)
     if tokenizer.bos_token_id is not None and (prefix.numel() == 0 or prefix[0] != tokenizer.bos_token_id):
         if getattr(tokenizer, "add_bos_token", False):
-            prefix = torch.cat([torch.tensor([tokenizer.bos_token_id]), prefix])
+            prefix = torch.cat([torch.tensor([tokenizer.bos_token_id], device="cpu"), prefix])
     return ContextTokens(torch.cat([prefix, encode(tokenizer, document)]), prefix.numel())
 
 

@@ -61,7 +61,7 @@ class RepeatPass:
 
     queries: per layer [H, n, d] post-RoPE queries of the n repeat tokens
     (instruction turn + document); keys: per layer [H_kv, n, d] the same
-    tokens' own keys, float32 on the CPU (KVzip's softmax includes them).
+    tokens' own keys in the model's dtype on its device (KVzip's softmax includes them).
     """
 
     queries: list[torch.Tensor]
@@ -81,7 +81,7 @@ def repeat_pass(ctx: Context, instruction: str = REPEAT_INSTRUCTION) -> RepeatPa
         capture = QueryCapture(ctx.lm.n_layers)
         session = _session_after(ctx, ids, capture)
         # A copy: a slice would keep the whole working cache (document included) alive.
-        keys = [layer.keys[0, :, ctx.length :].float().cpu().clone() for layer in session.cache.layers]
+        keys = [layer.keys[0, :, ctx.length :].clone() for layer in session.cache.layers]
         return RepeatPass(capture.per_layer(), keys)
 
     return ctx.cached("queries", key, make)
@@ -115,7 +115,11 @@ def self_study_queries(ctx: Context, token_budget: int = 256) -> list[torch.Tens
 
 
 def random_queries(ctx: Context, n: int = 1024, seed: int = 0) -> list[torch.Tensor]:
-    """Gaussian N(0, I) vectors in query space: a weak, data-free baseline."""
+    """Gaussian N(0, I) vectors in query space: a weak, data-free baseline.
+
+    Drawn by a CPU generator (the same vectors on every device), then moved to the model's device.
+    """
     lm = ctx.lm
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(lm.n_heads, n, lm.head_dim, generator=gen) for _ in range(lm.n_layers)]
+    shape = (lm.n_heads, n, lm.head_dim)
+    return [torch.randn(shape, generator=gen, device="cpu").to(lm.device) for _ in range(lm.n_layers)]

@@ -44,7 +44,7 @@ def swap_head(base: CompressedKV, boosted: CompressedKV, layer: int, head: int) 
     a, b = base.layer_view(layer), boosted.layer_view(layer)
     width = max(a.keys.shape[1], b.keys.shape[1])
     a, b = pad_view(a, width), pad_view(b, width)
-    pick = torch.zeros(a.keys.shape[0], dtype=torch.bool)
+    pick = torch.zeros(a.keys.shape[0], dtype=torch.bool, device=a.keys.device)
     pick[head] = True
     mixed = PaddedView(
         keys=torch.where(pick[:, None, None], b.keys, a.keys),
@@ -72,7 +72,7 @@ def pad_view(view: PaddedView, width: int) -> PaddedView:
 def answer_loss(ctx: Context, stored: CompressedKV, evaluations: list[Evaluation]) -> float:
     """Mean log-perplexity of the full cache's answers when read from ``stored``."""
     losses = [
-        log_perplexity(continuation_logprobs(ctx.lm, stored, ev.question_ids, torch.tensor(ev.answer.ids)))
+        log_perplexity(continuation_logprobs(ctx.lm, stored, ev.question_ids, torch.tensor(ev.answer.ids, device="cpu")))
         for ev in evaluations
     ]
     return sum(losses) / len(losses)
@@ -93,10 +93,10 @@ def sensitivity_sweep(
     low = max(1, round(ctx.doc_len / ratio))
     high = min(ctx.doc_len, round(low * boost))
     queries = repeat_queries(ctx)
-    base = compact_cache(ctx.full.stored, queries, torch.full(shape, low), opts, ctx.prefix_len)
-    boosted = compact_cache(ctx.full.stored, queries, torch.full(shape, high), opts, ctx.prefix_len)
+    base = compact_cache(ctx.full.stored, queries, torch.full(shape, low, device=lm.device), opts, ctx.prefix_len)
+    boosted = compact_cache(ctx.full.stored, queries, torch.full(shape, high, device=lm.device), opts, ctx.prefix_len)
     loss_base = answer_loss(ctx, base, evaluations)
-    sens = torch.zeros(shape)
+    sens = torch.zeros(shape, device="cpu")  # Python floats, written one head at a time
     for layer in range(lm.n_layers):
         for head in range(lm.n_kv_heads):
             sens[layer, head] = loss_base - answer_loss(ctx, swap_head(base, boosted, layer, head), evaluations)

@@ -1,19 +1,104 @@
-"""Random-weights models built in code: large geometries with no download.
+"""Random-weights models built in code: large geometries, or tiny models of each family, with no download.
 
 The memory benchmark (``python -m benchmarks.memory_model``) and the GPU
-script (``python -m benchmarks.gpu_h200``) need the shapes of real models
+script (``python -m benchmarks.gpu_check``) need the shapes of real models
 (Llama-3.1-8B's heads and head size) at long context, not their knowledge:
 memory and speed depend on the geometry only.
+
+The tests need the architectures researchers use, as tiny models
+(:func:`random_model`): one per family of :data:`FAMILIES`, each built from
+its own transformers config class so that the family's own modelling code
+runs (Llama 3.1's RoPE scaling, Qwen2's q/k/v biases, Qwen3's and Gemma 3's
+q/k norms, Gemma 3's interleaved sliding and global layers).
 """
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers.pre_tokenizers import ByteLevel
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
-from kvlab.models import ATTENTION_NAME, LoadedModel, register_attention
+from kvlab.models import ATTENTION_NAME, LoadedModel, check_supported, register_attention
+
+
+@dataclass(frozen=True)
+class Family:
+    """An architecture: its transformers classes and what its tiny model sets on top of :data:`TINY`."""
+
+    config_class: type[PretrainedConfig]
+    model_class: type[PreTrainedModel]
+    tiny: dict[str, Any] = field(default_factory=dict)
+
+
+#: The geometry every tiny model shares: 64 hidden, 2 layers, 4 query heads over 2 KV heads of
+#: dimension 16, a 64-word vocabulary (:func:`word_tokenizer`). initializer_range 0.1 rather than
+#: transformers' 0.02: attention that is not nearly uniform, so that a wrong key changes the logits.
+TINY: dict[str, Any] = {
+    "vocab_size": 64,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.1,
+}
+
+#: Llama 3.1's RoPE ("llama3": theta 500000, factor 8, low/high frequency factors 1 and 4) with its
+#: original context scaled down from 8192 to 32, so that the scaled and smoothed bands are the
+#: frequencies a 40-token test context actually turns through.
+LLAMA_31_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(LlamaConfig, LlamaForCausalLM, {"rope_parameters": LLAMA_31_ROPE}),
+    "qwen2": Family(Qwen2Config, Qwen2ForCausalLM),  # q/k/v biases are Qwen2's own (no config field)
+    "qwen3": Family(Qwen3Config, Qwen3ForCausalLM),  # q/k norms, no biases
+    # Mistral v0.3 / Nemo: no sliding window (v0.1's 4096-token window is refused, kvlab.models.check_supported).
+    "mistral": Family(MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    # Gemma 3 as kvlab supports it: sliding layers interleaved with a global one (Gemma 3 has five
+    # to one), a window as long as the context (so it never drops a key: full attention), and one
+    # RoPE for both layer types. Real Gemma 3 checkpoints (512- or 1024-token windows, local theta
+    # 10000 and global 1000000) are refused at load time.
+    "gemma3": Family(Gemma3TextConfig, Gemma3ForCausalLM, {
+        "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "sliding_window": 512,
+        "query_pre_attn_scalar": 16,  # = head_dim: other scalings are refused
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    }),
+}
+
+#: Token ids of :func:`word_tokenizer`'s vocabulary, for every config built here.
+SPECIAL_IDS = {"eos_token_id": 1, "bos_token_id": None, "pad_token_id": None}
 
 
 def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -28,21 +113,94 @@ def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
 
 
-def random_llama(config: dict[str, Any], device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """A Llama with random weights, initialised directly on ``device``, kvlab's attention switched on.
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
-    config: LlamaConfig fields (layers, heads, sizes...).
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per UTF-8 byte (ids 0-255) plus ``<|im_start|>`` and ``<|im_end|>`` (end of turn, eos)."""
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"]
+    )
+    fast.chat_template = CHATML
+    return fast
+
+
+def perturb_constant_init(model: PreTrainedModel, scale: float = 0.1) -> None:
+    """Add seeded noise to every bias and norm weight of ``model``, in place.
+
+    transformers initialises biases to 0 and norm weights to 1 (Gemma's norm
+    offsets to 0): a random model built that way has q/k/v biases and q/k
+    norms that do nothing, and could not tell a Qwen2 from a Llama.
     """
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * scale)
+
+
+def random_weights(
+    family: str, config: dict[str, Any], device: torch.device, dtype: torch.dtype, name: str | None = None
+) -> PreTrainedModel:
+    """A ``family`` model of ``config`` (its config class's fields) with random weights on ``device``,
+    kvlab's attention switched on; kvlab.models.ModelLoadError, naming ``name``, if kvlab does not support it."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; choose from: {', '.join(FAMILIES)}")
+    spec = FAMILIES[family]
+    # A copy: config classes standardise nested dicts (rope_parameters) in place.
+    config = copy.deepcopy(config)
     with torch.device(device):
-        model = LlamaForCausalLM._from_config(LlamaConfig(**config), dtype=dtype)
+        model = spec.model_class._from_config(spec.config_class(**config), dtype=dtype)
+        perturb_constant_init(model)
+    check_supported(model, name or f"random {family}")
     register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
     return model.eval()
 
 
-def synthetic_lm(config: dict[str, Any], name: str, seed: int = 0) -> LoadedModel:
-    """A seeded random Llama on the CPU in float32 with a word tokenizer of its vocabulary."""
+def random_llama(config: dict[str, Any], device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """A Llama with random weights, initialised directly on ``device``, kvlab's attention switched on.
+
+    config: LlamaConfig fields (layers, heads, sizes...).
+    """
+    return random_weights("llama", config, device, dtype)
+
+
+def synthetic_lm(
+    config: dict[str, Any],
+    name: str,
+    seed: int = 0,
+    family: str = "llama",
+    device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> LoadedModel:
+    """A seeded random ``family`` model (float32 on the CPU unless told) with a word tokenizer of its vocabulary.
+
+    config: the family config class's fields; the word tokenizer's special ids are the defaults.
+    """
+    device = device or torch.device("cpu")
     torch.manual_seed(seed)
-    config = {"eos_token_id": 1, "bos_token_id": None, "pad_token_id": None, **config}
-    model = random_llama(config, torch.device("cpu"), torch.float32)
-    return LoadedModel(name, model, word_tokenizer(config["vocab_size"]), torch.device("cpu"), torch.float32)
+    config = {**SPECIAL_IDS, **config}
+    model = random_weights(family, config, device, dtype, name)
+    return LoadedModel(name, model, word_tokenizer(config["vocab_size"]), device, dtype)
+
+
+def random_model(
+    family: str,
+    config_overrides: dict[str, Any] | None = None,
+    device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> LoadedModel:
+    """The tiny model of ``family`` (:data:`TINY` plus the family's settings, then ``config_overrides``),
+    named ``tiny-<family>``: seeded random weights, kvlab's attention, a word tokenizer over w0..w61."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; choose from: {', '.join(FAMILIES)}")
+    config = {**TINY, **FAMILIES[family].tiny, **(config_overrides or {})}
+    return synthetic_lm(config, f"tiny-{family}", seed, family, device, dtype)

@@ -1,10 +1,10 @@
 """Memory at long context, measured: peak resident memory of every method's compression
-and of one lab run at 16k tokens stays under stated multiples of the KV cache's bytes.
+and of one lab run at 15k tokens stays under stated multiples of the KV cache's bytes.
 
 A random-weights Llama (GQA 4:1 like Llama-3.1-8B, head dim 128; one layer and
-8/2 heads so the CPU prefill of 16k tokens takes seconds) runs in a subprocess
+8/2 heads so the CPU prefill of 15k tokens takes seconds) runs in a subprocess
 (benchmarks.memory_model), which reads the kernel's resident-set high-water
-mark around each phase. A [T, T] matrix at 16k tokens would be 1 GiB per
+mark around each phase. A [T, T] matrix at 15k tokens would be 0.9 GiB per
 head, 32 times this cache: any method or metric building one fails here.
 """
 from __future__ import annotations
@@ -20,24 +20,27 @@ import pytest
 from kvlab.methods import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKENS = 16384
+# Not a multiple of the prefill's 2,048-token chunks nor of the decode buffers' doubling:
+# a held cache that kept the buffers' spare capacity would show here.
+TOKENS = 15000
 
 # The stated multiples of the KV cache's bytes (keys and values, float32), and why:
-# - a prefilled context holds the cache (1), its keep-all stored view (1) and the
-#   prefill's queries (2: four query heads per KV head, against two tensors of
-#   keys and values): 4.0, counted by Context.nbytes;
+# - a prefilled context holds the cache (1; its keep-all stored view shares that
+#   storage) and the prefill's queries (2: four query heads per KV head, against
+#   two tensors of keys and values), counted by Context.nbytes: at most twice the
+#   cache plus the queries, measured 3.0;
 # - an eviction or quantisation method adds its recorded queries (KVzip's repeat
 #   pass: 2, and its keys: 0.5), working copies of one layer and the compressed
 #   cache, and attention blocks of bounded size (kvlab.methods.scoring.BLOCK_ELEMENTS);
 #   measured at most 7.5 (Expected Attention: the keys copied per query head);
 # - Attention Matching also holds its fit's designs: the reference queries'
 #   attention over the kept keys, [n, t] per KV head (n = 2,048 queries, t =
-#   16384 / 5 keys), a few at a time; each is 1.7x this cache here, and they
+#   15000 / 5 keys), a few at a time; each is 1.7x this cache here, and they
 #   grow like t, i.e. linearly in T (the mass fit solves the n x n dual when
 #   n < t, never a t x t system); measured 14.5;
 # - a lab run: the prefill, Attention Matching's compression, both answers, the
 #   errors; measured 18.9.
-HELD_MAX = 4.5
+HELD_MAX_CACHES = 2.0  # multiples of the KV cache, besides the recorded queries
 COMPRESS_MAX = 9.0
 ATTENTION_MATCHING_MAX = 17.0
 LAB_RUN_MAX = 22.0
@@ -61,7 +64,7 @@ def multiples(figures: dict) -> dict[str, float]:
     return {p["phase"]: p["kv_multiple"] for p in figures["peaks"]}
 
 
-def test_the_document_is_16k_tokens_and_the_cache_is_counted_in_full(figures):
+def test_the_document_is_15k_tokens_and_the_cache_is_counted_in_full(figures):
     cfg = figures["config"]
     assert figures["tokens"] >= TOKENS
     # keys + values, float32, every layer and KV head
@@ -71,11 +74,12 @@ def test_the_document_is_16k_tokens_and_the_cache_is_counted_in_full(figures):
 
 def test_a_prefilled_context_holds_its_cache_and_queries_only(figures):
     cfg = figures["config"]
-    # cache + keep-all view + queries: the queries have num_attention_heads heads where keys
-    # and values have 2 x num_key_value_heads, all float32 on the CPU
-    expected = 2 + cfg["num_attention_heads"] / (2 * cfg["num_key_value_heads"])
-    assert multiples(figures)["held"] == pytest.approx(expected, rel=0.05)
-    assert multiples(figures)["held"] <= HELD_MAX
+    # The queries have num_attention_heads heads where keys and values have 2 x
+    # num_key_value_heads, all float32: their bytes as a multiple of the cache's.
+    queries = cfg["num_attention_heads"] / (2 * cfg["num_key_value_heads"])
+    assert multiples(figures)["held"] <= HELD_MAX_CACHES + queries
+    # The cache once (its keep-all view shares it), the queries once.
+    assert multiples(figures)["held"] == pytest.approx(1 + queries, rel=0.05)
 
 
 @pytest.mark.parametrize("method", sorted(REGISTRY))

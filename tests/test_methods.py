@@ -81,7 +81,12 @@ def test_near_ratio_one_the_fitted_cache_still_reproduces_its_reference(ctx, nam
 def test_every_method_meets_its_budget(ctx, name, ratio):
     if getattr(REGISTRY[name], "fixed_budget", False):
         pytest.skip("keeps a fixed amount whatever the ratio")
-    stored = get_method(name).compress(Request(ctx, ratio, QUESTION))
+    assert_meets_budget(ctx, name, ratio, get_method(name).compress(Request(ctx, ratio, QUESTION)))
+
+
+def assert_meets_budget(ctx, name, ratio, stored):
+    """``stored``, method ``name``'s cache of ``ctx`` at ``ratio``, keeps its budget (also used by
+    tests/test_architectures.py)."""
     semantics = getattr(REGISTRY[name], "memory_ratio_semantics", None)
     if semantics:  # mixed precision: the ratio is met in bytes ("match") or caps them ("at_most")
         assert stored.nbytes <= ctx.full.nbytes / ratio

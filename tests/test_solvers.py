@@ -310,7 +310,13 @@ def test_omp_drops_and_refills_consistently():
     idx_all, w_all = omp_select(phi[:, :, :12], z, 12, drop_below=0.0)
     for b in range(2):
         assert sorted(idx_all[b].tolist()) == list(range(12))
-    assert torch.allclose(w_all, nnls(_gather_cols(phi[:, :, :12], idx_all), z), rtol=1e-3, atol=1e-4)
+    # All 12 keys of a near-singular design: the NNLS optimum's weights are not well
+    # determined (they move by 1e-3 with the BLAS kernel), its objective is.
+    design = _gather_cols(phi[:, :, :12], idx_all)
+    fresh = nnls(design, z)
+    assert torch.all(w_all >= 0)
+    residual = lambda w: ((design @ w.unsqueeze(-1)).squeeze(-1) - z).norm(dim=-1)  # noqa: E731
+    assert torch.allclose(residual(w_all), residual(fresh), rtol=1e-4)
 
 
 def test_omp_respects_padding_keys():

@@ -65,7 +65,8 @@ class BeaconPolicy(EvictionPolicy):
 
     def choose(self, target: int) -> list[torch.Tensor]:
         now = self.session.position
-        cos_now, sin_now = rope_cos_sin(self.lm, torch.tensor([now]))
+        device = self.lm.device
+        cos_now, sin_now = rope_cos_sin(self.lm, torch.tensor([now], device=device))
         queries, q_pos, beacon_pos = self.state.scoring_set(cos_now, sin_now, now)
         counts = Counter(beacon_pos.flatten().tolist())
         self.beacons.append(BeaconSnapshot(now, sorted(counts), [counts[t] for t in sorted(counts)]))
@@ -74,10 +75,10 @@ class BeaconPolicy(EvictionPolicy):
         for layer in range(self.lm.n_layers):
             keys = self.session.cache.layers[layer].keys[0]
             rows = slice(layer * n_heads, (layer + 1) * n_heads)
-            score = key_scores(queries[rows], q_pos, keys.float().cpu(), self.k_pos[layer])
+            score = key_scores(queries[rows], q_pos, keys, self.k_pos[layer])
             score[:, : self.protected] = float("inf")
             score[:, max(self.protected, length - self.opts.window) :] = float("inf")
-            out.append(top_k_per_head(score, torch.full((n_kv,), target)))
+            out.append(top_k_per_head(score, torch.full((n_kv,), target, device=device)))
         return out
 
 

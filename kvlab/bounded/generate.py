@@ -113,7 +113,9 @@ class EvictionPolicy(CachePolicy):
         if self.session.key_bias is not None:
             raise MethodError(f"{self.name} needs a plain starting cache (no biases, the same length per head)")
         start = stored.logical_len if stored is not None else 0
-        self.k_pos = [torch.arange(start).expand(lm.n_kv_heads, -1).clone() for _ in range(lm.n_layers)]
+        self.k_pos = [
+            torch.arange(start, device=lm.device).expand(lm.n_kv_heads, -1).clone() for _ in range(lm.n_layers)
+        ]
 
     def reserved(self) -> int:
         """Keys the policy keeps whatever their score (sinks, template prefix, a window)."""
@@ -173,7 +175,10 @@ class WindowPolicy(EvictionPolicy):
     def choose(self, target: int) -> list[torch.Tensor]:
         length = self.size()
         # The cache is in reading order: sinks are its first slots, the window its last.
-        index = torch.cat([torch.arange(self.n_sink), torch.arange(length - (target - self.n_sink), length)])
+        device = self.lm.device
+        index = torch.cat([
+            torch.arange(self.n_sink, device=device), torch.arange(length - (target - self.n_sink), length, device=device)
+        ])
         return [index.expand(self.lm.n_kv_heads, -1) for _ in range(self.lm.n_layers)]
 
 
@@ -191,7 +196,7 @@ class H2OPolicy(EvictionPolicy):
         super().__init__(lm, budget, stored)
         self.recent_share = (options or H2OOptions()).recent_share
         # A starting cache's keys have received no attention that this policy saw.
-        self.scores = [torch.zeros(p.shape, dtype=torch.float32) for p in self.k_pos]
+        self.scores = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.k_pos]
 
     def reserved(self) -> int:
         return round(self.recent_share * self.budget) if self.budget is not None else 0
@@ -200,9 +205,10 @@ class H2OPolicy(EvictionPolicy):
         super().observe(queries, positions)
         n_kv, n = self.lm.n_kv_heads, positions.numel()
         for layer, q in enumerate(queries):
-            keys = self.session.cache.layers[layer].keys[0].float().cpu()
+            keys = self.session.cache.layers[layer].keys[0]
             received = pool_group(received_attention(q, keys, reduce="sum", causal=True), n_kv, "mean")
-            self.scores[layer] = torch.cat([self.scores[layer], torch.zeros(n_kv, n)], dim=1) + received
+            fresh = torch.zeros(n_kv, n, device=keys.device)
+            self.scores[layer] = torch.cat([self.scores[layer], fresh], dim=1) + received
 
     def choose(self, target: int) -> list[torch.Tensor]:
         length, recent = self.size(), min(round(self.recent_share * target), target)
@@ -210,7 +216,7 @@ class H2OPolicy(EvictionPolicy):
         for score in self.scores:
             score = score.clone()
             score[:, length - recent :] = float("inf")
-            out.append(top_k_per_head(score, torch.full((self.lm.n_kv_heads,), target)))
+            out.append(top_k_per_head(score, torch.full((self.lm.n_kv_heads,), target, device=score.device)))
         return out
 
     def keep(self, layer: int, index: torch.Tensor) -> None:
@@ -273,7 +279,7 @@ def run_policy(
         nonlocal biggest
         policy.make_room(ids.numel())
         capture = QueryCapture(lm.n_layers) if policy.wants_queries else None
-        positions = torch.arange(policy.session.position, policy.session.position + ids.numel())
+        positions = torch.arange(policy.session.position, policy.session.position + ids.numel(), device=lm.device)
         logits = extend(lm, policy.session, ids, capture, logits_to_keep=1)[-1]
         biggest = max(biggest, policy.size())
         policy.observe(capture.per_layer() if capture is not None else None, positions)
@@ -300,7 +306,7 @@ def run_policy(
         for i, token in enumerate(ids):
             logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
             if i + 1 < len(ids):
-                logits = feed_written(torch.tensor([token]))
+                logits = feed_written(torch.tensor([token], device=lm.device))
     decode_s = time.perf_counter() - start
 
     def step(position: int) -> int:

@@ -57,9 +57,10 @@ def with_appended(lm: LoadedModel, stored: CompressedKV, session: Session, appen
     for i, segments in enumerate(stored.layers):
         work = session.cache.layers[i]
         keys, values = work.keys[0, :, -appended:], work.values[0, :, -appended:]
-        n_heads = keys.shape[0]
-        index = torch.arange(first, session.position).expand(n_heads, appended)
-        new = DenseSegment.from_padded(keys, values, torch.full((n_heads,), appended), index, fate="read")
+        n_heads, device = keys.shape[0], keys.device
+        index = torch.arange(first, session.position, device=device).expand(n_heads, appended)
+        lengths = torch.full((n_heads,), appended, device=device)
+        new = DenseSegment.from_padded(keys, values, lengths, index, fate="read")
         layers.append(list(segments) + [new])
     return CompressedKV(layers, session.position, meta=dict(stored.meta))
 
@@ -73,7 +74,8 @@ def am_compactor(opts: AMOptions = AMOptions()) -> Compactor:
     """Re-compact with Attention Matching (the cache's own biases enter the targets)."""
 
     def compact(stored: CompressedKV, queries: list[torch.Tensor], keep: int, protected: int) -> CompressedKV:
-        budgets = torch.full((stored.n_layers, stored.layer_view(0).keys.shape[0]), keep)
+        first = stored.layer_view(0).keys
+        budgets = torch.full((stored.n_layers, first.shape[0]), keep, device=first.device)
         return compact_cache(stored, queries, budgets, opts, protected)
 
     return compact

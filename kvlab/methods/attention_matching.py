@@ -141,7 +141,8 @@ def subsample(q: torch.Tensor, cap: int, seed: int) -> torch.Tensor:
     n = q.shape[1]
     if n <= cap:
         return q
-    keep = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:cap]
+    # Drawn on the CPU generator: the same subset on every device (a CPU index is fine for indexing).
+    keep = torch.randperm(n, generator=torch.Generator().manual_seed(seed), device="cpu")[:cap]
     return q[:, torch.sort(keep).values]
 
 
@@ -176,10 +177,10 @@ def solve(job: BlockJob, opts: AMOptions) -> CompactBlock:
     """
     valid = torch.ones_like(job.keys[..., 0], dtype=torch.bool) if job.bias is None else torch.isfinite(job.bias)
     if bool((job.budgets >= valid.sum(-1)).all()):
-        index = torch.arange(valid.shape[1]).expand_as(valid)
+        index = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
         return CompactBlock(
             keys=job.keys, values=job.values,
-            bias=torch.zeros(valid.shape) if job.bias is None else job.bias.float(),
+            bias=torch.zeros(valid.shape, device=valid.device) if job.bias is None else job.bias.float(),
             index=torch.where(valid, index, -1), lengths=valid.sum(-1),
             timings={"keys": 0.0, "bias": 0.0, "values": 0.0},
         )
@@ -231,7 +232,7 @@ def compact_blocks(
         job = BlockJob(queries, block.keys[:, s:e], block.values[:, s:e], None if bool((bias == 0).all()) else bias, share,
                        None if key_scores is None else key_scores[:, s:e])
         out.append(solve(job, opts))
-        offsets.append(torch.tensor(s))
+        offsets.append(torch.tensor(s, device=block.keys.device))
         if score:
             block_scores = out[-1].scores
             if block_scores is None:

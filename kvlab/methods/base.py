@@ -130,7 +130,7 @@ class Request:
     def budgets(self) -> torch.Tensor:
         """[n_layers, H_kv] uniform per-head document budgets."""
         lm = self.ctx.lm
-        return torch.full((lm.n_layers, lm.n_kv_heads), self.doc_budget, dtype=torch.long)
+        return torch.full((lm.n_layers, lm.n_kv_heads), self.doc_budget, dtype=torch.long, device=lm.device)
 
 
 class Method(ABC):
@@ -195,7 +195,7 @@ def document_importance(req: Request, scores: list[torch.Tensor]) -> list[torch.
     if not req.record_importance:
         return None
     ctx = req.ctx
-    index = torch.arange(ctx.prefix_len, ctx.length)
+    index = torch.arange(ctx.prefix_len, ctx.length, device=ctx.lm.device)
     return [token_importance(s, index.expand(s.shape[0], -1), ctx.length) for s in scores]
 
 
@@ -206,7 +206,8 @@ def top_k_per_head(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """
     width, sentinel = int(lengths.max()), scores.shape[-1]
     top = torch.topk(scores.float(), k=width, dim=-1).indices
-    valid = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    lengths = lengths.to(scores.device)
+    valid = torch.arange(width, device=scores.device).unsqueeze(0) < lengths.unsqueeze(1)
     # Sort each head's picks into reading order; the sentinel sorts past them.
     ordered = torch.sort(torch.where(valid, top, sentinel), dim=-1).values
     return ordered.masked_fill(ordered == sentinel, -1)

@@ -75,7 +75,7 @@ def document_state(ctx: Context, opts: BeaconOptions, question: str | None) -> B
     Rows are layer-major: row ``layer * H + head``.
     """
     lm, length = ctx.lm, ctx.length
-    positions = torch.arange(length)
+    positions = torch.arange(length, device=lm.device)
     cos, sin = rope_cos_sin(lm, positions)
     ctx_q = ctx.queries["context"]
     state = BeaconState(opts.n_recent, BeaconBank(opts.n_beacons, opts.buffer))
@@ -95,7 +95,7 @@ def document_state(ctx: Context, opts: BeaconOptions, question: str | None) -> B
     # Recent part: the document's last queries; beacon history: the source's queries.
     tail = slice(length - min(opts.n_recent, length), length)
     state.observe(stack_layers([q[:, tail] for q in ctx_q]), positions[tail], cos[tail], sin[tail])
-    src_pos = torch.arange(length, length + source[0].shape[1])
+    src_pos = torch.arange(length, length + source[0].shape[1], device=lm.device)
     s_cos, s_sin = rope_cos_sin(lm, src_pos)
     state.bank.add(unrotate(stack_layers(source), s_cos, s_sin), src_pos)
     return state
@@ -114,13 +114,14 @@ def beacon_scores(req: Request, opts: BeaconOptions) -> tuple[list[torch.Tensor]
     def make() -> tuple[list[torch.Tensor], list[list[list[int]]]]:
         state = document_state(ctx, opts, req.question)
         now, n_heads = ctx.length, ctx.lm.n_heads
-        cos_now, sin_now = rope_cos_sin(ctx.lm, torch.tensor([now]))
+        device = ctx.lm.device
+        cos_now, sin_now = rope_cos_sin(ctx.lm, torch.tensor([now], device=device))
         queries, q_pos, beacon_pos = state.scoring_set(cos_now, sin_now, now)
-        k_pos = torch.arange(ctx.length)
+        k_pos = torch.arange(ctx.length, device=device)
         scores, beacons = [], []
         for layer in range(ctx.lm.n_layers):
             rows = slice(layer * n_heads, (layer + 1) * n_heads)
-            keys = ctx.full.keys[layer].float().cpu()
+            keys = ctx.full.keys[layer]
             scores.append(key_scores(queries[rows], q_pos, keys, k_pos)[:, ctx.prefix_len :])
             beacons.append([sorted(int(p) for p in row) for row in beacon_pos[rows].tolist()])
         return scores, beacons
@@ -140,7 +141,7 @@ def split_head(score: torch.Tensor, n_fp: int, n_quant: int, window: int) -> Tok
     """
     length = score.numel()
     w = min(window, n_fp, length)
-    win = torch.arange(length - w, length)
+    win = torch.arange(length - w, length, device=score.device)
     cand = score.float().clone()
     cand[length - w :] = float("-inf")
     beacon = torch.topk(cand, n_fp - w).indices

@@ -31,13 +31,13 @@ def farthest_point_sampling(x: torch.Tensor, k: int) -> torch.Tensor:
     """
     n_rows, m, _ = x.shape
     k = min(k, m)
-    picks = torch.zeros(n_rows, k, dtype=torch.long)
+    picks = torch.zeros(n_rows, k, dtype=torch.long, device=x.device)
     if k == 0:
         return picks
     unit = F.normalize(x.float(), dim=-1)
     # Cosine distances between all candidates at once: m is small (beacons + buffer).
     dist_all = 1 - unit @ unit.transpose(-1, -2)
-    rows = torch.arange(n_rows)
+    rows = torch.arange(n_rows, device=x.device)
     dist = dist_all[:, 0].clone()
     dist[:, 0] = -1.0
     for i in range(1, k):
@@ -50,7 +50,7 @@ def farthest_point_sampling(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """x [B, m, ...], idx [B, k] -> [B, k, ...]."""
-    return x[torch.arange(x.shape[0]).unsqueeze(1), idx]
+    return x[torch.arange(x.shape[0], device=idx.device).unsqueeze(1), idx]
 
 
 @dataclass
@@ -101,10 +101,16 @@ class BeaconBank:
                 self._resample()
             start = end
 
-    def current(self, n_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The beacons now: FPS over beacons + buffer (state unchanged) -> [R, b, d], positions [R, b]."""
+    def current(
+        self, n_heads: int, head_dim: int, device: torch.device | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The beacons now: FPS over beacons + buffer (state unchanged) -> [R, b, d], positions [R, b].
+
+        device: where an empty bank's (empty) answer lives, the queries' device.
+        """
         if self.beacons is None and self.buffer is None:
-            return torch.zeros(n_heads, 0, head_dim), torch.zeros(n_heads, 0, dtype=torch.long)
+            empty = torch.zeros(n_heads, 0, head_dim, device=device)
+            return empty, torch.zeros(n_heads, 0, dtype=torch.long, device=device)
         cand, pos = self._candidates()
         idx = farthest_point_sampling(cand, self.n_beacons)
         return _take(cand, idx), _take(pos, idx)
@@ -150,9 +156,9 @@ class BeaconState:
         held = next((t for t in (self.recent, self.bank.beacons, self.bank.buffer) if t is not None), None)
         if held is None:
             raise MethodError("BeaconKV has no queries to score with")
-        beacons, beacon_pos = self.bank.current(held.shape[0], held.shape[-1])
+        beacons, beacon_pos = self.bank.current(held.shape[0], held.shape[-1], held.device)
         queries = [self.recent, rotate(beacons, cos_now, sin_now)]
-        positions = [self.recent_pos, torch.full((beacons.shape[1],), now, dtype=torch.long)]
+        positions = [self.recent_pos, torch.full((beacons.shape[1],), now, dtype=torch.long, device=held.device)]
         if self.recent is None:
             queries, positions = queries[1:], positions[1:]
         return torch.cat(queries, dim=1), torch.cat(positions), beacon_pos
@@ -169,7 +175,7 @@ def key_scores(queries: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k
     k = expand_kv_heads(keys.float(), n_heads)
     kp = expand_kv_heads(k_pos.reshape(-1, length).expand(n_kv, length), n_heads)
     q = queries.float()
-    best = torch.zeros(n_heads, length)
+    best = torch.zeros(n_heads, length, device=k.device)
     visible = (kp.unsqueeze(1) <= q_pos.reshape(1, -1, 1)).sum(-1)  # [H, m] keys each query sees
     sees_all = (visible == length).all(dim=0)
     if sees_all.any():  # the beacons (at "now"): one softmax over every key
@@ -186,7 +192,7 @@ def key_scores(queries: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k
         best[:, :end] = torch.maximum(best[:, :end], w.amax(dim=1))
     else:
         for i in rest.tolist():
-            bias = torch.zeros(n_heads, length).masked_fill(kp > q_pos[i], float("-inf"))
+            bias = torch.zeros(n_heads, length, device=k.device).masked_fill(kp > q_pos[i], float("-inf"))
             best = torch.maximum(best, attention_weights(q[:, i : i + 1], k, bias=bias)[:, 0])
     return best.reshape(n_kv, n_heads // n_kv, length).amax(dim=1)
 

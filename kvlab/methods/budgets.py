@@ -37,7 +37,7 @@ def load_shares(lm: LoadedModel) -> torch.Tensor:
             f"no non-uniform budget profile for {lm.name} ({path.name}); "
             "make one with `python -m kvlab budgets` or use budgets=uniform"
         )
-    shares = torch.tensor(json.loads(path.read_text())["shares"], dtype=torch.float64)
+    shares = torch.tensor(json.loads(path.read_text())["shares"], dtype=torch.float64, device="cpu")
     if shares.shape != (lm.n_layers, lm.n_kv_heads):
         raise MethodError(f"{path.name} has shape {tuple(shares.shape)}, expected {(lm.n_layers, lm.n_kv_heads)}")
     return shares
@@ -78,5 +78,6 @@ def head_budgets(lm: LoadedModel, req: Request, mode: str) -> torch.Tensor:
     if mode == "uniform":
         return req.budgets()
     if mode == "nonuniform":
-        return allocate(load_shares(lm), req.doc_budget, req.ctx.doc_len)
+        # Allocated on the CPU (a small integer problem), used on the model's device.
+        return allocate(load_shares(lm), req.doc_budget, req.ctx.doc_len).to(lm.device)
     raise MethodError(f"budgets must be uniform or nonuniform, got {mode!r}")

@@ -43,12 +43,12 @@ class ExpectedAttentionOptions(Options):
 
 def average_rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """[d, d] mean over positions of the RoPE matrices R (q_rot = R q), from cos, sin [n, d]."""
-    d = cos.shape[-1]
+    d, device = cos.shape[-1], cos.device
     half = d // 2
-    swap = torch.zeros(d, d)
-    swap[half:, :half] = torch.eye(half)
-    swap[:half, half:] = -torch.eye(half)
-    eye = torch.eye(d)
+    swap = torch.zeros(d, d, device=device)
+    swap[half:, :half] = torch.eye(half, device=device)
+    swap[:half, half:] = -torch.eye(half, device=device)
+    eye = torch.eye(d, device=device)
     return (cos.unsqueeze(-1) * eye + sin.unsqueeze(-1) * swap).mean(dim=0)
 
 
@@ -62,14 +62,14 @@ def query_statistics(
     n = ctx_queries.shape[1]
     start = max(opts.n_sink, n - opts.stats_window) if opts.stats_window > 0 else opts.n_sink
     start = min(start, n - 1)
-    cos, sin = rope_cos_sin(lm, torch.arange(start, n))
+    cos, sin = rope_cos_sin(lm, torch.arange(start, n, device=lm.device))
     q = unrotate(ctx_queries[:, start:].float(), cos, sin)
     mu = q.mean(dim=1)
     cov = None
     if opts.use_covariance:
         centred = q - mu.unsqueeze(1)
         cov = torch.einsum("hni,hnj->hij", centred, centred) / q.shape[1]
-    rot = average_rotation(*rope_cos_sin(lm, torch.arange(length, length + opts.n_future_positions)))
+    rot = average_rotation(*rope_cos_sin(lm, torch.arange(length, length + opts.n_future_positions, device=lm.device)))
     mu = mu @ rot.T
     if cov is not None:
         cov = rot @ cov @ rot.T
@@ -83,14 +83,14 @@ def expected_attention_scores(req: Request, opts: ExpectedAttentionOptions) -> l
     out = []
     for layer, q in enumerate(ctx.queries["context"]):
         mu, cov = query_statistics(q, lm, ctx.length, opts)
-        keys = expand_kv_heads(ctx.full.keys[layer][:, sink:].float().cpu(), q.shape[0])  # [H, T', d]
+        keys = expand_kv_heads(ctx.full.keys[layer][:, sink:].float(), q.shape[0])  # [H, T', d]
         quad = None
         if cov is not None:
             quad = torch.einsum("htd,hde,hte->ht", keys, cov, keys) / keys.shape[-1] / 2
         weights = attention_weights(mu.unsqueeze(1), keys, bias=quad)[:, 0]  # [H, T']
         score = pool_group(weights, lm.n_kv_heads, "mean")
         if opts.use_vnorm:
-            score = (score + opts.epsilon) * ctx.full.values[layer][:, sink:].float().cpu().norm(dim=-1)
+            score = (score + opts.epsilon) * ctx.full.values[layer][:, sink:].float().norm(dim=-1)
         # Back to document coordinates; document tokens that are sinks are kept.
         doc_sinks = max(0, sink - ctx.prefix_len)
         score = torch.cat([score.new_zeros(score.shape[0], doc_sinks), score[:, max(0, ctx.prefix_len - sink) :]], dim=1)

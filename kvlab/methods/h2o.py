@@ -31,10 +31,11 @@ def h2o_scores(req: Request) -> list[torch.Tensor]:
     ctx = req.ctx
 
     def make() -> list[torch.Tensor]:
-        seen_by = torch.arange(ctx.length, 0, -1, dtype=torch.float32)  # key j is seen by queries j..N-1
+        # Key j is seen by queries j..N-1.
+        seen_by = torch.arange(ctx.length, 0, -1, dtype=torch.float32, device=ctx.lm.device)
         out = []
         for layer, q in enumerate(ctx.queries["context"]):
-            received = received_attention(q, ctx.full.keys[layer].cpu(), reduce="sum", causal=True)
+            received = received_attention(q, ctx.full.keys[layer], reduce="sum", causal=True)
             out.append(pool_group(received / seen_by, ctx.lm.n_kv_heads, "mean")[:, ctx.prefix_len :])
         return out
 

@@ -67,7 +67,8 @@ class KIVI(Method):
         residual = ctx.doc_len % opts.group_size
         plan = context_plan(ctx, req.ratio, opts.bits, opts.group_size, fp_newest=residual)
         layers = [
-            build_layer(ctx, i, [TokenSplit.newest(ctx.doc_len, int(n_fp), int(n_q)) for n_fp, n_q in zip(fp_row, q_row)],
+            build_layer(ctx, i, [TokenSplit.newest(ctx.doc_len, int(n_fp), int(n_q), ctx.lm.device)
+                                  for n_fp, n_q in zip(fp_row, q_row)],
                         opts.bits, opts.group_size)
             for i, (fp_row, q_row) in enumerate(zip(plan.n_fp, plan.n_quant))
         ]

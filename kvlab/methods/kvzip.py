@@ -53,7 +53,7 @@ def kvzip_scores(req: Request, opts: KVzipOptions) -> list[torch.Tensor]:
         recon = repeat_pass(ctx, opts.instruction)
         out = []
         for layer, (q, k_own) in enumerate(zip(recon.queries, recon.keys)):
-            keys = ctx.full.keys[layer].float().cpu()
+            keys = ctx.full.keys[layer]
             # Sinks, document, reconstruction: the queries are the last n of these keys.
             keys = torch.cat([keys[:, :sink], keys[:, ctx.prefix_len :], k_own], dim=1)
             received = received_attention(q, keys, reduce="max", causal=True)

@@ -70,11 +70,12 @@ def plan_memory(
     heads = n_layers * n_kv_heads
     target = math.floor(full_nbytes / ratio)
     budget = target - heads * prefix_len * fp
-    n = torch.arange(doc_len + 1)
+    # Byte bookkeeping, on the CPU: these counts never meet the model's tensors.
+    n = torch.arange(doc_len + 1, device="cpu")
     if bits is None:
-        qcost = torch.zeros(doc_len + 1, dtype=torch.long)
+        qcost = torch.zeros(doc_len + 1, dtype=torch.long, device="cpu")
     else:
-        qcost = torch.tensor([quant_nbytes(i, head_dim, bits, group_size) for i in range(doc_len + 1)])
+        qcost = torch.tensor([quant_nbytes(i, head_dim, bits, group_size) for i in range(doc_len + 1)], device="cpu")
 
     def plan(b: int) -> tuple[int, int, int]:
         """(full-precision tokens, quantised tokens, bytes) of one head given ``b`` bytes."""
@@ -99,8 +100,8 @@ def plan_memory(
         return 0, n_q, int(qcost[n_q])
 
     base = plan(budget // heads)
-    n_fp = torch.full((heads,), base[0])
-    n_q = torch.full((heads,), base[1])
+    n_fp = torch.full((heads,), base[0], device="cpu")
+    n_q = torch.full((heads,), base[1], device="cpu")
     left = budget - heads * base[2]
     for h in range(heads):
         extra = plan(base[2] + left)
@@ -134,16 +135,21 @@ class TokenSplit:
     quant: torch.Tensor
 
     @classmethod
-    def newest(cls, doc_len: int, n_fp: int, n_quant: int) -> "TokenSplit":
+    def newest(cls, doc_len: int, n_fp: int, n_quant: int, device: torch.device) -> "TokenSplit":
         """The newest ``n_fp`` tokens at full precision, the ``n_quant`` before them quantised (KIVI)."""
         cut = doc_len - n_fp
-        return cls(torch.arange(cut, doc_len), torch.zeros(0, dtype=torch.long), torch.arange(cut - n_quant, cut))
+        return cls(
+            torch.arange(cut, doc_len, device=device),
+            torch.zeros(0, dtype=torch.long, device=device),
+            torch.arange(cut - n_quant, cut, device=device),
+        )
 
 
 def _padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head 1-D index tensors -> [H, max] (padded with 0) and lengths [H]."""
-    lengths = torch.tensor([r.numel() for r in rows], dtype=torch.long)
-    out = torch.zeros(len(rows), int(lengths.max()) if rows else 0, dtype=torch.long)
+    """Per-head 1-D index tensors (at least one) -> [H, max] (padded with 0) and lengths [H], on their device."""
+    device = rows[0].device
+    lengths = torch.tensor([r.numel() for r in rows], dtype=torch.long, device=device)
+    out = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long, device=device)
     for h, r in enumerate(rows):
         out[h, : r.numel()] = r
     return out, lengths

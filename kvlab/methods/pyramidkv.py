@@ -37,15 +37,16 @@ def pyramid_budgets(n_layers: int, budget: int, length: int, beta: float) -> tor
     """[n_layers] integer budgets decreasing linearly with depth, summing to ``n_layers * budget``.
 
     budget: the uniform per-layer budget B; length: the document's T (the cap).
+    On the CPU (a small integer problem); the method moves them to the model's device.
     """
     total = n_layers * budget
     if n_layers == 1 or beta <= 1:
-        return torch.full((n_layers,), budget, dtype=torch.long)
+        return torch.full((n_layers,), budget, dtype=torch.long, device="cpu")
     low = budget / beta
     high = 2 * budget - low
     if high > length:
         high, low = float(length), 2 * budget - float(length)
-    raw = torch.linspace(high, low, n_layers, dtype=torch.float64).clamp(1, length)
+    raw = torch.linspace(high, low, n_layers, dtype=torch.float64, device="cpu").clamp(1, length)
     out = raw.floor().long()
     # Hand rounding leftovers to the largest remainders (or, when the floor of 1
     # overshot, take them back from the biggest layers), so the total is exact.
@@ -73,7 +74,7 @@ class PyramidKV(EvictionMethod):
     def budgets(self, req: Request) -> torch.Tensor:
         lm = req.ctx.lm
         per_layer = pyramid_budgets(lm.n_layers, req.doc_budget, req.ctx.doc_len, self.options.beta)
-        return per_layer.unsqueeze(1).expand(-1, lm.n_kv_heads).clone()
+        return per_layer.unsqueeze(1).expand(-1, lm.n_kv_heads).to(lm.device)
 
     def scores(self, req: Request) -> list[torch.Tensor]:
         window = min(self.options.window, req.ctx.doc_len)
@@ -83,6 +84,6 @@ class PyramidKV(EvictionMethod):
             # other token, so a layer whose budget is below the window keeps its newest part.
             rest = score[:, : score.shape[1] - window]
             top = float(rest.max()) if rest.numel() else 0.0
-            score[:, score.shape[1] - window :] = top + 1 + torch.arange(window, dtype=score.dtype)
+            score[:, score.shape[1] - window :] = top + 1 + torch.arange(window, dtype=score.dtype, device=score.device)
             out.append(score)
         return out

@@ -24,5 +24,7 @@ class RandomEviction(EvictionMethod):
 
     def scores(self, req: Request) -> list[torch.Tensor]:
         lm = req.ctx.lm
+        # Drawn on the CPU generator (the same tokens on every device), scored on the model's.
         gen = torch.Generator().manual_seed(self.options.seed)
-        return [torch.rand(lm.n_kv_heads, req.ctx.doc_len, generator=gen) for _ in range(lm.n_layers)]
+        shape = (lm.n_kv_heads, req.ctx.doc_len)
+        return [torch.rand(shape, generator=gen, device="cpu").to(lm.device) for _ in range(lm.n_layers)]

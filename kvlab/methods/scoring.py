@@ -44,7 +44,7 @@ def received_attention(
     group = n_heads // n_kv
     keys = keys.float()
     rows = max(1, block_elements // max(1, n_heads * total))
-    out = torch.zeros(n_heads, total)
+    out = torch.zeros(n_heads, total, device=keys.device)
     for start in range(0, n, rows):
         end = min(start + rows, n)
         # Query i of the block sits at key position total - n + i: it sees keys up to there.
@@ -52,7 +52,7 @@ def received_attention(
         block = group_queries(queries[:, start:end].float(), n_kv)  # [H_kv, group * rows, d]
         logits = attention_logits(block, keys[:, :visible]).view(n_kv, group, end - start, visible)
         if causal:
-            logits.masked_fill_(future_mask(end - start, visible), float("-inf"))
+            logits.masked_fill_(future_mask(end - start, visible, keys.device), float("-inf"))
         weights = torch.softmax(logits, dim=-1).view(n_heads, end - start, visible)
         if reduce == "sum":
             out[:, :visible] += weights.sum(dim=1)

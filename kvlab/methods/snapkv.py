@@ -38,6 +38,8 @@ def pooled_window_scores(
     n_heads, n_kv = queries.shape[0], keys.shape[0]
     weights = attention_weights(queries, expand_kv_heads(keys, n_heads), causal=causal)
     per_head = weights.mean(dim=1)[:, : keys.shape[1] - drop_last]
+    if per_head.shape[1] == 0:  # the window is the whole context: nothing left to pool
+        return per_head.reshape(n_kv, n_heads // n_kv, 0).mean(dim=1)
     pooled = F.avg_pool1d(per_head.unsqueeze(1), kernel, stride=1, padding=kernel // 2).squeeze(1)
     return pooled.reshape(n_kv, n_heads // n_kv, -1).mean(dim=1)
 
@@ -51,12 +53,12 @@ def snap_scores(req: Request, window: int, kernel: int, from_question: bool) -> 
     sources = question_queries(ctx, req.question) if from_question else ctx.queries["context"]
     out = []
     for layer, q in enumerate(sources):
-        keys = ctx.full.keys[layer].float().cpu()
+        keys = ctx.full.keys[layer]
         if from_question:
             score = pooled_window_scores(q, keys, kernel, causal=False)[:, ctx.prefix_len :]
         else:
             cut = pooled_window_scores(q[:, -window:], keys, kernel, causal=True, drop_last=window)
-            score = torch.cat([cut[:, ctx.prefix_len :], torch.full((keys.shape[0], window), float("inf"))], dim=1)
+            score = torch.cat([cut[:, ctx.prefix_len :], torch.full((keys.shape[0], window), float("inf"), device=cut.device)], dim=1)
         out.append(score)
     return out
 

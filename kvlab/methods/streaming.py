@@ -34,6 +34,6 @@ class StreamingLLM(EvictionMethod):
         ctx = req.ctx
         # Recency is the score; the sinks are the context's first tokens, which
         # the template prefix usually already holds.
-        score = torch.arange(ctx.doc_len, dtype=torch.float32)
+        score = torch.arange(ctx.doc_len, dtype=torch.float32, device=ctx.lm.device)
         score[: max(0, self.options.n_sink - ctx.prefix_len)] = float("inf")
         return [score.expand(ctx.lm.n_kv_heads, -1) for _ in range(ctx.lm.n_layers)]

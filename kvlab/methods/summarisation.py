@@ -48,18 +48,18 @@ def write_summary(lm: LoadedModel, stored: CompressedKV, prompt_ids: torch.Tenso
     """Greedy summary ids after ``prompt_ids``: 1 to ``n_tokens`` of them, exactly ``n_tokens`` with ``fill``."""
     session = open_session(lm, stored)
     stops = stop_token_ids(lm)
-    banned = torch.tensor(sorted(stops), dtype=torch.long)
+    banned = torch.tensor(sorted(stops), dtype=torch.long, device=lm.device)
     logits = extend(lm, session, prompt_ids, logits_to_keep=1)[-1]
     ids: list[int] = []
     while len(ids) < n_tokens:
         if (fill or not ids) and banned.numel():  # never an empty summary
-            logits = logits.index_fill(0, banned.to(logits.device), float("-inf"))
+            logits = logits.index_fill(0, banned, float("-inf"))
         token = int(torch.argmax(logits))
         if token in stops:
             break
         ids.append(token)
         if len(ids) < n_tokens:
-            logits = extend(lm, session, torch.tensor([token]), logits_to_keep=1)[-1]
+            logits = extend(lm, session, torch.tensor([token], device=lm.device), logits_to_keep=1)[-1]
     return ids
 
 
@@ -68,10 +68,11 @@ def summary_cache(full: FullKV, prefix_len: int, fate: str = "summary") -> list[
     layers = []
     for keys, values in zip(full.keys, full.values):
         n_heads, length = keys.shape[:2]
-        rest = torch.full((n_heads, length - prefix_len), -1)
+        rest = torch.full((n_heads, length - prefix_len), -1, device=keys.device)
+        lengths = torch.full((n_heads,), length - prefix_len, device=keys.device)
         layers.append([
             template_segment(keys, values, prefix_len),
-            DenseSegment.from_padded(keys[:, prefix_len:], values[:, prefix_len:], torch.full((n_heads,), length - prefix_len), rest, fate=fate),
+            DenseSegment.from_padded(keys[:, prefix_len:], values[:, prefix_len:], lengths, rest, fate=fate),
         ])
     return layers
 
@@ -96,7 +97,7 @@ class Summarisation(Method):
         prompt = opts.prompt.format(words=max(1, round(budget * 0.75)))
         req.progress(0.3, f"writing a summary of up to {budget} tokens")
         ids = write_summary(lm, ctx.full.stored, question_tokens(lm.tokenizer, prompt), budget, opts.fill_budget)
-        summary_ids = torch.tensor(ids, dtype=torch.long)
+        summary_ids = torch.tensor(ids, dtype=torch.long, device="cpu")  # token ids, as the context's
         context = torch.cat([ctx.tokens.ids[: ctx.prefix_len], summary_ids])
         req.progress(0.5, "reading the summary")
         full = prefill(lm, context)

@@ -19,7 +19,7 @@ def tova_scores(req: Request) -> list[torch.Tensor]:
     ctx = req.ctx
     out = []
     for layer, q in enumerate(ctx.queries["context"]):
-        keys = expand_kv_heads(ctx.full.keys[layer].float().cpu(), q.shape[0])
+        keys = expand_kv_heads(ctx.full.keys[layer], q.shape[0])
         # The last token sees every key: no causal mask needed.
         weights = attention_weights(q[:, -1:], keys)[:, 0]  # [H, T]
         score = weights.mean(dim=0)[ctx.prefix_len :].clone()

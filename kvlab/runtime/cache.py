@@ -48,7 +48,13 @@ class Segment(Protocol):
 
 
 def pack_heads(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """[H, L, ...] padded per head -> [sum(lengths), ...] (head-major)."""
+    """[H, L, ...] padded per head -> [sum(lengths), ...] (head-major).
+
+    When every head keeps all L slots this is a reshape: a view of a contiguous
+    ``x`` (the keep-all cache shares the full cache's storage instead of copying it).
+    """
+    if x.shape[0] and bool((lengths == x.shape[1]).all()):
+        return x.reshape(-1, *x.shape[2:])
     keep = torch.arange(x.shape[1], device=x.device).unsqueeze(0) < lengths.to(x.device).unsqueeze(1)
     return x[keep]
 
@@ -71,6 +77,8 @@ class DenseSegment:
     token_index: [N] (-1 for keys that are not an original token). The
     token index is bookkeeping for the figures and is not counted as stored:
     attention never reads it (positions are already inside the RoPE'd keys).
+    All of them live on the keys' device: the lengths and the token index
+    make the masks that meet the keys and biases.
     """
 
     keys: torch.Tensor
@@ -91,13 +99,13 @@ class DenseSegment:
         fate: str = "kept",
     ) -> "DenseSegment":
         """keys/values [H, L, d], lengths [H], token_index [H, L], bias [H, L] or None."""
-        lengths = lengths.long().cpu()
+        lengths = lengths.to(keys.device, torch.long)
         return cls(
             keys=pack_heads(keys, lengths).contiguous(),
             values=pack_heads(values, lengths).contiguous(),
             bias=None if bias is None else pack_heads(bias, lengths).contiguous(),
             head_lengths=lengths,
-            token_index=pack_heads(token_index, lengths).cpu(),
+            token_index=pack_heads(token_index.to(keys.device), lengths),
             fate=fate,
         )
 
@@ -130,11 +138,10 @@ def template_segment(keys: torch.Tensor, values: torch.Tensor, prefix_len: int) 
     keys/values: [H_kv, L, d] whose first ``prefix_len`` keys of every head are
     the template's tokens 0..prefix_len-1, in order (L >= prefix_len).
     """
-    n_heads = keys.shape[0]
-    index = torch.arange(prefix_len).expand(n_heads, prefix_len)
-    return DenseSegment.from_padded(
-        keys[:, :prefix_len], values[:, :prefix_len], torch.full((n_heads,), prefix_len), index, fate="template"
-    )
+    n_heads, device = keys.shape[0], keys.device
+    index = torch.arange(prefix_len, device=device).expand(n_heads, prefix_len)
+    lengths = torch.full((n_heads,), prefix_len, device=device)
+    return DenseSegment.from_padded(keys[:, :prefix_len], values[:, :prefix_len], lengths, index, fate="template")
 
 
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -162,7 +169,7 @@ def select_keys(view: PaddedView, mask: torch.Tensor) -> PaddedView:
     lengths = mask.sum(dim=1)
     width = int(lengths.max()) if lengths.numel() else 0
     order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :width]
-    valid = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    valid = torch.arange(width, device=mask.device).unsqueeze(0) < lengths.unsqueeze(1)
     gather3 = order.unsqueeze(-1).expand(-1, -1, view.keys.shape[-1])
     return PaddedView(
         keys=view.keys.gather(1, gather3),
@@ -184,14 +191,16 @@ def token_importance(scores: torch.Tensor, token_index: torch.Tensor, length: in
     """Place per-key scores at the tokens the keys stand for.
 
     scores, token_index: [H, L] (index -1: padding or a synthetic key) ->
-    [H, length] float32 on the CPU, NaN for tokens without a scored key.
+    [H, length] float32 on the CPU (it goes to the token view), NaN for tokens
+    without a scored key. Placed on the scores' device, then moved once.
     """
-    out = torch.full((scores.shape[0], length), float("nan"))
-    token_index = token_index.cpu()
+    device = scores.device
+    out = torch.full((scores.shape[0], length), float("nan"), device=device)
+    token_index = token_index.to(device)
     real = token_index >= 0
-    rows = torch.arange(scores.shape[0]).unsqueeze(1).expand_as(token_index)
-    out[rows[real], token_index[real]] = scores.detach().float().cpu()[real]
-    return out
+    rows = torch.arange(scores.shape[0], device=device).unsqueeze(1).expand_as(token_index)
+    out[rows[real], token_index[real]] = scores.detach().float()[real]
+    return out.cpu()
 
 
 @dataclass
@@ -263,7 +272,12 @@ class CompressedKV:
 
 @dataclass
 class FullKV:
-    """The document's full cache: per layer, post-RoPE keys and values [H_kv, T, d]."""
+    """The document's full cache: per layer, post-RoPE keys and values [H_kv, T, d].
+
+    Each tensor holds exactly its T tokens (no spare decode capacity), and the
+    keep-all view :attr:`stored` shares their storage, so a held document costs
+    its KV cache's bytes once.
+    """
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -280,11 +294,11 @@ class FullKV:
     def stored(self) -> CompressedKV:
         """The keep-all cache: every token, no bias (the ceiling every method is compared with).
 
-        Built once; like every stored cache it is never modified."""
+        Built once, as views of :attr:`keys` and :attr:`values`; like every stored cache it is never modified."""
         layers: list[list[Segment]] = []
         for k, v in zip(self.keys, self.values):
             n_heads, length = k.shape[:2]
-            lengths = torch.full((n_heads,), length)
-            index = torch.arange(length).expand(n_heads, length)
+            lengths = torch.full((n_heads,), length, device=k.device)
+            index = torch.arange(length, device=k.device).expand(n_heads, length)
             layers.append([DenseSegment.from_padded(k, v, lengths, index)])
         return CompressedKV(layers=layers, logical_len=self.length, meta={"method": "full"})

@@ -147,12 +147,16 @@ def prefill(
     """Encode a context ``ids`` [T] and return its full cache (post-RoPE keys, values).
 
     Chunked so that long documents never build a T x T score matrix.
-    on_chunk(done, total) reports progress in tokens.
+    on_chunk(done, total) reports progress in tokens. The cache is copied out
+    of the working buffers (which grow by doubling) into tensors of exactly T
+    tokens, so the spare capacity is not held with the document.
     """
     session = open_session(lm)
     read_chunked(lm, session, ids, capture, chunk_size, on_chunk)
     layers = session.cache.layers
-    return FullKV(keys=[layer.keys[0] for layer in layers], values=[layer.values[0] for layer in layers])
+    return FullKV(
+        keys=[layer.keys[0].contiguous() for layer in layers], values=[layer.values[0].contiguous() for layer in layers]
+    )
 
 
 def stop_token_ids(lm: LoadedModel) -> set[int]:
@@ -216,7 +220,7 @@ def greedy_loop(
         ids.append(token)
         logprobs.append(float(logp[token]))
         if len(ids) < max_new_tokens:
-            logits = feed(torch.tensor([token]))
+            logits = feed(torch.tensor([token], device=lm.device))
     text = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
     return Generation(ids=ids, text=text, logprobs=logprobs)
 
@@ -226,7 +230,7 @@ def continuation_logprobs(
 ) -> torch.Tensor:
     """Teacher-forced log-probabilities [m] of ``target_ids`` [m] after ``prompt_ids``."""
     if target_ids.numel() == 0:
-        return torch.zeros(0)
+        return torch.zeros(0, device="cpu")
     session = open_session(lm, stored)
     ids = torch.cat([prompt_ids, target_ids[:-1]])
     logits = extend(lm, session, ids, logits_to_keep=target_ids.numel())

@@ -22,10 +22,11 @@ ATTENTION_NAME = "kvlab"
 class QueryCapture:
     """Post-RoPE queries seen by the first ``n_layers`` layers during some forward passes.
 
-    ``chunks[layer]`` is a list of [H, q, d] tensors in call order, stored on
-    the CPU in the model's dtype: a float32 copy of a bf16 model's queries
-    would be four times its KV cache (GQA 4:1). Every use casts to float32
-    inside the maths (kvlab.runtime.attention.attention_logits).
+    ``chunks[layer]`` is a list of [H, q, d] tensors in call order, kept on
+    the model's device (they meet its keys in every use) in the model's
+    dtype: a float32 copy of a bf16 model's queries would be four times its
+    KV cache (GQA 4:1). Every use casts to float32 inside the maths
+    (kvlab.runtime.attention.attention_logits).
     """
 
     n_layers: int
@@ -34,7 +35,8 @@ class QueryCapture:
     def record(self, layer: int, query: torch.Tensor) -> None:
         if layer >= self.n_layers:
             return
-        self.chunks.setdefault(layer, []).append(query[0].detach().cpu())
+        # A copy, not a view: the view would keep the whole forward's [1, H, q, d] alive.
+        self.chunks.setdefault(layer, []).append(query[0].detach().clone())
 
     def layer(self, layer: int) -> torch.Tensor:
         """All queries recorded for ``layer``: [H, n, d]."""
@@ -71,7 +73,11 @@ def kvlab_attention(
 
     The causal mask is built here, per layer, from the physical key length;
     transformers' own mask is sized from layer 0 and would be wrong for
-    caches whose layers differ in length.
+    caches whose layers differ in length. ``scaling`` is the model's own
+    (Gemma's query_pre_attn_scalar included); ``attention_mask``,
+    ``sliding_window`` and ``softcap`` are not used: a model whose sliding
+    window can drop a key, or that caps its logits, is refused at load time
+    (kvlab.models.check_supported).
     """
     ctx: ForwardContext | None = kwargs.get("kvlab")
     layer = module.layer_idx

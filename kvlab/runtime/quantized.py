@@ -23,7 +23,6 @@ for the figures (attention never reads it) and is not counted as stored.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -49,10 +48,6 @@ def quant_nbytes(n_tokens: int, head_dim: int, bits: int, group_size: int) -> in
     key_meta = 2 * 2 * head_dim * math.ceil(n_tokens / group_size)
     value_meta = 2 * 2 * n_tokens * math.ceil(head_dim / group_size)
     return 2 * codes + key_meta + value_meta
-
-
-def _to(p: "PackedTensor", device: torch.device) -> "PackedTensor":
-    return dataclasses.replace(p, codes=p.codes.to(device), scale=p.scale.to(device), zero=p.zero.to(device))
 
 
 @dataclass
@@ -109,20 +104,20 @@ class QuantSegment:
         """
         if bits not in SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
-        lengths = lengths.long().cpu()
+        lengths = lengths.to(keys.device, torch.long)
+        counts = lengths.tolist()
         blocks = []
-        for n in sorted(set(lengths.tolist()) - {0}):
-            heads = [h for h, m in enumerate(lengths.tolist()) if m == n]
+        for n in sorted(set(counts) - {0}):
+            heads = [h for h, m in enumerate(counts) if m == n]
             sel = torch.tensor(heads, device=keys.device)
-            # Quantised on the CPU (the reference path of kvlab.runtime.quant), then
-            # kept on the device the cache lives on, like the dense segments beside it.
-            k = quantize_keys(keys[sel, :n].float().cpu(), bits, group_size)
-            v = quantize_values(values[sel, :n].float().cpu(), bits, group_size)
-            blocks.append(QuantBlock(heads, _to(k, keys.device), _to(v, keys.device)))
+            # Quantised where the cache lives, like the dense segments beside it.
+            k = quantize_keys(keys[sel, :n].float(), bits, group_size)
+            v = quantize_values(values[sel, :n].float(), bits, group_size)
+            blocks.append(QuantBlock(heads, k, v))
         return cls(
             blocks=blocks,
             head_lengths=lengths,
-            token_index=pack_heads(token_index.cpu(), lengths),
+            token_index=pack_heads(token_index.to(keys.device), lengths),
             bits=bits,
             group_size=group_size,
             head_dim=keys.shape[-1],
@@ -154,7 +149,7 @@ class QuantSegment:
         """Dequantised keys/values for attention (transient: never stored)."""
         n_heads = self.head_lengths.numel()
         width = int(self.head_lengths.max()) if n_heads else 0
-        device = self.blocks[0].keys.codes.device if self.blocks else torch.device("cpu")
+        device = self.head_lengths.device
         keys = torch.zeros(n_heads, width, self.head_dim, dtype=self.dtype, device=device)
         values = torch.zeros_like(keys)
         bias = torch.full((n_heads, width), NEG_INF, dtype=self.dtype, device=device)

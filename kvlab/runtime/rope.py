@@ -5,14 +5,17 @@ its own position. Methods that compare queries across positions (BeaconKV's
 beacon queries) need them pre-RoPE, and re-rotate them to a new position
 before scoring. These helpers use the model's own rotary embedding
 (``model.model.rotary_emb(x, position_ids) -> cos, sin``), so frequencies and
-RoPE scaling match the model, and the Llama "rotate half" layout (Llama,
-Mistral, Qwen, SmolLM...): ``rot(q) = q * cos + rotate_half(q) * sin``.
+RoPE scaling (Llama 3.1's "llama3", YaRN's attention factor...) match the
+model, and the Llama "rotate half" layout (Llama, Mistral, Qwen2, Qwen3,
+Gemma 3, SmolLM...): ``rot(q) = q * cos + rotate_half(q) * sin``.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
-from kvlab.models import LoadedModel
+from kvlab.models import PER_LAYER_ROPE, LoadedModel, ModelLoadError, unsupported_message
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -37,9 +40,25 @@ def unrotate(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 
 def rope_cos_sin(lm: LoadedModel, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's RoPE tables at ``positions`` [n] -> cos, sin: float32 [n, d] on the CPU."""
+    """The model's RoPE tables at ``positions`` [n] -> cos, sin: float32 [n, d] on the model's device.
+
+    A rotary embedding that takes a ``layer_type`` (Gemma 3: one RoPE for its
+    sliding layers, one for its global ones) is asked for every layer type the
+    model has; the callers use one table for every layer, so the tables must
+    agree, or ModelLoadError (kvlab.models.check_supported refuses such a
+    model at load time already).
+    """
     positions = positions.reshape(1, -1).to(lm.device)
     probe = torch.zeros(1, 1, lm.head_dim, device=lm.device, dtype=torch.float32)
+    rotary = lm.model.model.rotary_emb
+    kinds: list[str | None] = [None]
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        kinds = sorted(set(lm.model.config.layer_types))
     with torch.no_grad():
-        cos, sin = lm.model.model.rotary_emb(probe, positions)
-    return cos[0].float().cpu(), sin[0].float().cpu()
+        tables = [rotary(probe, positions) if k is None else rotary(probe, positions, layer_type=k) for k in kinds]
+    cos, sin = tables[0]
+    for kind, (c, s) in zip(kinds[1:], tables[1:]):
+        if not (torch.equal(c, cos) and torch.equal(s, sin)):
+            feature = f"a different rotary embedding per layer type ({kinds[0]} and {kind} differ)"
+            raise ModelLoadError(unsupported_message(lm.name, [(feature, PER_LAYER_ROPE)]))
+    return cos[0].float(), sin[0].float()

@@ -1,0 +1,183 @@
+"""Every path that meets the model's tensors, run on one model: the device suite.
+
+``make test`` runs it on a tiny random model whose tensors are tagged "cuda"
+(:mod:`kvlab.testing.fake_cuda`), so a CPU tensor meeting a GPU tensor fails
+there as it would on a GPU; ``python -m benchmarks.gpu_check`` runs the same
+steps on a real GPU. The steps cover:
+
+* every registered method, with its default knobs and each published
+  preset, at two ratios, through :func:`kvlab.pipeline.run` (compress, answer
+  from both caches, measure errors);
+* the lab's entry points: ``explore``, ``compare``, ``needle_test`` and
+  ``generate`` (every bounded method);
+* ``kvlab bench`` on one item.
+
+The models have random weights and read through a byte-level tokenizer with
+a ChatML template (:func:`kvlab.synthetic.byte_tokenizer`), so any text reads
+as tokens and nothing is downloaded.
+"""
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+from unittest import mock
+
+import torch
+
+from kvlab import models
+from kvlab.context import CONTEXTS
+from kvlab.methods import REGISTRY, get_method
+from kvlab.models import LoadedModel
+from kvlab.synthetic import byte_tokenizer, random_weights
+
+#: Tiny Llama geometry: GQA 2:1, 2 layers, head dim 16; the vocabulary covers the byte tokenizer.
+TINY = dict(
+    num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    intermediate_size=128, vocab_size=260, max_position_embeddings=4096,
+)
+DOCUMENT = (
+    "The lighthouse keeper wrote in her log every evening. On Monday the wind came from the north "
+    "and the boats stayed in the harbour. On Tuesday a storm broke two windows of the lamp room. "
+    "The secret code for the supply locker is 4172. On Wednesday the supply ship brought oil, "
+    "bread and a new lens. On Thursday the fog was so thick that the horn sounded all night. "
+)
+QUESTION = "What is the secret code for the supply locker?"
+#: Two ratios, so a second compression of the same context (reused scores and queries) runs too.
+RATIOS = (4.0, 8.0)
+#: Knobs that only make a step shorter: writing a summary token by token is the slow part of
+#: the summary methods, and its length takes no other code path.
+QUICK_OPTIONS: dict[str, dict[str, Any]] = {"summarisation": {"max_tokens": 12}, "summary_am": {"summary_tokens": 12}}
+#: Presets whose code paths another preset of the same method runs faster: plain OMP refits after
+#: every key it adds, AM-OMP-fast runs the same selection and refit with 4 keys per refit.
+COVERED_PRESETS = {"AM-OMP-basic": "AM-OMP-fast", "AM-OMP": "AM-OMP-fast"}
+
+
+def suite_model(
+    config: dict[str, Any] | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    name: str = "suite-llama",
+    seed: int = 0,
+    family: str = "llama",
+) -> LoadedModel:
+    """A seeded random ``family`` model (``config`` overrides :data:`TINY`) with the byte tokenizer, on ``device``."""
+    torch.manual_seed(seed)
+    tokenizer = byte_tokenizer()
+    cfg = {**TINY, **(config or {})}
+    cfg.update(eos_token_id=tokenizer.eos_token_id, bos_token_id=None, pad_token_id=None)
+    model = random_weights(family, cfg, torch.device(device), dtype, name)
+    return LoadedModel(name, model, tokenizer, torch.device(device), dtype)
+
+
+@contextlib.contextmanager
+def serving(lm: LoadedModel) -> Iterator[LoadedModel]:
+    """Every ``kvlab.models.get_model`` call (the lab's, the CLI's) returns ``lm`` meanwhile.
+
+    Its prepared contexts are dropped afterwards, so they do not outlive the model.
+    """
+    with mock.patch.object(models, "get_model", lambda spec=None: lm):
+        try:
+            yield lm
+        finally:
+            CONTEXTS.forget(lm)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One path of the suite: ``run(lm, workdir)`` raises if anything on it fails."""
+
+    name: str
+    run: Callable[[LoadedModel, Path], None]
+
+
+def method_configs() -> list[tuple[str, str | None]]:
+    """(method, preset) for every registered method: its defaults (preset None), then each preset.
+
+    A preset table shared with a method listed before (Summary + AM reuses
+    Attention Matching's) is not run again: the same knobs take the same code paths.
+    """
+    out: list[tuple[str, str | None]] = []
+    seen: list[dict] = []
+    for name in sorted(REGISTRY):
+        out.append((name, None))
+        presets = getattr(REGISTRY[name], "presets", {})
+        if presets and not any(presets is table for table in seen):
+            seen.append(presets)
+            out += [(name, preset) for preset in presets if COVERED_PRESETS.get(preset) not in presets]
+    return out
+
+
+def _method_step(name: str, preset: str | None) -> Step:
+    """A method's defaults at both :data:`RATIOS`; a preset at the higher one only (plain OMP
+    refits after every key it adds, and the lower ratio would only repeat that path for longer)."""
+    from kvlab.pipeline import run
+
+    ratios = RATIOS if preset is None else RATIOS[-1:]
+
+    def go(lm: LoadedModel, workdir: Path) -> None:
+        ctx = CONTEXTS.get(lm, DOCUMENT)
+        method = get_method(name, preset=preset, **QUICK_OPTIONS.get(name, {}))
+        for ratio in ratios:
+            result = run(ctx, method, ratio, QUESTION, max_new_tokens=4).result
+            if not result.kept_tokens_mean > 0:
+                raise AssertionError(f"{name} kept nothing at {ratio:g}x")
+
+    return Step(f"{name}" + (f"[{preset}]" if preset else ""), go)
+
+
+def _explore(lm: LoadedModel, workdir: Path) -> None:
+    from kvlab.lab import explore
+
+    explore(DOCUMENT, None, "attention_matching", 4.0, QUESTION, max_new_tokens=4)
+
+
+def _compare(lm: LoadedModel, workdir: Path) -> None:
+    from kvlab.lab import compare
+
+    sweep = compare(DOCUMENT, None, ["snapkv", "attention_matching"], list(RATIOS), QUESTION, max_new_tokens=4)
+    if sweep.errors:
+        raise AssertionError(f"sweep points failed: {sweep.errors}")
+
+
+def _needle_test(lm: LoadedModel, workdir: Path) -> None:
+    from kvlab.lab import needle_test
+
+    needle_test(DOCUMENT, None, ["kvzip", "attention_matching"], [4.0], depths=1)
+
+
+def _generate(lm: LoadedModel, workdir: Path) -> None:
+    from kvlab.lab import generate
+
+    generate(document=DOCUMENT, question=QUESTION, budget=96, max_new_tokens=6)
+
+
+def _bench(lm: LoadedModel, workdir: Path) -> None:
+    from kvlab.cli import main
+
+    argv = ["bench", "--tasks", "niah_single", "--limit", "1", "--length", "300", "--ratios", "4",
+            "--methods", "snapkv,attention_matching", "--out", str(workdir / "bench")]
+    if main(argv) != 0:
+        raise AssertionError("kvlab bench failed")
+
+
+LAB_STEPS = [
+    Step("lab.explore", _explore),
+    Step("lab.compare", _compare),
+    Step("lab.needle_test", _needle_test),
+    Step("lab.generate", _generate),
+    Step("kvlab bench (one item)", _bench),
+]
+
+
+def steps() -> list[Step]:
+    """Every step of the suite: each method configuration, then the lab's entry points."""
+    return [_method_step(name, preset) for name, preset in method_configs()] + LAB_STEPS
+
+
+def run_step(step: Step, lm: LoadedModel) -> None:
+    """Run one step with ``lm`` served to the lab, in a scratch folder of its own."""
+    with tempfile.TemporaryDirectory(prefix="kvlab_device_") as tmp, serving(lm):
+        step.run(lm, Path(tmp))
