@@ -129,17 +129,23 @@ def _method_step(name: str, preset: str | None) -> Step:
 
 
 def _explore(lm: LoadedModel, workdir: Path) -> None:
+    """One Explore run and everything the page draws from it (token view, figures, fit figures)."""
     from kvlab.lab import explore
+    from kvlab.ui.present import present
 
-    explore(DOCUMENT, None, "attention_matching", 4.0, QUESTION, max_new_tokens=4)
+    present(explore(DOCUMENT, None, "attention_matching", 4.0, QUESTION, max_new_tokens=4))
 
 
 def _compare(lm: LoadedModel, workdir: Path) -> None:
+    """A sweep, its table and its charts."""
     from kvlab.lab import compare
+    from kvlab.ui.present import compare_rows, sweep_charts
 
     sweep = compare(DOCUMENT, None, ["snapkv", "attention_matching"], list(RATIOS), QUESTION, max_new_tokens=4)
     if sweep.errors:
         raise AssertionError(f"sweep points failed: {sweep.errors}")
+    compare_rows(sweep)
+    sweep_charts(sweep)
 
 
 def _needle_test(lm: LoadedModel, workdir: Path) -> None:
