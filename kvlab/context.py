@@ -63,6 +63,8 @@ def compute_once(
     ``make()`` with ``lock`` released (so nobody else is blocked meanwhile) and
     ``keep``s the value under it; callers asking for the same key in the
     meantime wait for that value, or get its exception (nothing is kept then).
+    Whatever fails, ``make`` or ``keep``, the key's future is resolved with the
+    exception, so no caller ever waits on it forever.
     """
     with lock:
         found = find()
@@ -76,14 +78,14 @@ def compute_once(
         return flight.result()
     try:
         value = make()
-    except BaseException as exc:
         with lock:
             del flights[key]
+            keep(value)
+    except BaseException as exc:
+        with lock:
+            flights.pop(key, None)
         flight.set_exception(exc)
         raise
-    with lock:
-        del flights[key]
-        keep(value)
     flight.set_result(value)
     return value
 

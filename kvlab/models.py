@@ -305,7 +305,12 @@ def check_allowed(spec: str | None, environ: typing.Mapping[str, str] | None = N
 
 
 _cache: OrderedDict[str, LoadedModel] = OrderedDict()
+#: Guards ``_cache`` and ``_loading`` only, never held through a load.
 _lock = threading.Lock()
+#: One lock per model being loaded: a second request for it waits for that load.
+_loading: dict[str, threading.Lock] = {}
+#: Serialises loads of different models: two never take memory at once.
+_load_slot = threading.Lock()
 
 
 def get_model(spec: str | None = None) -> LoadedModel:
@@ -313,7 +318,9 @@ def get_model(spec: str | None = None) -> LoadedModel:
 
     At most ``KVLAB_MAX_MODELS`` stay loaded: loading another unloads the least
     recently used (:func:`unload`). In a Space, only allowed models load
-    (:func:`check_allowed`). Loads are serialised: two models never load at once.
+    (:func:`check_allowed`). A load holds only its own model's lock (and the
+    slot that keeps two loads from running at once): a request for a model
+    already loaded never waits for another model's load.
     """
     check_allowed(spec)
     source = resolve_source(spec)
@@ -322,10 +329,22 @@ def get_model(spec: str | None = None) -> LoadedModel:
         if key in _cache:
             _cache.move_to_end(key)
             return _cache[key]
-        lm = load_model(spec)
-        _cache[key] = lm
-        while len(_cache) > max(1, limits.LIMITS.max_models):
-            unload(_cache.popitem(last=False)[1])
+        model_lock = _loading.setdefault(key, threading.Lock())
+    with model_lock:
+        with _lock:
+            if key in _cache:  # loaded by the request this one waited for
+                _cache.move_to_end(key)
+                return _cache[key]
+        try:
+            with _load_slot:
+                lm = load_model(spec)
+        finally:
+            with _lock:
+                _loading.pop(key, None)
+        with _lock:
+            _cache[key] = lm
+            while len(_cache) > max(1, limits.LIMITS.max_models):
+                unload(_cache.popitem(last=False)[1])
         return lm
 
 

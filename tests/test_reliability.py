@@ -305,3 +305,101 @@ def test_only_gradio_uploads_are_read_and_each_is_deleted(monkeypatch, tmp_path)
             common.read_upload(path)
     assert secret.read_text() == "do not read"
     assert common.document_input("typed text", str(secret)) == "typed text"  # text wins; the path is not touched
+
+
+# --------------------------------------------------------------------------- locks and futures that cannot hang
+
+
+def test_a_failing_keep_resolves_the_future_for_every_waiter():
+    """compute_once: when ``keep`` raises, a caller waiting on the same key gets the error, not a hang."""
+    from concurrent.futures import Future
+
+    from kvlab.context import _MISSING, compute_once
+
+    lock, flights = threading.Lock(), {}
+    made, waiter_in = threading.Event(), threading.Event()
+    outcome: list[object] = []
+
+    def make() -> int:
+        made.set()
+        waiter_in.wait(5)  # the second caller is waiting on this key's future by now
+        return 1
+
+    def keep(value: int) -> None:
+        raise MemoryError("injected: keeping the value failed")
+
+    def second() -> None:
+        made.wait(5)
+        with lock:
+            flight = flights[("k",)]
+        assert isinstance(flight, Future)
+        waiter_in.set()
+        try:
+            outcome.append(compute_once(lock, flights, ("k",), lambda: _MISSING, make, keep))
+        except MemoryError as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=second, daemon=True)
+    waiter.start()
+    with pytest.raises(MemoryError):
+        compute_once(lock, flights, ("k",), lambda: _MISSING, make, keep)
+    waiter.join(10)
+    assert not waiter.is_alive(), "the second caller still waits on a future nobody resolves"
+    assert len(outcome) == 1 and isinstance(outcome[0], MemoryError)
+    assert flights == {}
+
+
+def test_a_slow_model_load_does_not_block_a_loaded_model(monkeypatch):
+    """models.get_model: loading model B holds only B's lock; a request for loaded model A returns at once."""
+    monkeypatch.setattr(models, "_cache", type(models._cache)())
+    release, loading = threading.Event(), threading.Event()
+
+    def load(spec=None):
+        if spec == "model-b":
+            loading.set()
+            release.wait(30)
+        return tiny_llama(seed=len(spec))
+
+    monkeypatch.setattr(models, "load_model", load)
+    first = models.get_model("model-a")
+    slow = threading.Thread(target=models.get_model, args=("model-b",), daemon=True)
+    slow.start()
+    assert loading.wait(10)
+    got: list[object] = []
+    fast = threading.Thread(target=lambda: got.append(models.get_model("model-a")), daemon=True)
+    fast.start()
+    fast.join(10)
+    blocked = fast.is_alive()
+    release.set()
+    slow.join(30)
+    assert not blocked, "a request for a loaded model waited for another model's load"
+    assert got == [first]
+
+
+def test_the_keep_all_view_is_built_once_when_threads_race(monkeypatch):
+    """FullKV.stored: threads asking at once share one build (no second copy, not even briefly)."""
+    from kvlab.runtime import cache as cache_module
+    from kvlab.runtime.decode import prefill
+
+    full = prefill(tiny_llama(), torch.arange(2, 30))
+    builders: set[int] = set()
+    both_in = threading.Barrier(2, timeout=2)
+    from_padded = cache_module.DenseSegment.from_padded.__func__
+
+    def meeting_point(cls, *args, **kwargs):
+        builders.add(threading.get_ident())
+        try:
+            both_in.wait()  # a second builder meets the first here, if the code lets it in
+        except threading.BrokenBarrierError:
+            pass
+        return from_padded(cls, *args, **kwargs)
+
+    monkeypatch.setattr(cache_module.DenseSegment, "from_padded", classmethod(meeting_point))
+    seen: list[object] = []
+    threads = [threading.Thread(target=lambda: seen.append(full.stored)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(builders) == 1, "two threads built the keep-all view"
+    assert len(seen) == 2 and seen[0] is seen[1]

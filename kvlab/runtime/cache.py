@@ -9,8 +9,8 @@ is exactly an absent key.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -281,6 +281,10 @@ class FullKV:
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    # The keep-all view, built once on first use under the lock: the app's prepare slot, its
+    # compute slot and its warm-up thread may all ask for it at once.
+    _stored: "CompressedKV | None" = field(default=None, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     @property
     def length(self) -> int:
@@ -290,11 +294,18 @@ class FullKV:
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
 
-    @cached_property
+    @property
     def stored(self) -> CompressedKV:
         """The keep-all cache: every token, no bias (the ceiling every method is compared with).
 
-        Built once, as views of :attr:`keys` and :attr:`values`; like every stored cache it is never modified."""
+        Built once, as views of :attr:`keys` and :attr:`values`, however many
+        threads ask at once; like every stored cache it is never modified."""
+        with self._lock:
+            if self._stored is None:
+                self._stored = self._keep_all()
+            return self._stored
+
+    def _keep_all(self) -> CompressedKV:
         layers: list[list[Segment]] = []
         for k, v in zip(self.keys, self.values):
             n_heads, length = k.shape[:2]
