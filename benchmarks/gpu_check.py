@@ -64,10 +64,6 @@ QWEN3_8B = dict(
     intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960,
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
 )
-TINY = dict(
-    num_hidden_layers=2, hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
-    intermediate_size=256, vocab_size=512, rope_theta=500000.0, max_position_embeddings=4096,
-)
 #: Suite steps a dry run takes: one method, one preset, the bounded writers, the bench (the code path, not the matrix).
 DRY_RUN_STEPS = ("attention_matching", "kvzip", "lab.generate", "kvlab bench (one item)")
 
@@ -242,7 +238,7 @@ def decode_speed(model: PreTrainedModel, layers: list[GrowingLayer], bias: list[
 
 def end_to_end(device: torch.device, dry_run: bool, deadline: float) -> list[DecodeRow]:
     """Decode tokens/s: full cache (SDPA) vs compacted caches (Triton kernel and SDPA with a float mask)."""
-    config = TINY if dry_run else LLAMA_31_8B
+    config = device_suite.TINY if dry_run else LLAMA_31_8B
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_llama(config, device, dtype)
     seq_len, steps = (256, 4) if dry_run else (32 * 1024, 32)

@@ -179,16 +179,22 @@ def synthetic_lm(
     family: str = "llama",
     device: torch.device | None = None,
     dtype: torch.dtype = torch.float32,
+    tokenizer: PreTrainedTokenizerFast | None = None,
 ) -> LoadedModel:
-    """A seeded random ``family`` model (float32 on the CPU unless told) with a word tokenizer of its vocabulary.
+    """A seeded random ``family`` model (float32 on the CPU unless told) reading through ``tokenizer``.
 
-    config: the family config class's fields; the word tokenizer's special ids are the defaults.
+    config: the family config class's fields. tokenizer: default, a word
+    tokenizer of the vocabulary (its special ids are the defaults); another
+    one's eos id is set in the config.
     """
     device = device or torch.device("cpu")
     torch.manual_seed(seed)
-    config = {**SPECIAL_IDS, **config}
+    if tokenizer is None:
+        config, tokenizer = {**SPECIAL_IDS, **config}, word_tokenizer(config["vocab_size"])
+    else:
+        config = {**SPECIAL_IDS, **config, "eos_token_id": tokenizer.eos_token_id}
     model = random_weights(family, config, device, dtype, name)
-    return LoadedModel(name, model, word_tokenizer(config["vocab_size"]), device, dtype)
+    return LoadedModel(name, model, tokenizer, device, dtype)
 
 
 def random_model(

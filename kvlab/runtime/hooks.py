@@ -35,8 +35,8 @@ class QueryCapture:
     def record(self, layer: int, query: torch.Tensor) -> None:
         if layer >= self.n_layers:
             return
-        # A copy, not a view: the view would keep the whole forward's [1, H, q, d] alive.
-        self.chunks.setdefault(layer, []).append(query[0].detach().clone())
+        # RoPE made ``query`` afresh: the view holds exactly these queries, nothing more.
+        self.chunks.setdefault(layer, []).append(query[0].detach())
 
     def layer(self, layer: int) -> torch.Tensor:
         """All queries recorded for ``layer``: [H, n, d]."""

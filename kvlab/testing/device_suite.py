@@ -31,7 +31,7 @@ from kvlab import models
 from kvlab.context import CONTEXTS
 from kvlab.methods import REGISTRY, get_method
 from kvlab.models import LoadedModel
-from kvlab.synthetic import byte_tokenizer, random_weights
+from kvlab.synthetic import byte_tokenizer, synthetic_lm
 
 #: Tiny Llama geometry: GQA 2:1, 2 layers, head dim 16; the vocabulary covers the byte tokenizer.
 TINY = dict(
@@ -64,12 +64,7 @@ def suite_model(
     family: str = "llama",
 ) -> LoadedModel:
     """A seeded random ``family`` model (``config`` overrides :data:`TINY`) with the byte tokenizer, on ``device``."""
-    torch.manual_seed(seed)
-    tokenizer = byte_tokenizer()
-    cfg = {**TINY, **(config or {})}
-    cfg.update(eos_token_id=tokenizer.eos_token_id, bos_token_id=None, pad_token_id=None)
-    model = random_weights(family, cfg, torch.device(device), dtype, name)
-    return LoadedModel(name, model, tokenizer, torch.device(device), dtype)
+    return synthetic_lm({**TINY, **(config or {})}, name, seed, family, torch.device(device), dtype, byte_tokenizer())
 
 
 @contextlib.contextmanager
