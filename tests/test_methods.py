@@ -99,6 +99,15 @@ def assert_meets_budget(ctx, name, ratio, stored):
     assert stored.nbytes < ctx.full.nbytes
 
 
+@pytest.mark.parametrize("name", ["snapkv", "pyramidkv"])
+def test_a_document_no_longer_than_the_observation_window_is_still_compressed(tiny, name):
+    """40 tokens, no template, a 64-token window: every token is in the window, none is left to pool
+    (this crashed in avg_pool1d on an empty row); the cache still keeps the budget."""
+    short = prepare_context(tiny, " ".join(f"w{i % 60}" for i in range(40)))
+    assert short.prefix_len == 0 and short.doc_len <= get_method(name).options.window
+    assert_meets_budget(short, name, 2.0, get_method(name).compress(Request(short, 2.0, None)))
+
+
 def test_streaming_keeps_sinks_and_recent_window(ctx):
     stored = get_method("streaming_llm").compress(Request(ctx, 8.0))
     fates = stored.fates(0, 0)
