@@ -520,3 +520,20 @@ def test_nnls_bias_on_a_wide_design_equals_the_primal_gram_form(ridge):
     expected = w.log().masked_fill(~valid, float("-inf"))
     assert torch.isinf(got[1, 24:]).all()
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("dense_max", [0, 1 << 30])  # the streamed and the dense path
+def test_a_head_that_sees_only_padding_fits_to_zeros_not_nans(dense_max):
+    """z = 0 for every query of a head whose keys are all padding: its outputs are 0, never 0/0;
+    the other heads are fitted as if it were not there (compared with each fitted alone)."""
+    q, k, v = _qkv(B=2, n=24, T=16, seed=21)
+    bias = torch.zeros(2, 16)
+    bias[1] = float("-inf")
+    shift, z, y = streamed_mass(q, k, v, bias)
+    assert torch.isfinite(y).all() and bool((y[1] == 0).all()) and bool((z[1] == 0).all())
+    eager = torch.softmax(q[0] @ k[0].T / 4.0, dim=-1) @ v[0]  # head dim 16: scale 1/4
+    assert torch.allclose(y[0], eager, atol=1e-5)
+    both = compact_block(q, k, v, 6, bias=bias, dense_max=dense_max)
+    alone = compact_block(q[:1], k[:1], v[:1], 6, bias=bias[:1], dense_max=dense_max)
+    assert torch.isfinite(both.values).all() and torch.isfinite(both.keys).all()
+    assert torch.allclose(both.values[0], alone.values[0], atol=1e-5)

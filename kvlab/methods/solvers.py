@@ -154,7 +154,8 @@ def streamed_mass(
         acc = acc * rescale.unsqueeze(-1) + torch.matmul(phi, v[:, a : a + chunk].float())
         top = new_top
     shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    return shift, z, acc / z.unsqueeze(-1)
+    # A query that sees only padding has z = 0 and acc = 0: its output is 0, never 0/0.
+    return shift, z, acc / z.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
 
 
 def score_keys(
@@ -816,7 +817,8 @@ def compact_block(
         phi, z = mass_features(q, k, bias, scale)
         # The block's own output is phi V / z (the max shift cancels): reusing phi
         # saves recomputing every logit, the largest cost of the whole fit.
-        y = torch.matmul(phi, v.float()) / z.unsqueeze(-1)
+        # z = 0 (a query that sees only padding) gives 0, as in mass_features, never NaN.
+        y = torch.matmul(phi, v.float()) / z.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
     else:
         shift, z, y = streamed_mass(q, k, v, bias, scale)
     w_omp = None
