@@ -255,6 +255,8 @@ def _print_summary(r: Any) -> None:
     print(f"answer log-ppl  full {r.logppl_full:.4f}, compressed {r.logppl_compressed:.4f}")
     print(f"answer (full)        {r.answer_full}")
     print(f"answer (compressed)  {r.answer_compressed}")
+    if r.numerics_warning:
+        print(r.numerics_warning)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -103,6 +103,23 @@ class RunResult:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def numerics_warning(self) -> str | None:
+        """One line naming the heads whose fit fell back or had non-finite results replaced, or None.
+
+        Read from ``details``: per layer and KV head counts, ``solver_fallbacks`` and
+        ``nonfinite_replaced`` (kvlab.methods.attention_matching.diagnostics).
+        """
+        parts = []
+        for key, what in (("solver_fallbacks", "a solve fell back to zeros"),
+                          ("nonfinite_replaced", "non-finite values were replaced")):
+            rows = self.details.get(key) or []
+            heads = [f"layer {i} head {h}" for i, row in enumerate(rows) for h, n in enumerate(row) if n]
+            if heads:
+                shown = ", ".join(heads[:6]) + (f" and {len(heads) - 6} more" if len(heads) > 6 else "")
+                parts.append(f"{what} in {len(heads)} head(s): {shown}")
+        return ("Warning: " + "; ".join(parts) + ".") if parts else None
+
 
 @dataclass
 class Run:

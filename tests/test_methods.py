@@ -351,3 +351,12 @@ def test_attention_matching_with_kvzip_keys_keeps_kvzips_keys_and_fits_them(temp
             residual = lambda v: float((x @ v - y).norm())  # noqa: E731
             assert residual(values) <= 1.05 * residual(best) + 1e-4
             assert residual(values) < 0.5 * residual(own)
+
+
+def test_attention_matching_reports_its_numerics_for_every_layer_and_head(ctx):
+    """The run's details carry, per layer and KV head, the solves that fell back and the
+    non-finite results replaced: zero everywhere on a well-posed fit, never absent."""
+    stored = get_method("attention_matching").compress(Request(ctx, 4.0, None))
+    shape = [[0] * ctx.lm.n_kv_heads for _ in range(ctx.lm.n_layers)]
+    assert stored.meta["solver_fallbacks"] == shape
+    assert stored.meta["nonfinite_replaced"] == shape

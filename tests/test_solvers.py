@@ -537,3 +537,59 @@ def test_a_head_that_sees_only_padding_fits_to_zeros_not_nans(dense_max):
     alone = compact_block(q[:1], k[:1], v[:1], 6, bias=bias[:1], dense_max=dense_max)
     assert torch.isfinite(both.values).all() and torch.isfinite(both.keys).all()
     assert torch.allclose(both.values[0], alone.values[0], atol=1e-5)
+
+
+def test_a_factorisation_that_never_succeeds_is_counted_for_its_head():
+    """_ridge_factor: a head whose Gram cannot be factorised at any ridge (here +inf on its
+    diagonal) solves to 0 and is counted against that head only, while a fit is running."""
+    from kvlab.methods.solvers import _FALLBACKS, _ridge_factor
+
+    g = torch.randn(3, 6, 4, generator=_gen(30))
+    gram = g.transpose(-1, -2) @ g
+    gram[1, 2, 2] = float("inf")
+    counts = torch.zeros(3, dtype=torch.long)
+    token = _FALLBACKS.set(counts)
+    try:
+        _, ok = _ridge_factor(gram, torch.ones(3, 4), 1e-6)
+    finally:
+        _FALLBACKS.reset(token)
+    assert ok.tolist() == [True, False, True]
+    assert counts.tolist() == [0, 1, 0]
+
+
+def test_non_finite_results_are_replaced_and_counted_per_head():
+    """A NaN key in head 1 poisons that head's fit only: its values are replaced (and counted),
+    the other heads' fits are those of the same heads fitted without it."""
+    q, k, v = _qkv(B=3, n=24, T=16, seed=5)
+    k[1, 3] = float("nan")
+    block = compact_block(q, k, v, 6)
+    assert block.nonfinite[1] > 0 and block.nonfinite[[0, 2]].tolist() == [0, 0]
+    assert block.fallbacks.tolist() == [0, 0, 0]
+    assert torch.isfinite(block.values).all()
+    keep = torch.tensor([0, 2])
+    alone = compact_block(q[keep], k[keep], v[keep], 6)
+    assert torch.allclose(block.values[keep], alone.values, atol=1e-5)
+
+
+def test_a_degenerate_head_duplicate_keys_and_zero_queries_fits_its_output():
+    """All-zero queries over one key repeated: attention is uniform, the output is the mean value;
+    the compact block must give that output (computed here by hand), with nothing to report."""
+    q, k, v = _qkv(B=1, n=12, T=16, seed=6)
+    q.zero_()
+    k[0] = k[0, :1].expand(16, -1).clone()
+    block = compact_block(q, k, v, 4)
+    assert block.fallbacks.tolist() == [0] and block.nonfinite.tolist() == [0]
+    weights = torch.softmax(q[0] @ block.keys[0].T / 4.0 + block.bias[0], dim=-1)
+    assert torch.allclose(weights @ block.values[0], v[0].mean(0).expand(12, -1), atol=1e-4)
+
+
+def test_the_run_names_the_heads_whose_fit_fell_back():
+    from types import SimpleNamespace
+
+    from kvlab.pipeline import RunResult
+
+    details = {"solver_fallbacks": [[0, 0], [0, 2]], "nonfinite_replaced": [[5, 0], [0, 0]]}
+    line = RunResult.numerics_warning.fget(SimpleNamespace(details=details))
+    assert line == ("Warning: a solve fell back to zeros in 1 head(s): layer 1 head 1; "
+                    "non-finite values were replaced in 1 head(s): layer 0 head 0.")
+    assert RunResult.numerics_warning.fget(SimpleNamespace(details={"solver_fallbacks": [[0]]})) is None

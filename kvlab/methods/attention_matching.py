@@ -15,7 +15,7 @@ the paper reports as a small gain.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -273,6 +273,8 @@ class LayerFit:
     train_output: torch.Tensor  # [H_kv]
     train_mass: torch.Tensor  # [H_kv]
     importance: torch.Tensor | None = None  # [H_kv, logical length] (see CompressedKV.importance)
+    fallbacks: list[int] = field(default_factory=list)  # [H_kv] solves that fell back (CompactBlock.fallbacks)
+    nonfinite: list[int] = field(default_factory=list)  # [H_kv] non-finite results replaced (CompactBlock.nonfinite)
 
 
 def compact_layer(
@@ -307,17 +309,25 @@ def compact_layer(
         kept = select_keys(view, keep)
         segments.insert(0, template_segment(kept.keys, kept.values, protected))
     importance = None if scores is None else token_importance(scores, block.token_index, importance_len)
-    return LayerFit(segments, timings, grouped.shape[1], out_err, mass_err, importance)
+    fallbacks, nonfinite = (
+        [sum(int(getattr(b, part)[h]) for b in blocks if getattr(b, part) is not None) for h in range(len(budgets))]
+        for part in ("fallbacks", "nonfinite")
+    )
+    return LayerFit(segments, timings, grouped.shape[1], out_err, mass_err, importance, fallbacks, nonfinite)
 
 
 def diagnostics(fits: list[LayerFit]) -> dict:
-    """What the app and the CLI show of a fit: time per step, queries, train errors."""
+    """What the app and the CLI show of a fit: time per step, queries, train errors, and
+    per layer and KV head the solves that fell back and the non-finite results replaced."""
     return {
         "fit_s": {k: sum(f.timings[k] for f in fits) for k in ("keys", "bias", "values")},
         "queries_per_head": [f.n_queries for f in fits],
         "train_attn_output_rel_err": torch.stack([f.train_output for f in fits]).tolist(),
         "train_attn_mass_rel_err": torch.stack([f.train_mass for f in fits]).tolist(),
+        "solver_fallbacks": [f.fallbacks for f in fits],
+        "nonfinite_replaced": [f.nonfinite for f in fits],
     }
+
 
 
 def fitted_cache(fits: list[LayerFit], logical_len: int) -> CompressedKV:

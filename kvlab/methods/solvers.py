@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
@@ -200,6 +201,18 @@ def _ridge_scale(gram: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
     return (diag.sum(-1) / active.sum(-1).clamp_min(1.0)).clamp_min(_RIDGE_FLOOR)
 
 
+#: While :func:`compact_block` runs: per head [B], the ridge solves that never factorised
+#: (they solved to 0). A context variable, so concurrent fits never mix their counts.
+_FALLBACKS: ContextVar[torch.Tensor | None] = ContextVar("kvlab_solver_fallbacks", default=None)
+
+
+def _record_fallbacks(bad: torch.Tensor) -> None:
+    """Count ``bad`` [B] solves against the heads of the running :func:`compact_block`."""
+    counts = _FALLBACKS.get()
+    if counts is not None and counts.shape == bad.shape:
+        counts += bad.to(counts.dtype)
+
+
 def _ridge_factor(
     gram: torch.Tensor,
     active: torch.Tensor,
@@ -216,7 +229,7 @@ def _ridge_factor(
     ``_MAX_RIDGE_RETRIES`` times, and only failing elements are refactorised.
     One that never factorises (non-finite input) gets ``ok = False`` and an
     identity factor, so it solves to 0 rather than NaNs that would poison
-    the whole cache.
+    the whole cache; it is counted for its head (:attr:`CompactBlock.fallbacks`).
     """
     m = gram.shape[-1]
     base = _active_block(gram, active)
@@ -244,6 +257,7 @@ def _ridge_factor(
         bad = info != 0
     if bool(bad.any()):
         chol = torch.where(bad.view(-1, 1, 1), torch.eye(m, dtype=gram.dtype, device=gram.device), chol)
+        _record_fallbacks(bad)
     return chol, ~bad
 
 
@@ -719,7 +733,11 @@ class CompactBlock:
     timings: seconds spent on ``keys``, ``bias`` and ``values``,
     scores: [B, T] float32 HighestAttnKeys score of every original key (what
     ``highest_attn`` ranks by, or the caller's ``key_scores``; also filled for
-    ``omp``, for display), or None.
+    ``omp``, for display), or None;
+    fallbacks: [B] long, the head's ridge solves that never factorised (each
+    solved to 0 instead); nonfinite: [B] long, non-finite fitted values or
+    biases found in the head and replaced (values by 0, biases by the lower
+    bound). Both 0 for a fit that went as asked; never silent (the run's details).
     """
 
     keys: torch.Tensor
@@ -729,6 +747,8 @@ class CompactBlock:
     lengths: torch.Tensor
     timings: dict[str, float] = field(default_factory=dict)
     scores: torch.Tensor | None = None
+    fallbacks: torch.Tensor | None = None
+    nonfinite: torch.Tensor | None = None
 
 
 def _clock(device: torch.device) -> float:
@@ -802,87 +822,100 @@ def compact_block(
             -7.0 if drop_below is None else drop_below, 7.0)
     lo, hi = beta_bounds
     dev = q.device
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    key_valid = None if bias is None else torch.isfinite(bias)
-    n_real = torch.full((B,), T, dtype=torch.long, device=dev) if key_valid is None else key_valid.sum(-1)
-    lengths = n_real.clamp(max=t)
-    if budgets is not None:
-        lengths = torch.minimum(lengths, budgets.to(dev).long().clamp(0, t))
-    slot_valid = torch.arange(t, device=dev) < lengths.unsqueeze(-1)
-    timings: dict[str, float] = {}
+    fallbacks = torch.zeros(B, dtype=torch.long, device=dev)
+    counting = _FALLBACKS.set(fallbacks)
+    try:
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        key_valid = None if bias is None else torch.isfinite(bias)
+        n_real = torch.full((B,), T, dtype=torch.long, device=dev) if key_valid is None else key_valid.sum(-1)
+        lengths = n_real.clamp(max=t)
+        if budgets is not None:
+            lengths = torch.minimum(lengths, budgets.to(dev).long().clamp(0, t))
+        slot_valid = torch.arange(t, device=dev) < lengths.unsqueeze(-1)
+        timings: dict[str, float] = {}
 
-    start = _clock(dev)
-    phi = shift = None
-    if key_selection == "omp" or B * n * T <= dense_max:
-        phi, z = mass_features(q, k, bias, scale)
-        # The block's own output is phi V / z (the max shift cancels): reusing phi
-        # saves recomputing every logit, the largest cost of the whole fit.
-        # z = 0 (a query that sees only padding) gives 0, as in mass_features, never NaN.
-        y = torch.matmul(phi, v.float()) / z.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
-    else:
-        shift, z, y = streamed_mass(q, k, v, bias, scale)
-    w_omp = None
-    # Cheap next to the features; the app shows it as each token's importance.
-    if key_scores is None and phi is not None:
-        scores = _scores_from_mass(phi, z, scoring, key_valid)
-    elif key_scores is None:
-        from kvlab import kernels  # a late import: kvlab.kernels' reference is built on this package
+        start = _clock(dev)
+        phi = shift = None
+        if key_selection == "omp" or B * n * T <= dense_max:
+            phi, z = mass_features(q, k, bias, scale)
+            # The block's own output is phi V / z (the max shift cancels): reusing phi
+            # saves recomputing every logit, the largest cost of the whole fit.
+            # z = 0 (a query that sees only padding) gives 0, as in mass_features, never NaN.
+            y = torch.matmul(phi, v.float()) / z.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+        else:
+            shift, z, y = streamed_mass(q, k, v, bias, scale)
+        w_omp = None
+        # Cheap next to the features; the app shows it as each token's importance.
+        if key_scores is None and phi is not None:
+            scores = _scores_from_mass(phi, z, scoring, key_valid)
+        elif key_scores is None:
+            from kvlab import kernels  # a late import: kvlab.kernels' reference is built on this package
 
-        # Chunked over the keys (a Triton kernel on CUDA): the same scores without phi.
-        scores = kernels.key_scores(q, k, bias, scale, scoring)
-    else:
-        scores = key_scores.to(dev).float()
-        if key_valid is not None:
-            scores = scores.masked_fill(~key_valid, float("-inf"))
-    if key_selection == "highest_attn":
-        idx = select_highest_attn(scores, t)
-    else:
-        idx, w_omp = omp_select(phi, z, t, keys_per_iter, refit_every, drop_below, key_valid,
-                                omp_nnls_iters, ridge)
-    index = torch.where(slot_valid, idx, torch.full_like(idx, -1))
-    safe = index.clamp_min(0)
-    tick = _clock(dev)
-    timings["keys"] = tick - start
+            # Chunked over the keys (a Triton kernel on CUDA): the same scores without phi.
+            scores = kernels.key_scores(q, k, bias, scale, scoring)
+        else:
+            scores = key_scores.to(dev).float()
+            if key_valid is not None:
+                scores = scores.masked_fill(~key_valid, float("-inf"))
+        if key_selection == "highest_attn":
+            idx = select_highest_attn(scores, t)
+        else:
+            idx, w_omp = omp_select(phi, z, t, keys_per_iter, refit_every, drop_below, key_valid,
+                                    omp_nnls_iters, ridge)
+        index = torch.where(slot_valid, idx, torch.full_like(idx, -1))
+        safe = index.clamp_min(0)
+        tick = _clock(dev)
+        timings["keys"] = tick - start
 
-    # Design of the compact keys *without* any old bias, so that the fitted
-    # w is exp(total beta) and the bounds apply to the stored beta.
-    if phi is not None:
-        m_sel = phi.gather(2, safe.unsqueeze(1).expand(B, n, t))
-        del phi  # the largest tensor; the value fit needs the room
-    else:
-        chosen = attention_logits(q, k.gather(1, safe.unsqueeze(-1).expand(B, t, d)),
-                                  None if bias is None else bias.gather(1, safe), scale)
-        m_sel = chosen.sub_(shift.unsqueeze(-1)).exp_()
-    old = torch.zeros(B, t, device=dev) if bias is None else bias.float().gather(1, safe)
-    old = torch.where(slot_valid, old, torch.zeros_like(old))
-    if w_omp is None:
-        beta = nnls_bias(m_sel * torch.exp(-old).unsqueeze(1), z, slot_valid,
-                         math.exp(lo), math.exp(hi), nnls_iters, ridge)
-    else:
-        w = w_omp
-        # OMP fitted its weights for its full selection; a head cut short by a
-        # budget loses keys whose mass the others no longer cover: refit it.
-        cut = (slot_valid != (idx >= 0)).any(-1)
-        if bool(cut.any()):
-            w = torch.where(cut.unsqueeze(-1), nnls(m_sel, z, slot_valid, omp_nnls_iters, ridge), w)
-        beta = (w.clamp_min(torch.finfo(torch.float32).tiny).log() + old).clamp(lo, hi)
-        beta = beta.masked_fill(~slot_valid, float("-inf"))
-    del m_sel
-    tock = _clock(dev)
-    timings["bias"] = tock - tick
+        # Design of the compact keys *without* any old bias, so that the fitted
+        # w is exp(total beta) and the bounds apply to the stored beta.
+        if phi is not None:
+            m_sel = phi.gather(2, safe.unsqueeze(1).expand(B, n, t))
+            del phi  # the largest tensor; the value fit needs the room
+        else:
+            chosen = attention_logits(q, k.gather(1, safe.unsqueeze(-1).expand(B, t, d)),
+                                      None if bias is None else bias.gather(1, safe), scale)
+            m_sel = chosen.sub_(shift.unsqueeze(-1)).exp_()
+        old = torch.zeros(B, t, device=dev) if bias is None else bias.float().gather(1, safe)
+        old = torch.where(slot_valid, old, torch.zeros_like(old))
+        if w_omp is None:
+            beta = nnls_bias(m_sel * torch.exp(-old).unsqueeze(1), z, slot_valid,
+                             math.exp(lo), math.exp(hi), nnls_iters, ridge)
+        else:
+            w = w_omp
+            # OMP fitted its weights for its full selection; a head cut short by a
+            # budget loses keys whose mass the others no longer cover: refit it.
+            cut = (slot_valid != (idx >= 0)).any(-1)
+            if bool(cut.any()):
+                w = torch.where(cut.unsqueeze(-1), nnls(m_sel, z, slot_valid, omp_nnls_iters, ridge), w)
+            beta = (w.clamp_min(torch.finfo(torch.float32).tiny).log() + old).clamp(lo, hi)
+            beta = beta.masked_fill(~slot_valid, float("-inf"))
+        del m_sel
+        tock = _clock(dev)
+        timings["bias"] = tock - tick
 
-    ck = k.gather(1, safe.unsqueeze(-1).expand(B, t, d)) * slot_valid.unsqueeze(-1).to(k.dtype)
-    x = torch.softmax(attention_logits(q, ck, beta, scale), dim=-1)
-    x = torch.nan_to_num(x, nan=0.0)  # a head with no real slot: softmax of all -inf
-    cv = fit_values(x, y, slot_valid, ridge)
-    timings["values"] = _clock(dev) - tock
+        ck = k.gather(1, safe.unsqueeze(-1).expand(B, t, d)) * slot_valid.unsqueeze(-1).to(k.dtype)
+        x = torch.softmax(attention_logits(q, ck, beta, scale), dim=-1)
+        x = torch.nan_to_num(x, nan=0.0)  # a head with no real slot: softmax of all -inf
+        cv = fit_values(x, y, slot_valid, ridge)
+        timings["values"] = _clock(dev) - tock
 
-    return CompactBlock(
-        keys=ck,
-        values=cv.to(v.dtype),
-        bias=beta,
-        index=index,
-        lengths=lengths,
-        timings=timings,
-        scores=scores,
-    )
+        # Values or biases that came out non-finite are replaced and counted: never stored silently.
+        bad_values = ~torch.isfinite(cv)
+        bad_bias = torch.isnan(beta) | (beta == float("inf"))
+        nonfinite = bad_values.flatten(1).sum(-1) + bad_bias.sum(-1)
+        cv = cv.masked_fill(bad_values, 0.0)
+        beta = beta.masked_fill(bad_bias, lo)
+        return CompactBlock(
+            keys=ck,
+            values=cv.to(v.dtype),
+            bias=beta,
+            index=index,
+            lengths=lengths,
+            timings=timings,
+            scores=scores,
+            fallbacks=fallbacks.clone(),
+            nonfinite=nonfinite,
+        )
+    finally:
+        _FALLBACKS.reset(counting)

@@ -63,6 +63,7 @@ def summary_markdown(ex: Explored) -> str:
         f"Attention error on held-out queries (mean over layers x KV heads): "
         f"output {r.attn_output_rel_err:.3f}, mass {r.attn_mass_rel_err:.3f}. "
         f"{prefill} Compression {r.compress_s:.2f} s; this run took {ex.wall_s:.1f} s in all."
+        + (f"\n\n**{r.numerics_warning}**" if r.numerics_warning else "")
     )
 
 
