@@ -210,3 +210,25 @@ def test_common_subsequence_against_brute_force():
         best = max(k for k in range(len(a) + 1)
                    if any(is_subsequence([a[i] for i in idx], b) for idx in itertools.combinations(range(len(a)), k)))
         assert common_subsequence(a, b) == best
+
+
+def test_a_prompt_past_the_window_is_refused_before_any_work(tiny, monkeypatch):
+    """The tiny model reads 512 positions: a 600-word prompt, or a document plus question plus the
+    tokens to write past 512, is refused naming the window; a prompt over the character limit too."""
+    import sys
+
+    from kvlab import limits, models
+    from kvlab.documents import DocumentError
+    from kvlab.lab.generate import generate
+    from kvlab.lab.inputs import InputError
+
+    monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
+    monkeypatch.setattr(sys.modules["kvlab.lab.generate"], "run_policy", lambda *a, **k: pytest.fail("work started"))
+    words = lambda n: " ".join(f"w{i % 60}" for i in range(n))  # noqa: E731 - one token per word
+    # 600 words and the base-model template's suffix ("Answer:" on a new line, one unknown word here): 601 tokens.
+    with pytest.raises(InputError, match="The prompt is 601 tokens and 8 new tokens .* reads at most 512 tokens"):
+        generate(prompt=words(600), max_new_tokens=8)
+    with pytest.raises(InputError, match="and 250 new tokens were asked"):
+        generate(document=words(300), question="w1 w2", max_new_tokens=250)
+    with pytest.raises(DocumentError, match=f"the limit here is {limits.LIMITS.document_chars:,}"):
+        generate(prompt="w1 " * (limits.LIMITS.document_chars // 3 + 1))

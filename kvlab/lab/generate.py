@@ -19,7 +19,7 @@ from kvlab.bounded.policies import BOUNDED, POLICIES, make_policy
 from kvlab.bounded.tasks import CopyScore, codes_in_prompt, score_copy
 from kvlab.context import Progress, no_progress
 from kvlab.lab.explore import token_texts
-from kvlab.lab.inputs import InputError, check_question, document_text
+from kvlab.lab.inputs import InputError, check_document_length, check_question, document_text
 from kvlab.prompts import Template, context_tokens, encode, question_tokens
 
 #: The most tokens one request may write (a CPU writes a few dozen per second).
@@ -86,6 +86,16 @@ def prompt_ids(tokenizer, prompt: str | None, document: str | None, question: st
     return torch.cat([ctx.ids, question_tokens(tokenizer, question)]), ctx.prefix_len
 
 
+def check_window(lm: models.LoadedModel, prompt_tokens: int, max_new_tokens: int) -> None:
+    """InputError, before any work, when the prompt and the tokens to write exceed the model's window."""
+    window = lm.max_context
+    if prompt_tokens + max_new_tokens > window:
+        raise InputError(
+            f"The prompt is {prompt_tokens:,} tokens and {max_new_tokens:,} new tokens were asked, but {lm.name} "
+            f"reads at most {window:,} tokens in all (its window): shorten the prompt or write fewer tokens."
+        )
+
+
 def check_generate_tokens(n: int | float | None) -> int:
     """The cap on written tokens as an int; InputError outside 1..MAX_GENERATE_TOKENS."""
     if n is None or not 1 <= int(n) <= MAX_GENERATE_TOKENS:
@@ -138,13 +148,15 @@ def generate(
     if budget is not None and int(budget) < 1:
         raise InputError(f"The budget is in keys per head and must be at least 1, got {budget}.")
     if prompt is not None and prompt.strip():
-        prompt, codes = prompt.strip(), codes_in_prompt(prompt)
+        prompt = check_document_length(prompt.strip())
+        codes = codes_in_prompt(prompt)
     else:
         prompt, codes = None, None
         document, question = document_text(document, file), check_question(question)
     progress(0.0, f"loading the model {model or ''}")
     lm = models.get_model(model or None)
     ids, protected = prompt_ids(lm.tokenizer, prompt, document, question)
+    check_window(lm, ids.numel(), max_new_tokens)
     total = max_new_tokens * (1 + 2 * len(chosen))
     done = 0
 
