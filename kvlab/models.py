@@ -348,12 +348,6 @@ def get_model(spec: str | None = None) -> LoadedModel:
         return lm
 
 
-def loaded_models() -> list[str]:
-    """Names of the models loaded now, least recently used first."""
-    with _lock:
-        return [lm.name for lm in _cache.values()]
-
-
 def unload(lm: LoadedModel) -> None:
     """Let ``lm``'s memory go: its prepared contexts are dropped, then its weights are collected.
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from kvlab.tasks.scoring import (
-    all_contained,
     contains_match,
     exact_match,
     normalize_answer,
@@ -51,11 +50,6 @@ def test_token_f1_hand_worked():
     assert token_f1("", "x") == 0.0
     # repeated words count by multiplicity: common = min(2, 1) = 1
     assert token_f1("go go", "go") == pytest.approx(2 * 0.5 * 1 / 1.5)
-
-
-def test_all_contained():
-    assert all_contained("values: 11, 22 and 33", ["11", "22", "33"])
-    assert not all_contained("values: 11, 22", ["11", "22", "33"])
 
 
 # --- generators ---------------------------------------------------------------

@@ -62,11 +62,6 @@ class Generated:
     runs: list[MethodGeneration] = field(default_factory=list)
     wall_s: float = 0.0
 
-    @property
-    def unbounded_len(self) -> int:
-        """Tokens the unbounded cache held at the end: prompt + written."""
-        return self.prompt_tokens + len(self.reference.run.ids)
-
 
 def divergence(ids: list[int], reference: list[int]) -> int | None:
     """First index where ``ids`` and ``reference`` differ (a shorter one ends there); None when equal."""

@@ -50,11 +50,6 @@ from kvlab.runtime.cache import (
 
 QuerySource = Literal["repeat", "context", "self_study", "random", "question"]
 
-# Above this many float32 logits per solve (B x n x T), layers are compacted in
-# smaller groups: 2^28 is 1 GiB, well inside the lab machines' memory.
-MAX_LOGITS_PER_SOLVE = 1 << 28
-
-
 @dataclass(frozen=True)
 class QueryOptions(Options):
     """Where reference queries come from (shared by the methods that use them)."""

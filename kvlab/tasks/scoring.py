@@ -69,7 +69,3 @@ def token_f1(prediction: str, gold: str | Sequence[str]) -> float:
             best = max(best, 2 * precision * recall / (precision + recall))
     return best
 
-
-def all_contained(prediction: str, golds: Sequence[str]) -> bool:
-    """True when every gold value appears in the prediction (RULER's multi-value score)."""
-    return all(contains_match(prediction, g) for g in golds)
