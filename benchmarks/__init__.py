@@ -1,1 +1,1 @@
-"""Benchmarks: commands that print the figures quoted in README and in issue notes."""
+"""Benchmarks: commands that print the figures quoted in docs/benchmarks.md and in issue notes."""

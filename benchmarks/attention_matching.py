@@ -2,6 +2,14 @@
 
     python -m benchmarks.attention_matching            # the full table (several minutes on 2 CPU cores)
     python -m benchmarks.attention_matching --json out.json
+    python -m benchmarks.attention_matching --app   # only the app's fit on the bundled story (a minute)
+    python -m benchmarks.attention_matching --app --app-options max_queries=50000   # every repeat query
+
+``--app`` times the fit as the app's Explore tab runs it (issue #20): the
+bundled story (about 2,058 tokens) prepared through kvlab.lab.explore's
+prepared_context and the method's own prepare (the repeat pass, not timed),
+then compress at the ratio with the token importance recorded, as explore
+asks; wall and CPU seconds per repeat, and the fit's own split.
 
 Setting (issue #3): SmolLM2-135M-Instruct, the QuALITY story cut to its first
 1,500 tokens, repeat-prefill fitting queries, its five questions (with their
@@ -62,6 +70,47 @@ def online_run(lm, doc_tokens: int, budget: int, new_tokens: int) -> dict:
     }
 
 
+def app_fit(ratio: float, options: dict, repeats: int) -> list[dict]:
+    """The app path's fit: the story prepared as Explore prepares it, then compressed ``repeats`` times."""
+    from kvlab.documents import load_examples
+    from kvlab.lab.explore import prepared_context
+    from kvlab.methods import Request
+
+    lm = get_model()
+    story = next(ex for ex in load_examples() if ex.id == "story")
+    ctx, _ = prepared_context(lm, story.text())
+    method = get_method("attention_matching", **options)
+    method.prepare(ctx)
+    out = []
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        stored = method.compress(Request(ctx, ratio, story.questions[0], record_importance=True))
+        out.append({"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
+                    "fit_s": stored.meta["fit_s"], "queries_per_head": stored.meta["queries_per_head"][0],
+                    "doc_tokens": ctx.doc_len, "threads": torch.get_num_threads()})
+        print(f"  story ({ctx.doc_len} tokens) {ratio:g}x {options or 'defaults'}: {out[-1]['wall_s']:.2f} s wall, "
+              f"{out[-1]['cpu_s']:.2f} s CPU, {torch.get_num_threads()} thread(s), "
+              f"{out[-1]['queries_per_head']} queries per KV head; "
+              + ", ".join(f"{k} {v:.2f}" for k, v in out[-1]["fit_s"].items()), flush=True)
+    return out
+
+
+def parse_options(pairs: list[str]) -> dict:
+    """``key=value`` pairs -> AM options (numbers where they parse)."""
+    out: dict = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        for kind in (int, float):
+            try:
+                out[key] = kind(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[key] = value
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=1500, help="document tokens (default 1500)")
@@ -73,7 +122,17 @@ def main() -> None:
     parser.add_argument("--online-tokens", type=int, default=950, help="online run: generated tokens")
     parser.add_argument("--skip-online", action="store_true")
     parser.add_argument("--json", default=None, help="also write all figures to this file")
+    parser.add_argument("--app", action="store_true", help="only time the app's fit on the bundled story")
+    parser.add_argument("--app-ratio", type=float, default=10.0)
+    parser.add_argument("--app-repeats", type=int, default=3)
+    parser.add_argument("--app-options", nargs="*", default=[], help="AM options as key=value")
     args = parser.parse_args()
+    if args.app:
+        runs = app_fit(args.app_ratio, parse_options(args.app_options), args.app_repeats)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(runs, f, indent=1)
+        return
 
     lm = get_model()
     setting = quality_setting(lm, args.tokens)

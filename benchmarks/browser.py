@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,6 +62,41 @@ def serve_app(lm: LoadedModel | None = None, models: list[tuple[str, str]] | Non
 
 
 @contextmanager
+def serve_process(command: list[str], cwd: Path, env: dict[str, str], log_path: Path, start_s: float) -> Iterator[str]:
+    """Run ``command`` (``python app.py`` in some setting) as a server on ``env``'s GRADIO_SERVER_PORT;
+    yields its URL once it answers, stops it after. RuntimeError, with the log's tail, when it exits
+    or does not answer within ``start_s`` seconds."""
+    import time
+
+    import httpx
+
+    url = f"http://127.0.0.1:{env['GRADIO_SERVER_PORT']}/"
+    with open(log_path, "w", encoding="utf-8") as log:
+        server = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + start_s
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"the app exited ({server.returncode}):\n{log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(url + "config", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the app did not start in {start_s:g} s:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.25)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+@contextmanager
 def chromium_page(profile_dir: str | Path | None = None, viewport: dict[str, int] | None = None) -> Iterator[Any]:
     """A Playwright page in a headless Chromium with a fresh profile (``profile_dir``, else a temp dir)."""
     from playwright.sync_api import sync_playwright
@@ -93,12 +129,13 @@ _MARK_JS = """(ids) => {
     old[id] = gd ? gd.data : null;
   }
   window.__kvlabOldPlots = old;
-  const s = document.querySelector('#kvlab-summary');
+  // The summary's own text, not its progress overlay (a sibling status tracker).
+  const s = document.querySelector('#kvlab-summary [data-testid="markdown"]');
   window.__kvlabOldSummary = s ? s.innerText : '';
 }"""
 
-_SHOWN_JS = """([ids, method, ratio]) => {
-  const s = document.querySelector('#kvlab-summary');
+_ANSWERS_JS = """([method, ratio]) => {
+  const s = document.querySelector('#kvlab-summary [data-testid="markdown"]');
   const text = s ? s.innerText : '';
   if (!text || text === window.__kvlabOldSummary) return false;
   if (!text.includes(method) || !text.includes('at ' + ratio + 'x')) return false;
@@ -106,6 +143,11 @@ _SHOWN_JS = """([ids, method, ratio]) => {
     const el = document.querySelector(sel);
     if (!el || !el.value.trim()) return false;
   }
+  return true;
+}"""
+
+_SHOWN_JS = """([ids, method, ratio]) => {
+  if (!(""" + _ANSWERS_JS + """)([method, ratio])) return false;
   const old = window.__kvlabOldPlots || {};
   for (const id of ids) {
     const gd = document.querySelector('#' + id + ' .js-plotly-plot');
@@ -122,6 +164,12 @@ _SHOWN_JS = """([ids, method, ratio]) => {
 def mark_outputs(page: Any) -> None:
     """Remember the Explore tab's current summary and figures, so that :func:`wait_for_run` waits for new ones."""
     page.evaluate(_MARK_JS, list(RUN_PLOTS))
+
+
+def wait_for_answers(page: Any, method: str, ratio: float, timeout_ms: float) -> None:
+    """Wait until a new run of ``method`` at ``ratio`` has its summary and both answers on the page
+    (the figures follow; see :func:`mark_outputs`)."""
+    page.wait_for_function(_ANSWERS_JS, arg=[method, f"{ratio:g}"], polling=50, timeout=timeout_ms)
 
 
 def wait_for_run(page: Any, method: str, ratio: float, timeout_ms: float) -> None:

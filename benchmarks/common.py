@@ -1,6 +1,7 @@
 """The shared benchmark setting: the embedded model on the QuALITY story with its five questions.
 
-Reads ../shared/data (evaluation data, not part of the product).
+Reads the evaluation data (not part of the product) from ``$KVLAB_DATA``
+(:func:`kvlab.tasks.datasets.data_dir`).
 """
 from __future__ import annotations
 

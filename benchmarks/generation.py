@@ -3,7 +3,7 @@
     python -m benchmarks.generation [--new-tokens 1000] [--budgets 128,256,512] [--codes N]
     python -m benchmarks.generation --screenshot assets/generate.png [--new-tokens 120] [--budgets 64]
 
-The prompt is the copy task (kvlab.bounded.tasks) with enough codes for about
+The prompt is the copy task (kvlab.tasks.copying) with enough codes for about
 ``--new-tokens`` written tokens. The unbounded cache writes once per budget
 (lab.generate runs it as the reference); each row gives a method's first
 difference from the unbounded text, the log-perplexity of that text under its
@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from kvlab.bounded.tasks import codes_for_tokens, copy_prompt, make_codes
+from kvlab.tasks.copying import codes_for_tokens, copy_prompt, make_codes
 from kvlab.lab.generate import generate, generation_record
 
 

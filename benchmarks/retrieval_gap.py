@@ -4,9 +4,11 @@
     python -m benchmarks.retrieval_gap --items 2 --on-policy-items 0 --json out.json
     python -m benchmarks.retrieval_gap --items 1 --variants "AM rms (default);kvzip (global prune)"
     python -m benchmarks.retrieval_gap --skip 1 --items 3 --variants "..."   # three more items
+    python -m benchmarks.retrieval_gap --task niah_multikey --items 6 --ratios 5 10 20 \
+        --variants "AM bias only;kvzip (global prune)" --json benchmarks/results/<run>/multikey.json  # resumable
 
 Setting: single-needle items (``niah_single``, a 7-digit number in noise
-lines, seeded) at about 2,000 tokens of the embedded model, keeping only the
+lines, seeded; or ``--task niah_multikey``: four keyed numbers, one asked) at about 2,000 tokens of the embedded model, keeping only the
 items whose full cache answers right. For every variant at 5x and 10x:
 
 - accuracy: the needle's number is in the compressed cache's greedy answer;
@@ -22,7 +24,14 @@ items whose full cache answers right. For every variant at 5x and 10x:
   actually read the needle to answer.
 
 The on-policy preset re-reads the document once per layer: it runs on the
-first ``--on-policy-items`` items only.
+first ``--on-policy-items`` items only. With ``--json``, a run that finds its
+file resumes: the rows already there (same task, seed and length) are kept
+and not measured again.
+
+The variants of issue #22 (Attention Matching that keeps the needle) are the
+knobs ``value_anchor`` (the anchored ridge), ``value_fit=original`` (bias
+only), ``max_queries=50000`` (every repeat-pass query), ``self_study_weight``
+(self-study queries mixed in) and ``key_selection=kvzip`` / ``kvzip_union``.
 """
 from __future__ import annotations
 
@@ -31,6 +40,7 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -43,7 +53,7 @@ from kvlab.runtime.decode import greedy
 from kvlab.runtime.hooks import QueryCapture
 from kvlab.tasks.items import TaskItem
 from kvlab.tasks.registry import build_items
-from kvlab.tasks.runner import MethodSpec, answer_item, prompt_ids
+from kvlab.tasks.runner import MethodSpec, answer_item, item_prompt_ids
 from kvlab.tasks.scoring import contains_match
 
 # The answer is "...: 1234567." (digits are single tokens): 16 new tokens hold it.
@@ -69,6 +79,20 @@ VARIANTS: tuple[tuple[str, MethodSpec], ...] = (
     ("AM OMP fast, not on-policy", MethodSpec("attention_matching", preset="AM-OMP-fast",
                                               options=(("on_policy", False),))),
     (ON_POLICY, MethodSpec("attention_matching", preset="AM-HighestAttnKeys")),
+    # Issue #22: what the fit is pulled toward, which queries it sees, which keys it gets.
+    ("AM bias only", MethodSpec("attention_matching", options=(("value_fit", "original"),))),
+    ("AM anchored 0.1", MethodSpec("attention_matching", options=(("value_anchor", 0.1),))),
+    ("AM anchored 1", MethodSpec("attention_matching", options=(("value_anchor", 1.0),))),
+    ("AM all queries", MethodSpec("attention_matching", options=(("max_queries", 50000),))),
+    ("AM + self-study (w 1)", MethodSpec("attention_matching", options=(("self_study_weight", 1.0),))),
+    ("AM kvzip keys, bias only", MethodSpec("attention_matching", options=(
+        ("key_selection", "kvzip"), ("value_fit", "original")))),
+    ("AM kvzip keys, anchored 0.1", MethodSpec("attention_matching", options=(
+        ("key_selection", "kvzip"), ("value_anchor", 0.1)))),
+    ("AM kvzip union, bias only", MethodSpec("attention_matching", options=(
+        ("key_selection", "kvzip_union"), ("value_fit", "original")))),
+    ("AM kvzip union, anchored 0.1", MethodSpec("attention_matching", options=(
+        ("key_selection", "kvzip_union"), ("value_anchor", 0.1)))),
 )
 
 
@@ -122,7 +146,7 @@ def value_positions(lm: LoadedModel, ctx: Context, item: TaskItem) -> torch.Tens
 def prepare_needle(lm: LoadedModel, item: TaskItem) -> Needle | None:
     """Prefill the item's document and answer it from the full cache; None when that answer is wrong."""
     ctx = prepare_context(lm, item.document)
-    prompt = prompt_ids(lm, item)
+    prompt = item_prompt_ids(lm, item)
     capture = QueryCapture(lm.n_layers)
     answer = greedy(lm, ctx.full.stored, prompt, item.max_new_tokens, capture)
     if not contains_match(answer.text, item.answers):
@@ -157,11 +181,13 @@ def measure(needle: Needle, label: str, spec: MethodSpec, ratio: float) -> Row:
     return Row(label, ratio, needle.item.item_id, out.score >= 1.0, err_cache, err_block, heads, attention, compress_s)
 
 
-def needles(lm: LoadedModel, n: int, seed: int, length: int, tries: int, skip: int = 0) -> tuple[list[Needle], int]:
-    """The ``n`` seeded items, after the first ``skip``, that the full cache answers right (of at most
-    ``tries`` items), and how many were tried."""
+def needles(
+    lm: LoadedModel, n: int, seed: int, length: int, tries: int, skip: int = 0, task: str = "niah_single"
+) -> tuple[list[Needle], int]:
+    """The ``n`` seeded items of ``task``, after the first ``skip``, that the full cache answers right
+    (of at most ``tries`` items), and how many were tried."""
     found, tried, right = [], 0, 0
-    for item in build_items("niah_single", lm, tries, seed, length):
+    for item in build_items(task, lm, tries, seed, length):
         tried += 1
         needle = prepare_needle(lm, dataclasses.replace(item, max_new_tokens=ANSWER_TOKENS))
         if needle is None:
@@ -194,11 +220,24 @@ def table(rows: list[Row], ratios: list[float]) -> str:
                 return sum(getattr(r, field) for r in rs) / len(rs)
 
             lines.append(
-                f"| {label} | {ratio:g}x | {len(rs)} | {mean('correct'):.0%} | {mean('err_cache'):.3f} "
+                f"| {label} | {ratio:g}x | {len(rs)} | {sum(r.correct for r in rs)}/{len(rs)} | {mean('err_cache'):.3f} "
                 f"| {mean('err_block'):.3f} | {mean('heads_kept'):.0%} | {mean('attention_kept'):.0%} "
                 f"| {mean('compress_s'):.1f} |"
             )
     return "\n".join(lines)
+
+
+def resumed(path: str | None, task: str, seed: int, length: int) -> list[Row]:
+    """The rows of an earlier run written to ``path`` with the same task, seed and length (none otherwise)."""
+    if not path or not Path(path).exists():
+        return []
+    with open(path) as f:
+        data = json.load(f)
+    if (data.get("task", "niah_single"), data.get("seed"), data.get("length")) != (task, seed, length):
+        raise SystemExit(f"{path} holds another run (task, seed or length): choose another --json")
+    rows = [Row(**r) for r in data["rows"]]
+    print(f"resuming {path}: {len(rows)} rows already measured", flush=True)
+    return rows
 
 
 def main() -> None:
@@ -210,7 +249,8 @@ def main() -> None:
     parser.add_argument("--tries", type=int, default=12, help="items generated at most to find them")
     parser.add_argument("--length", type=int, default=2000, help="document tokens at most (default 2000)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ratios", type=float, nargs="+", default=[5, 10])
+    parser.add_argument("--ratios", type=float, nargs="+", default=[5, 10, 20])
+    parser.add_argument("--task", choices=["niah_single", "niah_multikey"], default="niah_single")
     parser.add_argument("--json", default=None, help="also write every row to this file, rewritten after each row")
     parser.add_argument("--variants", default=None,
                         help="only these variants, by label, separated by ';' (default: all)")
@@ -223,21 +263,25 @@ def main() -> None:
 
     start = time.perf_counter()
     lm = get_model()
-    found, tried = needles(lm, args.items, args.seed, args.length, args.tries, args.skip)
-    print(f"{len(found)} of {tried} needle items answered right by the full cache", flush=True)
-    rows: list[Row] = []
+    found, tried = needles(lm, args.items, args.seed, args.length, args.tries, args.skip, args.task)
+    print(f"{len(found)} of {tried} {args.task} items answered right by the full cache", flush=True)
+    rows = resumed(args.json, args.task, args.seed, args.length)
+    done = {(r.item_id, r.label, r.ratio) for r in rows}
 
     def save(wall: float | None = None) -> None:
         if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             with open(args.json, "w") as f:
-                json.dump({"seed": args.seed, "length": args.length, "skip": args.skip, "wall_s": wall,
-                           "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+                json.dump({"task": args.task, "seed": args.seed, "length": args.length, "skip": args.skip,
+                           "wall_s": wall, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
 
     for i, needle in enumerate(found):
         for label, spec in VARIANTS:
             if label not in chosen or (label == ON_POLICY and i >= args.on_policy_items):
                 continue
             for ratio in args.ratios:
+                if (needle.item.item_id, label, ratio) in done:
+                    continue
                 row = measure(needle, label, spec, ratio)
                 rows.append(row)
                 print(f"  {needle.item.item_id} {label} {ratio:g}x: right {row.correct}, err {row.err_cache:.3f}, "
@@ -245,7 +289,7 @@ def main() -> None:
                 save()
     wall = time.perf_counter() - start
     print()
-    print(f"niah_single, seed {args.seed}, at most {args.length} tokens: n = {len(found)} items "
+    print(f"{args.task}, seed {args.seed}, at most {args.length} tokens: n = {len(found)} items "
           f"(after the first {args.skip}) "
           f"({args.on_policy_items} for the on-policy preset); wall time {wall / 60:.1f} min")
     print(table(rows, args.ratios))

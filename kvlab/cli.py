@@ -20,7 +20,6 @@ import typing
 from typing import Any, Callable, Sequence
 
 from kvlab.methods import REGISTRY, MethodError, get_method
-from kvlab.methods.base import MAX_RATIO, MIN_RATIO
 from kvlab.methods.catalog import Knob, all_knobs, describe, methods_markdown, presets
 
 
@@ -60,7 +59,8 @@ def _flag_help(knobs: list[Knob]) -> str:
         defaults.setdefault(repr(k.default), []).append(k.method)
     default = "; ".join(f"default {d} for {', '.join(m)}" for d, m in defaults.items())
     allowed = "" if knobs[0].choices else f"{knobs[0].allowed}; "  # argparse lists the choices itself
-    return f"{knobs[0].help} ({allowed}{default})"
+    # A name two families share (budgets: AM's and the selection wrappers'): each meaning once.
+    return f"{'; '.join(dict.fromkeys(k.help for k in knobs))} ({allowed}{default})"
 
 
 def add_method_options(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +72,9 @@ def add_method_options(parser: argparse.ArgumentParser) -> None:
                        help=f"a published configuration ({owners}); explicit options override it")
     for name, knobs in knobs_by_flag().items():
         knob = knobs[0]
-        kind = {"type": str, "choices": knob.choices} if knob.choices else {"type": _flag_type(knob), "metavar": name.upper()}
+        # The union of the methods' choices; each method's Options refuses what is not its own.
+        choices = list(dict.fromkeys(c for k in knobs for c in k.choices or ()))
+        kind = {"type": str, "choices": choices} if knob.choices else {"type": _flag_type(knob), "metavar": name.upper()}
         group.add_argument("--" + name.replace("_", "-"), dest="opt_" + name, default=None, help=_flag_help(knobs), **kind)
 
 
@@ -141,22 +143,21 @@ def cmd_methods(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from kvlab.context import CONTEXTS
-    from kvlab.documents import read_document
+    from kvlab.lab import inputs
     from kvlab.models import get_model
     from kvlab.pipeline import run
 
-    if not args.question.strip():
-        raise UsageError("--question is empty")
-    if not (MIN_RATIO <= args.ratio <= MAX_RATIO):
-        raise UsageError(f"--ratio must be between {MIN_RATIO:g} and {MAX_RATIO:g}, got {args.ratio:g}")
-    if args.max_new_tokens < 1:
-        raise UsageError("--max-new-tokens must be at least 1")
+    # The lab's own checks (kvlab.lab.inputs), before any work; an InputError exits with status 2.
+    question = inputs.check_question(args.question)
+    ratio = inputs.check_ratio(args.ratio)
+    max_new_tokens = inputs.check_answer_length(args.max_new_tokens)
     method = method_from_args(args.method, args)
-    text = read_document(args.doc)
+    text = inputs.document_text(None, args.doc)
     lm = get_model(args.model)
+    inputs.check_question_tokens(lm.tokenizer, question)
     progress = (lambda f, desc: None) if args.json else _stderr_progress
     ctx = CONTEXTS.get(lm, text, progress)
-    result = run(ctx, method, args.ratio, args.question, args.max_new_tokens, progress).result
+    result = run(ctx, method, ratio, question, max_new_tokens, progress).result
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
@@ -261,20 +262,22 @@ def _print_summary(r: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from kvlab.documents import DocumentError
+    from kvlab.lab.inputs import InputError
     from kvlab.models import ModelLoadError
+    from kvlab.tasks.items import TaskError
 
     try:
         args = build_parser().parse_args(argv)
-        from kvlab.tasks.cli import main_bench
+        from kvlab.tasks.cli import cmd_bench
 
         commands = {
             "methods": cmd_methods, "run": cmd_run, "compare": cmd_compare, "budgets": cmd_budgets,
-            "generate": cmd_generate, "bench": main_bench,
+            "generate": cmd_generate, "bench": cmd_bench,
         }
         return commands[args.command](args)
     except UsageError as exc:
         print(f"kvlab: error: {exc}", file=sys.stderr)
         return 2
-    except (DocumentError, ModelLoadError, MethodError) as exc:
+    except (DocumentError, ModelLoadError, MethodError, TaskError, InputError) as exc:
         print(f"kvlab: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, (DocumentError, MethodError)) else 1
+        return 2 if isinstance(exc, (DocumentError, MethodError, TaskError, InputError)) else 1

@@ -20,6 +20,7 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, TypeVar
@@ -27,9 +28,9 @@ from typing import Callable, Hashable, TypeVar
 import psutil
 import torch
 
-from kvlab import limits
+from kvlab import cancel, limits
 from kvlab.documents import DocumentError
-from kvlab.models import LoadedModel, pick_device
+from kvlab.models import LoadedModel, on_unload, pick_device
 from kvlab.prompts import ContextTokens, context_tokens
 from kvlab.runtime.cache import FullKV
 from kvlab.runtime.decode import prefill
@@ -64,18 +65,28 @@ def compute_once(
     ``keep``s the value under it; callers asking for the same key in the
     meantime wait for that value, or get its exception (nothing is kept then).
     Whatever fails, ``make`` or ``keep``, the key's future is resolved with the
-    exception, so no caller ever waits on it forever.
+    exception, so no caller ever waits on it forever. A leader stopped by its
+    own request (kvlab.cancel.Cancelled) is not a failure of the value: a
+    waiter then computes it itself. A waiter's own request is checked while
+    it waits (kvlab.cancel.wait).
     """
-    with lock:
-        found = find()
-        if found is not _MISSING:
-            return found  # type: ignore[return-value]
-        flight = flights.get(key)
-        leader = flight is None
+    while True:
+        with lock:
+            found = find()
+            if found is not _MISSING:
+                return found  # type: ignore[return-value]
+            flight = flights.get(key)
+            leader = flight is None
+            if leader:
+                flight = flights[key] = Future()
         if leader:
-            flight = flights[key] = Future()
-    if not leader:
-        return flight.result()
+            break
+        if cancel.current() is not None:  # a request: it may be stopped while it waits
+            cancel.wait(lambda timeout: bool(futures.wait([flight], timeout).done))
+        try:
+            return flight.result()
+        except cancel.Cancelled:
+            continue  # the leader's request was stopped, not the computation: make it here
     try:
         value = make()
         with lock:
@@ -128,11 +139,15 @@ class Context:
     """One document prepared for one model, and what runs derived from it.
 
     queries: recorded post-RoPE query sets by source name, each a list over
-    layers of [H, n, d] tensors; "context" (the prefill's own queries) is
-    filled at once, other sources on first use (see kvlab.queries).
+    layers of [H, n, d] tensors, except the repeat passes ("repeat",
+    "repeat:<instruction>"), each a kvlab.queries.RepeatPass (queries and the
+    repeat tokens' own keys); "context" (the prefill's own queries) is filled
+    at once, other sources on first use (see kvlab.queries).
     evaluations: held-out evaluation data per question (kvlab.pipeline.Evaluation);
     kept apart from ``queries`` so it can never be picked as fitting queries.
     memos: methods' ratio-independent scores (kvlab.methods.scoring.per_context).
+    runs: stored caches per (method, options, ratio) and their answers per
+    question (kvlab.pipeline.compressed, kvlab.pipeline.answered).
     Everything but "context" is added through :meth:`cached`, which bounds it:
     at most ``remembered`` questions, at most ``budget`` bytes in all.
     """
@@ -142,9 +157,11 @@ class Context:
     tokens: ContextTokens
     full: FullKV
     prefill_s: float
-    queries: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    queries: dict[str, object] = field(default_factory=dict)  # values: see above (RepeatPass lives in kvlab.queries, which imports this module)
     evaluations: dict[str, object] = field(default_factory=dict)
     memos: dict[str, object] = field(default_factory=dict)
+    #: Stored caches per method, options and ratio, and their answers per question (kvlab.pipeline).
+    runs: dict[Hashable, object] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     #: Byte budget of this context with all it caches (None: unbounded); its store sets it.
     budget: int | None = None
@@ -161,7 +178,7 @@ class Context:
 
     def _count_bytes(self) -> int:
         # FullKV.stored (the keep-all view) is built on first use: count it as soon as it exists.
-        return held_bytes([self.tokens, self.full, self.queries, self.evaluations, self.memos])
+        return held_bytes([self.tokens, self.full, self.queries, self.evaluations, self.memos, self.runs])
 
     @property
     def nbytes(self) -> int:
@@ -177,7 +194,7 @@ class Context:
     def cached(self, store: str, key: Hashable, make: Callable[[], T], question: str | None = None) -> T:
         """``getattr(self, store)[key]``, made by ``make()`` once (see :func:`compute_once`).
 
-        store: "queries", "evaluations" or "memos"; question: the question the
+        store: "queries", "evaluations", "memos" or "runs"; question: the question the
         value belongs to; it is forgotten with that question when newer ones
         push it past ``remembered``. Least recently used values are dropped
         while the context is over its budget (never the one just made).
@@ -267,8 +284,9 @@ def prepare_context(lm: LoadedModel, text: str, progress: Progress = no_progress
     check_fits(lm, tokens)
     capture = QueryCapture(lm.n_layers)
     start = time.perf_counter()
+    report = cancel.checked(progress)  # each chunk is a step a stopped request ends at
     full = prefill(
-        lm, tokens.ids, capture, on_chunk=lambda done, total: progress(done / total, "prefill")
+        lm, tokens.ids, capture, on_chunk=lambda done, total: report(done / total, f"prefill, {done:,}/{total:,} tokens")
     )
     elapsed = time.perf_counter() - start
     return Context(lm, text, tokens, full, elapsed, queries={"context": capture.per_layer()})
@@ -378,3 +396,4 @@ class ContextStore:
 
 
 CONTEXTS = ContextStore()
+on_unload(CONTEXTS.forget)  # an unloaded model's contexts go with it

@@ -3,7 +3,7 @@
 The limits exist so that one request cannot take the server's memory or its
 only compute slot: they are checked before the work they bound (an upload's
 bytes before it is read, a document's characters before it is tokenised, a
-question's tokens before the prefill). The README's "Limits and bad input"
+question's tokens before the prefill). docs/deployment.md's "Limits and bad input"
 section lists them. Values are read once, when kvlab.limits is imported;
 :func:`from_env` reads any mapping (tests pass their own).
 """
@@ -31,7 +31,9 @@ class Limits:
     sweep_points: most (method, ratio) runs in one Compare sweep;
     remembered_questions: questions whose answers and queries a document keeps (least recently used go);
     cache_bytes: byte budget of everything cached for documents; 0 sizes it from the free RAM or VRAM;
-    max_models: models kept loaded (least recently used are unloaded).
+    max_models: models kept loaded (least recently used are unloaded);
+    generate_tokens: most tokens one Generate request may write;
+    request_s: seconds one request of the app may hold the compute slot (kvlab.cancel stops it then).
     """
 
     upload_bytes: int = 10 * MIB
@@ -43,6 +45,9 @@ class Limits:
     remembered_questions: int = 16
     cache_bytes: int = 0
     max_models: int = 2
+    generate_tokens: int = 2048
+    # A CPU Space answers an Explore run in well under a minute: three minutes is a long sweep.
+    request_s: int = 180
 
 
 #: Environment variable of each limit.
@@ -56,6 +61,8 @@ ENV: dict[str, str] = {
     "remembered_questions": "KVLAB_MAX_QUESTIONS",
     "cache_bytes": "KVLAB_CACHE_BYTES",
     "max_models": "KVLAB_MAX_MODELS",
+    "generate_tokens": "KVLAB_MAX_GENERATE_TOKENS",
+    "request_s": "KVLAB_MAX_REQUEST_S",
 }
 
 

@@ -311,6 +311,14 @@ _lock = threading.Lock()
 _loading: dict[str, threading.Lock] = {}
 #: Serialises loads of different models: two never take memory at once.
 _load_slot = threading.Lock()
+#: Called with a model being unloaded, before its weights go: the stores of what was computed
+#: with it (kvlab.context's prepared contexts) register here, so this module imports none of them.
+_on_unload: list[typing.Callable[[LoadedModel], None]] = []
+
+
+def on_unload(forget: typing.Callable[[LoadedModel], None]) -> None:
+    """Have ``forget(lm)`` called whenever a model ``lm`` is unloaded (see :func:`unload`)."""
+    _on_unload.append(forget)
 
 
 def get_model(spec: str | None = None) -> LoadedModel:
@@ -353,9 +361,8 @@ def unload(lm: LoadedModel) -> None:
 
     A run still using it keeps it alive until it ends; nothing new will find it.
     """
-    from kvlab.context import CONTEXTS  # kvlab.context imports this module
-
-    CONTEXTS.forget(lm)
+    for forget in _on_unload:
+        forget(lm)
     del lm  # this frame's reference too, or the collection below could not free it
     gc.collect()
     if torch.cuda.is_available():

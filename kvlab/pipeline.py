@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable, TypeVar
 
 import torch
 
 from kvlab.context import Context, Progress, no_progress
 from kvlab.methods.base import Method, Request
-from kvlab.metrics import head_errors, log_perplexity
+from kvlab.metrics import HeadErrors, head_errors, log_perplexity
 from kvlab.prompts import question_tokens
 from kvlab.runtime.cache import CompressedKV
-from kvlab.runtime.decode import Generation, continuation_logprobs, greedy
+from kvlab.runtime.decode import Generation, greedy, greedy_from_draft
 from kvlab.runtime.hooks import QueryCapture
+
+T = TypeVar("T")
 
 DEFAULT_MAX_NEW_TOKENS = 48
 
@@ -123,12 +126,19 @@ class RunResult:
 
 @dataclass
 class Run:
-    """A run's result plus the objects the figures draw from."""
+    """A run's result plus the objects the figures draw from.
+
+    compression_reused / answer_reused: the stored cache, and its answer to
+    this question, were kept from an earlier run with the same settings
+    (:func:`compressed`, :func:`answered`), so this run did not redo them.
+    """
 
     result: RunResult
     stored: CompressedKV
     ctx: Context
     evaluation: Evaluation
+    compression_reused: bool = False
+    answer_reused: bool = False
 
     def fitted_biases(self) -> list[float]:
         """Every stored key's fitted bias (Attention Matching's beta); empty for methods without one."""
@@ -149,6 +159,72 @@ def first_divergence(reference: list[int], other: list[int]) -> int | None:
     return None if len(reference) == len(other) else min(len(reference), len(other))
 
 
+@dataclass
+class Compressed:
+    """A stored cache and how long the method took to make it."""
+
+    stored: CompressedKV
+    compress_s: float
+
+
+@dataclass
+class Answered:
+    """What a stored cache gave for one question: its greedy answer, and the measures against the full cache.
+
+    logprobs: [m] the full cache's answer teacher-forced under this cache.
+    """
+
+    answer: Generation
+    answer_s: float
+    errors: HeadErrors
+    logprobs: torch.Tensor
+
+
+def settings_key(method: Method, ratio: float, question: str, record_importance: bool) -> tuple:
+    """What a stored cache depends on: the method and its options, the ratio, and the
+    question only for methods that read it (the others serve every question)."""
+    return (method.name, method.options, ratio, question if method.uses_question() else None, record_importance)
+
+
+def kept(ctx: Context, key: tuple, make: Callable[[], T], question: str | None) -> tuple[T, bool]:
+    """``ctx.cached("runs", key, make, question)`` and whether it was there already."""
+    with ctx.lock:
+        found = key in ctx.runs
+    return ctx.cached("runs", key, make, question), found
+
+
+def compressed(
+    ctx: Context, method: Method, ratio: float, question: str, progress: Progress, record_importance: bool
+) -> tuple[Compressed, bool]:
+    """The stored cache for these settings, made once and kept on the context (least recently
+    used first out, within the byte budget), and whether it was reused."""
+    key = ("cache", *settings_key(method, ratio, question, record_importance))
+
+    def make() -> Compressed:
+        start = time.perf_counter()
+        stored = method.compress(Request(ctx, ratio, question, progress, record_importance))
+        return Compressed(stored, time.perf_counter() - start)
+
+    return kept(ctx, key, make, question if method.uses_question() else None)
+
+
+def answered(
+    ctx: Context, cache_key: tuple, stored: CompressedKV, ev: Evaluation, max_new_tokens: int
+) -> tuple[Answered, bool]:
+    """The stored cache's answer to ``ev``'s question and its measures, kept per question, and whether reused."""
+
+    def make() -> Answered:
+        # The full cache's answer is the draft: one pass scores it teacher-forced and checks how far
+        # this cache's own greedy answer follows it; only the rest is decoded step by step.
+        start = time.perf_counter()
+        drafted = greedy_from_draft(ctx.lm, stored, ev.question_ids, ev.answer.ids, max_new_tokens)
+        answer_s = time.perf_counter() - start
+        errors = head_errors(ctx.full.stored, stored, ev.queries)
+        return Answered(drafted.generation, answer_s, errors, drafted.draft_logprobs)
+
+    return kept(ctx, ("answer", *cache_key, ev.question, max_new_tokens), make, ev.question)
+
+
 def run(
     ctx: Context,
     method: Method,
@@ -166,17 +242,12 @@ def run(
     progress(0.0, "answering from the full cache")
     ev = evaluation(ctx, question, max_new_tokens)
     progress(0.25, f"compressing with {method.name}")
-    start = time.perf_counter()
-    stored = method.compress(Request(ctx, ratio, question, progress, record_importance))
-    compress_s = time.perf_counter() - start
-    progress(0.6, "answering from the compressed cache")
-    start = time.perf_counter()
-    answer = greedy(ctx.lm, stored, ev.question_ids, max_new_tokens)
-    answer_s = time.perf_counter() - start
-    progress(0.8, "measuring errors")
-    errors = head_errors(ctx.full.stored, stored, ev.queries)
-    target = torch.tensor(ev.answer.ids, dtype=torch.long, device="cpu")  # token ids, as the question's
-    logprobs = continuation_logprobs(ctx.lm, stored, ev.question_ids, target)
+    made, compression_reused = compressed(ctx, method, ratio, question, progress, record_importance)
+    stored = made.stored
+    progress(0.6, "answering from the compressed cache, measuring errors")
+    cache_key = settings_key(method, ratio, question, record_importance)
+    got, answer_reused = answered(ctx, cache_key, stored, ev, max_new_tokens)
+    answer, errors, logprobs = got.answer, got.errors, got.logprobs
     kept = stored.kept_per_head().float()
     result = RunResult(
         method=method.name,
@@ -191,9 +262,9 @@ def run(
         memory_ratio=ctx.full.nbytes / max(1, stored.nbytes),
         memory_breakdown=stored.breakdown(),
         prefill_s=ctx.prefill_s,
-        compress_s=compress_s,
+        compress_s=made.compress_s,
         answer_full_s=ev.answer_s,
-        answer_compressed_s=answer_s,
+        answer_compressed_s=got.answer_s,
         answer_full=ev.answer.text,
         answer_compressed=answer.text,
         attn_output_rel_err=errors.mean_output,
@@ -213,4 +284,4 @@ def run(
         first_divergence=first_divergence(ev.answer.ids, answer.ids),
     )
     progress(1.0, "done")
-    return Run(result, stored, ctx, ev)
+    return Run(result, stored, ctx, ev, compression_reused, answer_reused)

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from kvlab.cancel import checkpoint
 from kvlab.context import Context
 from kvlab.methods.attention_matching import AMOptions, compact_cache
 from kvlab.methods.budgets import cap_shares, profile_path
@@ -30,7 +31,7 @@ from kvlab.runtime.decode import continuation_logprobs
 
 
 @dataclass
-class Sweep:
+class SensitivitySweep:
     """sensitivity: [n_layers, H_kv] loss decrease when one head is boosted; shares: budget shares (mean 1)."""
 
     loss_base: float
@@ -85,7 +86,7 @@ def sensitivity_sweep(
     boost: float = 4.0,
     opts: AMOptions = AMOptions(),
     progress: Callable[[float, str], None] = lambda f, d: None,
-) -> Sweep:
+) -> SensitivitySweep:
     """Measure every KV head's sensitivity to its budget (see the module docstring)."""
     start = time.perf_counter()
     lm = ctx.lm
@@ -99,14 +100,15 @@ def sensitivity_sweep(
     sens = torch.zeros(shape, device="cpu")  # Python floats, written one head at a time
     for layer in range(lm.n_layers):
         for head in range(lm.n_kv_heads):
+            checkpoint(f"sensitivity sweep: layer {layer + 1}, head {head + 1}")
             sens[layer, head] = loss_base - answer_loss(ctx, swap_head(base, boosted, layer, head), evaluations)
         progress((layer + 1) / lm.n_layers, f"sensitivity sweep: layer {layer + 1}/{lm.n_layers}")
     # A boost that does not help (or hurts, within noise) earns the floor share.
     shares = cap_shares(sens.clamp_min(0) + 1e-3 * float(sens.clamp_min(0).mean() + 1e-9))
-    return Sweep(loss_base, sens, shares, time.perf_counter() - start)
+    return SensitivitySweep(loss_base, sens, shares, time.perf_counter() - start)
 
 
-def save_profile(ctx: Context, sweep: Sweep, ratio: float, boost: float, doc: str) -> str:
+def save_profile(ctx: Context, sweep: SensitivitySweep, ratio: float, boost: float, doc: str) -> str:
     path = profile_path(ctx.lm.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import Future
 
 # Before anything imports triton, gradio or the hub client.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -13,6 +15,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from kvlab import context as context_module
 from kvlab.models import ATTENTION_NAME, LoadedModel, get_model, register_attention
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -71,3 +74,38 @@ def tiny_eager(tiny: LoadedModel) -> LoadedModel:
 def embedded() -> LoadedModel:
     """The embedded SmolLM2-135M-Instruct (loaded once per test session, ~20 s)."""
     return get_model()
+
+
+class FlightWaiters:
+    """Callers that joined a computation already in flight (kvlab.context.compute_once's followers),
+    counted as each calls the flight's ``result()``: at once for a plain call (what these tests
+    race); a cancellable request first waits through kvlab.cancel and is counted when it is done."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._changed = threading.Condition()
+
+    def arrived(self) -> None:
+        with self._changed:
+            self.count += 1
+            self._changed.notify_all()
+
+    def wait_for(self, n: int, timeout: float = 60.0) -> bool:
+        """Whether ``n`` callers are waiting (False only if they never came: a guard, not a timing)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self.count >= n, timeout)
+
+
+@pytest.fixture
+def flight_waiters(monkeypatch: pytest.MonkeyPatch) -> FlightWaiters:
+    """Counts the callers waiting on an in-flight computation, so that a test's slow ``make`` can wait
+    until every racing request has joined it (an event, not a sleep that hopes they have)."""
+    waiters = FlightWaiters()
+
+    class Counted(Future):
+        def result(self, timeout: float | None = None):
+            waiters.arrived()
+            return super().result(timeout)
+
+    monkeypatch.setattr(context_module, "Future", Counted)
+    return waiters

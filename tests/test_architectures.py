@@ -182,7 +182,8 @@ def test_every_method_meets_its_budget_with_finite_logits(ctx, name, ratio):
 
 def test_unrotated_recorded_queries_are_the_pre_rope_projections_in_every_layer(lm):
     """The queries kvlab records are post-RoPE; unrotated with kvlab.runtime.rope's tables they must be
-    the model's own pre-RoPE queries: q_proj's output, or q_norm's where the family has one."""
+    the model's own pre-RoPE queries: q_proj's output, or q_norm's where the family has one, seen in a
+    pass of transformers' own forward (kvlab's prefill may run the lean pass, kvlab.runtime.lean)."""
     n = 20
     ids = ids_of(n, seed=5)
     seen: dict[int, torch.Tensor] = {}
@@ -191,12 +192,14 @@ def test_unrotated_recorded_queries_are_the_pre_rope_projections_in_every_layer(
         source = attn.q_norm if hasattr(attn, "q_norm") else attn.q_proj
         hook = lambda m, i, out, layer=layer: seen.__setitem__(layer, out.detach())  # noqa: E731
         handles.append(source.register_forward_hook(hook))
-    capture = QueryCapture(lm.n_layers)
     try:
-        prefill(lm, ids, capture)
+        with torch.inference_mode():
+            lm.model(input_ids=ids.unsqueeze(0))
     finally:
         for handle in handles:
             handle.remove()
+    capture = QueryCapture(lm.n_layers)
+    prefill(lm, ids, capture)
     cos, sin = rope_cos_sin(lm, torch.arange(n))
     apply_rope = sys.modules[type(attention_modules(lm)[0]).__module__].apply_rotary_pos_emb
     for layer in range(lm.n_layers):

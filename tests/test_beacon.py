@@ -11,7 +11,7 @@ from kvlab.context import Context
 from kvlab.methods import MethodError, Request, get_method
 from kvlab.bounded.beacon import beacon_generate
 from kvlab.methods.beacon import BeaconOptions
-from kvlab.methods.beacon_core import BeaconBank, farthest_point_sampling, key_scores
+from kvlab.methods.beacon_core import BeaconBank, farthest_point_sampling, max_attention_scores
 from kvlab.methods.memory_plan import plan_memory
 from kvlab.metrics import head_errors
 from kvlab.pipeline import evaluation
@@ -92,24 +92,26 @@ def test_unrotated_recorded_queries_are_the_pre_rope_projections(tiny):
     attn = tiny.model.model.layers[0].self_attn
     seen = []
     handle = attn.q_proj.register_forward_hook(lambda m, i, out: seen.append(out.detach()))
-    capture = QueryCapture(1)
-    try:
-        prefill(tiny, ids, capture)
+    try:  # q_proj seen in transformers' own forward; kvlab's prefill may run the lean pass (kvlab.runtime.lean)
+        with torch.inference_mode():
+            tiny.model(input_ids=ids.unsqueeze(0))
     finally:
         handle.remove()
+    capture = QueryCapture(1)
+    prefill(tiny, ids, capture)
     pre = seen[0][0].view(20, tiny.n_heads, tiny.head_dim).transpose(0, 1)
     cos, sin = rope_cos_sin(tiny, torch.arange(20))
     assert torch.allclose(unrotate(capture.layer(0), cos, sin), pre, atol=1e-5)
 
 
-def test_key_scores_are_the_max_over_queries_and_the_gqa_group():
+def test_max_attention_scores_are_the_max_over_queries_and_the_gqa_group():
     gen = torch.Generator().manual_seed(2)
     n_heads, n_kv, d, length = 4, 2, 16, 12
     queries = torch.randn(n_heads, 5, d, generator=gen)
     q_pos = torch.tensor([8, 9, 10, 12, 12])  # three recent queries, then two beacons at "now" = 12
     keys = torch.randn(n_kv, length, d, generator=gen)
     k_pos = torch.arange(length)
-    got = key_scores(queries, q_pos, keys, k_pos)
+    got = max_attention_scores(queries, q_pos, keys, k_pos)
     want = torch.zeros(n_kv, length)
     for h in range(n_heads):
         kv = h // (n_heads // n_kv)
@@ -122,7 +124,7 @@ def test_key_scores_are_the_max_over_queries_and_the_gqa_group():
     assert (got[:, 11] > 0).all()  # seen by the beacons only
     # Keys in another order per head (as after evictions): the same scores, permuted.
     perm = torch.stack([torch.randperm(length, generator=gen) for _ in range(n_kv)])
-    shuffled = key_scores(queries, q_pos, keys.gather(1, perm.unsqueeze(-1).expand(-1, -1, d)), perm)
+    shuffled = max_attention_scores(queries, q_pos, keys.gather(1, perm.unsqueeze(-1).expand(-1, -1, d)), perm)
     assert torch.allclose(shuffled, want.gather(1, perm), atol=1e-6)
 
 

@@ -96,10 +96,14 @@ BOUNDS: dict[str, float] = {
     "attention_topk": _NEAR_TIES,
     "beaconkv": _NEAR_TIES,
     "beaconkv_mixed": _CODE_FLIPS,  # the byte plan pinned
+    "cur": _SAME_TOKENS,
     "expected_attention": _NEAR_TIES,
     "h2o": _SAME_TOKENS,  # attention summed over the whole prefill: no near ties
+    "keydiff": _SAME_TOKENS,
     "kivi": _CODE_FLIPS,  # the byte plan pinned
+    "knorm": _NEAR_TIES,  # the same word 60 positions on has a key norm within a few bf16 roundings
     "kvzip": _NEAR_TIES,
+    "lagkv": _SAME_TOKENS,
     "no_context": _SAME_TOKENS,
     "pyramidkv": _SAME_TOKENS,
     "random": _SAME_TOKENS,

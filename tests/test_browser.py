@@ -1,14 +1,20 @@
 """The app in a real headless Chromium (Debian's /usr/bin/chromium, driven by Playwright).
 
 Picks a bundled example, runs the default compression and checks what a user
-sees; saves assets/screenshot.png for the README; then runs a small sweep in
-the Compare tab. Never runs `playwright install`. The browser helpers are
-shared with `python -m benchmarks.app_speed` (benchmarks/browser.py).
+sees (the right/wrong marks as coloured words); takes a screenshot (into the
+test's temporary folder: ``make screenshot`` sets KVLAB_SCREENSHOT to
+regenerate the README's assets/screenshot.png); then runs a small sweep in the
+Compare tab. Then links: a link opens the lab on its configuration, "Link to
+this" gives the link back, a bad parameter gets a note. Never runs
+`playwright install`. The browser helpers are shared with
+`python -m benchmarks.app_speed` (benchmarks/browser.py).
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -17,10 +23,11 @@ sync_api = pytest.importorskip("playwright.sync_api")
 from benchmarks.browser import chromium_page, chromium_path, mark_outputs, serve_app, wait_for_run  # noqa: E402
 from kvlab import lab  # noqa: E402
 from kvlab.ui import default_method  # noqa: E402
-from kvlab.ui.compare import SWEEP_DEFAULT_METHODS, SWEEP_DEFAULT_RATIOS  # noqa: E402
+from kvlab.ui.compare import SWEEP_DEFAULT_METHODS, SWEEP_DEFAULT_RATIOS, SWEEP_RATIOS  # noqa: E402
 from kvlab.ui.explore import RATIO_DEFAULT  # noqa: E402
 
-SCREENSHOT = Path(__file__).resolve().parent.parent / "assets" / "screenshot.png"
+#: Where the screenshot goes when regenerating the asset (``make screenshot``); else the test's tmp_path.
+SCREENSHOT_ENV = "KVLAB_SCREENSHOT"
 RUN_TIMEOUT_MS = 240_000
 
 pytestmark = pytest.mark.skipif(
@@ -41,7 +48,7 @@ def page(tmp_path):
         yield page
 
 
-def test_explore_then_compare_in_the_browser(app_url, page):
+def test_explore_then_compare_in_the_browser(app_url, page, tmp_path):
     expect = sync_api.expect
     examples = lab.examples()
     assert examples, "the bundled examples should load"
@@ -82,12 +89,24 @@ def test_explore_then_compare_in_the_browser(app_url, page):
     expect(tokens).to_contain_text(example.text()[:30].split("\n")[0], timeout=30_000)
     expect(page.locator("#kvlab-summary")).to_contain_text("keys stored per head")
 
+    # The first question has a gold answer: each answer is marked right or wrong, in words on a
+    # green or red ground (no emoji: Debian's Chromium has no emoji font and would draw a box).
+    expect(page.locator("#kvlab-mark-full")).to_contain_text(f"(expected: {example.answers[0]})")
+    for box in ("#kvlab-mark-full", "#kvlab-mark-compressed"):
+        mark = page.locator(f"{box} .kvlab-mark")
+        expect(mark).to_have_text(re.compile(r"^(right|wrong)$"))
+        word = mark.inner_text()
+        colour = mark.evaluate("el => getComputedStyle(el).backgroundColor")
+        assert colour == {"right": "rgb(21, 128, 61)", "wrong": "rgb(185, 28, 28)"}[word], (word, colour)
+        assert mark.bounding_box()["width"] > 20  # drawn as text, not an empty glyph
+
     # Fold "Advanced" away and let plotly finish drawing before the picture for the README.
     page.locator("#kvlab-advanced").get_by_text("Advanced", exact=True).first.click()
     page.wait_for_timeout(1500)
-    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SCREENSHOT), full_page=True)
-    assert SCREENSHOT.stat().st_size > 10_000
+    screenshot = Path(os.environ.get(SCREENSHOT_ENV) or tmp_path / "screenshot.png")
+    screenshot.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(screenshot), full_page=True)
+    assert screenshot.stat().st_size > 10_000
 
     # Compare: one cheap method at two ratios on the same document (its prefill is reused).
     page.get_by_role("tab", name="Compare").click()
@@ -109,3 +128,75 @@ def test_explore_then_compare_in_the_browser(app_url, page):
     expect(page.locator("#kvlab-compare-table")).to_contain_text("streaming_llm")
     expect(page.locator("#kvlab-compare-csv")).to_contain_text(".csv")
     expect(page.locator("#kvlab-compare-json")).to_contain_text(".json")
+
+
+def tab_is_open(page, name: str) -> None:
+    sync_api.expect(page.get_by_role("tab", name=name)).to_have_attribute("aria-selected", "true", timeout=20_000)
+
+
+def checked(group, values) -> set[str]:
+    """The values of ``group``'s boxes that are ticked, among ``values``."""
+    return {str(v) for v in values if group.locator(f'input[name="{v}"]').is_checked()}
+
+
+def test_links_open_a_configuration_and_link_to_this_gives_it_back(app_url, page):
+    """A link opens Compare on an example, question, methods and ratios; "Link to this" returns an
+    equivalent link, which opens the same page; an Explore link sets its method and ratio."""
+    expect = sync_api.expect
+    story, contract = (next(e for e in lab.examples() if e.id == i) for i in ("story", "contract"))
+    question = contract.questions[1]
+    page.goto(f"{app_url}?tab=compare&example=contract&methods=snapkv,kvzip&ratios=2,7"
+              f"&question={quote(question)}", wait_until="domcontentloaded")
+    tab_is_open(page, "Compare")
+    methods, ratios = page.locator("#kvlab-compare-methods"), page.locator("#kvlab-compare-ratios")
+
+    def shows_the_link() -> None:
+        expect(methods.locator('input[name="kvzip"]')).to_be_checked(timeout=20_000)
+        assert checked(methods, ["snapkv", "kvzip", "streaming_llm", "attention_matching"]) == {"snapkv", "kvzip"}
+        assert checked(ratios, SWEEP_RATIOS) == {"2"}
+        expect(page.locator("#kvlab-compare-more textarea, #kvlab-compare-more input").first).to_have_value("7")
+        expect(page.locator("#kvlab-question textarea, #kvlab-question input").first).to_have_value(question)
+        expect(page.locator("#kvlab-text textarea")).to_have_value(re.compile(re.escape(contract.text()[:40])))
+        expect(page.locator("#kvlab-link-note")).not_to_contain_text("partly")
+        # The page prepares the linked document, not the default one.
+        expect(page.locator("#kvlab-doc-status")).to_contain_text("Ready", timeout=RUN_TIMEOUT_MS)
+
+    shows_the_link()
+    page.locator("#kvlab-link-make").click()
+    box = page.locator("#kvlab-link textarea, #kvlab-link input").first
+    expect(box).to_have_value(re.compile(r"^http://127\.0\.0\.1:\d+/\?tab=compare&"), timeout=20_000)
+    link = box.input_value()
+    for part in ("example=contract", "methods=snapkv,kvzip", "ratios=2,7"):
+        assert part in link, link
+
+    page.goto(link, wait_until="domcontentloaded")
+    tab_is_open(page, "Compare")
+    shows_the_link()
+
+    page.goto(f"{app_url}?example=story&method=kvzip&ratio=10&question={quote(story.questions[2])}&tab=explore",
+              wait_until="domcontentloaded")
+    tab_is_open(page, "Explore")
+    expect(page.locator("#kvlab-method input")).to_have_value(re.compile(r"^kvzip"), timeout=20_000)
+    expect(page.locator("#kvlab-ratio input[type=number]")).to_have_value("10")
+    expect(page.locator("#kvlab-question textarea, #kvlab-question input").first).to_have_value(story.questions[2])
+
+
+def test_a_bad_link_opens_the_defaults_with_a_note(app_url, page):
+    """Unknown names and out-of-range numbers are dropped with a note; what is valid still applies."""
+    expect = sync_api.expect
+    page.goto(f"{app_url}?tab=generate&methods=h2o,nosuch&budget=-3&colour=red", wait_until="domcontentloaded")
+    note = page.locator("#kvlab-link-note")
+    expect(note).to_contain_text("partly understood", timeout=20_000)
+    for part in ("nosuch", "budget", "colour"):
+        expect(note).to_contain_text(part)
+    tab_is_open(page, "Generate")
+    gen = page.locator("#kvlab-gen-methods")
+    expect(gen.locator('input[name="h2o"]')).to_be_checked()
+    expect(gen.locator('input[name="sliding_window"]')).not_to_be_checked()
+    expect(page.locator("#kvlab-gen-budget input")).to_have_value("0")  # the default budget stays
+
+    page.goto(f"{app_url}?tab=nowhere&method=nosuch&ratio=abc", wait_until="domcontentloaded")
+    expect(note).to_contain_text("nowhere", timeout=20_000)
+    tab_is_open(page, "Explore")
+    expect(page.locator("#kvlab-method input")).to_have_value(re.compile("^" + re.escape(default_method())))
+    expect(page.locator("#kvlab-ratio input[type=number]")).to_have_value(str(RATIO_DEFAULT))

@@ -9,6 +9,7 @@ import re
 import typing
 
 import pytest
+import torch
 
 from kvlab.cli import build_parser, main
 from kvlab.methods import REGISTRY, MethodError, get_method
@@ -53,26 +54,42 @@ def test_bad_option_values_are_refused_in_one_line(name, options, field):
     assert repr(options[field]) in message
 
 
-def test_the_edges_of_the_allowed_ranges_are_accepted():
-    for name, options in [
-        ("snapkv", {"kernel": 1, "window": 1}),
-        ("h2o", {"recent_share": 0.0}), ("h2o", {"recent_share": 1}),
-        ("pyramidkv", {"beta": 1}),
-        ("attention_matching", {"max_queries": 1, "nnls_iters": 0, "chunk_size": 0, "drop_below": 0.0}),
-        ("summarisation", {"prompt": "Summarise in {words} words"}),
-    ]:
-        get_method(name, **options)
+# (method, option, the edge of what it allows, the nearest value past it).
+EDGES = [
+    ("snapkv", "kernel", 1, -1), ("snapkv", "window", 1, 0),
+    ("h2o", "recent_share", 0.0, -0.01), ("h2o", "recent_share", 1, 1.01),
+    ("pyramidkv", "beta", 1, 0.99),
+    ("attention_matching", "max_queries", 1, 0), ("attention_matching", "nnls_iters", 0, -1),
+    ("attention_matching", "chunk_size", 0, -1), ("attention_matching", "drop_below", 0.0, 0.01),
+    ("summarisation", "prompt", "Summarise in {words} words", "Summarise in {n} words"),
+]
 
 
-def test_odd_kernels_score_every_token(tiny):
-    """An odd kernel pools each token's score with its neighbours on both sides: one score per token."""
+@pytest.mark.parametrize(("name", "field", "edge", "beyond"), EDGES)
+def test_the_edges_of_the_allowed_ranges_are_accepted_and_one_step_past_is_not(name, field, edge, beyond):
+    assert getattr(get_method(name, **{field: edge}).options, field) == edge
+    with pytest.raises(MethodError, match=f"^{name}: {field} must be "):
+        get_method(name, **{field: beyond})
+
+
+def test_odd_kernels_average_each_token_with_its_neighbours(tiny):
+    """Pooling with kernel k (odd) replaces each token's score by the sum of the k scores centred
+    on it divided by k (SnapKV's avg_pool1d, zero padding counted), over the tokens left of the
+    observation window; the window itself scores +inf. The unpooled scores are kernel 1's."""
     from kvlab.context import prepare_context
     from kvlab.methods import Request
 
     ctx = prepare_context(tiny, " ".join(f"w{i % 60 + 2}" for i in range(40)))
-    for kernel in (1, 3, 7):
-        scores = get_method("snapkv", kernel=kernel, window=8).scores(Request(ctx, 4.0))
-        assert all(s.shape == (tiny.n_kv_heads, ctx.doc_len) for s in scores)
+    window = 8
+    cut = ctx.doc_len - window  # tokens scored (and pooled) before the window
+    raw = get_method("snapkv", kernel=1, window=window).scores(Request(ctx, 4.0))
+    for kernel in (3, 7):
+        pooled = get_method("snapkv", kernel=kernel, window=window).scores(Request(ctx, 4.0))
+        for s1, sk in zip(raw, pooled):
+            assert sk.shape == (tiny.n_kv_heads, ctx.doc_len) and torch.isinf(sk[:, cut:]).all()
+            for j in range(cut):
+                near = s1[:, max(0, j - kernel // 2) : min(cut, j + kernel // 2 + 1)]
+                torch.testing.assert_close(sk[:, j], near.sum(dim=1) / kernel)
 
 
 @pytest.mark.parametrize(("argv", "fragment"), [
@@ -84,6 +101,10 @@ def test_odd_kernels_score_every_token(tiny):
     (["--method", "attention_matching", "--max-queries", "2.5"], "whole number"),
     (["--method", "attention_matching", "--preset", "AM-Nope"], "invalid choice"),
     (["--method", "snapkv", "--preset", "AM-OMP"], "snapkv has no preset"),
+    # One --budgets flag serves Attention Matching's choices and the selection wrappers'.
+    (["--method", "snapkv", "--budgets", "adakv", "--granularity", "chunk"], "budgets=adakv needs granularity=token"),
+    (["--method", "attention_matching", "--budgets", "adakv"], "budgets must be one of uniform, nonuniform"),
+    (["--method", "knorm", "--budgets", "nonuniform"], "budgets must be one of uniform, adakv"),
 ])
 def test_cli_refuses_bad_option_values_with_exit_2_and_one_line(tmp_path, capsys, argv, fragment):
     doc = tmp_path / "doc.txt"
@@ -117,32 +138,33 @@ AM_KINDS = {
     "query_source": ("repeat", "context", "self_study", "random", "question"),
     "max_queries": int, "seed": int, "self_study_tokens": int,
     "scoring": ("rms", "mean", "max"),
-    "key_selection": ("highest_attn", "omp", "kvzip"),
+    "key_selection": ("highest_attn", "omp", "kvzip", "kvzip_union"), "kvzip_share": float,
     "keys_per_iter": int, "refit_every": int, "drop_below": float, "nnls_iters": int, "ridge": float,
     "budgets": ("uniform", "nonuniform"),
     "chunk_size": int, "on_policy": bool,
+    "value_fit": ("least_squares", "original"), "value_anchor": float, "self_study_weight": float,
 }
 
 
-def test_knobs_reflect_types_choices_and_defaults():
+def test_knobs_reflect_types_and_choices_and_defaults_read_back():
     knobs = catalog.knobs("attention_matching")
     assert [k.name for k in knobs] == list(AM_KINDS)
-    defaults = REGISTRY["attention_matching"].Options()
     for k in knobs:
         expected = AM_KINDS[k.name]
         if isinstance(expected, tuple):
             assert k.choices == expected and typing.get_origin(k.kind) is typing.Literal
         else:
             assert k.kind is expected and k.choices is None
-        assert k.default == getattr(defaults, k.name)
         assert k.key == f"attention_matching__{k.name}" and k.help
     every = catalog.all_knobs()
     assert list(every) == sorted(REGISTRY)
     for name, knobs in every.items():
         fields = [f for f in dataclasses.fields(REGISTRY[name].Options) if f.init]
         assert [k.name for k in knobs] == [f.name for f in fields]
-        instance = REGISTRY[name].Options()
-        assert all(k.default == getattr(instance, k.name) for k in knobs)
+        # A widget or a flag shows a knob's default as text: read back, it is the same setting
+        # (right type, inside the knob's range), so an untouched widget changes nothing.
+        as_text = {k.key: str(k.default) for k in knobs}
+        assert REGISTRY[name].Options(**catalog.options_from(name, as_text)) == REGISTRY[name].Options(), name
 
 
 def test_knob_conversion_and_options_from():
@@ -190,7 +212,7 @@ def test_defaults_are_the_basic_highest_attn_configuration_and_knobs_override_pr
     assert get_method("attention_matching").options == get_method("attention_matching", preset="AM-HighestAttnKeys-basic").options
     options = get_method("attention_matching", preset="AM-OMP-fast", keys_per_iter=8).options
     assert options.keys_per_iter == 8 and options.refit_every == 2 and options.on_policy is True
-    assert catalog.presets("snapkv") == {}
+    assert catalog.presets("streaming_llm") == {}  # (scoring methods have the selection presets)
     with pytest.raises(MethodError, match="no preset"):
         get_method("snapkv", preset="AM-OMP")
 

@@ -35,7 +35,9 @@ def short_doc(tmp_path_factory, story) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", ["streaming_llm", "snapkv", "attention_matching"])
+# Not Attention Matching: at ratio 1 it returns the full cache before any fit (its fit is checked
+# below at 1.1x, and its keep-all case through the solver in tests/test_methods.py).
+@pytest.mark.parametrize("name", ["streaming_llm", "snapkv"])
 def test_ratio_one_gives_the_full_cache_answer(embedded, short_doc, name):
     ctx = CONTEXTS.get(embedded, short_doc.read_text())
     result = run(ctx, get_method(name), 1.0, "Who keeps the lighthouse?", max_new_tokens=12).result

@@ -127,7 +127,7 @@ def test_divergence_is_the_first_differing_token():
 
 
 def test_copy_task_prompt_round_trips_and_scores_by_hand():
-    from kvlab.bounded.tasks import codes_in_prompt, copy_prompt, make_codes, score_copy
+    from kvlab.tasks.copying import codes_in_prompt, copy_prompt, make_codes, score_copy
 
     codes = make_codes(5, seed=3)
     assert len(set(codes)) == 5 and all(len(c) == 4 and c[0].isupper() and c[1:].isdigit() for c in codes)
@@ -147,7 +147,7 @@ def test_copy_task_prompt_round_trips_and_scores_by_hand():
 
 
 def test_copy_task_items_fit_their_length():
-    from kvlab.bounded.tasks import copy_codes
+    from kvlab.tasks.copying import copy_codes
 
     count = lambda text: len(text.split())  # noqa: E731 - one "token" per word
     items = copy_codes(count, 2, seed=0, length=40)
@@ -197,7 +197,7 @@ def test_common_subsequence_against_brute_force():
     import itertools
     import random
 
-    from kvlab.bounded.tasks import common_subsequence
+    from kvlab.tasks.copying import common_subsequence
 
     rng = random.Random(5)
     for _ in range(200):
@@ -218,7 +218,6 @@ def test_a_prompt_past_the_window_is_refused_before_any_work(tiny, monkeypatch):
     import sys
 
     from kvlab import limits, models
-    from kvlab.documents import DocumentError
     from kvlab.lab.generate import generate
     from kvlab.lab.inputs import InputError
 
@@ -230,5 +229,5 @@ def test_a_prompt_past_the_window_is_refused_before_any_work(tiny, monkeypatch):
         generate(prompt=words(600), max_new_tokens=8)
     with pytest.raises(InputError, match="and 250 new tokens were asked"):
         generate(document=words(300), question="w1 w2", max_new_tokens=250)
-    with pytest.raises(DocumentError, match=f"the limit here is {limits.LIMITS.document_chars:,}"):
+    with pytest.raises(InputError, match=f"the limit here is {limits.LIMITS.document_chars:,}"):
         generate(prompt="w1 " * (limits.LIMITS.document_chars // 3 + 1))

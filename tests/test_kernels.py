@@ -27,6 +27,15 @@ of summation and in what the kernel rounds on the way):
 * key scores (float32, weights in [0, 1]): ``atol = 2e-6, rtol = 1e-5``: a
   weight is exp(s - lse), and an error of a few ulps of s (|s| <= ~10, ulp
   ~1e-6) moves it by that much relatively.
+
+bfloat16, the dtype models run in on CUDA, is tested on the torch references
+(decode, mixed precision, key scores) against float64 brute force, with the
+one rounding of the output to bfloat16 (half an ulp, 2^-8 relative) as the
+tolerance. The kernels themselves cannot run it here: Triton's interpreter
+(3.9) holds bfloat16 as its uint16 bit pattern and its ``tl.dot`` multiplies
+those integers (only 8-bit floats are converted first), so a bfloat16 kernel
+returns garbage under ``TRITON_INTERPRET=1``. ``python -m benchmarks.gpu_check``
+measures the kernels' bfloat16 errors on a real GPU.
 """
 from __future__ import annotations
 
@@ -36,7 +45,7 @@ import pytest
 import torch
 
 from kvlab import kernels
-from kvlab.kernels import reference, triton_decode
+from kvlab.kernels import launch, reference, triton_decode
 from kvlab.methods.solvers import score_keys
 from kvlab.runtime.attention import causal_attention
 from kvlab.runtime.quantized import QuantSegment
@@ -83,16 +92,51 @@ def brute_force_decode(q, k, v, bias, scale):
     return torch.einsum("bhns,bhsd->bhnd", torch.softmax(logits, dim=-1), vv), lse
 
 
-def test_decode_reference_matches_brute_force() -> None:
+# The references against float64 brute force, in each dtype a model runs in (bfloat16 is the CUDA
+# dtype): the inputs as given, float32 maths, the output rounded once to the input's dtype.
+REF_TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=1e-5, rtol=2**-10),  # twice the rounding's half an ulp (2^-11 relative)
+    torch.bfloat16: dict(atol=1e-5, rtol=2**-7),  # twice the rounding's half an ulp (2^-8 relative)
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_decode_reference_matches_brute_force(dtype) -> None:
     gen = torch.Generator().manual_seed(1)
-    q = torch.randn(2, 8, 3, 16, generator=gen)
-    k, v = torch.randn(2, 2, 2, 40, 16, generator=gen)
+    q = torch.randn(2, 8, 3, 16, generator=gen).to(dtype)
+    k, v = torch.randn(2, 2, 2, 40, 16, generator=gen).to(dtype)
     bias = ragged_bias(2, 30, gen)
     bias[0, :5] = 0.5  # head 0 keeps a few keys, so every query head sees some compacted key
     out, lse = reference.decode_attention(q, k, v, bias[None], 0.25)
     want_out, want_lse = brute_force_decode(q, k, v, bias, 0.25)
-    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want_out, **REF_TOL[dtype])
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_reference_matches_brute_force(dtype) -> None:
+    """Dequantised codes (rounded to the queries' dtype, as the model's view does), then the
+    full-precision tokens with their betas: float64 brute force over the same keys and values."""
+    gen = torch.Generator().manual_seed(2)
+    n_kv, n_quant, head_dim = 2, 40, 16
+    keys = torch.randn(n_kv, n_quant, head_dim, generator=gen) * 2 + 1
+    values = torch.randn(n_kv, n_quant, head_dim, generator=gen)
+    seg = QuantSegment.quantize(keys, values, torch.full((n_kv,), n_quant), torch.arange(n_quant).expand(n_kv, -1), 4,
+                                group_size=16)
+    (block,) = seg.blocks
+    q = torch.randn(8, 2, head_dim, generator=gen).to(dtype)
+    k_full, v_full = torch.randn(2, n_kv, 9, head_dim, generator=gen).to(dtype)
+    bias = ragged_bias(n_kv, 6, gen)
+    bias[0, :3] = -0.5
+    out, lse = reference.mixed_attention(q, block.keys, block.values, k_full, v_full, bias, 0.25)
+    k = torch.cat([block.keys.dequantize(dtype), k_full], dim=1)
+    v = torch.cat([block.values.dequantize(dtype), v_full], dim=1)
+    want_out, want_lse = brute_force_decode(q[None], k[None], v[None], torch.cat([torch.zeros(n_kv, n_quant), bias], 1), 0.25)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), want_out[0], **REF_TOL[dtype])
+    torch.testing.assert_close(lse.double(), want_lse[0], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -179,9 +223,10 @@ def scoring_inputs(dtype: torch.dtype, gen: torch.Generator):
     return q, k, bias
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scoring", ["rms", "mean", "max"])
-def test_chunked_reference_scores_match_solvers(scoring) -> None:
-    q, k, bias = scoring_inputs(torch.float32, torch.Generator().manual_seed(6))
+def test_chunked_reference_scores_match_solvers(scoring, dtype) -> None:
+    q, k, bias = scoring_inputs(dtype, torch.Generator().manual_seed(6))
     got = reference.key_scores(q, k, bias, 80**-0.5, scoring, chunk=50)
     torch.testing.assert_close(got, score_keys(q, k, bias, scoring=scoring), **SCORE_TOL)
 
@@ -236,7 +281,7 @@ def biased_decode_inputs():
 def test_decode_path_uses_the_kernel_when_dispatch_says_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     """A single query over a biased cache goes through the kernel exactly when the dispatch picks Triton.
 
-    The CUDA decision is faked by patching :func:`kvlab.kernels.backend`; the
+    The CUDA decision is faked by patching :func:`kvlab.kernels.launch.backend`; the
     kernel then runs in the interpreter and must agree with the SDPA path.
     """
     calls = []
@@ -246,7 +291,7 @@ def test_decode_path_uses_the_kernel_when_dispatch_says_triton(monkeypatch: pyte
     monkeypatch.delenv("KVLAB_KERNELS", raising=False)
     on_cpu = causal_attention(q, k, v, bias, 0.25)
     assert calls == []  # CPU tensors: SDPA with a float mask, as before
-    monkeypatch.setattr(kernels, "backend", lambda x: "triton")
+    monkeypatch.setattr(launch, "backend", lambda x: "triton")
     on_fake_cuda = causal_attention(q, k, v, bias, 0.25)
     assert calls == [1]
     torch.testing.assert_close(on_fake_cuda, on_cpu, **TOL[torch.float32])

@@ -4,9 +4,9 @@ from __future__ import annotations
 import csv
 import json
 import threading
-import time
 
 import pytest
+import torch
 
 from kvlab import context as context_module
 from kvlab import queries as queries_module
@@ -18,14 +18,15 @@ from kvlab.methods import REGISTRY
 DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(120))
 
 
-def test_racing_requests_share_one_preparation(tiny, monkeypatch):
-    # Two users (or a background preparation and a Run) ask for the same document at once:
-    # one prefill runs, both get its context.
-    calls = []
+def test_racing_requests_share_one_preparation(tiny, monkeypatch, flight_waiters):
+    # Users (or a background preparation and a Run) ask for the same document at once: one
+    # prefill runs, every request gets its context. The prefill holds until the two other
+    # requests wait on it, so they really race it (no sleep that hopes they do).
+    calls, joined = [], []
 
     def slow_prepare(lm, text, progress=None):
         calls.append(text)
-        time.sleep(0.3)
+        joined.append(flight_waiters.wait_for(2))
         return prepare_context(lm, text)
 
     monkeypatch.setattr(context_module, "prepare_context", slow_prepare)
@@ -36,17 +37,17 @@ def test_racing_requests_share_one_preparation(tiny, monkeypatch):
         t.start()
     for t in threads:
         t.join()
-    assert len(calls) == 1 and len(got) == 3 and all(c is got[0] for c in got)
+    assert joined == [True] and len(calls) == 1 and len(got) == 3 and all(c is got[0] for c in got)
     assert store.peek(tiny, DOC) is got[0] and store.peek(tiny, DOC + " w3") is None
 
 
-def test_a_failed_preparation_reaches_every_waiter_and_is_not_kept(tiny, monkeypatch):
-    attempts = []
+def test_a_failed_preparation_reaches_every_waiter_and_is_not_kept(tiny, monkeypatch, flight_waiters):
+    attempts, joined = [], []
 
     def failing_once(lm, text, progress=None):
         attempts.append(text)
-        time.sleep(0.2)
         if len(attempts) == 1:
+            joined.append(flight_waiters.wait_for(1))  # fail only once the other request waits on it
             raise RuntimeError("disk on fire")
         return prepare_context(lm, text)
 
@@ -65,7 +66,7 @@ def test_a_failed_preparation_reaches_every_waiter_and_is_not_kept(tiny, monkeyp
         t.start()
     for t in threads:
         t.join()
-    assert errors == ["disk on fire", "disk on fire"] and len(attempts) == 1
+    assert joined == [True] and errors == ["disk on fire", "disk on fire"] and len(attempts) == 1
     assert store.get(tiny, DOC).lm is tiny and len(attempts) == 2  # the next request tries again
 
 
@@ -158,14 +159,24 @@ def test_first_divergence_by_hand(reference, other, expected):
     assert first_divergence(reference, other) == expected
 
 
-def test_answer_log_probabilities_follow_the_full_answer(tiny, monkeypatch):
-    # At ratio 1 nothing is evicted: the compressed cache scores the full answer exactly like the
-    # full cache does (an independent computation: the greedy decode's own log-probabilities).
+def test_answer_log_probabilities_follow_the_full_answer(tiny, tiny_eager, monkeypatch):
+    # The reference is independent of kvlab's cache and decode loop: transformers' own eager
+    # attention over the whole token sequence at once (template + document, question, answer),
+    # teacher-forced, each answer token read off the logits of the position before it.
     monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
     ex = lab.explore(DOC, None, "streaming_llm", 1.0, "w5 w6", max_new_tokens=5)
-    r = ex.run.result
+    r, ev = ex.run.result, ex.run.evaluation
     assert len(r.answer_tokens) == len(r.answer_logprobs_full) == len(r.answer_logprobs_compressed) == 5
-    assert r.answer_logprobs_compressed == pytest.approx(r.answer_logprobs_full, abs=1e-4)
-    assert r.first_divergence is None and r.answer_logprobs_full == ex.run.evaluation.answer.logprobs
+    ids = torch.cat([ex.run.ctx.tokens.ids.cpu(), ev.question_ids.cpu(), torch.tensor(ev.answer.ids)])
+    with torch.no_grad():
+        logp = torch.log_softmax(tiny_eager.model(ids[None]).logits[0].double(), dim=-1)
+    before = logp[ids.numel() - 6 : -1]  # the logits that predict each of the 5 answer tokens
+    assert ev.answer.ids == before.argmax(dim=-1).tolist()  # the answer is the greedy one
+    eager = before.gather(1, torch.tensor(ev.answer.ids).unsqueeze(1)).squeeze(1)
+    assert r.answer_logprobs_full == pytest.approx(eager.tolist(), abs=1e-5)
+    # At ratio 1 nothing is evicted: the compressed cache scores the same answer the same way.
+    assert r.answer_logprobs_compressed == pytest.approx(eager.tolist(), abs=1e-5)
+    assert r.first_divergence is None
     squeezed = lab.explore(DOC, None, "streaming_llm", 30.0, "w5 w6", max_new_tokens=5).run.result
-    assert squeezed.answer_logprobs_compressed != pytest.approx(squeezed.answer_logprobs_full, abs=1e-4)
+    assert squeezed.answer_logprobs_full == pytest.approx(eager.tolist(), abs=1e-5)  # the full cache's, again
+    assert squeezed.answer_logprobs_compressed != pytest.approx(eager.tolist(), abs=1e-4)

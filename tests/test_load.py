@@ -4,6 +4,9 @@
   model, loopback only), each with its own document, method and question;
   each must get its own right answer, and the server's peak memory is
   reported (printed, and written to tests/artifacts/load.json).
+- Mixed load: the same eight Explore clients beside a Generate request and a sweep, while a 20-run
+  sweep is stopped mid-run (Stop): all the others answered, the stopped one runs no step once the
+  server knows, the server goes idle within the request cap, memory stays within a stated bound.
 - Soak: 200 distinct questions on one document (the tiny model, lab level);
   what the document keeps stays within its budget and the process does not grow.
 - Files: every file input of the app refuses a path on the server.
@@ -11,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import resource
 import statistics
 import sys
@@ -26,11 +30,12 @@ gradio_client = pytest.importorskip("gradio_client")
 httpx = pytest.importorskip("httpx")
 
 from benchmarks.browser import serve_app  # noqa: E402
-from kvlab import lab, limits, models  # noqa: E402
-from kvlab.context import ContextStore, prepare_context  # noqa: E402
+from kvlab import cancel, lab, limits, models  # noqa: E402
+from kvlab.context import CONTEXTS, ContextStore, prepare_context  # noqa: E402
 from kvlab.pipeline import evaluation  # noqa: E402
 from kvlab.queries import question_queries  # noqa: E402
 from kvlab.tasks.scoring import contains_match  # noqa: E402
+from kvlab.ui import common  # noqa: E402
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
 WORDS = ["heron", "orange", "copper", "violet", "falcon", "pebble", "silver", "tiger"]
@@ -176,6 +181,107 @@ def test_two_hundred_questions_keep_one_documents_memory_bounded(tiny, monkeypat
     assert 1 <= len(ctx.questions) <= remembered and set(ctx.questions) <= set(asked[-remembered:])
     assert max(sizes[100:]) <= max(sizes[:100])  # no growth in the second half
     assert rss[1] - rss[0] < 64 * 2**20
+
+
+# --------------------------------------------------------------------------- a mixed load, with a client stopped mid-run
+
+#: Resident memory the mixed load may add to a warmed-up server (bytes): its documents' caches are a few MiB.
+MIXED_RSS_BOUND = 256 * 2**20
+
+
+class StepsAfterGone:
+    """The server's per-step check (kvlab.ui.common.requester_gone), counting steps a request ran after it
+    was once told its requester is gone (must stay 0), per request (kvlab.cancel scope)."""
+
+    def __init__(self, real) -> None:
+        self.real, self.after_gone, self.gone = real, 0, []
+        self.started = threading.Event()
+
+    def __call__(self) -> str | None:
+        scope = cancel.current()
+        self.started.set()
+        if any(s is scope for s in self.gone):
+            self.after_gone += 1
+        why = self.real()
+        if why is not None:
+            self.gone.append(scope)
+        return why
+
+
+def test_explore_clients_beside_a_generate_and_sweeps_with_one_stopped_mid_run(app_url, monkeypatch, caplog):
+    """Eight Explore clients, a Generate and a sweep at once, while a 20-run sweep is stopped mid-run: every
+    other client gets its answer, the stopped one runs no step once the server knows, the compute slot goes
+    idle within the request cap, and the server's memory grows by less than MIXED_RSS_BOUND."""
+    steps = StepsAfterGone(common.requester_gone)
+    monkeypatch.setattr(common, "requester_gone", steps)
+    caplog.set_level(logging.INFO, logger="kvlab.app")
+    process = psutil.Process()
+    clients = [gradio_client.Client(app_url, verbose=False) for _ in range(SESSIONS + 3)]
+    # One of each request first: what the first use of each path allocates once is not the load's.
+    clients[0].predict(text=document("warm", 98), method=METHODS[0], ratio=2, question=QUESTION, max_new_tokens=10,
+                       api_name="/run")
+    clients[0].predict(source_="the prompt below", prompt_="Say hello.", methods_=["h2o"], budget_=48, max_new_=8,
+                       api_name="/generate")
+    rss_before = process.memory_info().rss
+    steps.started.clear()
+    stopper = clients[-1].submit(text=document("lantern", 99), methods=METHODS[:4], ratios=[2, 5, 10, 20, 50],
+                                 more_ratios="", question=QUESTION, max_new_tokens=10, api_name="/compare")
+    assert steps.started.wait(LOAD_TIMEOUT_S)
+    results: dict[str, object] = {}
+
+    def explore(i: int) -> None:
+        out = clients[i].predict(text=document(WORDS[i], i), method=METHODS[i], ratio=2, question=QUESTION,
+                                 max_new_tokens=10, api_name="/run")
+        results[f"explore {i}"] = shown(out[1])
+
+    def generate() -> None:
+        out = clients[SESSIONS].predict(source_="the prompt below", prompt_="Write the word heron three times.",
+                                        methods_=["h2o"], budget_=48, max_new_=24, api_name="/generate")
+        results["generate"] = out[0]
+
+    def sweep() -> None:
+        out = clients[SESSIONS + 1].predict(text=document("copper", 50), methods=["streaming_llm", "tova"],
+                                            ratios=[2, 5], more_ratios="", question=QUESTION, max_new_tokens=10,
+                                            api_name="/compare")
+        results["sweep"] = out[1]
+
+    def guarded_call(name: str, work) -> None:
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            results[name] = exc
+
+    threads = [threading.Thread(target=guarded_call, args=(f"explore {i}", lambda i=i: explore(i)))
+               for i in range(SESSIONS)]
+    threads += [threading.Thread(target=guarded_call, args=(name, work))
+                for name, work in (("generate", generate), ("sweep", sweep))]
+    for t in threads:
+        t.start()
+    stopper.cancel()
+    for t in threads:
+        t.join(4 * LOAD_TIMEOUT_S)
+    failures = {k: v for k, v in results.items() if isinstance(v, Exception)}
+    assert len(results) == SESSIONS + 2 and not failures, failures
+    for i in range(SESSIONS):
+        assert contains_match(results[f"explore {i}"], (WORDS[i],)), (i, results[f"explore {i}"])
+    assert "prompt tokens" in results["generate"] and "copper" in results["sweep"]
+    # The stopped sweep: logged as stopped by Stop, and not one step of it once the server knew.
+    assert any("Stop was pressed" in r.getMessage() for r in caplog.records), "the stopped sweep never stopped"
+    assert steps.after_gone == 0
+    # Idle within the cap: nobody holds or waits for the compute slot, and the process computes nothing.
+    deadline = time.monotonic() + limits.LIMITS.request_s
+    while common.COMPUTE.busy and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not common.COMPUTE.busy
+    cpu = sum(process.cpu_times()[:2])
+    time.sleep(1.0)
+    idle_cpu_s = sum(process.cpu_times()[:2]) - cpu
+    grown = process.memory_info().rss - rss_before
+    print(f"\nmixed load: {len(results)} answered beside a stopped 20-run sweep; CPU over 1 s once idle "
+          f"{idle_cpu_s:.2f} s; RSS grew {grown / 2**20:.0f} MiB (bound {MIXED_RSS_BOUND / 2**20:.0f} MiB); "
+          f"contexts {CONTEXTS.nbytes / 2**20:.1f} MiB of a {CONTEXTS.budget / 2**20:.0f} MiB budget")
+    assert idle_cpu_s < 0.5
+    assert grown < MIXED_RSS_BOUND and CONTEXTS.nbytes <= CONTEXTS.budget
 
 
 # --------------------------------------------------------------------------- files that are not uploads

@@ -14,7 +14,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -24,7 +23,7 @@ from transformers import AutoTokenizer
 gradio_client = pytest.importorskip("gradio_client")
 httpx = pytest.importorskip("httpx")
 
-from benchmarks.browser import free_port  # noqa: E402
+from benchmarks.browser import free_port, serve_process  # noqa: E402
 from kvlab.documents import read_document  # noqa: E402
 from kvlab.models import EMBEDDED, ModelLoadError, resolve_source  # noqa: E402
 from kvlab.prompts import context_tokens  # noqa: E402
@@ -107,30 +106,8 @@ def folder_app_url(qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     log_path = tmp_path_factory.mktemp("app") / "app.log"
     env = _env(KVLAB_MODEL=str(qwen3_dir), KVLAB_SPACE="1", GRADIO_SERVER_NAME="127.0.0.1",
                GRADIO_SERVER_PORT=str(port), GRADIO_ANALYTICS_ENABLED="False")
-    url = f"http://127.0.0.1:{port}/"
-    with open(log_path, "w", encoding="utf-8") as log:
-        server = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if server.poll() is not None:
-                pytest.fail(f"the app exited ({server.returncode}):\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "config", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"the app did not start in {START_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.25)
+    with serve_process([sys.executable, "app.py"], ROOT, env, log_path, START_TIMEOUT_S) as url:
         yield url
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
 
 
 def test_app_serves_a_model_from_a_folder(folder_app_url: str, qwen3_dir: Path) -> None:

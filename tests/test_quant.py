@@ -129,16 +129,16 @@ def test_dequantize_dtype() -> None:
 
 
 def test_nbytes_hand_computed() -> None:
-    H, T, d = 3, 100, 64
-    x = torch.randn(H, T, d, generator=_gen(7))
-    codes_bytes = H * T * d // 2  # 4 bits -> 2 codes per byte
+    x = torch.randn(3, 100, 64, generator=_gen(7))  # H, T, d
+    # 4 bits: 2 codes per byte, 3 * 100 * 64 / 2 = 9,600 B. A float16 scale and zero per group, 4 B.
     pk = quantize_keys(x, 4, 32)
-    key_groups = H * d * math.ceil(T / 32)  # 768
-    assert pk.nbytes == codes_bytes + key_groups * 2 * 2  # fp16 scale + fp16 zero
-    assert pk.codes.numel() == codes_bytes
+    # Keys per channel, groups along the tokens: 3 * 64 * ceil(100 / 32) = 768 groups = 3,072 B.
+    assert pk.codes.numel() == 9600 and pk.scale.numel() == pk.zero.numel() == 768
+    assert pk.nbytes == 9600 + 3072
     pv = quantize_values(x, 4, 32)
-    value_groups = H * T * (d // 32)  # 600
-    assert pv.nbytes == codes_bytes + value_groups * 2 * 2
+    # Values per token, groups along the channels: 3 * 100 * 2 = 600 groups = 2,400 B.
+    assert pv.codes.numel() == 9600 and pv.scale.numel() == pv.zero.numel() == 600
+    assert pv.nbytes == 9600 + 2400
 
 
 def test_nbytes_odd_count_rounds_up() -> None:
@@ -165,9 +165,11 @@ def test_packed_tensor_stores_no_float_copy() -> None:
     x = torch.randn(2, 64, 32, generator=_gen(10))
     p = quantize_keys(x, 2, 32)
     assert p.codes.dtype == torch.uint8
-    assert p.codes.numel() == x.numel() * 2 // 8
+    # By hand: 2 * 64 * 32 codes of 2 bits = 1,024 B; 2 * 32 channels * 2 token groups = 128 groups,
+    # a float16 scale and zero each = 512 B. Every tensor the object holds is one of those.
+    assert p.codes.numel() == 1024 and p.nbytes == 1024 + 512
     tensors = [v for v in vars(p).values() if isinstance(v, torch.Tensor)]
-    assert sum(t.numel() * t.element_size() for t in tensors) == p.nbytes
+    assert sum(t.numel() * t.element_size() for t in tensors) == 1024 + 512
 
 
 # --- outlier isolation (why keys per channel, values per token) ---------------

@@ -57,17 +57,20 @@ def test_nbytes_is_codes_plus_scales_and_zeros(ctx):
     index = torch.stack([torch.arange(40), torch.arange(40, 80)])
     gather = index.unsqueeze(-1).expand(-1, -1, d)
     seg = QuantSegment.quantize(k.gather(1, gather), v.gather(1, gather), lengths, index, bits=2, group_size=16)
-    # 37 tokens: keys 37*16*2/8 = 148 B codes + 16 channels * 3 groups * 4 B; values 148 B + 37 * 1 group * 4 B.
-    assert quant_nbytes(37, d, 2, 16) == 148 + 16 * 3 * 4 + 148 + 37 * 4
-    assert seg.nbytes == quant_nbytes(37, d, 2, 16) + quant_nbytes(5, d, 2, 16)
+    # By hand (2 bits, groups of 16, d = 16; a float16 scale and zero are 4 B per group).
+    # Head 0, 37 tokens: codes 37 * 16 * 2 / 8 = 148 B for the keys and 148 for the values; keys
+    # are grouped per channel along the tokens, 16 * ceil(37 / 16) = 48 groups = 192 B; values
+    # per token along the channels, 37 * 1 = 37 groups = 148 B.
+    # Head 1, 5 tokens: codes 20 + 20 B; keys 16 * 1 groups = 64 B; values 5 groups = 20 B.
+    assert quant_nbytes(37, d, 2, 16) == 148 + 148 + 192 + 148 == 636
+    assert quant_nbytes(5, d, 2, 16) == 20 + 20 + 64 + 20 == 124
+    assert seg.breakdown() == {"2-bit codes": 148 + 148 + 20 + 20, "scales+zeros": 192 + 148 + 64 + 20}
+    assert seg.nbytes == 636 + 124
     assert [b.heads for b in seg.blocks] == [[1], [0]]  # one block per distinct token count
+    # The counted bytes are the buffers really held: uint8 codes, float16 scales and zeros.
     stored = [p for b in seg.blocks for p in (b.keys, b.values)]
-    assert seg.nbytes == sum(p.nbytes for p in stored)
-    assert seg.breakdown() == {
-        "2-bit codes": sum(p.codes.nbytes for p in stored),
-        "scales+zeros": sum(p.scale.nbytes + p.zero.nbytes for p in stored),
-    }
-    assert all(p.codes.dtype == torch.uint8 and p.scale.dtype == torch.float16 for p in stored)
+    assert sum(p.codes.numel() for p in stored) == 336 and sum(p.scale.numel() + p.zero.numel() for p in stored) == 212
+    assert all(p.codes.dtype == torch.uint8 and p.scale.dtype == p.zero.dtype == torch.float16 for p in stored)
     # The view is dequantised and padded like a dense segment's.
     view = seg.view()
     assert view.keys.shape == (2, 37, d)
@@ -105,8 +108,14 @@ def test_kivi_quantises_everything_but_the_residual(ctx):
     assert len(fates) == ctx.length  # nothing evicted at a ratio the 2-bit cache meets
     assert {fates[i] for i in range(ctx.length - residual, ctx.length)} == {"kept"}
     assert {fates[i] for i in range(ctx.prefix_len, ctx.length - residual)} == {"2-bit"}
-    assert stored.meta["memory_ratio"] == pytest.approx(ctx.full.nbytes / stored.nbytes)
-    assert stored.meta["memory_ratio"] > 3  # fixed by the bits (and the residual), above the requested 2
+    # By hand, per layer and KV head (d = 16, float32): the full cache holds 80 tokens * 16 * 4 B * 2
+    # = 10,240 B. KIVI keeps the 80 % 32 = 16 newest at full precision (2,048 B) and quantises 64:
+    # codes 64 * 16 * 2 / 8 = 256 B each for keys and values, scales and zeros 4 B per group,
+    # 16 channels * 2 token groups for the keys (128 B) and 64 tokens * 1 group for the values
+    # (256 B): 2,944 B. Two layers of two heads: 40,960 B against 11,776 B.
+    assert ctx.full.nbytes == 40960 and stored.nbytes == 11776
+    assert stored.breakdown() == {"full-precision keys+values": 8192, "2-bit codes": 2048, "scales+zeros": 1536}
+    assert stored.meta["memory_ratio"] == pytest.approx(40960 / 11776)  # fixed by the bits, above the requested 2
 
 
 def test_kivi_evicts_the_oldest_when_the_ratio_asks_for_more(ctx):

@@ -5,7 +5,6 @@ import gc
 import logging
 import os
 import threading
-import time
 import weakref
 from pathlib import Path
 
@@ -95,34 +94,34 @@ def test_the_sweep_limit_is_read_when_the_sweep_starts(monkeypatch):
 # --------------------------------------------------------------------------- one computation per key
 
 
-def test_racing_requests_compute_a_value_once_and_do_not_block_other_keys(tiny):
+def test_racing_requests_compute_a_value_once_and_do_not_block_other_keys(tiny, flight_waiters):
     ctx = prepare_context(tiny, DOC)
-    release, calls, got = threading.Event(), [], []
+    release, calls, got, released = threading.Event(), [], [], []
 
     def slow():
         calls.append("slow")
-        release.wait(5)
+        released.append(release.wait(60))  # False: nobody released it, the guard ran out
         return [torch.ones(3)]
 
     threads = [threading.Thread(target=lambda: got.append(ctx.cached("memos", "k", slow))) for _ in range(3)]
     for t in threads:
         t.start()
-    time.sleep(0.2)
-    # While "k" is being made (the lock is free), another key is made and read at once.
-    start = time.perf_counter()
-    assert ctx.cached("memos", "other", lambda: 7) == 7 and time.perf_counter() - start < 1
+    assert flight_waiters.wait_for(2)  # "k" is in flight, two requests wait on it
+    # Meanwhile (the lock is free) another key is made and read; had it waited for "k", "k" would
+    # have been let go by its guard running out, not by this test.
+    assert ctx.cached("memos", "other", lambda: 7) == 7
     release.set()
     for t in threads:
         t.join()
-    assert calls == ["slow"] and len(got) == 3 and all(g is got[0] for g in got)
+    assert released == [True] and calls == ["slow"] and len(got) == 3 and all(g is got[0] for g in got)
 
 
-def test_a_failure_reaches_every_waiter_and_nothing_is_kept(tiny):
+def test_a_failure_reaches_every_waiter_and_nothing_is_kept(tiny, flight_waiters):
     ctx = prepare_context(tiny, DOC)
-    errors = []
+    errors, joined = [], []
 
     def failing():
-        time.sleep(0.2)
+        joined.append(flight_waiters.wait_for(1))  # fail only once the other request waits on it
         raise RuntimeError("no luck")
 
     def ask():
@@ -136,18 +135,18 @@ def test_a_failure_reaches_every_waiter_and_nothing_is_kept(tiny):
         t.start()
     for t in threads:
         t.join()
-    assert errors == ["no luck", "no luck"] and "k" not in ctx.memos
+    assert joined == [True] and errors == ["no luck", "no luck"] and "k" not in ctx.memos
     assert ctx.cached("memos", "k", lambda: 1) == 1
 
 
-def test_two_requests_for_one_question_answer_it_once(tiny, monkeypatch):
+def test_two_requests_for_one_question_answer_it_once(tiny, monkeypatch, flight_waiters):
     ctx = prepare_context(tiny, DOC)
-    answers = []
+    answers, joined = [], []
     greedy = pipeline.greedy
 
     def counted(*args, **kwargs):
         answers.append(1)
-        time.sleep(0.2)
+        joined.append(flight_waiters.wait_for(1))  # answer once the other request waits on it
         return greedy(*args, **kwargs)
 
     monkeypatch.setattr(pipeline, "greedy", counted)
@@ -157,7 +156,7 @@ def test_two_requests_for_one_question_answer_it_once(tiny, monkeypatch):
         t.start()
     for t in threads:
         t.join()
-    assert len(answers) == 1 and got[0] is got[1]
+    assert joined == [True] and len(answers) == 1 and got[0] is got[1]
 
 
 # --------------------------------------------------------------------------- bounded memory

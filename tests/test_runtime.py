@@ -224,7 +224,8 @@ def test_template_segment_stores_the_first_tokens_of_every_head():
 def test_one_repeat_pass_serves_attention_matching_and_kvzip(tiny):
     ctx = prepare_context(tiny, " ".join(f"w{(i * 7) % 60 + 2}" for i in range(40)))
     forwards = []
-    handle = tiny.model.register_forward_hook(lambda *args: forwards.append(1))
+    # Every pass over the model embeds its tokens, whichever forward runs it (kvlab.runtime.lean or transformers').
+    handle = tiny.model.get_input_embeddings().register_forward_hook(lambda *args: forwards.append(1))
     try:
         queries = repeat_queries(ctx)
         passes = len(forwards)
@@ -241,3 +242,29 @@ def test_one_repeat_pass_serves_attention_matching_and_kvzip(tiny):
     for layer in range(tiny.n_layers):
         assert torch.allclose(recorded.queries[layer], capture.layer(layer)[:, ctx.length :], atol=1e-5)
         assert torch.allclose(recorded.keys[layer], whole.keys[layer][:, ctx.length :], atol=1e-5)
+
+
+def test_an_answer_checked_against_a_draft_is_the_greedy_answer(tiny):
+    """greedy_from_draft against plain greedy decoding and the teacher-forced scores, for drafts the
+    cache follows all the way, part of the way, not at all, and one longer than the answer may be."""
+    from kvlab.runtime.decode import greedy_from_draft
+
+    full = prefill(tiny, context_ids())
+    keep = [[torch.arange(0, T, 2)] * tiny.n_kv_heads for _ in range(tiny.n_layers)]
+    bias = [[torch.linspace(-1, 1, T // 2)] * tiny.n_kv_heads for _ in range(tiny.n_layers)]
+    stored = cache_from(full, keep, bias)
+    prompt = context_ids(5, seed=3)
+    own = greedy(tiny, stored, prompt, 10).ids
+    other = greedy(tiny, full.stored, prompt, 10).ids
+    drafts = [own, other, own[:4] + [(own[4] + 1) % 60 + 2] + own[5:], context_ids(12, seed=9).tolist(), []]
+    for draft in drafts:
+        got = greedy_from_draft(tiny, stored, prompt, draft, 10)
+        assert got.generation.ids == own
+        shared = next((i for i, (a, b) in enumerate(zip(draft, own)) if a != b), min(len(draft), len(own)))
+        assert got.accepted == min(shared, 10)
+        if draft:
+            m = min(len(draft), 10)
+            target = torch.tensor(draft[:m])
+            assert torch.allclose(got.draft_logprobs, continuation_logprobs(tiny, stored, prompt, target), atol=1e-5)
+        assert torch.allclose(torch.tensor(got.generation.logprobs), torch.tensor(greedy(tiny, stored, prompt, 10).logprobs),
+                              atol=1e-5)

@@ -476,31 +476,47 @@ def test_given_key_scores_pick_the_keys_and_the_fit_stays_highest_attn():
         compact_block(q, k, v, t, key_scores=scores, key_selection="omp")
 
 
-def test_streamed_mass_matches_attention_in_chunks_of_three_keys():
+@pytest.mark.parametrize("scoring", ["rms", "mean", "max"])
+def test_streamed_mass_matches_attention_in_chunks_of_three_queries(scoring):
     q, k, v = _qkv(B=2, n=16, T=20, seed=21, q_scale=3.0)
     bias = torch.randn(2, 20, generator=_gen(22))
     bias[1, 5:12] = float("-inf")  # padding in the middle of head 1
-    shift, z, y = streamed_mass(q, k, v, bias, block_elements=2 * 16 * 3)
+    shift, z, y, scores = streamed_mass(q, k, v, bias, scoring=scoring, block_elements=2 * 20 * 3)
     ref = attend(q, k, v, bias)
     torch.testing.assert_close(y, ref.output, rtol=1e-5, atol=1e-6)
     # The block's log-mass: shift + log z.
     torch.testing.assert_close(shift + z.log(), ref.lse, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(shift, attention_logits(q, k, bias).amax(dim=-1))
+    torch.testing.assert_close(scores, score_keys(q, k, bias, scoring=scoring), rtol=1e-5, atol=1e-8)
 
 
 @pytest.mark.parametrize("scoring", ["rms", "mean", "max"])
-def test_highest_attn_streamed_over_the_keys_equals_the_dense_fit(scoring):
-    # dense_max=0 forces the streamed path; the dense one (mass features held) is the reference.
+def test_weighted_key_scores_equal_the_scores_over_repeated_queries(scoring):
+    """A query of weight 2 counts as that query twice (max: weight 0 drops a query)."""
+    q, k, v = _qkv(B=2, n=10, T=14, seed=24)
+    weights = torch.ones(2, 10)
+    weights[:, 3] = 2.0
+    weights[:, 7] = 0.0
+    *_, got = streamed_mass(q, k, v, scoring=scoring, weights=weights, block_elements=2 * 14 * 4)
+    copies = [0, 1, 2, 3, 3, 4, 5, 6, 8, 9] if scoring != "max" else [0, 1, 2, 3, 4, 5, 6, 8, 9]
+    torch.testing.assert_close(got, score_keys(q[:, copies], k, scoring=scoring), rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("scoring", ["rms", "mean", "max"])
+def test_highest_attn_fit_is_the_same_in_any_query_chunking(scoring):
+    # Chunks of 5 queries against one chunk of all 48; both select what the dense scores rank first.
     q, k, v = _qkv(B=3, n=48, T=40, seed=23)
     bias = torch.zeros(3, 40)
     bias[2, 30:] = float("-inf")
     budgets = torch.tensor([12, 7, 12])
-    dense = compact_block(q, k, v, 12, bias=bias, budgets=budgets, scoring=scoring)
-    streamed = compact_block(q, k, v, 12, bias=bias, budgets=budgets, scoring=scoring, dense_max=0)
-    assert torch.equal(streamed.index, dense.index)
-    torch.testing.assert_close(streamed.bias, dense.bias, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(streamed.values, dense.values, rtol=1e-3, atol=1e-4)
-    torch.testing.assert_close(streamed.scores, dense.scores, rtol=1e-4, atol=1e-7)
+    whole = compact_block(q, k, v, 12, bias=bias, budgets=budgets, scoring=scoring)
+    chunked = compact_block(q, k, v, 12, bias=bias, budgets=budgets, scoring=scoring, block_elements=3 * 40 * 5)
+    assert torch.equal(chunked.index, whole.index)
+    expected = select_highest_attn(score_keys(q, k, bias, scoring=scoring), 12)
+    assert torch.equal(whole.index[0], expected[0]) and torch.equal(whole.index[1, :7], expected[1, :7])
+    torch.testing.assert_close(chunked.bias, whole.bias, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(chunked.values, whole.values, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(chunked.scores, whole.scores, rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.parametrize("ridge", [1e-2, 1e-1])
@@ -522,19 +538,19 @@ def test_nnls_bias_on_a_wide_design_equals_the_primal_gram_form(ridge):
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("dense_max", [0, 1 << 30])  # the streamed and the dense path
-def test_a_head_that_sees_only_padding_fits_to_zeros_not_nans(dense_max):
+@pytest.mark.parametrize("key_selection", ["highest_attn", "omp"])  # the streamed and the dense path
+def test_a_head_that_sees_only_padding_fits_to_zeros_not_nans(key_selection):
     """z = 0 for every query of a head whose keys are all padding: its outputs are 0, never 0/0;
     the other heads are fitted as if it were not there (compared with each fitted alone)."""
     q, k, v = _qkv(B=2, n=24, T=16, seed=21)
     bias = torch.zeros(2, 16)
     bias[1] = float("-inf")
-    shift, z, y = streamed_mass(q, k, v, bias)
+    shift, z, y, _ = streamed_mass(q, k, v, bias)
     assert torch.isfinite(y).all() and bool((y[1] == 0).all()) and bool((z[1] == 0).all())
     eager = torch.softmax(q[0] @ k[0].T / 4.0, dim=-1) @ v[0]  # head dim 16: scale 1/4
     assert torch.allclose(y[0], eager, atol=1e-5)
-    both = compact_block(q, k, v, 6, bias=bias, dense_max=dense_max)
-    alone = compact_block(q[:1], k[:1], v[:1], 6, bias=bias[:1], dense_max=dense_max)
+    both = compact_block(q, k, v, 6, bias=bias, key_selection=key_selection)
+    alone = compact_block(q[:1], k[:1], v[:1], 6, bias=bias[:1], key_selection=key_selection)
     assert torch.isfinite(both.values).all() and torch.isfinite(both.keys).all()
     assert torch.allclose(both.values[0], alone.values[0], atol=1e-5)
 

@@ -65,7 +65,7 @@ from kvlab.prompts import context_tokens
 from kvlab.tasks import datasets, registry, synthetic
 from kvlab.tasks.items import TaskError, TaskItem, token_counter
 from kvlab.tasks.registry import build_items
-from kvlab.tasks.runner import FLOOR, FULL, MethodSpec, SummaryRow, TaskResult, answer_item, prompt_ids, run_items, summarise
+from kvlab.tasks.runner import FLOOR, FULL, MethodSpec, SummaryRow, TaskResult, answer_item, item_prompt_ids, run_items, summarise
 from kvlab.tasks.store import ResultWriter, Shard, read_results
 from kvlab.tasks.report import needle_heatmap, table_markdown, write_report
 
@@ -206,10 +206,10 @@ def test_choice_loglikelihood_matches_eager(tiny, tiny_eager):
     from kvlab.context import prepare_context
 
     ctx = prepare_context(tiny, item.document)
-    out = answer_item(tiny, ctx.full.stored, item, prompt_ids(tiny, item))
+    out = answer_item(tiny, ctx.full.stored, item, item_prompt_ids(tiny, item))
     # Eager reference: the whole sequence in one plain forward pass, no cache.
     tok = tiny_eager.tokenizer
-    base = torch.cat([context_tokens(tok, item.document).ids, prompt_ids(tiny_eager, item)])
+    base = torch.cat([context_tokens(tok, item.document).ids, item_prompt_ids(tiny_eager, item)])
     ref = []
     for option in item.choices:
         cont = torch.tensor(tok(" " + option, add_special_tokens=False).input_ids)

@@ -5,6 +5,7 @@
 - :mod:`kvlab.bounded.beacon`: BeaconKV's budgeted decoding;
 - :mod:`kvlab.bounded.online`: Attention Matching's online compaction (and a
   sliding-window baseline), teacher-forced log-probabilities under a budget;
-- :mod:`kvlab.bounded.policies`: every policy by name;
-- :mod:`kvlab.bounded.tasks`: a long-generation task with a known answer (copying a list of codes).
+- :mod:`kvlab.bounded.policies`: every policy by name.
+
+Its task with a known answer (copying a list of codes) is :mod:`kvlab.tasks.copying`.
 """

@@ -19,7 +19,7 @@ from kvlab.bounded.generate import BeaconSnapshot, EvictionPolicy, run_policy
 from kvlab.context import Context
 from kvlab.methods.base import MethodError, top_k_per_head
 from kvlab.methods.beacon import BeaconOptions, document_state
-from kvlab.methods.beacon_core import BeaconBank, BeaconState, key_scores, stack_layers
+from kvlab.methods.beacon_core import BeaconBank, BeaconState, max_attention_scores, stack_layers
 from kvlab.models import LoadedModel
 from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.decode import Generation
@@ -75,7 +75,7 @@ class BeaconPolicy(EvictionPolicy):
         for layer in range(self.lm.n_layers):
             keys = self.session.cache.layers[layer].keys[0]
             rows = slice(layer * n_heads, (layer + 1) * n_heads)
-            score = key_scores(queries[rows], q_pos, keys, self.k_pos[layer])
+            score = max_attention_scores(queries[rows], q_pos, keys, self.k_pos[layer])
             score[:, : self.protected] = float("inf")
             score[:, max(self.protected, length - self.opts.window) :] = float("inf")
             out.append(top_k_per_head(score, torch.full((n_kv,), target, device=device)))

@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from kvlab.cancel import checkpoint
 from kvlab.methods.base import MethodError, top_k_per_head
 from kvlab.methods.h2o import H2OOptions
 from kvlab.methods.scoring import pool_group, received_attention
@@ -294,6 +295,7 @@ def run_policy(
 
     start = time.perf_counter()
     for first in range(0, prompt_ids.numel(), chunk):
+        checkpoint()
         logits = feed(prompt_ids[first : first + chunk])
     n_prompt_feeds, gen_start = len(trace), policy.session.position
     prompt_s = time.perf_counter() - start
@@ -304,6 +306,7 @@ def run_policy(
     else:
         ids, text, logprobs = list(forced), lm.tokenizer.decode(forced, skip_special_tokens=True).strip(), []
         for i, token in enumerate(ids):
+            checkpoint()
             logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
             if i + 1 < len(ids):
                 logits = feed_written(torch.tensor([token], device=lm.device))

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from kvlab.bounded.generate import CacheEvent, CachePolicy
+from kvlab.cancel import checkpoint
 from kvlab.methods.attention_matching import AMOptions, compact_cache
 from kvlab.methods.base import MethodError
 from kvlab.runtime.cache import CompressedKV, DenseSegment, FullKV, Segment, segment_from_view, select_keys
@@ -119,6 +120,7 @@ def bounded_logprobs(
     events: list[Compaction] = []
     done = 0
     while done < ids.numel():
+        checkpoint()
         room = budget - physical_length(stored, appended)
         if room <= 0:
             start = time.perf_counter()

@@ -20,54 +20,11 @@ default) decides by device. Triton is imported only when a kernel runs.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
+from kvlab.kernels import launch
+from kvlab.kernels.launch import BACKENDS, Backend, KernelAttention, backend, check_heads, decode_inputs, unit_stride
 from kvlab.runtime.quant import PackedTensor
-
-Backend = Literal["triton", "torch"]
-BACKENDS = ("auto", "triton", "torch")
-
-
-@dataclass
-class KernelAttention:
-    """Attention of new queries over a cache.
-
-    output: [..., H, n, d] in the queries' dtype; lse: [..., H, n] float32, the
-    log of each query's total attention mass (so results over separate
-    caches can be merged exactly).
-    """
-
-    output: torch.Tensor
-    lse: torch.Tensor
-
-
-def backend(x: torch.Tensor) -> Backend:
-    """Which implementation runs on tensors like ``x``: Triton on CUDA, torch elsewhere (see module)."""
-    mode = os.environ.get("KVLAB_KERNELS", "auto").strip().lower() or "auto"
-    if mode not in BACKENDS:
-        raise ValueError(f"KVLAB_KERNELS must be one of {', '.join(BACKENDS)}, got {mode!r}")
-    if mode == "torch":
-        return "torch"
-    if mode == "triton":
-        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError("KVLAB_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (set before import)")
-        return "triton"
-    return "triton" if x.is_cuda and importlib.util.find_spec("triton") is not None else "torch"
-
-
-def _unit_stride(x: torch.Tensor) -> torch.Tensor:
-    # The kernels address the head dim as contiguous; other strides are free.
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _check_heads(n_heads: int, n_kv: int) -> None:
-    if n_kv == 0 or n_heads % n_kv:
-        raise ValueError(f"{n_heads} query heads cannot be grouped over {n_kv} KV heads")
 
 
 def decode_attention(
@@ -85,22 +42,12 @@ def decode_attention(
     in float32 whatever q's dtype. With ``causal`` the queries are the last n
     of the S tokens. ``scale`` defaults to 1/sqrt(d).
     """
-    _check_heads(q.shape[1], k.shape[1])
-    if k.shape != v.shape or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
-        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if bias is not None:
-        bias = (bias[None] if bias.dim() == 2 else bias).float().contiguous()
-        if bias.shape[-1] > k.shape[2] or bias.shape[1] != k.shape[1]:
-            raise ValueError(f"bias {tuple(bias.shape)} does not fit keys {tuple(k.shape)}")
     if backend(q) == "torch":
         from kvlab.kernels import reference
 
+        bias, scale = decode_inputs(q, k, v, bias, scale)
         return KernelAttention(*reference.decode_attention(q, k, v, bias, scale, causal))
-    from kvlab.kernels import triton_decode as kernel
-
-    k, v = _unit_stride(k), _unit_stride(v)
-    return KernelAttention(*kernel.decode_attention(_unit_stride(q), k, v, bias, scale, causal))
+    return launch.decode_attention(q, k, v, bias, scale, causal)
 
 
 def check_packed(keys: PackedTensor, values: PackedTensor) -> None:
@@ -132,7 +79,7 @@ def mixed_attention(
     the last n full-precision tokens.
     """
     check_packed(keys, values)
-    _check_heads(q.shape[0], keys.shape[0])
+    check_heads(q.shape[0], keys.shape[0])
     if k_full.shape != v_full.shape or k_full.shape[0] != keys.shape[0] or q.shape[-1] != keys.shape[-1]:
         raise ValueError(f"full-precision k/v {tuple(k_full.shape)} do not fit packed {tuple(keys.shape)}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -143,8 +90,8 @@ def mixed_attention(
         return KernelAttention(*reference.mixed_attention(q, keys, values, k_full, v_full, bias_full, scale, causal))
     from kvlab.kernels import triton_mixed as kernel
 
-    k_full, v_full = _unit_stride(k_full.to(q.dtype)), _unit_stride(v_full.to(q.dtype))
-    return KernelAttention(*kernel.mixed_attention(_unit_stride(q), keys, values, k_full, v_full, bias_full, scale, causal))
+    k_full, v_full = unit_stride(k_full.to(q.dtype)), unit_stride(v_full.to(q.dtype))
+    return KernelAttention(*kernel.mixed_attention(unit_stride(q), keys, values, k_full, v_full, bias_full, scale, causal))
 
 
 def key_scores(
@@ -169,4 +116,4 @@ def key_scores(
         return reference.key_scores(q, k, bias, scale, scoring)
     from kvlab.kernels import triton_scores as kernel
 
-    return kernel.key_scores(_unit_stride(q), _unit_stride(k), bias, scale, scoring)
+    return kernel.key_scores(unit_stride(q), unit_stride(k), bias, scale, scoring)

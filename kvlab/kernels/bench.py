@@ -8,7 +8,8 @@ the project would run without the kernels:
 * decode attention: SDPA with the float bias mask of
   :func:`kvlab.runtime.attention.causal_bias_mask`;
 * mixed precision: dequantise the packed codes, then the same SDPA;
-* key scores: :func:`kvlab.methods.solvers.score_keys` (the n-by-T matrix).
+* key scores: the chunked torch reference (:func:`kvlab.kernels.reference.key_scores`),
+  which the solvers call when Triton is absent.
 
 Triton needs CUDA: on the CPU only the torch paths are timed, and the table
 says so. Default sizes are Llama-3.1-8B's attention geometry (32 query
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlab import kernels
-from kvlab.methods.solvers import score_keys
+from kvlab.kernels import reference
 from kvlab.runtime.attention import causal_bias_mask
 from kvlab.runtime.quant import PackedTensor, quantize_keys, quantize_values
 
@@ -188,7 +189,7 @@ def bench_scores(size: ScoreSize, device: torch.device, dtype: torch.dtype, reps
     q = torch.randn(size.heads, size.n_queries, size.head_dim, device=device, dtype=dtype, generator=gen)
     k = torch.randn(size.heads, size.seq_len, size.head_dim, device=device, dtype=dtype, generator=gen)
     bias = torch.randn(size.heads, size.seq_len, device=device, generator=gen)
-    torch_ms = timed(lambda: score_keys(q, k, bias), device, reps)
+    torch_ms = timed(lambda: reference.key_scores(q, k, bias, size.head_dim ** -0.5), device, reps)
     triton_ms = timed(lambda: kernels.key_scores(q, k, bias), device, reps) if with_triton else None
     return make_row("key_scores_rms", size, nbytes(q, k, bias), torch_ms, triton_ms, device)
 

@@ -5,11 +5,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from kvlab import cancel
 from kvlab.context import Progress, no_progress
 from kvlab.lab.explore import prepared_context, sub_progress
 from kvlab import limits
-from kvlab.lab.inputs import InputError, check_answer_length, check_question, check_question_tokens, document_text
-from kvlab.methods import MethodError, get_method
+from kvlab.lab.inputs import check_answer_length, check_question, check_question_tokens, check_sweep, document_text
+from kvlab.methods import Method, MethodError, get_method
 from kvlab import models
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS, RunResult, run
 
@@ -30,7 +31,11 @@ class SweepError:
 
 @dataclass
 class Sweep:
-    """A Compare sweep: every (method, ratio) run on one document and question, in order."""
+    """A Compare sweep: every (method, ratio) run on one document and question, in order.
+
+    stopped: when the request's time limit ended the sweep early, what was
+    run and what was not (``results`` hold the runs done); "" otherwise.
+    """
 
     model: str
     question: str
@@ -44,6 +49,7 @@ class Sweep:
     query_aware: list[bool] = field(default_factory=list)
     errors: list[SweepError] = field(default_factory=list)
     wall_s: float = 0.0
+    stopped: str = ""
 
 
 def compare(
@@ -60,33 +66,39 @@ def compare(
 
     The prefill and the full cache's answer are computed once and shared. A
     (method, ratio) that fails is recorded in ``Sweep.errors`` and the sweep
-    goes on; if every one fails, raises MethodError with the reasons.
+    goes on; if every one fails, raises MethodError with the reasons. Each
+    run is a unit of the request (kvlab.cancel.between_units): others' runs
+    may take the compute slot in between, and when the time limit passes
+    after at least one run, the sweep returns what it has (``stopped`` says
+    what was not run); stopped otherwise, it raises kvlab.cancel.Cancelled.
     """
     start = time.perf_counter()
-    if not methods:
-        raise InputError("Pick at least one method to compare.")
-    if not ratios:
-        raise InputError("Pick at least one compression ratio to sweep.")
+    methods, ratios = check_sweep(methods, ratios)
     points = len(methods) * len(ratios)
-    if points > limits.LIMITS.sweep_points:
-        raise InputError(
-            f"{points} runs is too many for one sweep: pick at most {limits.LIMITS.sweep_points} (methods x ratios)"
-        )
     question = check_question(question)
     max_new_tokens = check_answer_length(max_new_tokens)
     document = document_text(text, file)
-    chosen = [get_method(name) for name in methods]  # unknown names fail here, before any work
+    chosen = [get_method(name) for name in methods]
     progress(0.0, f"loading the model {model or ''} (the first use of a model takes a while)")
     lm = models.get_model(model or None)
     check_question_tokens(lm.tokenizer, question)
     ctx, prefilled = prepared_context(lm, document, sub_progress(progress, 0.02, 0.18))
     errors: list[SweepError] = []
     results, aware = [], []
-    for done, (method_obj, ratio) in enumerate((m, r) for m in chosen for r in ratios):
+    plan = [(m, r) for m in chosen for r in ratios]
+    stopped = ""
+    for done, (method_obj, ratio) in enumerate(plan):
         label = f"{method_obj.name} at {ratio:g}x ({done + 1}/{points}): "
         point_progress = sub_progress(progress, 0.2 + 0.8 * done / points, 0.8 / points, label)
         try:
+            if done:
+                cancel.between_units(f"{done} of {points} runs done")
             res = run(ctx, method_obj, float(ratio), question, max_new_tokens, point_progress).result
+        except cancel.Cancelled as exc:
+            if exc.reason != cancel.TIME or not results:
+                raise
+            stopped = not_run(exc, done, plan[done:])
+            break
         except Exception as exc:  # noqa: BLE001 - one failing point must not lose the sweep
             if not isinstance(exc, (MethodError, ValueError)):
                 log.exception("sweep point failed (%s at %gx)", method_obj.name, ratio)
@@ -102,5 +114,12 @@ def compare(
         model=first.model, question=question, doc_tokens=first.doc_tokens, context_tokens=first.context_tokens,
         answer_full=first.answer_full, logppl_full=first.logppl_full, prefill_s=first.prefill_s,
         prefill_reused=not prefilled, results=results, query_aware=aware, errors=errors,
-        wall_s=time.perf_counter() - start,
+        wall_s=time.perf_counter() - start, stopped=stopped,
     )
+
+
+def not_run(exc: cancel.Cancelled, done: int, left: list[tuple[Method, float]]) -> str:
+    """What a sweep cut short by its time limit tells the user: the runs done, and those not run."""
+    names = ", ".join(f"{m.name} at {r:g}x" for m, r in left[:8]) + (" and more" if len(left) > 8 else "")
+    return (f"Stopped after {exc.elapsed_s:.0f} s because {exc.why}: {done} of {done + len(left)} runs done; "
+            f"not run: {names}.")

@@ -7,7 +7,7 @@ from typing import Any
 
 from kvlab.context import CONTEXTS, Context, Progress, no_progress
 from kvlab.lab.inputs import (
-    check_answer_length, check_question, check_question_tokens, document_text, expected_answer,
+    check_answer_length, check_question, check_question_tokens, check_ratio, document_text, expected_answer,
 )
 from kvlab.methods import get_method
 from kvlab import models
@@ -120,6 +120,7 @@ def explore(
     start = time.perf_counter()
     question = check_question(question)
     max_new_tokens = check_answer_length(max_new_tokens)
+    ratio = check_ratio(ratio)
     document = document_text(text, file)
     method_obj = get_method(method, **(options or {}))
     progress(0.0, f"loading the model {model or ''} (the first use of a model takes a while)")

@@ -4,7 +4,7 @@ The unbounded cache writes first (the reference). Each bounded policy then
 writes on its own copy of nothing but the prompt (greedy), and re-reads the
 reference's text teacher-forced, so its log-probabilities of the reference
 text can be compared position by position. When the prompt is the copy-codes
-task's (kvlab.bounded.tasks), every answer is scored too.
+task's (kvlab.tasks.copying), every answer is scored too.
 """
 from __future__ import annotations
 
@@ -13,17 +13,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlab import models
-from kvlab.bounded.generate import BoundedRun, run_policy
+from kvlab import cancel, limits, models
+from kvlab.bounded.generate import PROMPT_CHUNK, BoundedRun, run_policy
 from kvlab.bounded.policies import BOUNDED, POLICIES, make_policy
-from kvlab.bounded.tasks import CopyScore, codes_in_prompt, score_copy
+from kvlab.tasks.copying import CopyScore, codes_in_prompt, score_copy
 from kvlab.context import Progress, no_progress
 from kvlab.lab.explore import token_texts
-from kvlab.lab.inputs import InputError, check_document_length, check_question, document_text
+from kvlab.lab.inputs import (
+    InputError, check_new_tokens, check_prompt, check_question, check_question_tokens, check_window, document_text,
+    whole_number,
+)
 from kvlab.prompts import Template, context_tokens, encode, question_tokens
 
-#: The most tokens one request may write (a CPU writes a few dozen per second).
-MAX_GENERATE_TOKENS = 2048
+#: The most tokens one request may write (``KVLAB_MAX_GENERATE_TOKENS``, read at import: the slider's end).
+MAX_GENERATE_TOKENS = limits.LIMITS.generate_tokens
 DEFAULT_GENERATE_TOKENS = 200
 
 
@@ -81,23 +84,6 @@ def prompt_ids(tokenizer, prompt: str | None, document: str | None, question: st
     return torch.cat([ctx.ids, question_tokens(tokenizer, question)]), ctx.prefix_len
 
 
-def check_window(lm: models.LoadedModel, prompt_tokens: int, max_new_tokens: int) -> None:
-    """InputError, before any work, when the prompt and the tokens to write exceed the model's window."""
-    window = lm.max_context
-    if prompt_tokens + max_new_tokens > window:
-        raise InputError(
-            f"The prompt is {prompt_tokens:,} tokens and {max_new_tokens:,} new tokens were asked, but {lm.name} "
-            f"reads at most {window:,} tokens in all (its window): shorten the prompt or write fewer tokens."
-        )
-
-
-def check_generate_tokens(n: int | float | None) -> int:
-    """The cap on written tokens as an int; InputError outside 1..MAX_GENERATE_TOKENS."""
-    if n is None or not 1 <= int(n) <= MAX_GENERATE_TOKENS:
-        raise InputError(f"The number of new tokens must be from 1 to {MAX_GENERATE_TOKENS:,}, got {n}.")
-    return int(n)
-
-
 def check_methods(methods: list[str] | None) -> list[str]:
     """The bounded policies asked for, in the catalogue's order (default: all); InputError for unknown ones."""
     chosen = list(BOUNDED) if methods is None else [m for m in methods if m != "unbounded"]
@@ -138,20 +124,27 @@ def generate(
     Raises InputError, DocumentError, MethodError or ModelLoadError with a message fit for the user.
     """
     start = time.perf_counter()
-    max_new_tokens = check_generate_tokens(max_new_tokens)
+    max_new_tokens = check_new_tokens(max_new_tokens)
     chosen = check_methods(methods)
-    if budget is not None and int(budget) < 1:
-        raise InputError(f"The budget is in keys per head and must be at least 1, got {budget}.")
+    if budget is not None:
+        budget = whole_number(budget, "budget (keys per KV head)")
+        if budget < 1:
+            raise InputError(f"The budget is in keys per head and must be at least 1, got {budget}.")
     if prompt is not None and prompt.strip():
-        prompt = check_document_length(prompt.strip())
+        prompt = check_prompt(prompt)
         codes = codes_in_prompt(prompt)
     else:
         prompt, codes = None, None
         document, question = document_text(document, file), check_question(question)
     progress(0.0, f"loading the model {model or ''}")
     lm = models.get_model(model or None)
+    if question is not None and prompt is None:
+        check_question_tokens(lm.tokenizer, question)
     ids, protected = prompt_ids(lm.tokenizer, prompt, document, question)
     check_window(lm, ids.numel(), max_new_tokens)
+    if budget is not None:  # a budget too small for a policy is refused before the reference run
+        for name in chosen:
+            make_policy(name, lm, budget, protected).check(max(1, min(PROMPT_CHUNK, ids.numel())))
     total = max_new_tokens * (1 + 2 * len(chosen))
     done = 0
 
@@ -170,6 +163,8 @@ def generate(
     out = Generated(lm.name, ids.numel(), protected, budget, max_new_tokens, reference)
     for name in chosen:
         label = POLICIES[name][0]
+        # Each policy's run is a unit of the request: others' runs may take the compute slot in between.
+        cancel.between_units(f"{len(out.runs) + 1} of {1 + len(chosen)} methods written")
         run = run_policy(make_policy(name, lm, budget, protected), ids, max_new_tokens,
                          on_token=reporter(f"{label}, writing"))
         done += max_new_tokens

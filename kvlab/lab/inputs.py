@@ -1,7 +1,11 @@
-"""What the user gives the lab, checked: the document, the question, ratios, models.
+"""What the user gives the lab, checked: the document, the question, ratios, methods, counts, models.
 
-Every function here raises an error whose message is fit to show as is
-(:class:`InputError`, or kvlab.documents.DocumentError for documents).
+These are the one set of input checks every entry point runs before any
+work (Explore, Compare, Tasks, the needle test, Generate and the CLI), each
+against the limits of kvlab.limits. Every function here raises an error
+whose message is fit to show as is (:class:`InputError`, or
+kvlab.documents.DocumentError for documents; an unknown method name is
+kvlab.methods.MethodError).
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import typing
 
 from kvlab import limits
 from kvlab.documents import DocumentError, Example, clean_text, load_examples, read_document
-from kvlab.methods.base import MAX_RATIO, MIN_RATIO
+from kvlab.methods.base import MAX_RATIO, MIN_RATIO, get_method
 from kvlab.models import EMBEDDED, EMBEDDED_LABEL
 
 log = logging.getLogger("kvlab.lab")
@@ -76,14 +80,93 @@ def check_question_tokens(tokenizer: typing.Any, question: str) -> str:
     return question
 
 
-def check_answer_length(max_new_tokens: int | float | None) -> int:
+def whole_number(value: object, what: str) -> int:
+    """``value`` as an int (a whole float or numeric text too); InputError naming ``what`` otherwise."""
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise InputError(f"The {what} must be a whole number, got {value!r}.") from None
+    if not math.isfinite(number) or number != int(number):
+        raise InputError(f"The {what} must be a whole number, got {value!r}.")
+    return int(number)
+
+
+def check_count(value: object, low: int, high: int, what: str) -> int:
+    """``value`` as an int from ``low`` to ``high``; InputError naming ``what`` and the range otherwise."""
+    number = whole_number(value, what)
+    if number < low:
+        raise InputError(f"The {what} must be at least {low:,}, got {number:,}.")
+    if number > high:
+        raise InputError(f"The {what} is {number:,}; the limit here is {high:,}.")
+    return number
+
+
+def check_answer_length(max_new_tokens: object) -> int:
     """The answer's token cap as an int; InputError below 1 or above ``KVLAB_MAX_NEW_TOKENS``."""
-    if max_new_tokens is None or int(max_new_tokens) < 1:
-        raise InputError("The answer length must be at least 1 token.")
-    limit = limits.LIMITS.new_tokens
-    if int(max_new_tokens) > limit:
-        raise InputError(f"The answer length is {int(max_new_tokens):,} tokens; the limit here is {limit:,}.")
-    return int(max_new_tokens)
+    return check_count(max_new_tokens, 1, limits.LIMITS.new_tokens, "answer length (new tokens)")
+
+
+def check_new_tokens(max_new_tokens: object) -> int:
+    """Generate's cap on written tokens as an int; InputError outside 1..``KVLAB_MAX_GENERATE_TOKENS``."""
+    return check_count(max_new_tokens, 1, limits.LIMITS.generate_tokens, "number of new tokens")
+
+
+def check_prompt(prompt: str) -> str:
+    """``prompt`` without surrounding blanks; InputError when empty, DocumentError over ``KVLAB_MAX_DOCUMENT_CHARS``."""
+    prompt = prompt.strip()
+    if not prompt:
+        raise InputError("The prompt is empty: type a prompt (or write after the Explore tab's document).")
+    limit = limits.LIMITS.document_chars
+    if len(prompt) > limit:
+        raise InputError(f"The prompt has {len(prompt):,} characters; the limit here is {limit:,}: shorten it.")
+    return prompt
+
+
+def check_window(lm: typing.Any, prompt_tokens: int, max_new_tokens: int) -> None:
+    """InputError, before any work, when a prompt and the tokens to write exceed the model's window.
+
+    lm: a kvlab.models.LoadedModel (its name and ``max_context``).
+    """
+    window = lm.max_context
+    if prompt_tokens + max_new_tokens > window:
+        raise InputError(
+            f"The prompt is {prompt_tokens:,} tokens and {max_new_tokens:,} new tokens were asked, but {lm.name} "
+            f"reads at most {window:,} tokens in all (its window): shorten the prompt or write fewer tokens."
+        )
+
+
+def check_ratio(ratio: object) -> float:
+    """One compression ratio as a float; InputError outside kvlab's range (MIN_RATIO..MAX_RATIO)."""
+    try:
+        value = float(ratio)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise InputError(f"{ratio!r} is not a compression ratio: use a number such as 4") from None
+    if not math.isfinite(value) or not MIN_RATIO <= value <= MAX_RATIO:
+        raise InputError(f"ratio {ratio} is out of range: use ratios from {MIN_RATIO:g} to {MAX_RATIO:g}")
+    return value
+
+
+def check_sweep(
+    methods: typing.Sequence[str] | None, ratios: typing.Sequence[object] | None
+) -> tuple[list[str], list[float]]:
+    """(methods, ratios) of a sweep (Compare, Tasks, the needle test): known, in range, at most ``KVLAB_MAX_SWEEP`` runs.
+
+    InputError when either list is empty, a ratio is out of range or methods x
+    ratios is over the limit; MethodError for an unknown method (before any
+    model is loaded).
+    """
+    methods = list(methods or [])
+    if not methods:
+        raise InputError("Pick at least one method to compare.")
+    if not ratios:
+        raise InputError("Pick at least one compression ratio to sweep.")
+    points, limit = len(methods) * len(ratios), limits.LIMITS.sweep_points
+    if points > limit:
+        raise InputError(f"{points} runs is too many for one sweep: pick at most {limit} (methods x ratios)")
+    checked = [check_ratio(r) for r in ratios]
+    for name in methods:
+        get_method(name)
+    return methods, checked
 
 
 def parse_ratios(selected: typing.Iterable[float | str] | None, more: str | None = None) -> list[float]:

@@ -14,8 +14,9 @@ from typing import Any
 
 from kvlab.context import Progress, no_progress
 from kvlab.lab.explore import prepared_context, sub_progress
-from kvlab.lab.inputs import document_text
+from kvlab.lab.inputs import InputError, check_answer_length, check_question, check_question_tokens, document_text
 from kvlab.methods import get_method
+from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS, evaluation, has_evaluation
 from kvlab import models
 
 
@@ -24,7 +25,9 @@ class Prepared:
     """A prepared document: what was done now, and how long it took.
 
     prefilled_now: this call ran the prefill (else an earlier call had);
-    method_s: seconds of the method's own preparation (reference queries...).
+    method_s: seconds of the method's own preparation (reference queries...);
+    answer_s: seconds of the full cache's answer to the question given (None:
+    no question, or it was already answered).
     """
 
     model: str
@@ -34,6 +37,7 @@ class Prepared:
     prefilled_now: bool
     method_s: float
     wall_s: float
+    answer_s: float | None = None
 
 
 def prepare_document(
@@ -43,10 +47,14 @@ def prepare_document(
     options: dict[str, Any] | None = None,
     model: str | None = None,
     progress: Progress = no_progress,
+    question: str | None = None,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
 ) -> Prepared:
-    """Prefill the document (cached) and run ``method``'s preparation for it (e.g. its reference queries).
+    """Prefill the document (cached), run ``method``'s preparation for it (e.g. its reference
+    queries), then answer ``question`` from the full cache (kept: every run on it reuses that answer).
 
-    Raises the same user-facing errors as kvlab.lab.explore.explore.
+    Raises the same user-facing errors as kvlab.lab.explore.explore, except for the
+    question: one that a run would refuse is not answered here (the run says why).
     """
     start = time.perf_counter()
     document = document_text(text, file)
@@ -57,8 +65,19 @@ def prepare_document(
     progress(0.62, f"preparing {method_obj.name}")
     method_start = time.perf_counter()
     method_obj.prepare(ctx)
+    method_s = time.perf_counter() - method_start
+    answer_s = None
+    try:
+        asked = check_question(question or "")
+        check_question_tokens(lm.tokenizer, asked)
+        length = check_answer_length(max_new_tokens)
+    except InputError:
+        asked = None
+    if asked is not None and not has_evaluation(ctx, asked, length):
+        progress(0.8, "answering the question from the full cache")
+        answer_s = evaluation(ctx, asked, length).answer_s
     progress(1.0, "ready")
     return Prepared(
-        lm.name, method_obj.name, ctx.doc_len, ctx.prefill_s, prefilled,
-        time.perf_counter() - method_start, time.perf_counter() - start,
+        lm.name, method_obj.name, ctx.doc_len, ctx.prefill_s, prefilled, method_s, time.perf_counter() - start,
+        answer_s,
     )

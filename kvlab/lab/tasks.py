@@ -13,15 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from kvlab import models
+from kvlab import cancel, models
 from kvlab.context import Progress, no_progress
-from kvlab.lab.compare import MAX_SWEEP_POINTS
 from kvlab.lab.explore import sub_progress
-from kvlab.lab.inputs import InputError, document_text
-from kvlab.methods import get_method
-from kvlab.tasks.items import TaskError
+from kvlab.lab.inputs import InputError, check_count, check_sweep, document_text
+from kvlab.models import LoadedModel
+from kvlab.tasks.items import TaskError, TaskItem
 from kvlab.tasks.registry import TASKS, build_items
-from kvlab.tasks.runner import MethodSpec, SummaryRow, TaskResult, run_items, summarise
+from kvlab.tasks.runner import MethodSpec, Plan, SummaryRow, TaskResult, run_items, summarise
 from kvlab.tasks.store import read_results
 from kvlab.tasks.synthetic import needle_items
 
@@ -37,13 +36,16 @@ MAX_DEPTHS = 9
 class TaskRun:
     """Results of tasks with known answers, and their accuracy table.
 
-    source: what produced them ("live: ...", "needle test", or the files loaded).
+    source: what produced them ("live: ...", "needle test", or the files loaded);
+    stopped: when the request's time limit ended the run early, what was
+    answered and what was not; "" otherwise.
     """
 
     results: list[TaskResult]
     rows: list[SummaryRow] = field(default_factory=list)
     source: str = ""
     wall_s: float = 0.0
+    stopped: str = ""
 
     @property
     def tasks(self) -> list[str]:
@@ -55,16 +57,31 @@ class TaskRun:
         return list(dict.fromkeys((r.method, r.preset) for r in self.results if r.ratio is not None))
 
 
-def _specs(methods: Sequence[str], ratios: Sequence[float]) -> list[MethodSpec]:
-    if not methods:
-        raise InputError("Pick at least one method to compare.")
-    if not ratios:
-        raise InputError("Pick at least one compression ratio to sweep.")
-    if len(methods) * len(ratios) > MAX_SWEEP_POINTS:
-        raise InputError(f"{len(methods) * len(ratios)} runs per item is too many: pick at most {MAX_SWEEP_POINTS} (methods x ratios)")
-    for name in methods:
-        get_method(name)  # an unknown name fails here, before any work
-    return [MethodSpec(name) for name in methods]
+def answered(
+    lm: LoadedModel, items: Sequence[TaskItem], methods: list[str], ratios: list[float], progress: Progress
+) -> tuple[list[TaskResult], str]:
+    """(results, stopped) of kvlab.tasks.runner.run_items, each answer a unit of the request.
+
+    Between answers others' runs may take the compute slot
+    (kvlab.cancel.between_units). When the time limit passes after some
+    answers, those come back with ``stopped`` saying how many were not
+    given; stopped otherwise, kvlab.cancel.Cancelled is raised.
+    """
+    results: list[TaskResult] = []
+
+    def unit(fraction: float, desc: str) -> None:
+        cancel.between_units(desc)
+        progress(fraction, desc)
+
+    try:
+        run_items(lm, items, [MethodSpec(name) for name in methods], ratios, unit, on_result=results.append)
+    except cancel.Cancelled as exc:
+        if exc.reason != cancel.TIME or not results:
+            raise
+        total = len(items) * (1 + len(Plan.of([MethodSpec(name) for name in methods], ratios).runs))
+        return results, (f"Stopped after {exc.elapsed_s:.0f} s because {exc.why}: {len(results)} of {total} "
+                         f"answers given; the other {total - len(results)} were not run.")
+    return results, ""
 
 
 def run_tasks(
@@ -81,19 +98,18 @@ def run_tasks(
     start = time.perf_counter()
     if task not in TASKS:
         raise InputError(f"unknown task {task!r}; choose one of: {', '.join(TASKS)}")
-    if not 1 <= int(n) <= MAX_LIVE_ITEMS:
-        raise InputError(f"the number of items must be from 1 to {MAX_LIVE_ITEMS}, got {n}")
-    if not MIN_LENGTH <= int(length) <= MAX_LIVE_LENGTH:
-        raise InputError(f"the document length must be from {MIN_LENGTH} to {MAX_LIVE_LENGTH} tokens, got {length}")
-    specs = _specs(methods, ratios)
+    n = check_count(n, 1, MAX_LIVE_ITEMS, "number of items")
+    length = check_count(length, MIN_LENGTH, MAX_LIVE_LENGTH, "document length (model tokens)")
+    methods, ratios = check_sweep(methods, ratios)
     progress(0.0, "loading the model")
     lm = models.get_model(model or None)
     try:
-        items = build_items(task, lm, int(n), seed, int(length))
+        items = build_items(task, lm, n, int(seed), length)
     except TaskError as exc:
         raise InputError(str(exc)) from exc
-    results = run_items(lm, items, specs, ratios, sub_progress(progress, 0.02, 0.98))
-    return TaskRun(results, summarise(results), f"live: {task}, {len(items)} items", time.perf_counter() - start)
+    results, stopped = answered(lm, items, methods, ratios, sub_progress(progress, 0.02, 0.98))
+    return TaskRun(results, summarise(results), f"live: {task}, {len(items)} items", time.perf_counter() - start,
+                   stopped)
 
 
 def needle_test(
@@ -111,19 +127,19 @@ def needle_test(
     Each depth is a document of its own (one prefill each).
     """
     start = time.perf_counter()
-    if not 1 <= int(depths) <= MAX_DEPTHS:
-        raise InputError(f"the number of depths must be from 1 to {MAX_DEPTHS}, got {depths}")
+    depths = check_count(depths, 1, MAX_DEPTHS, "number of depths")
     document = document_text(text, file)
-    specs = _specs(methods, ratios)
-    spots = [0.5] if int(depths) == 1 else [i / (int(depths) - 1) for i in range(int(depths))]
+    methods, ratios = check_sweep(methods, ratios)
+    spots = [0.5] if depths == 1 else [i / (depths - 1) for i in range(depths)]
     try:
         items = needle_items(document, spots, seed)
     except TaskError as exc:
         raise InputError(str(exc)) from exc
     progress(0.0, "loading the model")
     lm = models.get_model(model or None)
-    results = run_items(lm, items, specs, ratios, sub_progress(progress, 0.02, 0.98))
-    return TaskRun(results, summarise(results), f"needle test, {len(spots)} depths", time.perf_counter() - start)
+    results, stopped = answered(lm, items, methods, ratios, sub_progress(progress, 0.02, 0.98))
+    return TaskRun(results, summarise(results), f"needle test, {len(spots)} depths", time.perf_counter() - start,
+                   stopped)
 
 
 def load_results(paths: Sequence[str]) -> TaskRun:

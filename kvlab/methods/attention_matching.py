@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 
 from kvlab import kernels
+from kvlab.cancel import checkpoint
 from kvlab.context import Context
 from kvlab.methods.base import EvictionMethod, Method, MethodError, Options, Request, knob, register
 from kvlab.methods.budgets import head_budgets
@@ -57,7 +58,9 @@ class QueryOptions(Options):
     query_source: QuerySource = knob(
         "repeat", "reference queries: repeat (repeat-prefill), context (prefill), self_study, random, "
                   "question (query-aware: the user's question)")
-    max_queries: int = knob(2048, "cap on reference queries per KV head (seeded subsample)", low=1)
+    max_queries: int = knob(
+        2048, "cap on reference queries per KV head (seeded subsample; 50000, the published runs' cap, keeps "
+              "every repeat-pass query of the lab's documents)", low=1)
     seed: int = knob(0, "seed of the query subsample and of random queries", low=0)
     self_study_tokens: int = knob(256, "self-study: generated tokens over all prompts", low=1)
 
@@ -75,9 +78,11 @@ class ScoredOptions(QueryOptions):
 
 @dataclass(frozen=True)
 class AMOptions(ScoredOptions):
-    key_selection: Literal["highest_attn", "omp", "kvzip"] = knob(
-        "highest_attn", "highest_attn (HighestAttnKeys), omp (orthogonal matching pursuit on the mass) or "
-                        "kvzip (KVzip's reconstruction scores per head, then the same bias and value fit)")
+    key_selection: Literal["highest_attn", "omp", "kvzip", "kvzip_union"] = knob(
+        "highest_attn", "highest_attn (HighestAttnKeys), omp (orthogonal matching pursuit on the mass), "
+                        "kvzip (KVzip's reconstruction scores per head, then the same bias and value fit) or "
+                        "kvzip_union (kvzip_share of each head's keys by KVzip's scores, the rest by HighestAttnKeys)")
+    kvzip_share: float = knob(0.5, "kvzip_union: share of each head's keys chosen by KVzip's scores", low=0.0, high=1.0)
     keys_per_iter: int = knob(4, "OMP: keys added per iteration (the fast variant's 4; plain OMP: 1)", low=1)
     refit_every: int = knob(2, "OMP: refit the weights every this many iterations (the fast variant's 2; plain OMP: 1)", low=1)
     # Also OMP's lower bound on beta: above 0 it would drop keys standing for a whole original key.
@@ -89,6 +94,21 @@ class AMOptions(ScoredOptions):
     chunk_size: int = knob(0, "compact the document in chunks of this many tokens (0: one block)", low=0)
     on_policy: bool = knob(
         False, "re-extract each layer's queries with the layers before it already compacted (slow: one pass per layer)")
+    value_fit: Literal["least_squares", "original"] = knob(
+        "least_squares", "least_squares (the paper's refitted values) or original (keep the kept keys' own values, "
+                         "fit only beta)")
+    value_anchor: float = knob(
+        0.0, "ridge pulling the fitted values toward the kept keys' own values instead of toward 0, relative to "
+             "the Gram's mean diagonal (0: the paper's fit)", low=0.0)
+    self_study_weight: float = knob(
+        0.0, "self-study queries added to query_source's, each weighted this much in the fit (0: none)", low=0.0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.value_fit == "original" and self.value_anchor > 0:
+            raise MethodError("value_anchor needs value_fit=least_squares (value_fit=original fits no values)")
+        if self.self_study_weight > 0 and (self.query_source == "self_study" or self.on_policy):
+            raise MethodError("self_study_weight mixes self-study queries into another, not on-policy, query_source")
 
 
 # The published configurations (the public code's algorithm configs). The
@@ -160,7 +180,8 @@ class BlockJob:
     values: torch.Tensor  # [B, T, d]
     bias: torch.Tensor | None  # [B, T]
     budgets: torch.Tensor  # [B]
-    key_scores: torch.Tensor | None = None  # [B, T]: rank keys by these (key_selection=kvzip)
+    key_scores: torch.Tensor | None = None  # [B, T]: rank keys by these (key_selection=kvzip, kvzip_union)
+    weights: torch.Tensor | None = None  # [B, n]: each query's weight in the fit (None: 1)
 
 
 def solve(job: BlockJob, opts: AMOptions) -> CompactBlock:
@@ -173,16 +194,19 @@ def solve(job: BlockJob, opts: AMOptions) -> CompactBlock:
     valid = torch.ones_like(job.keys[..., 0], dtype=torch.bool) if job.bias is None else torch.isfinite(job.bias)
     if bool((job.budgets >= valid.sum(-1)).all()):
         index = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
+        exact = torch.zeros(valid.shape[0], device=valid.device)  # the block itself: no error
         return CompactBlock(
             keys=job.keys, values=job.values,
             bias=torch.zeros(valid.shape, device=valid.device) if job.bias is None else job.bias.float(),
             index=torch.where(valid, index, -1), lengths=valid.sum(-1),
-            timings={"keys": 0.0, "bias": 0.0, "values": 0.0},
+            timings={"keys": 0.0, "bias": 0.0, "values": 0.0}, train_output=exact, train_mass=exact,
         )
     return compact_block(
         job.queries, job.keys, job.values, int(job.budgets.max()),
         bias=job.bias, key_selection="omp" if opts.key_selection == "omp" else "highest_attn",
         scoring=opts.scoring, key_scores=job.key_scores,
+        key_scores_share=opts.kvzip_share if opts.key_selection == "kvzip_union" else 1.0,
+        query_weights=job.weights, value_fit=opts.value_fit, value_anchor=opts.value_anchor,
         budgets=job.budgets, nnls_iters=opts.nnls_iters, keys_per_iter=opts.keys_per_iter,
         refit_every=opts.refit_every, drop_below=opts.drop_below, ridge=opts.ridge,
     )
@@ -209,13 +233,14 @@ def split_budget(budgets: torch.Tensor, spans: list[tuple[int, int]], total: int
 
 def compact_blocks(
     block: PaddedView, queries: torch.Tensor, budgets: torch.Tensor, opts: AMOptions, score: bool = False,
-    key_scores: torch.Tensor | None = None,
+    key_scores: torch.Tensor | None = None, weights: torch.Tensor | None = None,
 ) -> tuple[list[CompactBlock], list[torch.Tensor], torch.Tensor | None]:
     """Compact one layer's block (all heads at once), chunk by chunk.
 
     block: keys/values [H_kv, T, d], bias [H_kv, T]; queries: [H_kv, n, d];
     budgets: [H_kv]; key_scores: [H_kv, T] what to rank the keys by instead of
-    the queries' attention (None: HighestAttnKeys or OMP). Returns each
+    the queries' attention (None: HighestAttnKeys or OMP); weights: [H_kv, n] each
+    query's weight in the fit (None: 1). Returns each
     chunk's CompactBlock and its token offset, and with ``score`` each key's
     score [H_kv, T] within its chunk (``CompactBlock.scores``; scored here only for a chunk kept whole,
     which the solver returns unscored).
@@ -225,7 +250,7 @@ def compact_blocks(
     for (s, e), share in zip(spans, split_budget(budgets, spans, block.keys.shape[1])):
         bias = block.bias[:, s:e]
         job = BlockJob(queries, block.keys[:, s:e], block.values[:, s:e], None if bool((bias == 0).all()) else bias, share,
-                       None if key_scores is None else key_scores[:, s:e])
+                       None if key_scores is None else key_scores[:, s:e], weights)
         out.append(solve(job, opts))
         offsets.append(torch.tensor(s, device=block.keys.device))
         if score:
@@ -253,9 +278,37 @@ def to_segment(blocks: list[CompactBlock], offsets: list[torch.Tensor], token_in
     return segment_from_view(select_keys(joined, local >= 0), fate="compacted")
 
 
-def train_errors(queries: torch.Tensor, block: PaddedView, seg: DenseSegment, n_max: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output and mass errors [H_kv] on (a subsample of) the fitting queries themselves."""
+def train_errors(
+    queries: torch.Tensor, block: PaddedView, seg: DenseSegment, blocks: list[CompactBlock], n_max: int = 512
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and mass errors [H_kv] on the fitting queries themselves.
+
+    A layer fitted in one block has them from its solve, over every fitting
+    query (CompactBlock.train_output); a chunked one is measured on a subsample
+    of them (the chunks' own errors do not add up to the layer's).
+    """
+    if len(blocks) == 1 and blocks[0].train_output is not None and blocks[0].train_mass is not None:
+        return blocks[0].train_output, blocks[0].train_mass
     return block_errors(subsample(queries, n_max, 0), block, seg.view())[:2]
+
+
+def mixed_queries(
+    q: torch.Tensor, extra: torch.Tensor | None, n_kv_heads: int, opts: AMOptions
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One layer's fitting queries [H_kv, n, d] and their weights [H_kv, n] (None: all 1).
+
+    q: [H, n1, d] the query source's; extra: [H, n2, d] self-study queries mixed
+    in, each capped like q (:func:`fitting_queries`) and weighted ``self_study_weight``.
+    """
+    grouped = fitting_queries(q, n_kv_heads, opts)
+    if extra is None or opts.self_study_weight == 0:
+        return grouped, None
+    more = fitting_queries(extra, n_kv_heads, opts).to(grouped.device)
+    weights = torch.cat([
+        torch.ones(grouped.shape[:2], device=grouped.device),
+        torch.full(more.shape[:2], opts.self_study_weight, device=grouped.device),
+    ], dim=1)
+    return torch.cat([grouped, more], dim=1), weights
 
 
 @dataclass
@@ -274,7 +327,7 @@ class LayerFit:
 
 def compact_layer(
     view: PaddedView, q: torch.Tensor, budgets: torch.Tensor, opts: AMOptions, protected: int,
-    importance_len: int | None = None, key_scores: torch.Tensor | None = None,
+    importance_len: int | None = None, key_scores: torch.Tensor | None = None, extra: torch.Tensor | None = None,
 ) -> LayerFit:
     """Attention Matching on one layer of a stored cache.
 
@@ -283,21 +336,24 @@ def compact_layer(
     budgets: [H_kv] compact keys per head; protected: leading original tokens
     (the template prefix) left as they are; importance_len: the cache's
     logical length, to record each compacted token's key score (None: not recorded);
-    key_scores: [H_kv, T_doc] each document key's score to rank by (key_selection=kvzip),
-    which only a full cache's block matches.
+    key_scores: [H_kv, T_doc] each document key's score to rank by (key_selection=kvzip, kvzip_union),
+    which only a full cache's block matches; extra: [H, n2, d] self-study queries mixed in
+    (self_study_weight, :func:`mixed_queries`).
     """
+    checkpoint()
     keep = (view.token_index < protected) & (view.token_index >= 0)
-    grouped = fitting_queries(q, view.keys.shape[0], opts)
+    grouped, weights = mixed_queries(q, extra, view.keys.shape[0], opts)
     block = select_keys(view, ~keep & torch.isfinite(view.bias))
     if key_scores is not None and key_scores.shape != block.keys.shape[:2]:
         raise MethodError("key_selection=kvzip scores the full document: it cannot re-compact a compacted cache")
     blocks, offsets, scores = compact_blocks(
         block, grouped.to(block.keys.device), budgets, opts, score=importance_len is not None,
         key_scores=None if key_scores is None else key_scores.to(block.keys.device),
+        weights=None if weights is None else weights.to(block.keys.device),
     )
     timings = {k: sum(b.timings.get(k, 0.0) for b in blocks) for k in ("keys", "bias", "values")}
     seg = to_segment(blocks, offsets, block.token_index)
-    out_err, mass_err = train_errors(grouped, block, seg)
+    out_err, mass_err = train_errors(grouped, block, seg, blocks)
     segments: list[Segment] = [seg]
     if protected:
         # The template's keys, left-packed in reading order; their bias is 0 (never fitted).
@@ -339,18 +395,20 @@ def compact_cache(
     protected: int,
     record_importance: bool = False,
     key_scores: list[torch.Tensor] | None = None,
+    extra: list[torch.Tensor] | None = None,
 ) -> CompressedKV:
     """Attention Matching on every layer of ``reference`` (see :func:`compact_layer`).
 
     queries: per layer [H, n, d]; budgets: [n_layers, H_kv]. Re-compacting an
     already compacted cache works the same way: its bias is part of the targets.
     record_importance: fill ``importance`` with each compacted token's key score.
-    key_scores: per layer [H_kv, T_doc] scores to rank the keys by (key_selection=kvzip).
+    key_scores: per layer [H_kv, T_doc] scores to rank the keys by (key_selection=kvzip, kvzip_union).
+    extra: per layer [H, n2, d] self-study queries mixed in (self_study_weight).
     """
     length = reference.logical_len if record_importance else None
     fits = [
         compact_layer(reference.layer_view(i), q, budgets[i], opts, protected, length,
-                      None if key_scores is None else key_scores[i])
+                      None if key_scores is None else key_scores[i], None if extra is None else extra[i])
         for i, q in enumerate(queries)
     ]
     return fitted_cache(fits, reference.logical_len)
@@ -369,6 +427,8 @@ class QuerySourced:
         opts = self.options  # type: ignore[attr-defined]
         if not self.uses_question() and not getattr(opts, "on_policy", False):
             reference_queries(ctx, opts, None)
+        if getattr(opts, "self_study_weight", 0.0) > 0:
+            self_study_queries(ctx, opts.self_study_tokens)
 
 
 @register
@@ -427,7 +487,7 @@ class AttentionMatching(QuerySourced, Method):
         "iteration, fewer refits). The defaults are not on-policy because that costs one more pass over the "
         "document per layer, which is slow on a CPU, for a small gain. `key_selection=kvzip` keeps KVzip's "
         "keys (the most attended while the model repeats the document) and fits their bias and values.\n\n"
-        "**Why it can lose a needle that eviction keeps** (`python -m benchmarks.retrieval_gap`, README): "
+        "**Why it can lose a needle that eviction keeps** (`python -m benchmarks.retrieval_gap`, docs/benchmarks.md): "
         "on four needle documents that the full cache answers right, AM at 5x lost all four, and two "
         "things lose the needle, each on its own. Its keys (the most attended by the repeat pass's queries, "
         "one a token) hold 82% of the answer's attention to the needle where KVzip's hold 95%, and with AM's "
@@ -436,8 +496,19 @@ class AttentionMatching(QuerySourced, Method):
         "rises from 0.17 to 0.30. The values are a least-squares compromise over the repeat-pass queries, "
         "of which only the few that copy the needle read its tokens, so they no longer spell it exactly. "
         "A small attention error does not guarantee recall of a rare token: OMP halves the error (0.09) "
-        "and keeps the needle in no head. No AM variant did better on both, so the default stays the "
-        "published one."
+        "and keeps the needle in no head.\n\n"
+        "**Knobs that aim at keeping the needle** (issue #22; measured in `python -m benchmarks.retrieval_gap`, "
+        "README). *What the values are pulled toward:* `value_anchor` $\\lambda>0$ fits "
+        "$\\arg\\min_{C_v}\\lVert XC_v-Y\\rVert^2+\\lambda\\lVert C_v-V_S\\rVert^2$, a ridge toward the kept "
+        "keys' own values $V_S$ rather than toward zero ($\\lambda$ relative to the Gram's mean diagonal, as "
+        "`ridge`); solved as the ridge on $Y-XV_S$ plus $V_S$, in the same primal or $n\\times n$ dual form, so "
+        "a key that no reference query reads keeps its own value. `value_fit=original` keeps the values as "
+        "they were and fits only $\\beta$. *Which queries the fit sees:* `max_queries=50000` (the published "
+        "runs' cap) fits on every repeat-pass query of every query head of the group instead of a 2,048 "
+        "subsample; `self_study_weight` adds self-study queries (the model answering generic prompts about "
+        "the document, closer to questions) to the repeat pass, each weighted in the least squares and in "
+        "the scores. *Which keys:* `key_selection=kvzip_union` keeps `kvzip_share` of each head's keys by "
+        "KVzip's scores and the rest by HighestAttnKeys. The default stays the published configuration."
     )
     paper = "Zweiger, Fu, Guo, Kim, 2026, Fast KV Compaction via Attention Matching (arXiv 2602.16284)"
     Options = AMOptions
@@ -449,17 +520,18 @@ class AttentionMatching(QuerySourced, Method):
         req.progress(0.3, f"reference queries: {opts.query_source}")
         start = time.perf_counter()
         # KVzip's scores need the reconstruction pass: timed with the queries.
-        key_scores = kvzip_scores(req, KVzipOptions()) if opts.key_selection == "kvzip" else None
+        key_scores = kvzip_scores(req, KVzipOptions()) if opts.key_selection in ("kvzip", "kvzip_union") else None
         if opts.on_policy:
             scores_s = time.perf_counter() - start
             stored, queries_s = self._on_policy(req, budgets, key_scores)
             queries_s += scores_s
         else:
             queries = reference_queries(ctx, opts, req.question)
+            extra = self_study_queries(ctx, opts.self_study_tokens) if opts.self_study_weight > 0 else None
             queries_s = time.perf_counter() - start
             req.progress(0.4, "fitting keys, biases and values")
             stored = compact_cache(ctx.full.stored, queries, budgets, opts, ctx.prefix_len, req.record_importance,
-                                   key_scores)
+                                   key_scores, extra)
         stored.meta = {
             "method": self.name,
             "query_source": opts.query_source,

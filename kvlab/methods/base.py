@@ -17,11 +17,14 @@ import math
 import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, Literal
 
 import torch
 
 from kvlab.context import Context, Progress, no_progress
+from kvlab.methods.adakv import adakv_budgets, safeguard
+from kvlab.methods.chunkkv import chunk_ranks
+from kvlab.methods.criticalkv import critical_scores, output_projection, projected_value_norm
 from kvlab.runtime.cache import CompressedKV, DenseSegment, Segment, gather_tokens, template_segment, token_importance
 
 MIN_RATIO, MAX_RATIO = 1.0, 1000.0
@@ -100,6 +103,83 @@ class Options:
 @dataclass(frozen=True)
 class NoOptions(Options):
     """A method without knobs."""
+
+
+@dataclass(frozen=True)
+class SelectionOptions(Options):
+    """The knobs every scoring method gets (:class:`EvictionMethod` whose scores mean importance):
+    how its scores become kept tokens. One module each does the maths:
+    kvlab.methods.adakv, kvlab.methods.chunkkv, kvlab.methods.criticalkv.
+    """
+
+    budgets: Literal["uniform", "adakv"] = knob(
+        "uniform", "uniform (the method's own per-head budgets) or adakv (a layer's budget shared among its heads by "
+        "their scores, stored ragged)")
+    alpha_safeguard: float = knob(
+        0.2, "adakv: fewest tokens a head keeps, as a share of the mean per-head budget", low=0.0, high=1.0)
+    granularity: Literal["token", "chunk"] = knob(
+        "token", "token, or chunk (ChunkKV: keep whole chunks of consecutive tokens, the same in every head)")
+    chunk_size: int = knob(10, "chunk: tokens per chunk", low=1)
+    critical: bool = knob(
+        False, "CriticalKV: after a first stage by the method's scores, reweight by the value's norm through o_proj")
+    first_stage_ratio: float = knob(
+        0.5, "critical: share of each head's budget chosen by the method's own scores", low=0.0, high=1.0)
+    critical_epsilon: float = knob(1e-4, "critical: added to the scores before the reweighting", low=0.0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # ChunkKV picks chunks by one score shared by the heads: head budgets (AdaKV) and per-head
+        # first-stage picks (CriticalKV) have no meaning there.
+        if self.granularity == "chunk" and self.budgets == "adakv":
+            raise MethodError("budgets=adakv needs granularity=token: ChunkKV keeps the same chunks in every head")
+        if self.granularity == "chunk" and self.critical:
+            raise MethodError("critical=true needs granularity=token: ChunkKV keeps the same chunks in every head")
+
+
+#: Published configurations of any scoring method with one wrapper on (``kvlab bench --preset adakv``).
+SELECTION_PRESETS: dict[str, dict[str, Any]] = {
+    "adakv": {"budgets": "adakv"},
+    "chunkkv": {"granularity": "chunk"},
+    "criticalkv": {"critical": True},
+}
+
+SELECTION_LEARN = (
+    "**Selection wrappers** (knobs shared by every scoring method). `budgets=adakv` (AdaKV): a layer's budget "
+    "is shared among its heads by one top-k over all their scores, each head keeping at least `alpha_safeguard` "
+    "of the mean, and the heads are stored ragged, so the bytes are those of the kept tokens. "
+    "`granularity=chunk` (ChunkKV): chunks of `chunk_size` tokens scored by their mean, "
+    "$\\bar s_c=\\tfrac{1}{|c|}\\sum_{j\\in c}\\sum_h s^{(h)}_j$, whole chunks kept, the same in every head. "
+    "`critical=true` (CriticalKV): each head keeps a `first_stage_ratio` share of its budget by $s_j$, the rest by "
+    "$(s_j+\\epsilon)\\,\\lVert v_j W_o^{(h)}\\rVert_1$, what the value adds to the layer's output."
+)
+
+
+def select(
+    req: Request, scores: list[torch.Tensor], budgets: torch.Tensor, opts: SelectionOptions
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The wrappers applied to a method's scores and budgets: AdaKV's allocation (from the method's
+    scores, as kvpress's CriticalAdaKVPress), then CriticalKV's two stages with those budgets;
+    or ChunkKV's chunks alone.
+
+    scores: per layer [H_kv, T_doc]; budgets: [n_layers, H_kv] -> the same, changed.
+    """
+    ctx = req.ctx
+    if opts.budgets == "adakv":
+        n_heads = budgets.shape[1]
+        budgets = torch.stack([
+            adakv_budgets(s, int(b.sum()), safeguard(int(b.sum()), n_heads, opts.alpha_safeguard))
+            for s, b in zip(scores, budgets)
+        ])
+    if opts.critical:
+        scores = [
+            critical_scores(s, projected_value_norm(ctx.full.values[i][:, ctx.prefix_len :],
+                                                    output_projection(ctx.lm.model, i)),
+                            budgets[i], opts.first_stage_ratio, opts.critical_epsilon)
+            for i, s in enumerate(scores)
+        ]
+    if opts.granularity == "chunk":
+        scores = [chunk_ranks(s, opts.chunk_size) for s in scores]
+    return scores, budgets
 
 
 @dataclass
@@ -199,6 +279,14 @@ def document_importance(req: Request, scores: list[torch.Tensor]) -> list[torch.
     return [token_importance(s, index.expand(s.shape[0], -1), ctx.length) for s in scores]
 
 
+def context_scores(req: Request, score_layer: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """Per layer [H_kv, T_doc]: ``score_layer(keys, values)`` of the whole context ([H_kv, N, d] each
+    -> [H_kv, N]; a scorer whose windows or partitions count from the context's first token), cut to
+    the document."""
+    ctx = req.ctx
+    return [score_layer(k, v)[:, ctx.prefix_len :] for k, v in zip(ctx.full.keys, ctx.full.values)]
+
+
 def top_k_per_head(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Each head's ``lengths[h]`` highest-scoring positions, ascending, padded with -1.
 
@@ -221,6 +309,8 @@ class EvictionMethod(Method):
     scores_are_importance: ClassVar[bool] = True
     #: Fewest document tokens a head keeps (0: a head may keep only the template).
     min_head_budget: ClassVar[int] = 1
+    #: Whether :meth:`scores` is the same at every ratio (then kept per context, :meth:`kept_scores`).
+    ratio_free_scores: ClassVar[bool] = True
 
     @abstractmethod
     def scores(self, req: Request) -> list[torch.Tensor]:
@@ -234,24 +324,58 @@ class EvictionMethod(Method):
         """What the stored cache's meta (the run's JSON details) says besides the method's name."""
         return {}
 
+    @classmethod
+    def selects(cls) -> bool:
+        """Whether the selection wrappers (:class:`SelectionOptions`) apply: scores that mean importance."""
+        return cls.scores_are_importance
+
+    def kept_scores(self, req: Request) -> list[torch.Tensor]:
+        """:meth:`scores`, computed once per context, options and (for a query-aware instance) question
+        when they do not depend on the ratio, so that a second ratio only re-selects. Kept in
+        ``ctx.memos`` within the context's byte budget; nothing downstream changes them in place."""
+        if not self.ratio_free_scores:
+            return self.scores(req)
+        question = req.question if self.uses_question() else None
+        key = ("scores", self.name, self.options, question)
+        return req.ctx.cached("memos", key, lambda: self.scores(req), question)
+
     def compress(self, req: Request) -> CompressedKV:
-        scores = self.scores(req)
+        scores = self.kept_scores(req)
         budgets = self.budgets(req).clamp(self.min_head_budget, req.ctx.doc_len)
+        if isinstance(self.options, SelectionOptions):
+            scores, budgets = select(req, scores, budgets, self.options)
         layers = [
             keep_tokens(req, i, top_k_per_head(s, budgets[i]), budgets[i])
             for i, s in enumerate(scores)
         ]
         importance = document_importance(req, scores) if self.scores_are_importance else None
-        return CompressedKV(layers, req.ctx.length, meta={"method": self.name, **self.details()}, importance=importance)
+        meta = {"method": self.name, **self.details()}
+        if isinstance(self.options, SelectionOptions):
+            meta.update(budgets=self.options.budgets, granularity=self.options.granularity, critical=self.options.critical)
+        return CompressedKV(layers, req.ctx.length, meta=meta, importance=importance)
 
 
 REGISTRY: dict[str, type[Method]] = {}
 
 
+def with_selection(cls: type[EvictionMethod]) -> None:
+    """Give a scoring method the wrappers' knobs and presets: its ``Options`` becomes a subclass of
+    its own and :class:`SelectionOptions` (the method's knobs first), reachable for pickle as
+    ``<module>.<Method>.Options``."""
+    own = cls.Options
+    options = dataclasses.make_dataclass(own.__name__, [], bases=(SelectionOptions, own), frozen=True)
+    options.__module__, options.__qualname__ = cls.__module__, f"{cls.__qualname__}.Options"
+    options.__doc__ = own.__doc__
+    cls.Options = options
+    cls.presets = {**cls.presets, **SELECTION_PRESETS}
+
+
 def register(cls: type[Method]) -> type[Method]:
-    """Class decorator: make a method available by its ``name``."""
+    """Class decorator: make a method available by its ``name`` (a scoring method with the wrappers' knobs)."""
     if cls.name in REGISTRY:
         raise ValueError(f"method {cls.name!r} registered twice")
+    if issubclass(cls, EvictionMethod) and cls.selects():
+        with_selection(cls)
     REGISTRY[cls.name] = cls
     return cls
 

@@ -1,4 +1,4 @@
-"""BeaconKV, in its two readings (the project's notes: ../shared/docs/beaconkv.md), sharing one beacon core.
+"""BeaconKV, in its two readings, sharing one beacon core.
 
 1. ``beaconkv``, as published (Kim, Kim, Shim, Choi, 2026, "BeaconKV: Key-Value
    Cache Compression Guided by Beacon Queries for Efficient Large Reasoning
@@ -30,7 +30,7 @@ import torch
 
 from kvlab.context import Context
 from kvlab.methods.base import Method, MethodError, Options, Request, document_importance, knob, register
-from kvlab.methods.beacon_core import BeaconBank, BeaconState, key_scores, stack_layers
+from kvlab.methods.beacon_core import BeaconBank, BeaconState, max_attention_scores, stack_layers
 from kvlab.methods.memory_plan import TokenSplit, build_layer, context_plan
 from kvlab.methods.scoring import per_context
 from kvlab.queries import question_queries
@@ -122,7 +122,7 @@ def beacon_scores(req: Request, opts: BeaconOptions) -> tuple[list[torch.Tensor]
         for layer in range(ctx.lm.n_layers):
             rows = slice(layer * n_heads, (layer + 1) * n_heads)
             keys = ctx.full.keys[layer]
-            scores.append(key_scores(queries[rows], q_pos, keys, k_pos)[:, ctx.prefix_len :])
+            scores.append(max_attention_scores(queries[rows], q_pos, keys, k_pos)[:, ctx.prefix_len :])
             beacons.append([sorted(int(p) for p in row) for row in beacon_pos[rows].tolist()])
         return scores, beacons
 

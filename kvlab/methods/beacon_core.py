@@ -164,7 +164,7 @@ class BeaconState:
         return torch.cat(queries, dim=1), torch.cat(positions), beacon_pos
 
 
-def key_scores(queries: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+def max_attention_scores(queries: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """BeaconKV score of every key: max attention over the queries and the GQA group.
 
     queries: [H, m, d] post-RoPE, q_pos: [m] their positions; keys: [H_kv, T, d]

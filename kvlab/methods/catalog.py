@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvlab.methods.base import REGISTRY, MethodError, allowed, method_class, option_types
+from kvlab.methods.base import REGISTRY, SELECTION_LEARN, MethodError, SelectionOptions, allowed, method_class, option_types
 
 Awareness = Literal["yes", "no", "options"]
 
@@ -187,6 +187,8 @@ def method_markdown(name: str) -> str:
     parts = [f"### `{name}`{aware_tag(name)}", f"*{cls.summary}.*"]
     if cls.learn:
         parts.append(cls.learn)
+    if issubclass(cls.Options, SelectionOptions):
+        parts.append(SELECTION_LEARN)
     if cls.paper:
         parts.append(f"Paper: *{cls.paper}*.")
     lines = _preset_lines(name)

@@ -55,6 +55,8 @@ class H2O(EvictionMethod):
     )
     paper = "Zhang et al., 2023, H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models"
     Options = H2OOptions
+    # The recent window is a share of the budget; the heavy-hitter scores under it are kept per context.
+    ratio_free_scores = False
 
     def scores(self, req: Request) -> list[torch.Tensor]:
         recent = min(round(self.options.recent_share * req.doc_budget), req.ctx.doc_len)

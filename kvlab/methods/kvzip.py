@@ -110,7 +110,7 @@ class KVzip(EvictionMethod):
     def budgets(self, req: Request) -> torch.Tensor:
         if self.options.prune == "head":
             return req.budgets()
-        return pooled_budgets(self.scores(req), min(req.doc_budget, req.ctx.doc_len), self.options.prune)
+        return pooled_budgets(self.kept_scores(req), min(req.doc_budget, req.ctx.doc_len), self.options.prune)
 
     def details(self) -> dict:
         return {"prune": self.options.prune}

@@ -5,8 +5,8 @@ keys ``Ck`` (a subset of the original keys), refitted values ``Cv`` and one
 additive logit bias ``beta`` per compact key, so that for the reference
 queries both the block's local attention output and its attention mass
 ``sum_j exp(logit_j)`` are preserved. Matching the mass is what makes the
-compact block a drop-in replacement next to other blocks (the paper;
-the project's notes on it are in ``../shared/docs/attention-matching.md``).
+compact block a drop-in replacement next to other blocks (the paper's
+argument).
 
 Every function is a pure function on tensors, batched over a leading dim
 ``B`` (the heads compacted together, e.g. all KV heads of a layer) so that one
@@ -25,8 +25,9 @@ would have to re-derive them.
 
 Memory: a long document has many kept keys ``t``; no stage holds a ``t x t``
 matrix when there are fewer reference queries than kept keys (both least
-squares then use the ``n x n`` dual), and HighestAttnKeys streams over key
-chunks instead of holding the ``[B, n, T]`` mass features when they are large.
+squares then use the ``n x n`` dual), and HighestAttnKeys streams over query
+chunks instead of holding the ``[B, n, T]`` mass features (also the faster
+way on a CPU: see :data:`STREAM_BLOCK_ELEMENTS`).
 
 Ridge convention: every ``ridge`` argument is *relative*: the added diagonal
 is ``ridge * mean(diag(Gram))`` over the real (non-padding) columns. The
@@ -48,6 +49,7 @@ from kvlab.runtime.attention import attention_logits
 
 Scoring = Literal["rms", "mean", "max"]
 KeySelection = Literal["highest_attn", "omp"]
+ValueFit = Literal["least_squares", "original"]
 
 # Cholesky retries multiply the ridge by 10 this many times (1e-6 -> 1 relative)
 # before giving up on a batch element; past that the Gram matrix holds
@@ -63,6 +65,17 @@ _RIDGE_FLOOR = 1e-30
 # --------------------------------------------------------------------------
 # Mass features and key scores
 # --------------------------------------------------------------------------
+
+
+def _shifted_exp(
+    q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(phi, shift)``: phi [B, n, T] = ``exp(s_ij - shift_i)``, shift [B, n] = ``max_j s_ij`` (0 for a
+    query that sees only padding: shifting by -inf would give NaN instead of the correct zero mass)."""
+    s = attention_logits(q, k, bias, scale)
+    m = s.amax(dim=-1)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    return s.sub_(m.unsqueeze(-1)).exp_(), m  # in place: phi is the largest tensor here
 
 
 def mass_features(
@@ -84,44 +97,80 @@ def mass_features(
     weighted least squares: each query is measured against its own largest
     term, so a few high-logit queries cannot dominate the fit.
     """
-    s = attention_logits(q, k, bias, scale)
-    m = s.amax(dim=-1, keepdim=True)
-    # A query that sees only padding has m = -inf; shifting by it would give
-    # NaN instead of the correct zero mass.
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    phi = s.sub_(m).exp_()  # in place: phi is the largest tensor here
+    phi, _ = _shifted_exp(q, k, bias, scale)
     return phi, phi.sum(dim=-1)
 
 
-def _scores_from_mass(
-    phi: torch.Tensor, z: torch.Tensor, scoring: Scoring, key_valid: torch.Tensor | None
+def _score_sums(
+    phi: torch.Tensor, inv_z: torch.Tensor, scoring: Scoring, weights: torch.Tensor | None = None,
+    in_place: bool = False,
 ) -> torch.Tensor:
-    """HighestAttnKeys scores from precomputed mass features (see :func:`score_keys`)."""
-    inv_z = 1.0 / z.clamp_min(torch.finfo(torch.float32).tiny)  # [B, n]
-    n = phi.shape[-2]
+    """One batch of queries' share of the HighestAttnKeys scores: [B, T] (see :func:`_finish_scores`).
+
+    phi: [B, c, T] mass features, inv_z: [B, c] their ``1 / z``, weights: [B, c]
+    each query's weight (None: 1). rms: ``sum_i w_i a_ij^2``, mean: ``sum_i w_i a_ij``,
+    max: ``max_i a_ij`` over the queries of positive weight, with ``a_ij = phi_ij / z_i``,
+    each as a batched matvec where it can be (no [B, c, T] temporary); ``in_place`` may overwrite phi.
+    """
+    if scoring == "max":
+        if weights is not None:
+            inv_z = inv_z * (weights > 0)
+        return (phi.mul_(inv_z.unsqueeze(-1)) if in_place else phi * inv_z.unsqueeze(-1)).amax(dim=-2)
     if scoring == "mean":
-        # sum_i a_ij = sum_i phi_ij / z_i as one batched matvec, no [B,n,T] temporary
-        scores = torch.bmm(inv_z.unsqueeze(1), phi).squeeze(1) / n
+        row = inv_z
     elif scoring == "rms":
-        # mean_i (phi_ij / z_i)^2 as a batched matvec over phi^2: one [B,n,T] temporary
-        scores = torch.bmm(inv_z.square().unsqueeze(1), phi.square()).squeeze(1).div_(n).sqrt_()
-    elif scoring == "max":
-        scores = (phi * inv_z.unsqueeze(-1)).amax(dim=-2)
+        row = inv_z.square()
+        phi = phi.square_() if in_place else phi.square()
     else:
         raise ValueError(f"scoring must be 'rms', 'mean' or 'max', got {scoring!r}")
+    row = row if weights is None else row * weights
+    return torch.bmm(row.unsqueeze(1), phi).squeeze(1)
+
+
+def _finish_scores(
+    sums: torch.Tensor, total: torch.Tensor | float, scoring: Scoring, key_valid: torch.Tensor | None
+) -> torch.Tensor:
+    """Scores [B, T] from :func:`_score_sums` summed over all queries (max: the running max);
+    ``total``: the queries' total weight ([B, 1], or their number)."""
+    if scoring == "rms":
+        scores = sums.div_(total).sqrt_()
+    elif scoring == "mean":
+        scores = sums.div_(total)
+    else:
+        scores = sums
     if key_valid is not None:
         # A real key whose attention underflows to 0 must still rank above padding.
         scores = scores.masked_fill(~key_valid, float("-inf"))
     return scores
 
 
-# Above this many [B, n, T] float32 elements (64 MiB) the HighestAttnKeys fit
-# streams over key chunks instead of holding the mass features: at 16k keys,
-# 8 heads and 2,048 queries per head they would be 1 GiB per layer. The
-# embedded model's documents (3 heads, up to ~2,700 keys) stay below it.
-DENSE_FEATURES_MAX = 1 << 24
-# Logits per streamed key chunk (16 MiB of float32).
-STREAM_BLOCK_ELEMENTS = 1 << 22
+def _scores_from_mass(
+    phi: torch.Tensor, z: torch.Tensor, scoring: Scoring, key_valid: torch.Tensor | None,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """HighestAttnKeys scores from precomputed mass features (see :func:`score_keys`); weights: [B, n] or None."""
+    inv_z = 1.0 / z.clamp_min(torch.finfo(torch.float32).tiny)  # [B, n]
+    return _finish_scores(_score_sums(phi, inv_z, scoring, weights), _total_weight(phi.shape[-2], weights),
+                          scoring, key_valid)
+
+
+def _total_weight(n: int, weights: torch.Tensor | None) -> torch.Tensor | float:
+    """The queries' total weight: [B, 1], or ``n`` when unweighted."""
+    return float(n) if weights is None else weights.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+# Logits per query chunk of the HighestAttnKeys fit. On a CPU (2 MiB of
+# float32) the chunk's six passes (scale, max, shift, exp, sum, square) stay in
+# cache: the fit's features took half the time of one [B, n, T] buffer of tens
+# of MiB, whose page faults cost more than the exp over it
+# (``python -m benchmarks.attention_matching --app``). On an accelerator
+# (64 MiB) fewer, larger kernels. At least one query a chunk.
+STREAM_BLOCK_ELEMENTS = {"cpu": 1 << 19, "other": 1 << 24}
+
+
+def block_elements_for(device: torch.device) -> int:
+    """Logits per query chunk on ``device`` (:data:`STREAM_BLOCK_ELEMENTS`)."""
+    return STREAM_BLOCK_ELEMENTS["cpu" if device.type == "cpu" else "other"]
 
 
 def streamed_mass(
@@ -130,33 +179,40 @@ def streamed_mass(
     v: torch.Tensor,
     bias: torch.Tensor | None = None,
     scale: float | None = None,
-    block_elements: int = STREAM_BLOCK_ELEMENTS,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What the fit needs of :func:`mass_features` without the [B, n, T] matrix.
+    scoring: Scoring | None = "rms",
+    block_elements: int | None = None,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What the HighestAttnKeys fit needs of :func:`mass_features`, a chunk of queries at a time.
 
     q: [B, n, d], k: [B, T, d], v: [B, T, dv], bias: [B, T] or None ->
     ``shift`` [B, n] (each query's largest logit, 0 for a query that sees only
-    padding), ``z`` [B, n] (``sum_j exp(s_ij - shift_i)``) and ``y`` [B, n, dv]
-    (the block's attention output). One pass over key chunks with the running
-    maximum of a streaming softmax.
+    padding), ``z`` [B, n] (``sum_j exp(s_ij - shift_i)``), ``y`` [B, n, dv]
+    (the block's attention output) and the key scores [B, T] (:func:`score_keys`,
+    each query weighted by ``weights`` [B, n] when given; None when ``scoring`` is None). Each chunk of queries sees every key, so its
+    softmax is complete and one pass gives all four; the [B, n, T] features are
+    never held whole. ``block_elements``: logits per chunk (None: :func:`block_elements_for` q's device).
     """
     n_batch, n = q.shape[:2]
-    chunk = max(1, block_elements // max(1, n_batch * n))
-    top = torch.full((n_batch, n), float("-inf"), device=q.device)
-    z = torch.zeros(n_batch, n, device=q.device)
-    acc = torch.zeros(n_batch, n, v.shape[-1], device=q.device)
-    for a in range(0, k.shape[1], chunk):
-        s = attention_logits(q, k[:, a : a + chunk], None if bias is None else bias[:, a : a + chunk], scale)
-        new_top = torch.maximum(top, s.amax(dim=-1))
-        new_shift = torch.where(torch.isfinite(new_top), new_top, torch.zeros_like(new_top))
-        rescale = torch.exp(top - new_shift)  # 0 while nothing was seen (top = -inf)
-        phi = s.sub_(new_shift.unsqueeze(-1)).exp_()
-        z = z * rescale + phi.sum(dim=-1)
-        acc = acc * rescale.unsqueeze(-1) + torch.matmul(phi, v[:, a : a + chunk].float())
-        top = new_top
-    shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    # A query that sees only padding has z = 0 and acc = 0: its output is 0, never 0/0.
-    return shift, z, acc / z.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+    block_elements = block_elements_for(q.device) if block_elements is None else block_elements
+    rows = max(1, block_elements // max(1, n_batch * k.shape[1]))
+    vf = v.float()
+    shifts, zs, ys, sums = [], [], [], None
+    for a in range(0, max(n, 1), rows):  # one (empty) chunk when n = 0
+        phi, shift = _shifted_exp(q[:, a : a + rows], k, bias, scale)
+        z = phi.sum(dim=-1)
+        # z = 0 (a query that sees only padding): its output is 0, never 0/0.
+        inv_z = 1.0 / z.clamp_min(torch.finfo(torch.float32).tiny)
+        ys.append(torch.bmm(phi, vf).mul_(inv_z.unsqueeze(-1)))
+        if scoring is not None:
+            part = _score_sums(phi, inv_z, scoring, None if weights is None else weights[:, a : a + rows], True)
+            sums = part if sums is None else (torch.maximum(sums, part) if scoring == "max" else sums.add_(part))
+        shifts.append(shift)
+        zs.append(z)
+    scores = None
+    if scoring is not None:
+        scores = _finish_scores(sums, _total_weight(n, weights), scoring, None if bias is None else torch.isfinite(bias))
+    return torch.cat(shifts, dim=1), torch.cat(zs, dim=1), torch.cat(ys, dim=1), scores
 
 
 def score_keys(
@@ -297,6 +353,9 @@ def _refine(x, residual, pull, solve, steps: int):
         better = err_new < err
         if not bool(better.any()):
             break
+        if bool(better.all()):  # the usual case: no [B, ...] selects
+            x, r, err = x_new, r_new, err_new
+            continue
         x = torch.where(better.view(-1, 1, 1), x_new, x)
         r = torch.where(better.view(-1, 1, 1), r_new, r)
         err = torch.where(better, err_new, err)
@@ -310,11 +369,12 @@ def _ridge_lstsq(
     ridge: float,
     gram: torch.Tensor | None = None,
     rhs: torch.Tensor | None = None,
+    steps: int = _REFINE_STEPS,
 ) -> torch.Tensor:
     """Ridge least squares ``min ||design X - target||`` by normal equations.
 
     design: [B, n, m] (padding columns already zero), target: [B, n, c],
-    active: [B, m] -> X [B, m, c], refined by :func:`_refine`. ``gram``
+    active: [B, m] -> X [B, m, c], refined by :func:`_refine` ``steps`` times. ``gram``
     and ``rhs`` may be passed when the caller already holds them.
     """
     dt = design.transpose(-1, -2)
@@ -327,7 +387,7 @@ def _ridge_lstsq(
         lambda x: target - torch.bmm(design, x),
         lambda r: torch.bmm(dt, r),
         solve,
-        _REFINE_STEPS,
+        steps,
     )
 
 
@@ -337,6 +397,7 @@ def _ridge_lstsq_dual(
     active: torch.Tensor,
     ridge: float,
     kern: torch.Tensor | None = None,
+    steps: int = _REFINE_STEPS,
 ) -> torch.Tensor:
     """:func:`_ridge_lstsq` through the n x n dual, for designs with fewer rows than columns.
 
@@ -359,7 +420,7 @@ def _ridge_lstsq_dual(
         lambda a: target - torch.bmm(design, torch.bmm(dt, a)),
         lambda r: r,
         solve,
-        _REFINE_STEPS,
+        steps,
     )
     return torch.bmm(dt, alpha)
 
@@ -462,7 +523,7 @@ def _box_nnls_dual(m: torch.Tensor, z: torch.Tensor, active: torch.Tensor, lo: f
 def _masked(m: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(float32 M with padding columns zeroed, active [B, t])`` for a design ``m`` [B, n, t]."""
     m = m.float()
-    if valid is None:
+    if valid is None or bool(valid.all()):
         return m, torch.ones(m.shape[0], m.shape[-1], dtype=m.dtype, device=m.device)
     # padding columns may hold inf/NaN (exp of a -inf bias shift): drop them
     return torch.where(valid.unsqueeze(-2), m, torch.zeros_like(m)), valid.to(m.dtype)
@@ -517,8 +578,8 @@ def nnls_bias(
         # Fewer queries than kept keys (a long document): the n x n dual, not the t x t Gram.
         w = _box_nnls_dual(m_real, z.float(), active, w_min, w_max, iters, ridge)
     else:
-        gram, b, active, m = _gram(m, z, valid)
-        w = _box_nnls_gram(gram, b, active, w_min, w_max, iters, ridge, m, z.float())
+        gram, b, _, m_real = _gram(m_real, z, None)  # padding columns zeroed once, above
+        w = _box_nnls_gram(gram, b, active, w_min, w_max, iters, ridge, m_real, z.float())
     beta = w.log()
     if valid is not None:
         beta = beta.masked_fill(~valid, float("-inf"))
@@ -689,6 +750,7 @@ def fit_values(
     y: torch.Tensor,
     valid: torch.Tensor | None = None,
     ridge: float = 1e-6,
+    exact_ridge: bool = False,
 ) -> torch.Tensor:
     """Least-squares values ``argmin ||x cv - y||_F``: [B, t, dv] float32.
 
@@ -699,18 +761,25 @@ def fit_values(
     minimum-norm choice; otherwise the t x t normal equations. Both are the
     same ridge estimator with ``lam = ridge * ||x||_F^2 / t_real``, solved by
     Cholesky with per-element ridge escalation on failure. Padding columns
-    get zero values.
+    get zero values. The solve is refined toward the unridged solution along
+    well-determined directions (:func:`_refine`), which suits a ridge meant only
+    to keep the factorisation stable; ``exact_ridge`` skips that and returns the
+    ridge estimator itself, for a ridge meant as a prior (a large lambda keeps
+    the factorisation well conditioned without refinement).
     """
     x = x.float()
     y = y.float()
     B, n, t = x.shape
     if valid is not None:
-        x = torch.where(valid.unsqueeze(-2), x, torch.zeros_like(x))
+        if not bool(valid.all()):
+            x = torch.where(valid.unsqueeze(-2), x, torch.zeros_like(x))
         t_real = int(valid.sum(-1).max()) if valid.numel() else 0
     else:
         t_real = t
     active = torch.ones(B, t, dtype=x.dtype, device=x.device) if valid is None else valid.to(x.dtype)
-    cv = _ridge_lstsq_dual(x, y, active, ridge) if n < t_real else _ridge_lstsq(x, y, active, ridge)
+    steps = 0 if exact_ridge else _REFINE_STEPS
+    cv = (_ridge_lstsq_dual(x, y, active, ridge, steps=steps) if n < t_real
+          else _ridge_lstsq(x, y, active, ridge, steps=steps))
     if valid is not None:
         cv = cv * valid.unsqueeze(-1)
     return cv
@@ -738,6 +807,9 @@ class CompactBlock:
     solved to 0 instead); nonfinite: [B] long, non-finite fitted values or
     biases found in the head and replaced (values by 0, biases by the lower
     bound). Both 0 for a fit that went as asked; never silent (the run's details).
+    train_output, train_mass: [B] the stored block's relative attention-output
+    error and mass error on the fit's own reference queries (unweighted means
+    over them, as :func:`kvlab.metrics.block_errors` measures), or None.
     """
 
     keys: torch.Tensor
@@ -749,6 +821,24 @@ class CompactBlock:
     scores: torch.Tensor | None = None
     fallbacks: torch.Tensor | None = None
     nonfinite: torch.Tensor | None = None
+    train_output: torch.Tensor | None = None
+    train_mass: torch.Tensor | None = None
+
+
+def fit_residuals(
+    x: torch.Tensor, lse_c: torch.Tensor, cv: torch.Tensor, y: torch.Tensor, lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compact block's errors on its own fitting queries: (output [B], mass [B]).
+
+    x: [B, n, t] the queries' attention over the compact keys and lse_c: [B, n]
+    its log-mass; cv: [B, t, dv] the stored values; y: [B, n, dv] and lse: [B, n]
+    the original block's output and log-mass. The fit holds all of them already:
+    recomputing the original block's would cost as much as the features. Means
+    over the queries of ``||x cv - y|| / ||y||`` and ``|exp(lse_c - lse) - 1|``,
+    as :func:`kvlab.metrics.block_errors`.
+    """
+    out = (torch.bmm(x, cv.float()) - y).norm(dim=-1) / y.norm(dim=-1).clamp_min(1e-12)
+    return out.mean(dim=-1), (torch.exp(lse_c - lse) - 1).abs().mean(dim=-1)
 
 
 def _clock(device: torch.device) -> float:
@@ -778,7 +868,11 @@ def compact_block(
     drop_below: float | None = -7.0,
     omp_nnls_iters: int = 20,
     key_scores: torch.Tensor | None = None,
-    dense_max: int = DENSE_FEATURES_MAX,
+    key_scores_share: float = 1.0,
+    query_weights: torch.Tensor | None = None,
+    value_fit: ValueFit = "least_squares",
+    value_anchor: float = 0.0,
+    block_elements: int | None = None,
 ) -> CompactBlock:
     """Attention Matching compaction of one block for ``B`` heads at once.
 
@@ -803,10 +897,26 @@ def compact_block(
     ``key_scores`` [B, T] (``highest_attn`` only): rank the keys by these
     scores instead of the reference queries' attention, e.g. KVzip's, which
     come from other queries under another softmax; steps 2 and 3 are unchanged.
+    With ``key_scores_share`` s < 1 the selection is a union: each head's
+    ``ceil(s * t_h)`` best keys by ``key_scores``, then its best remaining keys
+    by the queries' attention.
 
-    ``highest_attn`` holds the [B, n, T] mass features only up to
-    ``dense_max`` elements; above, it streams over key chunks
-    (:func:`streamed_mass`, chunked key scores) with the same results.
+    ``query_weights`` [B, n] >= 0: a weighted fit (each query's equation in
+    the mass and value least squares multiplied by ``sqrt(w_i)``, its
+    attention in the scores by ``w_i``), to mix query sources.
+
+    ``value_fit="original"`` keeps the selected keys' own values and fits
+    only beta (step 3 skipped). ``value_anchor`` lambda > 0 (relative, as
+    ``ridge``) pulls the values toward the selected keys' own values instead
+    of toward zero: ``argmin ||X Cv - Y||^2 + lambda ||Cv - V_S||^2``, solved
+    as the ridge on ``Y - X V_S`` plus ``V_S`` (primal or n x n dual alike,
+    the exact ridge estimator: see :func:`fit_values`), so a direction no
+    reference query constrains keeps the original value.
+
+    ``highest_attn`` never holds the [B, n, T] mass features: it streams
+    over chunks of queries of at most ``block_elements`` logits (None: the
+    device's, :func:`block_elements_for`; see :func:`streamed_mass`) and recomputes the t selected keys' features;
+    OMP needs them all at once.
     """
     B, n, d = q.shape
     T = k.shape[1]
@@ -817,6 +927,13 @@ def compact_block(
     if key_scores is not None and (key_selection != "highest_attn" or key_scores.shape != (B, T)):
         raise ValueError(f"key_scores must be [B={B}, T={T}] with highest_attn selection, "
                          f"got {tuple(key_scores.shape)} with {key_selection!r}")
+    if not 0.0 <= key_scores_share <= 1.0:
+        raise ValueError(f"key_scores_share must be in [0, 1], got {key_scores_share}")
+    if query_weights is not None and (query_weights.shape != (B, n) or bool((query_weights < 0).any())):
+        raise ValueError(f"query_weights must be [B={B}, n={n}] and >= 0, got {tuple(query_weights.shape)}")
+    if value_fit not in ("least_squares", "original") or value_anchor < 0:
+        raise ValueError(f"value_fit must be 'least_squares' or 'original' and value_anchor >= 0, "
+                         f"got {value_fit!r}, {value_anchor}")
     if beta_bounds is None:
         beta_bounds = (-3.0, 3.0) if key_selection == "highest_attn" else (
             -7.0 if drop_below is None else drop_below, 7.0)
@@ -836,32 +953,40 @@ def compact_block(
 
         start = _clock(dev)
         phi = shift = None
-        if key_selection == "omp" or B * n * T <= dense_max:
-            phi, z = mass_features(q, k, bias, scale)
+        root_w = None if query_weights is None else query_weights.to(dev).float().sqrt()  # [B, n]
+        if key_selection == "omp":
+            phi, shift = _shifted_exp(q, k, bias, scale)
+            z = phi.sum(dim=-1)
             # The block's own output is phi V / z (the max shift cancels): reusing phi
             # saves recomputing every logit, the largest cost of the whole fit.
             # z = 0 (a query that sees only padding) gives 0, as in mass_features, never NaN.
             y = torch.matmul(phi, v.float()) / z.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+            # Cheap next to the features; the app shows it as each token's importance.
+            scores = _scores_from_mass(phi, z, scoring, key_valid, query_weights)
         else:
-            shift, z, y = streamed_mass(q, k, v, bias, scale)
-        w_omp = None
-        # Cheap next to the features; the app shows it as each token's importance.
-        if key_scores is None and phi is not None:
-            scores = _scores_from_mass(phi, z, scoring, key_valid)
-        elif key_scores is None:
-            from kvlab import kernels  # a late import: kvlab.kernels' reference is built on this package
-
-            # Chunked over the keys (a Triton kernel on CUDA): the same scores without phi.
-            scores = kernels.key_scores(q, k, bias, scale, scoring)
-        else:
-            scores = key_scores.to(dev).float()
+            own = None if key_scores is not None and key_scores_share >= 1.0 else scoring
+            shift, z, y, scores = streamed_mass(q, k, v, bias, scale, own, block_elements, query_weights)
+        if key_scores is not None:
+            ranked = key_scores.to(dev).float()
             if key_valid is not None:
-                scores = scores.masked_fill(~key_valid, float("-inf"))
-        if key_selection == "highest_attn":
+                ranked = ranked.masked_fill(~key_valid, float("-inf"))
+            if key_scores_share < 1.0:
+                # The union: the key_scores' share of each head's slots first, then the queries' choice.
+                first = torch.ceil(key_scores_share * lengths.float()).long()
+                order = ranked.topk(t, dim=-1).indices
+                taken = torch.zeros_like(ranked, dtype=torch.bool).scatter_(
+                    1, order, torch.arange(t, device=dev) < first.unsqueeze(-1))
+                idx = select_highest_attn(scores.masked_fill(taken, float("inf")), t)
+            else:
+                scores = ranked
+        w_omp = None
+        if key_selection == "omp":
+            if root_w is not None:  # weighted least squares: each query's row times sqrt(w_i)
+                phi.mul_(root_w.unsqueeze(-1))
+            idx, w_omp = omp_select(phi, z if root_w is None else z * root_w, t, keys_per_iter, refit_every,
+                                    drop_below, key_valid, omp_nnls_iters, ridge)
+        elif key_scores is None or key_scores_share >= 1.0:
             idx = select_highest_attn(scores, t)
-        else:
-            idx, w_omp = omp_select(phi, z, t, keys_per_iter, refit_every, drop_below, key_valid,
-                                    omp_nnls_iters, ridge)
         index = torch.where(slot_valid, idx, torch.full_like(idx, -1))
         safe = index.clamp_min(0)
         tick = _clock(dev)
@@ -869,6 +994,7 @@ def compact_block(
 
         # Design of the compact keys *without* any old bias, so that the fitted
         # w is exp(total beta) and the bounds apply to the stored beta.
+        # (Weighted rows: phi already carries sqrt(w) for OMP; the recomputed features get it here.)
         if phi is not None:
             m_sel = phi.gather(2, safe.unsqueeze(1).expand(B, n, t))
             del phi  # the largest tensor; the value fit needs the room
@@ -876,18 +1002,22 @@ def compact_block(
             chosen = attention_logits(q, k.gather(1, safe.unsqueeze(-1).expand(B, t, d)),
                                       None if bias is None else bias.gather(1, safe), scale)
             m_sel = chosen.sub_(shift.unsqueeze(-1)).exp_()
+            if root_w is not None:
+                m_sel.mul_(root_w.unsqueeze(-1))
+        zw = z if root_w is None else z * root_w
         old = torch.zeros(B, t, device=dev) if bias is None else bias.float().gather(1, safe)
         old = torch.where(slot_valid, old, torch.zeros_like(old))
         if w_omp is None:
-            beta = nnls_bias(m_sel * torch.exp(-old).unsqueeze(1), z, slot_valid,
-                             math.exp(lo), math.exp(hi), nnls_iters, ridge)
+            design = m_sel if bias is None else m_sel * torch.exp(-old).unsqueeze(1)
+            beta = nnls_bias(design, zw, slot_valid, math.exp(lo), math.exp(hi), nnls_iters, ridge)
+            del design
         else:
             w = w_omp
             # OMP fitted its weights for its full selection; a head cut short by a
             # budget loses keys whose mass the others no longer cover: refit it.
             cut = (slot_valid != (idx >= 0)).any(-1)
             if bool(cut.any()):
-                w = torch.where(cut.unsqueeze(-1), nnls(m_sel, z, slot_valid, omp_nnls_iters, ridge), w)
+                w = torch.where(cut.unsqueeze(-1), nnls(m_sel, zw, slot_valid, omp_nnls_iters, ridge), w)
             beta = (w.clamp_min(torch.finfo(torch.float32).tiny).log() + old).clamp(lo, hi)
             beta = beta.masked_fill(~slot_valid, float("-inf"))
         del m_sel
@@ -895,20 +1025,38 @@ def compact_block(
         timings["bias"] = tock - tick
 
         ck = k.gather(1, safe.unsqueeze(-1).expand(B, t, d)) * slot_valid.unsqueeze(-1).to(k.dtype)
-        x = torch.softmax(attention_logits(q, ck, beta, scale), dim=-1)
-        x = torch.nan_to_num(x, nan=0.0)  # a head with no real slot: softmax of all -inf
-        cv = fit_values(x, y, slot_valid, ridge)
+        own = v.gather(1, safe.unsqueeze(-1).expand(B, t, v.shape[-1])) * slot_valid.unsqueeze(-1).to(v.dtype)
+        logits = attention_logits(q, ck, beta, scale)
+        x = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)  # a head with no real slot: all -inf
+        lse_c = torch.logsumexp(logits, dim=-1)  # for the residuals
+        del logits
+        if value_fit == "original":
+            cv = own.float()
+        else:
+            target = y
+            if value_anchor > 0:
+                # Anchored ridge: solve for the change from the own values (the prior's mean).
+                target = y - torch.bmm(x, own.float())
+            lam, exact = (value_anchor, True) if value_anchor > 0 else (ridge, False)
+            if root_w is not None:
+                cv = fit_values(x * root_w.unsqueeze(-1), target * root_w.unsqueeze(-1), slot_valid, lam, exact)
+            else:
+                cv = fit_values(x, target, slot_valid, lam, exact)
+            del target
+            if value_anchor > 0:
+                cv = cv + own.float()
         timings["values"] = _clock(dev) - tock
 
         # Values or biases that came out non-finite are replaced and counted: never stored silently.
         bad_values = ~torch.isfinite(cv)
         bad_bias = torch.isnan(beta) | (beta == float("inf"))
         nonfinite = bad_values.flatten(1).sum(-1) + bad_bias.sum(-1)
-        cv = cv.masked_fill(bad_values, 0.0)
+        cv = own if value_fit == "original" else cv.masked_fill(bad_values, 0.0).to(v.dtype)
         beta = beta.masked_fill(bad_bias, lo)
+        train_output, train_mass = fit_residuals(x, lse_c, cv, y, shift + z.log())
         return CompactBlock(
             keys=ck,
-            values=cv.to(v.dtype),
+            values=cv,
             bias=beta,
             index=index,
             lengths=lengths,
@@ -916,6 +1064,8 @@ def compact_block(
             scores=scores,
             fallbacks=fallbacks.clone(),
             nonfinite=nonfinite,
+            train_output=train_output,
+            train_mass=train_mass,
         )
     finally:
         _FALLBACKS.reset(counting)

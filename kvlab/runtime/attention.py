@@ -27,7 +27,9 @@ def attention_logits(
     sums of exponentials and lose their meaning in 8-bit mantissas.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    # The queries scaled, not the logits: n x d multiplications instead of n x T, and one pass
+    # fewer over the largest tensor here (exact for d = 64: the scale is a power of two).
+    logits = torch.matmul(q.float() * scale, k.float().transpose(-1, -2))
     if bias is not None:
         logits = logits + bias.float().unsqueeze(-2)
     return logits
@@ -139,6 +141,8 @@ def causal_attention(
     gqa = n_heads != k.shape[1]
     if key_bias is None and q_len == kv_len:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if q_len == 1 and (key_bias is not None or q.device.type == "cpu"):
+        return _decode_step(q, k, v, key_bias, scale)
     if key_bias is None and q_len == 1:
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
     if key_bias is None and _CPU_FLASH is not None and q.device.type == "cpu":
@@ -148,18 +152,37 @@ def causal_attention(
         # [H, q, kv] (300 MB for a repeat-prefill of 2,000 tokens), rebuilt per layer.
         mask = ~future_mask(q_len, kv_len, q.device)[None, None]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    # Imported here: kvlab.kernels' torch reference is built on this module.
-    from kvlab import kernels
-
-    if q_len == 1 and kernels.backend(q) == "triton":
-        # Decode over a biased cache on CUDA: split-K kernel, biases kept in float32.
-        return kernels.decode_attention(q, k, v, key_bias, scale).output
     # SDPA takes a float mask only in the queries' dtype, and in bf16 a fitted
     # bias keeps 8 bits: this call (several tokens read after a fitted cache,
     # e.g. the question) runs in float32 so the biases stay exact.
     mask = causal_bias_mask(q_len, kv_len, key_bias, n_heads, torch.float32, q.device)
     out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.to(q.dtype)
+
+
+def _decode_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """One query per head over the whole cache (nothing to mask causally): [1, H, 1, d].
+
+    On CUDA a biased cache goes to the split-K kernel (biases kept in float32).
+    Elsewhere two grouped matmuls: each KV head's keys are read once for its
+    query group, and the bias is added to the logits directly, in float32,
+    rather than through a [H, 1, kv] float mask built per layer (a fitted
+    bias keeps 8 bits in a bf16 mask).
+    """
+    # Only the backend choice and the Triton launch: kvlab.kernels' torch references are built on this module.
+    from kvlab.kernels import launch as kernels
+
+    if key_bias is not None and kernels.backend(q) == "triton":
+        return kernels.decode_attention(q, k, v, key_bias, scale).output
+    n_heads, n_kv, d = q.shape[1], k.shape[1], q.shape[-1]
+    grouped = q[0].reshape(n_kv, n_heads // n_kv, d).float()
+    logits = torch.matmul(grouped * scale, k[0].float().transpose(1, 2))  # [H_kv, group, kv]
+    if key_bias is not None:
+        logits[..., : key_bias.shape[1]] += key_bias.float().unsqueeze(1)
+    out = torch.matmul(torch.softmax(logits, dim=-1), v[0].float())
+    return out.reshape(1, n_heads, 1, d).to(q.dtype)
 
 
 # PyTorch's CPU flash kernel, which also returns the log-sum-exp; None if this

@@ -14,9 +14,11 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvlab.cancel import checkpoint
 from kvlab.models import LoadedModel
 from kvlab.runtime.cache import CompressedKV, FullKV
 from kvlab.runtime.hooks import ForwardContext, QueryCapture
+from kvlab.runtime.lean import lean_forward, lean_model
 
 
 class GrowingLayer(DynamicLayer):
@@ -50,6 +52,11 @@ class GrowingLayer(DynamicLayer):
         self._k[..., self._length : end, :], self._v[..., self._length : end, :] = k, v
         self._length = end
         self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` tokens (the buffers stay; later appends overwrite the rest)."""
+        self._length = min(self._length, max_length)
+        self.keys, self.values = self._k[..., : self._length, :], self._v[..., : self._length, :]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self._allocate(key_states, value_states, key_states.shape[-2])
@@ -105,16 +112,22 @@ def extend(
     """Feed ``ids`` [n] after the session's tokens; returns float32 logits [n or logits_to_keep, V]."""
     n = ids.numel()
     positions = torch.arange(session.position, session.position + n, device=lm.device).unsqueeze(0)
-    out = lm.model(
-        input_ids=ids.to(lm.device).unsqueeze(0),
-        position_ids=positions,
-        cache=session.cache,
-        use_cache=True,
-        logits_to_keep=logits_to_keep,
-        kvlab=ForwardContext(key_bias=session.key_bias, capture=capture),
-    )
+    lean = lean_model(lm.model)
+    if lean is not None:
+        logits = lean_forward(
+            lean, session.cache, ids.to(lm.device), positions, session.key_bias, capture, logits_to_keep
+        )
+    else:
+        logits = lm.model(
+            input_ids=ids.to(lm.device).unsqueeze(0),
+            position_ids=positions,
+            cache=session.cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            kvlab=ForwardContext(key_bias=session.key_bias, capture=capture),
+        ).logits[0]
     session.position += n
-    return out.logits[0].float()
+    return logits.float()
 
 
 def read_chunked(
@@ -213,6 +226,7 @@ def greedy_loop(
     ids: list[int] = []
     logprobs: list[float] = []
     while len(ids) < max_new_tokens:
+        checkpoint()
         logp = torch.log_softmax(logits, dim=-1)
         token = int(torch.argmax(logp))
         if token in stops:
@@ -223,6 +237,60 @@ def greedy_loop(
             logits = feed(torch.tensor([token], device=lm.device))
     text = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
     return Generation(ids=ids, text=text, logprobs=logprobs)
+
+
+def rewind(session: Session, n: int) -> None:
+    """Forget the session's last ``n`` tokens (their keys, values and positions)."""
+    if n <= 0:
+        return
+    for layer in session.cache.layers:
+        layer.crop(layer.keys.shape[-2] - n)
+    session.position -= n
+
+
+@dataclass
+class Drafted:
+    """A greedy answer found by checking a draft, and the draft's teacher-forced log-probabilities.
+
+    draft_logprobs: [m] float32 on the CPU, each draft token's log-probability
+    after the prompt and the draft tokens before it; accepted: how many draft
+    tokens the answer starts with.
+    """
+
+    generation: Generation
+    draft_logprobs: torch.Tensor
+    accepted: int
+
+
+def greedy_from_draft(
+    lm: LoadedModel, stored: CompressedKV, prompt_ids: torch.Tensor, draft_ids: list[int], max_new_tokens: int
+) -> Drafted:
+    """:func:`greedy` from ``stored``, with ``draft_ids`` (e.g. the full cache's answer) checked in one pass.
+
+    Greedy decoding is deterministic, so its answer is the longest prefix of
+    the draft whose every token is the cache's own pick, then what the cache
+    writes from there: one forward pass over prompt + draft (the pass that
+    scores the draft teacher-forced, needed anyway) replaces a decode step
+    per accepted token, and only the rest is decoded step by step (a
+    speculative check with the draft as the guess). The picks are made on
+    logits of a several-token pass instead of one-token steps: the same up to
+    float rounding, which can flip a near-tie (tests compare the two).
+    """
+    m = min(len(draft_ids), max_new_tokens)
+    draft = torch.tensor(draft_ids[:m], dtype=torch.long, device="cpu")  # token ids, as the prompt's
+    session = open_session(lm, stored)
+    logits = extend(lm, session, torch.cat([prompt_ids, draft]), logits_to_keep=m + 1)  # [m + 1, V]
+    logp = torch.log_softmax(logits, dim=-1)
+    draft_logprobs = logp[:m].gather(1, draft.to(logp.device).unsqueeze(1)).squeeze(1)
+    picks = logp[:m].argmax(dim=-1).cpu()
+    accepted = int((picks == draft).long().cumprod(0).sum())
+    rewind(session, m - accepted)
+    feed = lambda token: extend(lm, session, token, logits_to_keep=1)[-1]  # noqa: E731
+    rest = greedy_loop(lm, logits[accepted], feed, max_new_tokens - accepted, stop_token_ids(lm))
+    ids = draft_ids[:accepted] + rest.ids
+    logprobs = draft_logprobs[:accepted].tolist() + rest.logprobs
+    text = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
+    return Drafted(Generation(ids, text, logprobs), draft_logprobs.cpu(), accepted)
 
 
 def continuation_logprobs(

@@ -2,6 +2,7 @@
 
 - :mod:`kvlab.tasks.scoring`: answer normalisation, exact / contains match, token F1;
 - :mod:`kvlab.tasks.items`: :class:`~kvlab.tasks.items.TaskItem`, one question with its gold answer;
+- :mod:`kvlab.tasks.copying`: a long-generation task (copy a list of codes back) for bounded caches;
 - :mod:`kvlab.tasks.synthetic`: RULER-style needles and variable tracking, ``needle_items`` for a user's document;
 - :mod:`kvlab.tasks.datasets`: QuALITY and HotpotQA (shared data), the bundled examples;
 - :mod:`kvlab.tasks.registry`: every task by name, ``build_items``;

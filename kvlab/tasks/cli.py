@@ -143,12 +143,3 @@ def cmd_bench(args: argparse.Namespace) -> int:
           f"{len(rows)} table rows; wrote {out / 'report.html'}")
     return 0
 
-
-def main_bench(args: argparse.Namespace) -> int:
-    """``cmd_bench`` with the CLI's convention: a bad argument is a UsageError (one line, exit 2)."""
-    from kvlab.cli import UsageError
-
-    try:
-        return cmd_bench(args)
-    except (TaskError, MethodError) as exc:
-        raise UsageError(str(exc)) from exc

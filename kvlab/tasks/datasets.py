@@ -1,4 +1,4 @@
-"""Tasks read from files: QuALITY and HotpotQA from ../shared/data, and the bundled examples.
+"""Tasks read from files: QuALITY and HotpotQA from the evaluation data (:func:`data_dir`), and the bundled examples.
 
 The shared data is evaluation data, not part of the product: the app and its
 image never need it, and a task that reads it fails with one clear line when

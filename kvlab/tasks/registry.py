@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from kvlab.bounded.tasks import copy_codes
 from kvlab.models import LoadedModel
 from kvlab.tasks import datasets, synthetic
+from kvlab.tasks.copying import copy_codes
 from kvlab.tasks.items import TaskError, TaskItem, token_counter
 
 DEFAULT_LENGTH = 2000

@@ -20,7 +20,7 @@ from kvlab.tasks.runner import FLOOR, FULL, SummaryRow, TaskResult, summarise
 from kvlab.tasks.store import read_results
 
 
-def method_label(method: str, preset: str) -> str:
+def run_label(method: str, preset: str) -> str:
     """A method's name with its preset, as figures and tables show it."""
     return f"{method} [{preset}]" if preset else method
 
@@ -29,7 +29,7 @@ def accuracy_figure(rows: Sequence[SummaryRow], task: str) -> go.Figure:
     """Accuracy against ratio on ``task``, one line per method, the full cache (ceiling) and no_context (floor) marked."""
     mine = [r for r in rows if r.task == task]
     points = [
-        {"method": method_label(r.method, r.preset), "ratio": r.ratio, "accuracy": r.accuracy}
+        {"method": run_label(r.method, r.preset), "ratio": r.ratio, "accuracy": r.accuracy}
         for r in mine if r.ratio is not None
     ]
     ceiling = next((r.accuracy for r in mine if r.method == FULL), None)
@@ -73,7 +73,7 @@ def needle_heatmap(results: Iterable[TaskResult], method: str, preset: str = "",
         hovertemplate="depth %{y}, %{x}: %{z:.2f}<extra></extra>",
     ))
     fig.update_layout(
-        title=dict(text=f"needles found: {method_label(method, preset)}" + (f" on {task}" if task else "")),
+        title=dict(text=f"needles found: {run_label(method, preset)}" + (f" on {task}" if task else "")),
         xaxis=dict(title=dict(text="cache"), type="category"),
         yaxis=dict(title=dict(text="needle depth"), type="category"),
         height=figures.FIGURE_HEIGHT, template="plotly_white", margin=dict(l=70, r=20, t=60, b=50),
@@ -111,7 +111,7 @@ def table_html(rows: Sequence[SummaryRow]) -> str:
     head = "".join(f"<th>{c}</th>" for c in _TABLE_COLUMNS)
     body = []
     for r in rows:
-        d = r.to_dict() | {"method": method_label(r.method, r.preset)}
+        d = r.to_dict() | {"method": run_label(r.method, r.preset)}
         body.append("<tr>" + "".join(f"<td>{_cell(d[c])}</td>" for c in _TABLE_COLUMNS) + "</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
@@ -128,7 +128,7 @@ def table_markdown(rows: Sequence[SummaryRow]) -> str:
         ratios = sorted({r.ratio for r in mine if r.ratio is not None})
         cells: dict[str, dict[float | None, SummaryRow]] = defaultdict(dict)
         for r in mine:
-            cells[method_label(r.method, r.preset)][r.ratio] = r
+            cells[run_label(r.method, r.preset)][r.ratio] = r
         note = next((r.note for r in mine if r.note), "")
         # Only ratio-free runs (the ceiling and floor alone): one accuracy column.
         columns = ratios or [None]

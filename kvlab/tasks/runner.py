@@ -106,7 +106,7 @@ class Outcome:
     seconds: float
 
 
-def prompt_ids(lm: LoadedModel, item: TaskItem) -> torch.Tensor:
+def item_prompt_ids(lm: LoadedModel, item: TaskItem) -> torch.Tensor:
     """The question turn, then the answer prefix that opens the model's answer: ids [n]."""
     ids = question_tokens(lm.tokenizer, item.question)
     if item.answer_prefix:
@@ -239,7 +239,7 @@ def run_items(
         shared: dict[tuple[int, float | None], tuple[CompressedKV, float]] = {}
         for item in todo:
             keys = plan.keys(lm.name, item)
-            prompt = prompt_ids(lm, item)
+            prompt = item_prompt_ids(lm, item)
             # Always computed (cheap next to the prefill): every other run is compared with it.
             full = answer_item(lm, ctx.full.stored, item, prompt)
             if keys[0] in done:

@@ -30,6 +30,7 @@ import torch
 from kvlab import models
 from kvlab.context import CONTEXTS
 from kvlab.methods import REGISTRY, get_method
+from kvlab.methods.base import SELECTION_PRESETS
 from kvlab.models import LoadedModel
 from kvlab.synthetic import byte_tokenizer, synthetic_lm
 
@@ -53,6 +54,9 @@ QUICK_OPTIONS: dict[str, dict[str, Any]] = {"summarisation": {"max_tokens": 12},
 #: Presets whose code paths another preset of the same method runs faster: plain OMP refits after
 #: every key it adds, AM-OMP-fast runs the same selection and refit with 4 keys per refit.
 COVERED_PRESETS = {"AM-OMP-basic": "AM-OMP-fast", "AM-OMP": "AM-OMP-fast"}
+#: The selection wrappers' presets (AdaKV, ChunkKV, CriticalKV), which every scoring method has,
+#: run for these: the wrappers' code is the same whatever the scores; KVzip's heads may keep nothing.
+WRAPPED_IN_SUITE = ("snapkv", "kvzip")
 
 
 def suite_model(
@@ -101,7 +105,8 @@ def method_configs() -> list[tuple[str, str | None]]:
         presets = getattr(REGISTRY[name], "presets", {})
         if presets and not any(presets is table for table in seen):
             seen.append(presets)
-            out += [(name, preset) for preset in presets if COVERED_PRESETS.get(preset) not in presets]
+            out += [(name, preset) for preset in presets if COVERED_PRESETS.get(preset) not in presets
+                    and (preset not in SELECTION_PRESETS or name in WRAPPED_IN_SUITE)]
     return out
 
 
@@ -126,9 +131,9 @@ def _method_step(name: str, preset: str | None) -> Step:
 def _explore(lm: LoadedModel, workdir: Path) -> None:
     """One Explore run and everything the page draws from it (token view, figures, fit figures)."""
     from kvlab.lab import explore
-    from kvlab.ui.present import present
+    from kvlab.ui.present import draw, present
 
-    present(explore(DOCUMENT, None, "attention_matching", 4.0, QUESTION, max_new_tokens=4))
+    draw(present(explore(DOCUMENT, None, "attention_matching", 4.0, QUESTION, max_new_tokens=4)))
 
 
 def _compare(lm: LoadedModel, workdir: Path) -> None:

@@ -1,8 +1,10 @@
 """The Gradio app: widgets and callbacks that call kvlab.lab; no maths here.
 
-One module per tab (explore, compare, learn), presentation (present: texts,
-tables, figures of a result), method knobs as widgets (knobs), what the tabs
-share (common), and the page and its serving (app). ``app.py`` at the
+One module per tab (explore, compare, generate, learn; a tab never imports
+another), presentation (present: texts, tables, figures of a result; tasks:
+the views of task results that Explore and Compare both show), method knobs
+as widgets (knobs), what the tabs share (common), and the page and its
+serving (app). ``app.py`` at the
 repository root calls :func:`main`.
 """
 from kvlab.ui.app import build_app, default_method, launch_options, main, prepare

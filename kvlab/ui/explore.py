@@ -7,9 +7,10 @@ Endpoints (each event has an ``api_name``, so ``gradio_client`` can drive it):
   summary, both answers, their word diff, five figures, the token-fate view;
   ``layer`` and ``head`` must lie in the sliders' range, which follows the
   model of the session's last run.
-- ``/prepare``: (text, file, method, model, knobs) -> a status line. Fired as
-  soon as a document is chosen (example, upload, or the text box left), so
-  that Run finds the prefill and the method's reference queries done.
+- ``/prepare``: (text, file, method, model, question, max_new_tokens, knobs)
+  -> a status line. Fired as soon as a document or question is chosen
+  (example, upload, or the text or question box left), so that Run finds the
+  prefill, the method's reference queries and the full cache's answer done.
 - ``/token_view``: (layer, head, intensity) -> the document coloured by token
   fate for that layer and KV head of the session's last run.
 - ``/load_example``: (example id) -> document text, suggested questions, question.
@@ -18,8 +19,6 @@ Endpoints (each event has an ``api_name``, so ``gradio_client`` can drive it):
 - ``/select_method``: (method) -> its description and which knobs show.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import gradio as gr
 
@@ -31,10 +30,10 @@ from kvlab.methods import REGISTRY
 from kvlab.methods.catalog import Knob, aware_tag, method_info, method_label, options_from, presets
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
 from kvlab.ui import common
-from kvlab.ui.common import GPU_MAX_S, USER_ERRORS, as_gr_error, guarded, on_gpu
+from kvlab.ui.common import GPU_MAX_S, USER_ERRORS, DocumentInputs, as_gr_error, checked_model, guarded, on_gpu
 from kvlab.ui.knobs import knob_component
 from kvlab.ui.tasks import build_task_outputs, show
-from kvlab.ui.present import INTENSITIES, INTENSITY_DEFAULT, TokenFates, run_view, token_view
+from kvlab.ui.present import INTENSITIES, INTENSITY_DEFAULT, TokenFates, draw, run_view, token_view
 
 RATIO_MIN, RATIO_MAX, RATIO_DEFAULT = 2, 100, 10
 #: The needle test's first settings: methods besides the one chosen, ratios, depths.
@@ -42,25 +41,6 @@ NEEDLE_METHODS, NEEDLE_RATIOS, NEEDLE_DEPTHS = ("streaming_llm",), "5, 10, 20", 
 #: The preset menu's entry for knobs set by hand.
 CUSTOM = "(knobs as set below)"
 MAX_NEW_TOKENS_MAX = 256
-
-
-@dataclass
-class DocumentInputs:
-    """The Explore tab's inputs that the other tabs read too."""
-
-    text: gr.Textbox
-    upload: gr.File
-    question: gr.Textbox
-    max_new: gr.Slider
-    model: gr.Dropdown
-
-
-def checked_model(spec: str | None, specs: list[str]) -> str:
-    """The model spec to use; refuses one not offered, before any heavy work (the run loads it)."""
-    spec = (spec or "").strip() or specs[0]
-    if spec not in specs:
-        raise InputError(f"the model {spec!r} is not offered here; choose one of: {', '.join(specs)}")
-    return spec
 
 
 @on_gpu(duration=GPU_MAX_S)
@@ -80,9 +60,10 @@ def preset_values(method_knobs: list[Knob], preset: str) -> list:
 def prepared_status(p: Prepared) -> str:
     """The line under the document once it is prepared."""
     prefill = f"prefill {p.prefill_s:.1f} s" + ("" if p.prefilled_now else " (already done)")
+    answer = "" if p.answer_s is None else f"; the full cache's answer to the question in {p.answer_s:.1f} s"
     return (
         f"Ready: {p.doc_tokens:,} document tokens read by {p.model} ({prefill}; {p.method} prepared in "
-        f"{p.method_s:.1f} s). Run reuses this work."
+        f"{p.method_s:.1f} s{answer}). Run reuses this work."
     )
 
 
@@ -160,7 +141,9 @@ def build_explore_tab(
                                 for knob in knobs[name][pair : pair + 2]:
                                     knob_inputs[knob.key] = knob_component(knob)
                     groups.append(group)
-            run_btn = gr.Button("Run", variant="primary", elem_id="kvlab-run")
+            with gr.Row():
+                run_btn = gr.Button("Run", variant="primary", elem_id="kvlab-run", scale=4)
+                stop_btn = gr.Button("Stop", variant="stop", elem_id="kvlab-stop", scale=1)
 
     summary = gr.Markdown(elem_id="kvlab-summary")
     with gr.Row():
@@ -218,7 +201,9 @@ def build_explore_tab(
                 needle_ratios = gr.Textbox(value=NEEDLE_RATIOS, label="Ratios", lines=1, elem_id="kvlab-needle-ratios")
                 needle_depths = gr.Slider(1, MAX_DEPTHS, value=NEEDLE_DEPTHS, step=1, label="Depths",
                                           elem_id="kvlab-needle-depths")
-        needle_go = gr.Button("Run the needle test", elem_id="kvlab-needle-run")
+        with gr.Row():
+            needle_go = gr.Button("Run the needle test", elem_id="kvlab-needle-run", scale=4)
+            needle_stop = gr.Button("Stop", variant="stop", elem_id="kvlab-needle-stop", scale=1)
         needle_views = build_task_outputs("needle")
 
     # ------------------------------------------------------------------ events
@@ -232,7 +217,8 @@ def build_explore_tab(
             raise as_gr_error(exc) from exc
         return body, gr.Dropdown(choices=list(ex.questions), value=ex.questions[0]), ex.questions[0], None
 
-    loaded = example.change(
+    # .input, not .change: a link sets the menu with its own question (kvlab.ui.app), which .change would undo.
+    loaded = example.input(
         on_example, [example], [text, suggested, question, upload], api_name="load_example", concurrency_limit=None,
     )
     suggested.input(lambda q: q or gr.Textbox(), [suggested], [question], api_name="pick_question",
@@ -259,14 +245,16 @@ def build_explore_tab(
             [menu], [knob_inputs[k.key] for k in knobs[name]], api_name=False, concurrency_limit=None,
         )
 
-    def on_prepare(text=None, file=None, method=start_method, model=None, progress=gr.Progress(), **knob_values):
+    def on_prepare(text=None, file=None, method=start_method, model=None, question=None,
+                   max_new_tokens=DEFAULT_MAX_NEW_TOKENS, progress=gr.Progress(), **knob_values):
         if common.spaces is not None:  # ZeroGPU: nothing computed outside a GPU slot survives it
             return "The document is read when you click Run."
         try:
-            prepared = prepare_document(
-                common.document_input(text, file), None, method, options_from(method, knob_values),
-                checked_model(model, specs), progress,
-            )
+            with common.bounded(slot=None):  # the time limit, Stop and a disconnect bound it too
+                prepared = prepare_document(
+                    common.document_input(text, file), None, method, options_from(method, knob_values),
+                    checked_model(model, specs), progress, question, max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+                )
         except USER_ERRORS as exc:
             return f"Not prepared: {exc}"
         except Exception as exc:  # noqa: BLE001 - Run will report it; the server stays up
@@ -276,13 +264,14 @@ def build_explore_tab(
         return prepared_status(prepared)
 
     prepare_args = dict(
-        fn=on_prepare, inputs=[text, upload, method, model], outputs=[doc_status], inputs_kwargs=knob_inputs,
+        fn=on_prepare, inputs=[text, upload, method, model, question, max_new], outputs=[doc_status],
+        inputs_kwargs=knob_inputs,
         concurrency_limit=1, concurrency_id="prepare", trigger_mode="always_last", show_progress_on=[doc_status],
     )
     loaded.then(api_name="prepare", **prepare_args)
     uploaded.then(api_name=False, **prepare_args)
     text.blur(api_name=False, **prepare_args)
-    demo.load(api_name=False, **prepare_args)  # the example the page opens on
+    question.blur(api_name=False, **prepare_args)  # a new question: its full-cache answer in the background
 
     run_outputs = [
         summary, answer_full, answer_comp, diff, err_plot, mass_plot, kept_plot, mem_plot,
@@ -294,51 +283,58 @@ def build_explore_tab(
                max_new_tokens=DEFAULT_MAX_NEW_TOKENS, layer=0, head=0, model=None,
                intensity=INTENSITY_DEFAULT, progress=gr.Progress(), **knob_values):
         view = guarded(method, lambda: run_view(
-            common.document_input(text, file), None, method, ratio, question, int(max_new_tokens or DEFAULT_MAX_NEW_TOKENS),
+            common.document_input(text, file), None, method, ratio, question, max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
             options_from(method, knob_values), checked_model(model, specs), progress,
         ))
+        # The answers and the summary first; the figures and the token view follow as they are drawn
+        # (on the CPU, outside the compute slot, which the next visitor's run can take meanwhile).
+        yield (*view.texts, *[gr.skip()] * (len(run_outputs) - len(view.texts) - 2), *view.answer_marks)
+        drawn = draw(view)
         fates = view.fates
         layer = min(max(int(layer or 0), 0), fates.n_layers - 1)
         head = min(max(int(head or 0), 0), fates.n_kv_heads - 1)
         line, html = token_view(fates, layer, head, intensity)
-        return (
-            *view.outputs,
+        yield (
+            *view.texts,
+            *drawn.figures,
             gr.Slider(minimum=0, maximum=fates.n_layers - 1, value=layer, step=1),
             gr.Slider(minimum=0, maximum=fates.n_kv_heads - 1, value=head, step=1),
             line,
             html,
             fates,
-            gr.Row(visible=view.fit_figures is not None),
-            *(view.fit_figures or (None, None)),
-            view.divergence,
+            gr.Row(visible=drawn.fit is not None),
+            *(drawn.fit or (None, None)),
+            drawn.divergence,
             *view.answer_marks,
         )
 
-    run_btn.click(
+    running = run_btn.click(
         on_run,
         [text, upload, method, ratio, question, max_new, layer, head, model, intensity],
         run_outputs,
         inputs_kwargs=knob_inputs,
         api_name="run",
-        concurrency_limit=1,
+        concurrency_limit=common.COMPUTE_ADMITTED,
         concurrency_id="compute",
         # One progress bar where the answers will appear: an animated overlay on
         # every output costs a CPU machine's browser (and the server beside it) time.
         show_progress_on=[summary, answer_full, answer_comp],
     )
+    stop_btn.click(None, None, None, cancels=[running], api_name=False)
 
     def on_needle(text=None, file=None, methods=None, ratios="", depths=NEEDLE_DEPTHS, model=None,
                   progress=gr.Progress()):
         chosen = list(methods or [])
         run = guarded(", ".join(chosen), lambda: needle_view(
-            common.document_input(text, file), None, chosen, parse_ratios([], ratios), int(depths), checked_model(model, specs), progress,
+            common.document_input(text, file), None, chosen, parse_ratios([], ratios), depths, checked_model(model, specs), progress,
         ))
         return show(run)
 
-    needle_go.click(
+    needle_run = needle_go.click(
         on_needle, [text, upload, needle_methods, needle_ratios, needle_depths, model], needle_views.all,
-        api_name="needle_test", concurrency_limit=1, concurrency_id="compute",
+        api_name="needle_test", concurrency_limit=common.COMPUTE_ADMITTED, concurrency_id="compute",
     )
+    needle_stop.click(None, None, None, cancels=[needle_run], api_name=False)
 
     def on_view(view: TokenFates | None, layer: int, head: int, intensity: str = INTENSITY_DEFAULT):
         return token_view(view, layer, head, intensity)
@@ -347,7 +343,8 @@ def build_explore_tab(
         [layer.input, head.input, intensity.input], on_view, [last, layer, head, intensity], [counts, tokens],
         api_name="token_view", show_progress="minimal", trigger_mode="always_last", concurrency_limit=4,
     )
-    return DocumentInputs(text, upload, question, max_new, model)
+    # The page prepares the document it opens on after applying its link (kvlab.ui.app).
+    return DocumentInputs(text, upload, question, max_new, model, example, suggested, method, ratio, prepare_args)
 
 
 def _example_text(ex: Example | None) -> str:

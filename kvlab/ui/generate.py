@@ -9,13 +9,12 @@ from __future__ import annotations
 import gradio as gr
 
 from kvlab.bounded.policies import BOUNDED, POLICIES
-from kvlab.bounded.tasks import copy_prompt, make_codes
+from kvlab.tasks.copying import copy_prompt, make_codes
 from kvlab.figures.generation import beacon_figure, cache_size_figure, logprob_figure, texts_html
 from kvlab.figures.plots import human_bytes
 from kvlab.lab.generate import DEFAULT_GENERATE_TOKENS, MAX_GENERATE_TOKENS, Generated, generate
 from kvlab.ui import common
-from kvlab.ui.common import guarded
-from kvlab.ui.explore import DocumentInputs, checked_model
+from kvlab.ui.common import DocumentInputs, GenerateInputs, checked_model, guarded
 
 SOURCES = ("the prompt below", "the Explore tab's document and question")
 #: The prompt the tab opens with: the copy task with 24 codes (about 120 tokens to write).
@@ -52,8 +51,8 @@ def generation_figures(g: Generated) -> tuple:
     return texts, size, logp, beacons
 
 
-def build_generate_tab(inputs: DocumentInputs, specs: list[str]) -> None:
-    """The Generate tab's widgets and its ``/generate`` event (inside an open ``gr.Tab``)."""
+def build_generate_tab(inputs: DocumentInputs, specs: list[str]) -> GenerateInputs:
+    """The Generate tab's widgets and its ``/generate`` event (inside an open ``gr.Tab``); returns what a link sets."""
     gr.Markdown(
         "**Compression while the model writes.** The unbounded cache writes first; then each chosen method "
         "writes after the same prompt with at most *budget* keys per KV head, shrinking its cache as it goes, "
@@ -70,7 +69,9 @@ def build_generate_tab(inputs: DocumentInputs, specs: list[str]) -> None:
                            "unbounded length)", elem_id="kvlab-gen-budget")
         max_new = gr.Slider(1, MAX_GENERATE_TOKENS, value=DEFAULT_GENERATE_TOKENS, step=1, label="New tokens at most",
                             elem_id="kvlab-gen-max-new")
-    go_button = gr.Button("Generate", variant="primary", elem_id="kvlab-gen-run")
+    with gr.Row():
+        go_button = gr.Button("Generate", variant="primary", elem_id="kvlab-gen-run", scale=4)
+        stop_button = gr.Button("Stop", variant="stop", elem_id="kvlab-gen-stop", scale=1)
     status = gr.Markdown(elem_id="kvlab-gen-status")
     table = gr.Dataframe(headers=COLUMNS, label="Per method", interactive=False, elem_id="kvlab-gen-table")
     texts = gr.HTML(elem_id="kvlab-gen-texts")
@@ -87,16 +88,18 @@ def build_generate_tab(inputs: DocumentInputs, specs: list[str]) -> None:
             prompt=prompt_ if use_prompt else None,
             document=None if use_prompt else common.document_input(text, file),
             question=None if use_prompt else question, methods=chosen,
-            budget=int(budget_) if budget_ else None, max_new_tokens=int(max_new_ or DEFAULT_GENERATE_TOKENS),
+            budget=budget_ or None, max_new_tokens=max_new_ or DEFAULT_GENERATE_TOKENS,
             model=checked_model(model, specs), progress=progress,
         ))
         summary = (f"**{g.model}**: {g.prompt_tokens} prompt tokens, {len(g.reference.run.ids)} written by the "
                    f"unbounded cache; budget **{g.budget}** keys per KV head; {g.wall_s:.1f} s in all.")
         return (summary, {"headers": COLUMNS, "data": generation_rows(g)}, *generation_figures(g))
 
-    go_button.click(
+    generating = go_button.click(
         on_generate,
         [source, prompt, inputs.text, inputs.upload, inputs.question, methods, budget, max_new, inputs.model],
         [status, table, texts, size_plot, logp_plot, beacon_plot],
-        api_name="generate", concurrency_limit=1, concurrency_id="compute",
+        api_name="generate", concurrency_limit=common.COMPUTE_ADMITTED, concurrency_id="compute",
     )
+    stop_button.click(None, None, None, cancels=[generating], api_name=False)
+    return GenerateInputs(source, methods, budget)

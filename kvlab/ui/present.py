@@ -7,12 +7,14 @@ worker and pickles what they return.
 """
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass
 from typing import Any
 
 from kvlab import figures
 from kvlab.context import Progress, no_progress
 from kvlab.lab import Explored, Sweep, TokenFates, compare, explore
+from kvlab.pipeline import RunResult
 from kvlab.ui.common import GPU_MAX_S, GPU_RUN_S, GPU_SWEEP_BASE_S, GPU_SWEEP_POINT_S, on_gpu
 
 #: What shades the token view: (label, value); the value names an entry of TokenFates.levels.
@@ -58,11 +60,14 @@ def summary_markdown(ex: Explored) -> str:
         f"{r.kept_tokens_mean:.1f} keys stored per head on average. {verdict}{expected}\n\n"
         "| | full cache | compressed cache |\n|---|---|---|\n"
         f"| memory | {figures.human_bytes(r.bytes_full)} | {figures.human_bytes(r.bytes_compressed)} ({r.memory_ratio:.1f}x smaller) |\n"
-        f"| answer time | {r.answer_full_s:.2f} s{' (cached)' if ex.full_answer_reused else ''} | {r.answer_compressed_s:.2f} s |\n"
+        f"| answer time | {r.answer_full_s:.2f} s{' (cached)' if ex.full_answer_reused else ''} "
+        f"| {r.answer_compressed_s:.2f} s{' (cached)' if ex.run.answer_reused else ''} |\n"
         f"| log-perplexity of the full cache's answer | {r.logppl_full:.3f} | {r.logppl_compressed:.3f} |\n\n"
         f"Attention error on held-out queries (mean over layers x KV heads): "
         f"output {r.attn_output_rel_err:.3f}, mass {r.attn_mass_rel_err:.3f}. "
-        f"{prefill} Compression {r.compress_s:.2f} s; this run took {ex.wall_s:.1f} s in all."
+        f"{prefill} Compression {r.compress_s:.2f} s"
+        f"{' (reused: same method, options and ratio as an earlier run)' if ex.run.compression_reused else ''}; "
+        f"this run took {ex.wall_s:.1f} s in all."
         + (f"\n\n**{r.numerics_warning}**" if r.numerics_warning else "")
     )
 
@@ -86,11 +91,18 @@ def stage_timings(ex: Explored) -> tuple[dict[str, float], dict[str, str]]:
         notes["prefill"] = f"reused ({r.prefill_s:.2f} s when run)"
     if has_queries:
         timings["reference queries"] = queries_s
-    timings["compression" + (" (fit)" if has_queries else "")] = max(0.0, r.compress_s - queries_s)
+    compression = "compression" + (" (fit)" if has_queries else "")
+    timings[compression] = 0.0 if ex.run.compression_reused else max(0.0, r.compress_s - queries_s)
+    if ex.run.compression_reused:
+        if has_queries:
+            timings["reference queries"] = 0.0
+        notes[compression] = f"reused ({r.compress_s:.2f} s when run)"
     timings["answer, full cache"] = 0.0 if ex.full_answer_reused else r.answer_full_s
     if ex.full_answer_reused:
         notes["answer, full cache"] = f"reused ({r.answer_full_s:.2f} s when run)"
-    timings["answer, compressed cache"] = r.answer_compressed_s
+    timings["answer, compressed cache"] = 0.0 if ex.run.answer_reused else r.answer_compressed_s
+    if ex.run.answer_reused:
+        notes["answer, compressed cache"] = f"reused ({r.answer_compressed_s:.2f} s when run)"
     timings["errors, log-ppl, other"] = max(0.0, ex.wall_s - sum(timings.values()))
     return timings, notes
 
@@ -124,43 +136,75 @@ def token_view(
 
 @dataclass
 class RunView:
-    """Everything ``/run`` shows for one run, as plain picklable data (no model, no cache).
+    """Everything ``/run`` shows for one run, as plain picklable data (no model, no cache, no figure).
 
-    outputs: summary, full answer, compressed answer, word diff, and the
-    error, mass, kept, memory and time figures; divergence: the answers
-    token by token (kvlab.figures.divergence_figure); answer_marks: a line
-    above each answer, right or wrong when the gold answer is known, else "".
+    texts: summary, full answer, compressed answer, word diff, shown as soon
+    as the run is done; answer_marks: a line above each answer, right or
+    wrong when the gold answer is known, else ""; result, timings, notes,
+    wall_s and fitted_biases (Attention Matching's, None for other methods):
+    what :func:`draw` makes the figures from, after the texts are on the page.
     """
 
-    outputs: tuple
+    texts: tuple[str, str, str, str]
     fates: TokenFates
-    fit_figures: tuple | None = None  # Attention Matching: bias histogram, fitting vs evaluation error
-    divergence: object = None
+    result: RunResult
+    timings: dict[str, float]
+    notes: dict[str, str]
+    wall_s: float
+    fitted_biases: list[float] | None = None
     answer_marks: tuple[str, str] = ("", "")
 
 
+@dataclass
+class Drawn:
+    """The figures of one run.
+
+    figures: error, mass, kept, memory and time; fit: Attention Matching's
+    bias histogram and fitting vs evaluation error (None for other methods);
+    divergence: the answers token by token (kvlab.figures.divergence_figure).
+    """
+
+    figures: tuple
+    fit: tuple | None
+    divergence: object
+
+
 def present(ex: Explored) -> RunView:
-    """The figures and texts of one finished run."""
+    """The texts of one finished run and the data its figures are drawn from."""
     r = ex.run.result
     timings, notes = stage_timings(ex)
+    fitted = ex.run.fitted_biases() if r.details.get("train_attn_output_rel_err") is not None else None
     return RunView(
+        (summary_markdown(ex), r.answer_full, r.answer_compressed, figures.word_diff(r.answer_full, r.answer_compressed)),
+        TokenFates.of(ex),
+        r,
+        timings,
+        notes,
+        ex.wall_s,
+        fitted,
+        answer_marks(ex),
+    )
+
+
+def draw(view: RunView) -> Drawn:
+    """The figures of a run (plotly, on the CPU: no model or compute slot needed)."""
+    r = view.result
+    fit = None
+    if view.fitted_biases is not None:
+        fit = (
+            figures.bias_histogram(view.fitted_biases),
+            figures.fit_vs_eval_figure(r.details["train_attn_output_rel_err"], r.per_head["attn_output_rel_err"]),
+        )
+    return Drawn(
         (
-            summary_markdown(ex),
-            r.answer_full,
-            r.answer_compressed,
-            figures.word_diff(r.answer_full, r.answer_compressed),
             figures.error_heatmap(r.per_head),
             figures.mass_heatmap(r.per_head),
             figures.kept_heatmap(r.per_head),
             figures.memory_figure(r.bytes_full, r.bytes_compressed, r.memory_breakdown),
-            figures.time_figure(timings, notes, total=ex.wall_s),
+            figures.time_figure(view.timings, view.notes, total=view.wall_s),
         ),
-        TokenFates.of(ex),
-        fit_figures(ex),
-        figures.divergence_figure(
-            r.answer_tokens, r.answer_logprobs_full, r.answer_logprobs_compressed, r.first_divergence,
-        ),
-        answer_marks(ex),
+        fit,
+        figures.divergence_figure(r.answer_tokens, r.answer_logprobs_full, r.answer_logprobs_compressed, r.first_divergence),
     )
 
 
@@ -168,21 +212,15 @@ def answer_marks(ex: Explored) -> tuple[str, str]:
     """A line above each answer: right or wrong against the gold answer when it is known, else ""."""
     if not ex.expected:
         return "", ""
-    mark = {True: "✅ **right**", False: "❌ **wrong**"}
-    gold = f" (expected: {ex.expected[0]})"
-    return mark[ex.full_right] + gold, mark[ex.compressed_right] + gold
+    gold = f" (expected: {html.escape(ex.expected[0])})"
+    return verdict_mark(ex.full_right) + gold, verdict_mark(ex.compressed_right) + gold
 
 
-def fit_figures(ex: Explored) -> tuple | None:
-    """Attention Matching's inner workings, when the run has them."""
-    r = ex.run.result
-    train = r.details.get("train_attn_output_rel_err")
-    if train is None:
-        return None
-    return (
-        figures.bias_histogram(ex.run.fitted_biases()),
-        figures.fit_vs_eval_figure(train, r.per_head["attn_output_rel_err"]),
-    )
+def verdict_mark(right: bool) -> str:
+    """The word right or wrong, bold on green or red (kvlab.ui.common.CSS): words and colour, never
+    an emoji glyph, which a browser without an emoji font (Debian's Chromium) draws as an empty box."""
+    word = "right" if right else "wrong"
+    return f'<span class="kvlab-mark kvlab-mark-{word}">{word}</span>'
 
 
 @on_gpu(duration=GPU_RUN_S)
@@ -197,7 +235,7 @@ def run_view(
     model: str | None,
     progress: Progress = no_progress,
 ) -> RunView:
-    """The heavy part of ``/run``: kvlab.lab.explore, then :func:`present`.
+    """The heavy part of ``/run``: kvlab.lab.explore, then :func:`present` (figures are drawn after, by :func:`draw`).
 
     ``progress`` may be a ``gr.Progress`` (it is picklable; a lambda would not be).
     """

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from kvlab.lab import TaskRun
-from kvlab.tasks.report import accuracy_figure, method_label, needle_heatmap
+from kvlab.tasks.report import accuracy_figure, run_label, needle_heatmap
 
 TABLE_COLUMNS = ["task", "method", "ratio", "items", "accuracy", "agreement with full", "note"]
 
@@ -60,7 +60,7 @@ def _heatmap(run: TaskRun | None, label: str | None, task: str | None):
     if run is None or not label or not any(r.depth is not None and r.task == task for r in run.results):
         return None
     for m, p in run.methods:
-        if method_label(m, p) == label:
+        if run_label(m, p) == label:
             return needle_heatmap(run.results, m, p, task)
     return None
 
@@ -80,13 +80,14 @@ def status_line(run: TaskRun) -> str:
         note = next((r.note for r in rows if r.note), "")
         parts.append(text + (f" — {note}" if note else ""))
     took = f" in {run.wall_s:.0f} s" if run.wall_s else ""
-    return f"{len(run.results)} answers scored ({run.source}){took}. " + "; ".join(parts) + "."
+    stopped = f"\n\n**{run.stopped}**" if run.stopped else ""
+    return f"{len(run.results)} answers scored ({run.source}){took}. " + "; ".join(parts) + "." + stopped
 
 
 def table_rows(run: TaskRun) -> list[list]:
     """The accuracy table's rows (see TABLE_COLUMNS)."""
     return [
-        [r.task, method_label(r.method, r.preset), "-" if r.ratio is None else r.ratio, r.n,
+        [r.task, run_label(r.method, r.preset), "-" if r.ratio is None else r.ratio, r.n,
          round(r.accuracy, 3), round(r.agreement, 3), r.note]
         for r in run.rows
     ]
@@ -95,7 +96,7 @@ def table_rows(run: TaskRun) -> list[list]:
 def show(run: TaskRun) -> tuple:
     """The values of TaskOutputs.all for ``run``: the first task and the first method drawn."""
     task = run.tasks[0] if run.tasks else None
-    labels = [method_label(m, p) for m, p in run.methods]
+    labels = [run_label(m, p) for m, p in run.methods]
     has_depths = any(r.depth is not None for r in run.results)
     method = labels[0] if labels and has_depths else None
     return (

@@ -1,0 +1,33 @@
+"""KNorm (Devoto, Zhao, Scardapane, Minervini, 2024, "A Simple and Effective L2 Norm-Based
+Strategy for KV Cache Compression", EMNLP 2024, arXiv 2406.11430).
+
+Keys with a small L2 norm draw high attention (the paper's observation), so a
+token's score is minus its key's norm, s_j = -||k_j||_2. No attention, no
+query, no knob (as the paper and kvpress's KnormPress). RoPE rotates each key
+without changing its norm, so kvlab's post-RoPE keys give the paper's scores.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvlab.methods.base import EvictionMethod, Request, register
+
+
+def knorm_scores(req: Request) -> list[torch.Tensor]:
+    """Per layer [H_kv, T_doc]: minus each document key's L2 norm."""
+    ctx = req.ctx
+    return [-keys[:, ctx.prefix_len :].float().norm(dim=-1) for keys in ctx.full.keys]
+
+
+@register
+class KNorm(EvictionMethod):
+    name = "knorm"
+    summary = "keys with the smallest L2 norm (they draw the most attention); no attention computed"
+    learn = (
+        "A key's norm predicts the attention it draws: low-norm keys are the ones queries attend to. "
+        "The score is $s_j=-\\lVert k_j\\rVert_2$, top B per head; nothing but the keys is read."
+    )
+    paper = "Devoto, Zhao, Scardapane, Minervini, 2024, A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression"
+
+    def scores(self, req: Request) -> list[torch.Tensor]:
+        return knorm_scores(req)

@@ -1,0 +1,164 @@
+"""Links that open the lab on one configuration, and the link to what a page shows.
+
+``?tab=explore&example=story&method=kvzip&ratio=10&question=Who+kept+the+ledger``
+opens the Explore tab on the bundled example ``story`` with that question,
+KVzip at 10x. The Compare tab reads ``methods`` and ``ratios`` (comma-separated),
+the Generate tab ``methods`` (its bounded-cache methods), ``budget`` and
+``source=document`` (write after the Explore tab's document and question).
+``method``/``methods`` and ``ratio``/``ratios`` are the same parameter, so a
+link reads naturally for one tab or several values.
+
+A parameter that is unknown or out of range is dropped: the page keeps its
+default there and :attr:`Link.notes` says so (one line each), never an error.
+Pure functions on strings, no gradio: :mod:`kvlab.ui.app` applies a
+:class:`Link` to the widgets at page load.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+from urllib.parse import urlencode
+
+TABS = ("explore", "compare", "generate", "learn")
+#: Parameters a link may carry; anything else gets a note.
+PARAMETERS = ("tab", "example", "question", "method", "methods", "ratio", "ratios", "budget", "source", "model")
+SOURCES = ("prompt", "document")
+
+
+@dataclass(frozen=True)
+class LinkChoices:
+    """What a link may choose from: the page's own menus and ranges."""
+
+    examples: tuple[str, ...]
+    methods: tuple[str, ...]
+    ratio_range: tuple[float, float]  # the Explore slider's
+    sweep_ratios: tuple[float, ...]  # the Compare tab's ticks; other ratios in sweep_range go to "More ratios"
+    sweep_range: tuple[float, float]
+    generate_methods: tuple[str, ...]
+    models: tuple[str, ...] = ()
+    question_chars: int = 2_000
+
+
+@dataclass(frozen=True)
+class Link:
+    """What a link sets (None: the page's default) and a note per refused parameter."""
+
+    tab: str = "explore"
+    example: str | None = None
+    question: str | None = None
+    model: str | None = None
+    method: str | None = None
+    ratio: float | None = None
+    methods: tuple[str, ...] | None = None
+    ratios: tuple[float, ...] | None = None
+    budget: int | None = None
+    source: str | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    def note(self) -> str:
+        """The page's line about the link: "" when every parameter was taken."""
+        return "" if not self.notes else "**This link was partly understood:** " + " ".join(self.notes)
+
+
+def number(text: str) -> float | None:
+    """``text`` as a finite number, None when it is not one."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def parse_link(params: Mapping[str, str], choices: LinkChoices) -> Link:
+    """The configuration ``params`` (a page's query parameters) asks for, each checked against ``choices``."""
+    notes: list[str] = []
+    got = {k: str(v).strip() for k, v in params.items()}
+    for key in sorted(set(got) - set(PARAMETERS)):
+        notes.append(f"`{key}` is not a parameter (use {', '.join(PARAMETERS)}).")
+    values: dict[str, object] = {}
+
+    tab = got.get("tab", "").lower() or "explore"
+    if tab not in TABS:
+        notes.append(f"tab `{tab}` does not exist (one of {', '.join(TABS)}): Explore opens.")
+        tab = "explore"
+    if got.get("example"):
+        if got["example"] in choices.examples:
+            values["example"] = got["example"]
+        else:
+            notes.append(f"example `{got['example']}` is not bundled (one of {', '.join(choices.examples)}).")
+    if got.get("question"):
+        if len(got["question"]) <= choices.question_chars:
+            values["question"] = got["question"]
+        else:
+            notes.append(f"the question is longer than {choices.question_chars:,} characters: not used.")
+    if got.get("model"):
+        if got["model"] in choices.models:
+            values["model"] = got["model"]
+        else:
+            notes.append(f"model `{got['model']}` is not offered here.")
+
+    method_text = got.get("methods") or got.get("method") or ""
+    ratio_text = got.get("ratios") or got.get("ratio") or ""
+    if tab == "generate":
+        offered = choices.generate_methods
+    else:
+        offered = choices.methods
+    names = _names(method_text)
+    unknown = [n for n in names if n not in offered]
+    if unknown:
+        notes.append(f"method {', '.join(f'`{n}`' for n in unknown)} is not offered here (one of {', '.join(offered)}).")
+    known = tuple(dict.fromkeys(n for n in names if n in offered))
+    if tab == "explore" and known:
+        values["method"] = known[0]
+        if len(known) > 1:
+            notes.append(f"Explore runs one method: `{known[0]}`.")
+    elif tab in ("compare", "generate") and known:
+        values["methods"] = known
+
+    if ratio_text and tab in ("explore", "compare"):
+        low, high = choices.ratio_range if tab == "explore" else choices.sweep_range
+        numbers = [(t, number(t)) for t in _names(ratio_text)]
+        bad = [t for t, x in numbers if x is None or not low <= x <= high]
+        if bad:
+            notes.append(f"ratio {', '.join(f'`{t}`' for t in bad)} is not a number from {low:g} to {high:g}.")
+        good = tuple(dict.fromkeys(x for _, x in numbers if x is not None and low <= x <= high))
+        if tab == "explore" and good:
+            values["ratio"] = good[0]
+        elif good:
+            values["ratios"] = good
+
+    if got.get("budget") and tab == "generate":
+        budget = number(got["budget"])
+        if budget is None or budget < 0 or budget != int(budget):
+            notes.append(f"budget `{got['budget']}` is not a whole number of keys (0: a quarter of the text).")
+        else:
+            values["budget"] = int(budget)
+    if got.get("source") and tab == "generate":
+        if got["source"] in SOURCES:
+            values["source"] = got["source"]
+        else:
+            notes.append(f"source `{got['source']}` is not one of {', '.join(SOURCES)}.")
+    return Link(tab=tab, notes=tuple(notes), **values)  # type: ignore[arg-type]
+
+
+def link_query(link: Link) -> str:
+    """``?tab=...&...``: the query of a link that opens ``link`` (parameters the tab reads, None left out)."""
+    pairs: list[tuple[str, str]] = [("tab", link.tab)]
+    for key in ("example", "question", "model", "method", "source"):
+        value = getattr(link, key)
+        if value is not None:
+            pairs.append((key, value))
+    if link.ratio is not None:
+        pairs.append(("ratio", f"{link.ratio:g}"))
+    if link.methods:
+        pairs.append(("methods", ",".join(link.methods)))
+    if link.ratios:
+        pairs.append(("ratios", ",".join(f"{r:g}" for r in link.ratios)))
+    if link.budget is not None:
+        pairs.append(("budget", str(link.budget)))
+    return "?" + urlencode(pairs, safe=",")

@@ -1,0 +1,185 @@
+"""Attention Matching's retrieval knobs (issue #22), each against an independent computation.
+
+- the anchored ridge (``value_anchor``) against a direct float64 solve of
+  ``argmin ||X V - Y||^2 + lambda ||V - V_S||^2``, in the primal and the dual regime;
+- the bias-only fit (``value_fit=original``): the stored values are the kept
+  tokens' own, and the block's attention equals softmax attention over those
+  original values with the fitted beta;
+- query weights: a weight of 2 is the query counted twice;
+- the union of KVzip's and HighestAttnKeys' keys: each part is the top of its own ranking;
+- self-study queries mixed in and their validation.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvlab.context import prepare_context
+from kvlab.methods import MethodError, Request, get_method
+from kvlab.methods.attention_matching import fitting_queries, mixed_queries, AMOptions
+from kvlab.methods.kvzip import KVzipOptions, kvzip_scores
+from kvlab.methods.solvers import compact_block, score_keys
+from kvlab.queries import repeat_queries, self_study_queries
+from kvlab.runtime.attention import attend
+
+DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(96))
+
+
+@pytest.fixture(scope="module")
+def ctx(tiny):
+    return prepare_context(tiny, DOC)
+
+
+def _qkv(B: int, n: int, T: int, d: int = 16, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, n, d, generator=gen) * 2.0, torch.randn(B, T, d, generator=gen),
+            torch.randn(B, T, d, generator=gen))
+
+
+def _compact_attention(q, cb):
+    """X = softmax(q Ck^T / sqrt(d) + beta), written out here (float64)."""
+    logits = q.double() @ cb.keys.double().transpose(1, 2) / math.sqrt(q.shape[-1]) + cb.bias.double().unsqueeze(1)
+    return torch.softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize("n", [64, 6])  # more queries than kept keys (primal), fewer (dual)
+@pytest.mark.parametrize("lam", [1e-2, 1.0])
+def test_anchored_ridge_is_the_direct_solve_toward_the_kept_values(n, lam):
+    q, k, v = _qkv(B=2, n=n, T=30, seed=1)
+    t = 10
+    cb = compact_block(q, k, v, t, value_anchor=lam)
+    x = _compact_attention(q, cb)  # [B, n, t]
+    y = torch.softmax(q.double() @ k.double().transpose(1, 2) / 4.0, dim=-1) @ v.double()
+    own = v.double().gather(1, cb.index.unsqueeze(-1).expand(-1, -1, v.shape[-1]))
+    gram = x.transpose(1, 2) @ x
+    # lambda is relative: times the Gram's mean diagonal.
+    scale = torch.diagonal(gram, dim1=-2, dim2=-1).mean(-1).view(-1, 1, 1)
+    eye = torch.eye(t, dtype=torch.float64)
+    direct = torch.linalg.solve(gram + lam * scale * eye, x.transpose(1, 2) @ y + lam * scale * own)
+    torch.testing.assert_close(cb.values.double(), direct, rtol=2e-3, atol=2e-4)
+
+
+def test_a_key_no_query_reads_keeps_its_own_value_under_the_anchor():
+    # Keys far from every query (a needle that few queries read): their fitted values stay the originals.
+    q, k, v = _qkv(B=1, n=4, T=12, seed=2)
+    k[0, :3] = -50.0 * q[0].mean(0) / q[0].mean(0).norm()  # attention to them underflows for every query
+    key_scores = torch.zeros(1, 12)
+    key_scores[0, :6] = 1.0  # keep the three unread keys and three others
+    anchored = compact_block(q, k, v, 6, value_anchor=1e-3, key_scores=key_scores)
+    plain = compact_block(q, k, v, 6, key_scores=key_scores)
+    unread = anchored.index[0] < 3
+    assert int(unread.sum()) == 3
+    torch.testing.assert_close(anchored.values[0, unread], v[0, anchored.index[0, unread]], rtol=1e-4, atol=1e-5)
+    # The published fit pulls them toward 0 instead (the minimum-norm solution).
+    assert float(plain.values[0, unread].abs().max()) < 1e-3
+
+
+def test_bias_only_keeps_the_original_values_and_attends_over_them():
+    q, k, v = _qkv(B=3, n=40, T=24, seed=3)
+    budgets = torch.tensor([8, 5, 8])
+    cb = compact_block(q, k, v, 8, budgets=budgets, value_fit="original")
+    fitted = compact_block(q, k, v, 8, budgets=budgets)
+    assert torch.equal(cb.index, fitted.index)
+    torch.testing.assert_close(cb.bias, fitted.bias)  # beta does not depend on the values
+    real = cb.index >= 0
+    original = v.gather(1, cb.index.clamp_min(0).unsqueeze(-1).expand(-1, -1, v.shape[-1]))
+    assert torch.equal(cb.values[real], original[real])
+    # The compact block's output: softmax attention with beta over the original values (eager, float64).
+    eager = _compact_attention(q, cb) @ torch.where(real.unsqueeze(-1), original, 0).double()
+    torch.testing.assert_close(attend(q, cb.keys, cb.values, cb.bias).output.double(), eager, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="value_fit"):
+        compact_block(q, k, v, 8, value_fit="zero")
+
+
+@pytest.mark.parametrize("key_selection", ["highest_attn", "omp"])
+def test_a_query_of_weight_two_is_that_query_counted_twice(key_selection):
+    q, k, v = _qkv(B=2, n=20, T=24, seed=4)
+    weights = torch.ones(2, 20)
+    weights[:, 5] = 2.0
+    copies = list(range(20)) + [5]
+    weighted = compact_block(q, k, v, 8, query_weights=weights, key_selection=key_selection)
+    repeated = compact_block(q[:, copies], k, v, 8, key_selection=key_selection)
+    assert torch.equal(weighted.index, repeated.index)
+    torch.testing.assert_close(weighted.bias, repeated.bias, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(weighted.values, repeated.values, rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="query_weights"):
+        compact_block(q, k, v, 8, query_weights=-weights)
+
+
+def test_the_union_takes_each_rankings_top_keys():
+    q, k, v = _qkv(B=2, n=30, T=40, seed=5)
+    outside = torch.randn(2, 40, generator=torch.Generator().manual_seed(6))
+    budgets = torch.tensor([10, 7])
+    cb = compact_block(q, k, v, 10, budgets=budgets, key_scores=outside, key_scores_share=0.5)
+    attention = score_keys(q, k)
+    for h, t in enumerate(budgets.tolist()):
+        first = math.ceil(0.5 * t)
+        chosen = set(cb.index[h, :t].tolist())
+        from_outside = set(outside[h].topk(first).indices.tolist())
+        assert from_outside <= chosen
+        rest = attention[h].clone()
+        rest[list(from_outside)] = float("-inf")
+        assert chosen - from_outside == set(rest.topk(t - first).indices.tolist())
+
+
+def test_mixed_queries_are_both_sources_capped_and_weighted(ctx):
+    opts = AMOptions(self_study_weight=0.5, self_study_tokens=8, max_queries=40)
+    rep, ss = repeat_queries(ctx)[0], self_study_queries(ctx, 8)[0]
+    grouped, weights = mixed_queries(rep, ss, ctx.lm.n_kv_heads, opts)
+    first = fitting_queries(rep, ctx.lm.n_kv_heads, opts)
+    assert torch.equal(grouped[:, : first.shape[1]], first)
+    assert torch.equal(grouped[:, first.shape[1] :], fitting_queries(ss, ctx.lm.n_kv_heads, opts))
+    assert bool((weights[:, : first.shape[1]] == 1).all()) and bool((weights[:, first.shape[1] :] == 0.5).all())
+
+
+def test_the_retrieval_knobs_compress_within_budget_and_refuse_contradictions(ctx):
+    budget = round(ctx.doc_len / 4)
+    for options in ({"value_fit": "original"}, {"value_anchor": 0.1}, {"self_study_weight": 1.0, "self_study_tokens": 8},
+                    {"key_selection": "kvzip_union"}, {"key_selection": "kvzip", "value_fit": "original"}):
+        stored = get_method("attention_matching", **options).compress(Request(ctx, 4.0))
+        assert int(stored.kept_per_head().max()) <= budget + ctx.prefix_len, options
+    original = get_method("attention_matching", value_fit="original").compress(Request(ctx, 4.0))
+    for layer in range(ctx.lm.n_layers):
+        view = original.layer_view(layer)
+        for h in range(ctx.lm.n_kv_heads):
+            real = view.token_index[h] >= 0
+            tokens = view.token_index[h, real]
+            assert torch.equal(view.values[h, real], ctx.full.values[layer][h, tokens])
+    union = get_method("attention_matching", key_selection="kvzip_union").compress(Request(ctx, 4.0))
+    scores = kvzip_scores(Request(ctx, 4.0), KVzipOptions())
+    for layer in range(ctx.lm.n_layers):
+        view = union.layer_view(layer)
+        for h in range(ctx.lm.n_kv_heads):
+            kept = set(view.token_index[h][view.token_index[h] >= 0].tolist())
+            top = scores[layer][h].topk(math.ceil(0.5 * budget)).indices + ctx.prefix_len
+            assert set(top.tolist()) <= kept
+    for bad, match in (({"value_fit": "original", "value_anchor": 0.1}, "value_anchor"),
+                       ({"self_study_weight": 1.0, "on_policy": True}, "self_study_weight"),
+                       ({"self_study_weight": 1.0, "query_source": "self_study"}, "self_study_weight"),
+                       ({"kvzip_share": 1.5}, "kvzip_share"), ({"value_anchor": -1.0}, "value_anchor")):
+        with pytest.raises(MethodError, match=match):
+            get_method("attention_matching", **bad)
+
+
+def test_the_retrieval_knobs_stay_on_the_models_device(monkeypatch: pytest.MonkeyPatch):
+    """Under kvlab.testing.fake_cuda: no op of the new paths mixes devices (see tests/test_device_mixing.py)."""
+    from kvlab.context import CONTEXTS
+    from kvlab.models import LoadedModel
+    from kvlab.testing.device_suite import DOCUMENT, suite_model
+    from kvlab.testing.fake_cuda import FAKE_DEVICE, fake_cuda, to_fake_cuda
+
+    monkeypatch.setenv("KVLAB_KERNELS", "torch")
+    lm = suite_model(name="fake-cuda-am-knobs")
+    to_fake_cuda(lm.model)
+    lm = LoadedModel(lm.name, lm.model, lm.tokenizer, FAKE_DEVICE, lm.dtype)
+    try:
+        with fake_cuda() as mode:
+            ctx = CONTEXTS.get(lm, DOCUMENT)
+            for options in ({"value_fit": "original", "key_selection": "kvzip_union"},
+                            {"value_anchor": 0.1, "self_study_weight": 0.5, "self_study_tokens": 8}):
+                get_method("attention_matching", **options).compress(Request(ctx, 4.0, record_importance=True))
+        assert mode.on_cuda > 0
+    finally:
+        CONTEXTS.forget(lm)

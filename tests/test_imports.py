@@ -1,0 +1,174 @@
+"""The house's import graph, read from the source (ast), not from what Python happened to import.
+
+Every import of every module under kvlab/ counts: at the top, inside a
+function (an import put there to dodge a circle is still a circle) or under
+``TYPE_CHECKING``. A module's edge goes to the module it names: ``from
+kvlab.lab import fates`` to ``kvlab.lab.fates`` when that is a module, else to
+the package ``kvlab.lab`` (its ``__init__``).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: (importer prefix, imported prefix, why): imports that go the wrong way up the layers.
+FORBIDDEN = [
+    ("kvlab.runtime", "kvlab.methods", "the runtime is below the methods"),
+    ("kvlab.runtime", "kvlab.lab", "the runtime is below the lab layer"),
+    ("kvlab.runtime", "kvlab.ui", "the runtime is below the UI"),
+    ("kvlab.kernels", "kvlab.methods", "the kernels are below the methods"),
+    ("kvlab.methods", "kvlab.lab", "methods never import the lab layer"),
+    ("kvlab.methods", "kvlab.ui", "methods never import the UI"),
+    ("kvlab.lab", "kvlab.ui", "the lab layer is below the UI"),
+    ("kvlab.bounded", "kvlab.tasks", "tasks with known answers sit above bounded generation"),
+] + [("kvlab.figures", model_code, "figures never import model code")
+     for model_code in ("kvlab.models", "kvlab.context", "kvlab.runtime", "kvlab.kernels", "kvlab.methods",
+                        "kvlab.pipeline", "kvlab.lab")]
+#: The UI's tabs: none imports another (what two share lives in kvlab.ui.common or kvlab.ui.tasks).
+TABS = ["kvlab.ui.explore", "kvlab.ui.compare", "kvlab.ui.generate", "kvlab.ui.learn"]
+#: Packages that never import gradio (the lab layer runs without the UI; methods and figures too).
+NO_GRADIO = ["kvlab.methods", "kvlab.lab", "kvlab.runtime", "kvlab.figures", "kvlab.kernels"]
+
+
+def module_files(root: Path = ROOT) -> dict[str, tuple[Path, bool]]:
+    """Module name -> (file, is a package's __init__) for every .py under root/kvlab."""
+    out = {}
+    for path in sorted((root / "kvlab").rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        package = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if package else parts)] = (path, package)
+    return out
+
+
+def imported_names(path: Path, module: str, package: bool) -> set[str]:
+    """Every absolute name ``path`` imports: ``module`` for ``import module``, ``module.attr`` for ``from module import attr``."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolved against this module's package
+                base = module.split(".") if package else module.split(".")[:-1]
+                base = base[: len(base) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            # ``source.attr``: resolve() keeps the submodule when attr is one, else the package.
+            names.update(f"{source}.{alias.name}" for alias in node.names)
+    return names
+
+
+def resolve(name: str, modules: dict[str, tuple[Path, bool]]) -> str | None:
+    """The kvlab module ``name`` lives in (its longest prefix that is a module), None outside kvlab."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph(modules: dict[str, tuple[Path, bool]]) -> dict[str, set[str]]:
+    """Module -> the kvlab modules it imports (itself excluded)."""
+    graph = {}
+    for module, (path, package) in modules.items():
+        targets = {resolve(n, modules) for n in imported_names(path, module, package) if n.split(".")[0] == "kvlab"}
+        graph[module] = {t for t in targets if t is not None and t != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return import_graph(module_files())
+
+
+# --- the checker itself, on hand-made graphs and files --------------------------------------------
+
+
+def test_cycles_finds_a_circle_and_only_it() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_function_level_and_relative_imports_count(tmp_path: Path) -> None:
+    pkg = tmp_path / "kvlab" / "sub"
+    pkg.mkdir(parents=True)
+    (tmp_path / "kvlab" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from .low import thing\n")
+    (pkg / "low.py").write_text("def f():\n    from kvlab.top import g\n    return g\nthing = 1\n")
+    (tmp_path / "kvlab" / "top.py").write_text("from kvlab.sub import low\nfrom typing import TYPE_CHECKING\n")
+    graph = import_graph(module_files(tmp_path))
+    assert graph["kvlab.sub"] == {"kvlab.sub.low"}
+    assert graph["kvlab.top"] == {"kvlab.sub.low"}
+    assert cycles(graph) == [["kvlab.sub.low", "kvlab.top"]]
+
+
+# --- the house --------------------------------------------------------------------------------------
+
+
+def test_kvlab_has_no_import_cycle(graph: dict[str, set[str]]) -> None:
+    found = cycles(graph)
+    detail = "; ".join(" <-> ".join(c) + " (" + ", ".join(f"{a}->{b}" for a in c for b in sorted(graph[a] & set(c))) + ")"
+                       for c in found)
+    assert not found, f"import cycles: {detail}"
+
+
+def test_no_import_goes_up_the_layers(graph: dict[str, set[str]]) -> None:
+    wrong = [f"{a} imports {b} ({why})"
+             for importer, imported, why in FORBIDDEN
+             for a, targets in graph.items() if under(a, importer)
+             for b in sorted(targets) if under(b, imported)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_ui_tabs_do_not_import_each_other(graph: dict[str, set[str]]) -> None:
+    wrong = [f"{a} imports {b}" for a in TABS for b in sorted(graph[a]) if b in TABS]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_library_layers_import_no_gradio() -> None:
+    wrong = [module for module, (path, package) in module_files().items()
+             if any(under(module, p) for p in NO_GRADIO)
+             and any(n.split(".")[0] == "gradio" for n in imported_names(path, module, package))]
+    assert not wrong, f"import gradio: {', '.join(wrong)}"
