@@ -268,3 +268,20 @@ def test_an_answer_checked_against_a_draft_is_the_greedy_answer(tiny):
             assert torch.allclose(got.draft_logprobs, continuation_logprobs(tiny, stored, prompt, target), atol=1e-5)
         assert torch.allclose(torch.tensor(got.generation.logprobs), torch.tensor(greedy(tiny, stored, prompt, 10).logprobs),
                               atol=1e-5)
+
+
+@pytest.mark.parametrize("bias_shape", [None, (2, 9), (2, 2, 7)])
+def test_a_batched_decode_step_matches_block_attention(bias_shape):
+    """One query per head, two sequences, over 9 keys (a bias on the first 7 or all of them): against
+    :func:`attend` per sequence, the stored keys' bias padded with zeros for the keys after them."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = torch.randn(2, 4, 1, 16, generator=gen), torch.randn(2, 2, 9, 16, generator=gen), torch.randn(2, 2, 9, 16, generator=gen)
+    bias = None if bias_shape is None else torch.randn(*bias_shape, generator=gen)
+    fast = causal_attention(q, k, v, bias, 0.25)
+    for b in range(2):
+        full = None
+        if bias is not None:
+            mine = bias if bias.dim() == 2 else bias[b]
+            full = torch.cat([mine, mine.new_zeros(2, 9 - mine.shape[-1])], dim=-1)
+        slow = attend(q[b].reshape(2, 2, 16), k[b], v[b], full, 0.25).output.reshape(4, 1, 16)
+        assert torch.allclose(fast[b], slow, atol=1e-5)

@@ -163,7 +163,7 @@ def causal_attention(
 def _decode_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
-    """One query per head over the whole cache (nothing to mask causally): [1, H, 1, d].
+    """One query per head over the whole cache (nothing to mask causally): q [B, H, 1, d] -> [B, H, 1, d].
 
     On CUDA a biased cache goes to the split-K kernel (biases kept in float32).
     Elsewhere two grouped matmuls: each KV head's keys are read once for its
@@ -176,13 +176,13 @@ def _decode_step(
 
     if key_bias is not None and kernels.backend(q) == "triton":
         return kernels.decode_attention(q, k, v, key_bias, scale).output
-    n_heads, n_kv, d = q.shape[1], k.shape[1], q.shape[-1]
-    grouped = q[0].reshape(n_kv, n_heads // n_kv, d).float()
-    logits = torch.matmul(grouped * scale, k[0].float().transpose(1, 2))  # [H_kv, group, kv]
-    if key_bias is not None:
-        logits[..., : key_bias.shape[1]] += key_bias.float().unsqueeze(1)
-    out = torch.matmul(torch.softmax(logits, dim=-1), v[0].float())
-    return out.reshape(1, n_heads, 1, d).to(q.dtype)
+    batch, n_heads, n_kv, d = q.shape[0], q.shape[1], k.shape[1], q.shape[-1]
+    grouped = q.reshape(batch, n_kv, n_heads // n_kv, d).float()
+    logits = torch.matmul(grouped * scale, k.float().transpose(-1, -2))  # [B, H_kv, group, kv]
+    if key_bias is not None:  # [H_kv, L] or [B, H_kv, L]
+        logits[..., : key_bias.shape[-1]] += key_bias.float().unsqueeze(-2)
+    out = torch.matmul(torch.softmax(logits, dim=-1), v.float())
+    return out.reshape(batch, n_heads, 1, d).to(q.dtype)
 
 
 # PyTorch's CPU flash kernel, which also returns the log-sum-exp; None if this
