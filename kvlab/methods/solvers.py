@@ -18,7 +18,7 @@ Shapes: ``B`` heads, ``n`` reference queries, ``T`` original keys, ``t``
 compact keys, ``d`` key dim, ``dv`` value dim. Attention itself is computed
 only through :mod:`kvlab.runtime.attention`.
 
-One module on purpose (about 920 lines): key scoring, the bounded NNLS for the
+One module on purpose (about 1,070 lines): key scoring, the bounded NNLS for the
 biases, the value least squares and OMP are the stages of one solve and share
 their batched shapes, masks and float32 conventions; split apart, each stage
 would have to re-derive them.
