@@ -61,6 +61,8 @@ import re
 import torch
 
 from kvlab.cli import main
+from kvlab.context import prepare_context
+from kvlab.methods import Request, get_method
 from kvlab.prompts import context_tokens
 from kvlab.tasks import datasets, registry, synthetic
 from kvlab.tasks.items import TaskError, TaskItem, token_counter
@@ -374,8 +376,27 @@ def test_bench_writes_csv_and_html_and_rebuilds_them(tiny_cli, tmp_path, capsys)
     assert len(list(csv.DictReader((out / "results.csv").open()))) == len(rows)
 
 
+def test_bench_knob_overrides_run_the_configured_method(tiny_cli, tiny, tmp_path):
+    """``name:knob=value`` runs the method so configured, recorded apart from its defaults."""
+    out = tmp_path / "run"
+    cli = [a if a != "snapkv" else "snapkv,snapkv:window=2:kernel=1" for a in tiny_cli]
+    assert main(cli + ["--out", str(out)]) == 0
+    rows = {(r.item_id, r.preset, r.ratio): r for r in read_results(out) if r.method == "snapkv"}
+    assert {p for _, p, _ in rows} == {"", "window=2 kernel=1"}
+    # Each configured row against the same item answered directly from that configuration.
+    method = get_method("snapkv", window=2, kernel=1)
+    for item in registry.build_items("niah_single", tiny, 2, 1, LENGTH):  # shortened by tiny_cli
+        ctx = prepare_context(tiny, item.document)
+        stored = method.compress(Request(ctx, 4.0, item.question))
+        direct = answer_item(tiny, stored, item, item_prompt_ids(tiny, item))
+        assert rows[(item.item_id, "window=2 kernel=1", 4.0)].answer == direct.answer
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--ratios", "0.5"], "ratios"),
+    (["--methods", "snapkv:nope=1"], "not knob=value"),
+    (["--methods", "snapkv:window"], "not knob=value"),
+    (["--methods", "snapkv:window=two"], "window"),
     (["--ratios", "x"], "ratios"),
     (["--tasks", "nope"], "unknown task"),
     (["--methods", "nope"], "unknown method"),

@@ -2,10 +2,11 @@
 
     python -m kvlab bench --tasks niah_single,needle_grid --methods snapkv,attention_matching \\
         --ratios 2,5,10 --limit 10 --seed 0 --out runs/bench [--shard 1/4] [--preset AM-OMP]
+    python -m kvlab bench --tasks examples --methods attention_matching:self_study_weight=4 --out runs/am
     python -m kvlab bench --report runs/bench      # rebuild the CSV and HTML from the JSONL alone
 
 Results go to OUT/results*.jsonl, one line per (task, item, method, ratio,
-preset); a rerun skips what is there, and shards (separate files) merge in
+preset and knob overrides); a rerun skips what is there, and shards (separate files) merge in
 the report. The full cache (ceiling) and no_context (floor) always run.
 """
 from __future__ import annotations
@@ -29,7 +30,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register the ``bench`` subcommand on the CLI's subparsers."""
     p = subparsers.add_parser("bench", help="accuracy on tasks with known answers, per method and ratio (JSONL, CSV, HTML)")
     p.add_argument("--tasks", default="niah_single,needle_grid", help=f"comma-separated: {', '.join(TASKS)} (default niah_single,needle_grid)")
-    p.add_argument("--methods", default="", help="comma-separated method names (the full cache and no_context always run)")
+    p.add_argument("--methods", default="", help="comma-separated method names, each optionally with knob overrides as "
+                   "name:knob=value:knob=value (the full cache and no_context always run)")
     p.add_argument("--ratios", default="2,5,10,20", help="comma-separated compression ratios (default 2,5,10,20)")
     p.add_argument("--limit", type=int, default=10, help="items per task (default 10)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic items and shuffles (default 0)")
@@ -52,18 +54,35 @@ def _ratios(text: str) -> list[float]:
     return ratios
 
 
+def _knob_overrides(entry: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
+    """``name:knob=value:knob=value`` -> (name, ((knob, converted value), ...)); TaskError if a knob is not the method's."""
+    from kvlab.methods.catalog import knobs as method_knobs
+
+    name, *pairs = entry.split(":")
+    if name not in REGISTRY:
+        raise TaskError(f"unknown method {name!r}; choose from: {', '.join(sorted(REGISTRY))}")
+    knobs = {k.name: k for k in method_knobs(name)}
+    options = []
+    for pair in pairs:
+        knob, sep, text = pair.partition("=")
+        if not sep or knob not in knobs:
+            raise TaskError(f"{entry!r}: {pair!r} is not knob=value for one of {name}'s knobs ({', '.join(knobs)})")
+        options.append((knob, knobs[knob].convert(text)))  # MethodError names the knob and what it allows
+    return name, tuple(options)
+
+
 def method_specs(methods: list[str], presets: list[str]) -> list:
-    """One spec per method, or per (method, preset) for the methods that have the presets asked."""
+    """One spec per method entry (``name`` or ``name:knob=value:...``), or per (entry, preset)
+    for the methods that have the presets asked."""
     from kvlab.tasks.runner import FULL, MethodSpec
 
     specs = []
-    for name in methods:
-        if name == FULL:
+    for entry in methods:
+        if entry == FULL:
             continue
-        if name not in REGISTRY:
-            raise TaskError(f"unknown method {name!r}; choose from: {', '.join(sorted(REGISTRY))}")
+        name, options = _knob_overrides(entry)
         own = [p for p in presets if p in getattr(REGISTRY[name], "presets", {})]
-        specs += [MethodSpec(name, p) for p in own] or [MethodSpec(name)]
+        specs += [MethodSpec(name, p, options) for p in own] or [MethodSpec(name, options=options)]
     unused = [p for p in presets if not any(s.preset == p for s in specs)]
     if unused:
         raise TaskError(f"no method given has preset(s) {', '.join(unused)}")

@@ -42,6 +42,11 @@ class MethodSpec:
         extra = {"preset": self.preset} if self.preset else {}
         return get_method(self.name, **extra, **dict(self.options))
 
+    @property
+    def variant(self) -> str:
+        """The preset and the knob overrides as results record them ("AM-OMP", "self_study_weight=4"; "": defaults)."""
+        return " ".join([self.preset] * bool(self.preset) + [f"{k}={v}" for k, v in self.options])
+
 
 def result_key(model: str, task: str, item_id: str, method: str, preset: str, ratio: float | None) -> str:
     """The identity of one result: what resume skips and shard merges deduplicate."""
@@ -52,6 +57,7 @@ def result_key(model: str, task: str, item_id: str, method: str, preset: str, ra
 class TaskResult:
     """One item answered from one cache (a method at a ratio, or the full cache).
 
+    preset: the preset and any knob overrides (:attr:`MethodSpec.variant`).
     ratio: None for the full cache and for methods that ignore the ratio (no_context).
     score: the task's measure in [0, 1] (contains match, fraction of values
     found, token F1, or option accuracy); correct: score == 1.
@@ -168,7 +174,7 @@ def _result(item: TaskItem, ctx: Context, method: str, preset: str, ratio: float
 
 @dataclass(frozen=True)
 class Plan:
-    """Every (method, preset, ratio) run on each item: the floor first, then the methods.
+    """Every (method, variant, ratio) run on each item: the floor first, then the methods.
 
     A ratio of None marks a method that ignores the ratio (run once per item).
     """
@@ -188,7 +194,7 @@ class Plan:
     def keys(self, model: str, item: TaskItem) -> list[str]:
         """The keys of every result this plan gives for ``item``, the full cache's first."""
         full = [result_key(model, item.task, item.item_id, FULL, "", None)]
-        return full + [result_key(model, item.task, item.item_id, s.name, s.preset, r) for s, _, r in self.runs]
+        return full + [result_key(model, item.task, item.item_id, s.name, s.variant, r) for s, _, r in self.runs]
 
 
 def group_by_document(items: Iterable[TaskItem]) -> list[list[TaskItem]]:
@@ -258,7 +264,7 @@ def run_items(
                     if not method.uses_question():
                         shared[(index, ratio)] = (stored, compress_s)
                 out = answer_item(lm, stored, item, prompt)
-                emit(_result(item, ctx, spec.name, spec.preset, ratio, out, full, compress_s))
+                emit(_result(item, ctx, spec.name, spec.variant, ratio, out, full, compress_s))
     return results
 
 
