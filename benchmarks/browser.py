@@ -132,6 +132,10 @@ _MARK_JS = """(ids) => {
   // The summary's own text, not its progress overlay (a sibling status tracker).
   const s = document.querySelector('#kvlab-summary [data-testid="markdown"]');
   window.__kvlabOldSummary = s ? s.innerText : '';
+  // The page's own clock: the Run click as the page receives it, and when each wait below first holds.
+  window.__kvlabClick = window.__kvlabAnswersAt = window.__kvlabShownAt = null;
+  const run = document.querySelector('#kvlab-run');
+  if (run) run.addEventListener('click', () => { window.__kvlabClick = performance.now(); }, {capture: true, once: true});
 }"""
 
 _ANSWERS_JS = """([method, ratio]) => {
@@ -143,6 +147,7 @@ _ANSWERS_JS = """([method, ratio]) => {
     const el = document.querySelector(sel);
     if (!el || !el.value.trim()) return false;
   }
+  window.__kvlabAnswersAt = window.__kvlabAnswersAt || performance.now();
   return true;
 }"""
 
@@ -157,25 +162,37 @@ _SHOWN_JS = """([ids, method, ratio]) => {
   // outputs in one update: once it is redrawn, so are the others (a figure equal to the
   // last one, e.g. the same keys per head, is not redrawn at all).
   const gd = document.querySelector('#' + ids[ids.length - 1] + ' .js-plotly-plot');
-  return !old[ids[ids.length - 1]] || old[ids[ids.length - 1]] !== gd.data;
+  if (old[ids[ids.length - 1]] && old[ids[ids.length - 1]] === gd.data) return false;
+  window.__kvlabShownAt = window.__kvlabShownAt || performance.now();
+  return true;
 }"""
 
 
 def mark_outputs(page: Any) -> None:
-    """Remember the Explore tab's current summary and figures, so that :func:`wait_for_run` waits for new ones."""
+    """Remember the Explore tab's current summary and figures, so that :func:`wait_for_run` waits for new ones,
+    and start the page's clock at the next click on Run (see :func:`since_click`)."""
     page.evaluate(_MARK_JS, list(RUN_PLOTS))
 
 
 def wait_for_answers(page: Any, method: str, ratio: float, timeout_ms: float) -> None:
     """Wait until a new run of ``method`` at ``ratio`` has its summary and both answers on the page
-    (the figures follow; see :func:`mark_outputs`)."""
-    page.wait_for_function(_ANSWERS_JS, arg=[method, f"{ratio:g}"], polling=50, timeout=timeout_ms)
+    (the figures follow; see :func:`mark_outputs`). Checked every animation frame."""
+    page.wait_for_function(_ANSWERS_JS, arg=[method, f"{ratio:g}"], polling="raf", timeout=timeout_ms)
 
 
 def wait_for_run(page: Any, method: str, ratio: float, timeout_ms: float) -> None:
     """Wait until a run of ``method`` at ``ratio`` is shown: its summary, both answers, all five plots
     drawn and the time figure redrawn (see :func:`mark_outputs`)."""
     page.wait_for_function(_SHOWN_JS, arg=[list(RUN_PLOTS), method, f"{ratio:g}"], polling=100, timeout=timeout_ms)
+
+
+def since_click(page: Any) -> tuple[float, float | None]:
+    """Seconds on the page's own clock from the Run click (as the page received it, after
+    :func:`mark_outputs`) to the answers, and to the last figure (None until :func:`wait_for_run` held)."""
+    click, answers, shown = page.evaluate("() => [window.__kvlabClick, window.__kvlabAnswersAt, window.__kvlabShownAt]")
+    if click is None or answers is None:
+        raise RuntimeError("the page saw no click on Run after mark_outputs, or no answers yet")
+    return (answers - click) / 1000, None if shown is None else (shown - click) / 1000
 
 
 def time_breakdown(page: Any) -> dict[str, str]:

@@ -13,7 +13,7 @@ from kvlab import queries as queries_module
 from kvlab import lab, models
 from kvlab.cli import main
 from kvlab.context import ContextStore, prepare_context
-from kvlab.methods import REGISTRY
+from kvlab.methods import REGISTRY, Request
 
 DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(120))
 
@@ -82,6 +82,23 @@ def test_preparing_a_document_records_the_methods_queries(tiny, monkeypatch):
     ex = lab.explore(text, None, "attention_matching", 4, "w5 w6", max_new_tokens=2)
     assert ex.prefill_reused and ex.run.result.method == "attention_matching"
     assert not lab.prepare_document(text, None, "attention_matching").prefilled_now
+
+
+def test_preparing_kvzip_scores_the_document_so_a_run_only_selects(tiny, monkeypatch):
+    # KVzip's reconstruction pass and its scoring are document-only: after prepare_document
+    # a Run at any ratio does neither again, and keeps the tokens a fresh context's Run keeps.
+    monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
+    text = DOC + " w4 w4 w9"
+    lab.prepare_document(text, None, "kvzip")
+    import kvlab.methods.kvzip as kvzip_module
+
+    monkeypatch.setattr(queries_module, "_session_after", lambda *a, **k: pytest.fail("reconstruction pass again"))
+    monkeypatch.setattr(kvzip_module, "received_attention", lambda *a, **k: pytest.fail("scored again"))
+    ex = lab.explore(text, None, "kvzip", 4, "w5 w6", max_new_tokens=2)
+    monkeypatch.undo()
+    fresh = REGISTRY["kvzip"]().compress(Request(prepare_context(tiny, text), 4.0))
+    assert [seg.view().token_index.tolist() for layer in ex.run.stored.layers for seg in layer] == \
+        [seg.view().token_index.tolist() for layer in fresh.layers for seg in layer]
 
 
 def test_a_sweep_keeps_going_past_a_failing_point_and_exports_every_run(tiny, monkeypatch, tmp_path):

@@ -133,7 +133,8 @@ def explore(
         record_importance=True,
     )
     return Explored(
-        result, token_texts(lm.tokenizer, ctx.tokens.ids.tolist()), expected_answer(question),
+        result, ctx.cached("memos", "token texts", lambda: token_texts(lm.tokenizer, ctx.tokens.ids.tolist())),
+        expected_answer(question),
         method_obj.uses_question(),
         prefill_reused=not prefilled,
         full_answer_reused=answered,

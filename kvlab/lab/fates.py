@@ -58,8 +58,12 @@ class TokenFates:
                         buf[i] = index[fate]
                 row.append(bytes(buf))
             codes.append(row)
-        run = ex.run
-        levels = {"question": level_bytes(question_attention(run.evaluation.queries, run.ctx.full.keys))}
+        run, ev = ex.run, ex.run.evaluation
+        # The same for every method's run on this question (the full cache's attention): made once per context.
+        levels = {"question": run.ctx.cached(
+            "memos", ("question levels", ev.question, tuple(ev.answer.ids)),
+            lambda: level_bytes(question_attention(ev.queries, run.ctx.full.keys)), ev.question,
+        )}
         if run.stored.importance is not None:
             levels["score"] = level_bytes(run.stored.importance)
         return cls(ex.token_texts, names, codes, levels)

@@ -104,8 +104,9 @@ class KVzip(EvictionMethod):
         return kvzip_scores(req, self.options)
 
     def prepare(self, ctx: Context) -> None:
-        """Record the reconstruction pass (the slow, document-only part)."""
-        repeat_pass(ctx, self.options.instruction)
+        """Record the reconstruction pass and score every key from it: both depend on the document
+        alone, and together they are most of a compression (the ratio only selects)."""
+        self.kept_scores(Request(ctx, 1.0))
 
     def budgets(self, req: Request) -> torch.Tensor:
         if self.options.prune == "head":

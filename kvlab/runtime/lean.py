@@ -189,11 +189,12 @@ def lean_forward(
     x = lean.embed(ids)  # [n, D]
     cos, sin = lean.rotary(x.unsqueeze(0), positions)  # [1, n, d] each
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    sizes = [heads * d, kv_heads * d, kv_heads * d]
+    sizes = [(heads + kv_heads) * d, kv_heads * d]
     for i, w in enumerate(lean.layers):
         qkv = F.linear(rms_norm(x, w.attn_norm, lean.eps), w.qkv, w.qkv_bias)
-        q, k, v = (t.view(n, -1, d).transpose(0, 1).unsqueeze(0) for t in qkv.split(sizes, dim=-1))
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        qk, v = (t.view(n, -1, d).transpose(0, 1).unsqueeze(0) for t in qkv.split(sizes, dim=-1))
+        # Queries and keys rotated in one call (the same arithmetic, half the operations of a step).
+        q, k = rotate(qk, cos, sin).split([heads, kv_heads], dim=1)
         if i == len(cache.layers):  # an empty cache grows its layers on first use, as transformers' does
             cache.layers.append(cache.layer_class_to_replicate())
         keys, values = cache.layers[i].update(k, v)

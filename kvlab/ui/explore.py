@@ -272,6 +272,9 @@ def build_explore_tab(
     uploaded.then(api_name=False, **prepare_args)
     text.blur(api_name=False, **prepare_args)
     question.blur(api_name=False, **prepare_args)  # a new question: its full-cache answer in the background
+    # A method picked: its document-only work (KVzip's pass) too, quietly: a progress animation
+    # beside the Run the user may click at once costs the browser, and a CPU machine's server, time.
+    method.input(api_name=False, **{**prepare_args, "show_progress": "hidden"})
 
     run_outputs = [
         summary, answer_full, answer_comp, diff, err_plot, mass_plot, kept_plot, mem_plot,
