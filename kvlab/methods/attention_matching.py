@@ -511,8 +511,8 @@ class AttentionMatching(QuerySourced, Method):
         "the scores. *Which keys:* `key_selection=kvzip_union` keeps `kvzip_share` of each head's keys by "
         "KVzip's scores and the rest by HighestAttnKeys.\n\n"
         "**What costs retrieval, measured** (twelve single needles and six keyed ones in documents of about "
-        "two thousand tokens, 5x / 10x / 20x; `python -m benchmarks.retrieval_gap`, docs/benchmarks.md). KVzip keeps 12 / 11 / 11 "
-        "single needles and 6 / 6 / 6 keyed ones; the published AM configuration 0 / 1 / 0 and 0 / 0 / 0. "
+        "two thousand tokens, 5x / 10x / 20x; `python -m benchmarks.retrieval_gap`, docs/benchmarks.md). "
+        "KVzip keeps 12 / 11 / 11 single needles and 6 / 6 / 6 keyed ones; the published AM configuration 0 / 1 / 0 and 0 / 0 / 0. "
         "*The selection* costs some: AM's keys hold 80 / 70 / 61 % of the attention the answer pays to the "
         "needle, KVzip's 92 / 82 / 73 %. *The fit* costs more: on exactly KVzip's keys, which answer every "
         "needle with their own values, fitting the biases alone keeps at most 3 of 12 and the full fit none; "
@@ -529,8 +529,8 @@ class AttentionMatching(QuerySourced, Method):
         "KVzip answers 12 (`kvlab bench --tasks examples`). "
         "The best trade-off measured is `self_study_weight=4.0`: an attention error below the published "
         "configuration's at every ratio and most needles up to 10x, for one self-study generation per "
-        "document (`self_study_tokens` generated tokens). No variant comes within one item of KVzip at every ratio, so the default "
-        "stays the published configuration and there is no retrieval preset."
+        "document (`self_study_tokens` generated tokens). No variant comes within one item of KVzip at every "
+        "ratio, so the default stays the published configuration and there is no retrieval preset."
     )
     paper = "Zweiger, Fu, Guo, Kim, 2026, Fast KV Compaction via Attention Matching (arXiv 2602.16284)"
     Options = AMOptions

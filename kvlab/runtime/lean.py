@@ -193,7 +193,7 @@ def lean_forward(
     for i, w in enumerate(lean.layers):
         qkv = F.linear(rms_norm(x, w.attn_norm, lean.eps), w.qkv, w.qkv_bias)
         qk, v = (t.view(n, -1, d).transpose(0, 1).unsqueeze(0) for t in qkv.split(sizes, dim=-1))
-        # Queries and keys rotated in one call (the same arithmetic, half the operations of a step).
+        # Queries and keys rotated together: the same arithmetic in one set of operations instead of two.
         q, k = rotate(qk, cos, sin).split([heads, kv_heads], dim=1)
         if i == len(cache.layers):  # an empty cache grows its layers on first use, as transformers' does
             cache.layers.append(cache.layer_class_to_replicate())
