@@ -22,8 +22,10 @@ the page, and until every figure of the run is drawn:
 Prints each time with its target (the answers: first run <= 10 s; later
 runs <= 3 s for eviction methods, <= 5 s for Attention Matching, <= 1.5 s
 for a repeated configuration, on an idle 2-core machine), the stage
-breakdown read from the page's "Time per stage" figure, and the machine's
-load average at the start and the end. Nothing is made smaller for the
+breakdown read from the page's "Time per stage" figure, the CPU time the
+benchmark's Chromium spent from the pick (or the click) to the last figure
+(it shares the machine's cores with the server), and the machine's load
+average at the start and the end. Nothing is made smaller for the
 benchmark: the answer length and every method knob are the app's defaults.
 """
 from __future__ import annotations
@@ -38,7 +40,8 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchmarks.browser import (  # noqa: E402
-    chromium_page, mark_outputs, serve_app, since_click, time_breakdown, wait_for_answers, wait_for_run,
+    browser_cpu_s, chromium_page, mark_outputs, pick_method, serve_app, since_click, time_breakdown, wait_for_answers,
+    wait_for_run,
 )
 
 FIRST_TARGET_S, EVICTION_TARGET_S, AM_TARGET_S, REPEAT_TARGET_S = 10.0, 3.0, 5.0, 1.5
@@ -48,14 +51,6 @@ EXAMPLE_ID = "story"
 def _load() -> str:
     one, five, fifteen = os.getloadavg()
     return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} on {os.cpu_count()} CPUs"
-
-
-def _pick_method(page, name: str) -> None:
-    page.locator("#kvlab-method input").click()
-    page.get_by_role("option", name=re.compile("^" + re.escape(name) + ":")).click()
-    page.wait_for_function(
-        "(n) => document.querySelector('#kvlab-method input').value.startsWith(n + ':')", arg=name, timeout=10_000
-    )
 
 
 def _set_ratio(page, ratio: float) -> None:
@@ -159,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
               f"document status then: {status.strip() or '(none)'!r}")
         shown_method, shown_ratio = method0, ratio0
         for label, method, ratio, question in steps:
+            cpu_start = browser_cpu_s()
             if method != shown_method:
-                _pick_method(page, method)
+                pick_method(page, method)
                 time.sleep(args.pick_think)
             if ratio != shown_ratio:
                 _set_ratio(page, ratio)
@@ -171,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             target = _target(method, label)
             results.append((label, answers, drawn, target))
             verdict = "ok" if answers <= target else "MISSED"
-            print(f"{label}: answers {answers:.1f} s (target <= {target:g} s: {verdict}), last figure {drawn:.1f} s",
-                  flush=True)
+            print(f"{label}: answers {answers:.1f} s (target <= {target:g} s: {verdict}), last figure {drawn:.1f} s; "
+                  f"Chromium's CPU from the pick to the last figure {browser_cpu_s() - cpu_start:.1f} s", flush=True)
             print("   stages (from the page's time figure): "
                   + "; ".join(f"{name}: {text}" for name, text in stages.items()), flush=True)
     print(f"end: {_load()}")

@@ -8,6 +8,7 @@ install``: set KVLAB_CHROMIUM to use another Chromium binary.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -204,3 +205,30 @@ def time_breakdown(page: Any) -> dict[str, str]:
       t.y.forEach((name, i) => { out[name] = Array.isArray(t.text) ? String(t.text[i]) : String(t.x[i]); });
       return out;
     }""")
+
+
+def pick_method(page: Any, name: str) -> None:
+    """Pick ``name`` in the Explore tab's method menu, as a user does, and wait until the menu shows it."""
+    page.locator("#kvlab-method input").click()
+    page.get_by_role("option", name=re.compile("^" + re.escape(name) + ":")).click()
+    page.wait_for_function(
+        "(n) => document.querySelector('#kvlab-method input').value.startsWith(n + ':')", arg=name, timeout=10_000
+    )
+
+
+def browser_cpu_s() -> float:
+    """CPU seconds used so far by every Chromium process of this machine (user + system, from /proc).
+
+    The benchmark's browser shares the machine with the server: what it spends on a click is
+    time the model's threads may not get (on a Space the browser is the visitor's).
+    """
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # the process has ended
+            continue
+        name, fields = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+        if "chrom" in name.lower():
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total

@@ -20,7 +20,9 @@ ratio to transformers' loop measured in the same run, whether the written
 tokens are identical, and the bound of reading the weights once per token:
 their bytes over the read bandwidth measured here (a float32 sum over a
 buffer far larger than the caches), with the fraction of it each loop
-reaches; also the bound counting the KV cache's bytes read per token.
+reaches; also the bound counting the KV cache's bytes read per token, and
+the fraction of each bound that the target (2x transformers' loop) needs;
+and the floor of a step: the model's weight matmuls alone for one token.
 """
 from __future__ import annotations
 
@@ -53,6 +55,22 @@ def read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 5) -> float:
         buffer.sum()
         best = min(best, time.perf_counter() - start)
     return n_bytes / best
+
+
+def matmul_floor_s(lean, repeats: int = 5) -> float:
+    """Seconds of one token's weight matmuls alone, nothing else: every projection of every layer and
+    the head, on the model's own (fused) weights, the best of ``repeats``. A step can be no faster."""
+    weights = [w for layer in lean.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    weights.append(lean.lm_head.weight)
+    inputs = {w.shape[1]: torch.ones(1, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for w in weights:
+                torch.nn.functional.linear(inputs[w.shape[1]], w)
+            best = min(best, time.perf_counter() - start)
+    return best
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -139,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 times[name].append(elapsed)
                 written[name] = ids
     bandwidth = read_bandwidth()
+    floor_s = matmul_floor_s(lean(model)) if lean(model) is not None else None
     n_weights = weight_bytes(model)
     kv_bytes = ctx.full.nbytes
     bound = bandwidth / n_weights
@@ -157,7 +176,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {n} | {statistics.median(times[name]):.2f} | {rate:.1f} | {rate / ref_rate:.2f}x | "
               f"{rate / bound:.0%} | {same} |")
     one, five, _ = os.getloadavg()
-    print(f"\ntarget: kvlab >= {TARGET_RATIO:g}x transformers' loop; load average at the end {one:.2f}, {five:.2f}")
+    needed = TARGET_RATIO * ref_rate
+    if floor_s is not None:
+        print(f"\nthe weight matmuls alone, one token: {floor_s * 1e3:.1f} ms ({1 / floor_s:.1f} tokens/s, "
+              f"{n_weights / floor_s / bandwidth:.0%} of the read bandwidth); the target leaves "
+              f"{(1 / needed - floor_s) * 1e3:.1f} ms per token for everything else (attention over the "
+              f"{kv_bytes / 1e6:.0f} MB cache alone takes {kv_bytes / bandwidth * 1e3:.1f} ms at the read bandwidth)")
+    print(f"\ntarget: kvlab >= {TARGET_RATIO:g}x transformers' loop = {needed:.1f} tokens/s: {needed / bound:.0%} of the "
+          f"weight bound, {needed / bound_kv:.0%} of the bound with the cache; "
+          f"load average at the end {one:.2f}, {five:.2f}")
     print("answer:", lm.tokenizer.decode(written["kvlab (lean forward)"])[:160].replace("\n", " "), "...")
     return 0
 

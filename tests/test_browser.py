@@ -20,7 +20,9 @@ import pytest
 
 sync_api = pytest.importorskip("playwright.sync_api")
 
-from benchmarks.browser import chromium_page, chromium_path, mark_outputs, serve_app, wait_for_run  # noqa: E402
+from benchmarks.browser import (  # noqa: E402
+    chromium_page, chromium_path, mark_outputs, pick_method, serve_app, wait_for_run,
+)
 from kvlab import lab  # noqa: E402
 from kvlab.ui import default_method  # noqa: E402
 from kvlab.ui.compare import SWEEP_DEFAULT_METHODS, SWEEP_DEFAULT_RATIOS, SWEEP_RATIOS  # noqa: E402
@@ -99,6 +101,17 @@ def test_explore_then_compare_in_the_browser(app_url, page, tmp_path):
         colour = mark.evaluate("el => getComputedStyle(el).backgroundColor")
         assert colour == {"right": "rgb(21, 128, 61)", "wrong": "rgb(185, 28, 28)"}[word], (word, colour)
         assert mark.bounding_box()["width"] > 20  # drawn as text, not an empty glyph
+
+    # Picking a method prepares it only when it has document-only work: SnapKV sends nothing (the
+    # status still names the last method prepared), KVzip's reconstruction pass runs at once.
+    status = page.locator("#kvlab-doc-status")
+    expect(status).to_contain_text(f"{default_method()} prepared")
+    pick_method(page, "snapkv")
+    page.wait_for_timeout(2000)  # a preparation of an already-read document takes a fraction of this
+    expect(status).to_contain_text(f"{default_method()} prepared")
+    pick_method(page, "kvzip")
+    expect(status).to_contain_text("kvzip prepared", timeout=RUN_TIMEOUT_MS)
+    pick_method(page, default_method())
 
     # Fold "Advanced" away and let plotly finish drawing before the picture for the README.
     page.locator("#kvlab-advanced").get_by_text("Advanced", exact=True).first.click()

@@ -243,6 +243,15 @@ class Method(ABC):
         calls this as soon as a document is chosen). Nothing by default.
         """
 
+    @classmethod
+    def prepares(cls) -> bool:
+        """Whether the method has document-only work to do ahead of a run (it overrides :meth:`prepare`).
+
+        The app prepares a method when it is picked only then: for the others a round trip
+        would cost the browser (and, on one machine, the server beside it) time for nothing.
+        """
+        return cls.prepare is not Method.prepare
+
     @abstractmethod
     def compress(self, req: Request) -> CompressedKV:
         """Return the stored cache for ``req.ctx`` at ``req.ratio``."""

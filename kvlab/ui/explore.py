@@ -16,9 +16,12 @@ Endpoints (each event has an ``api_name``, so ``gradio_client`` can drive it):
 - ``/load_example``: (example id) -> document text, suggested questions, question.
 - ``/pick_question``: (suggested question) -> question.
 - ``/load_file``: (file) -> document text.
-- ``/select_method``: (method) -> its description and which knobs show.
+- ``/select_method``: (method) -> its description, which knobs show, and (for a method with
+  document-only work to do) the value whose change prepares it.
 """
 from __future__ import annotations
+
+import time
 
 import gradio as gr
 
@@ -27,6 +30,7 @@ from kvlab.documents import DocumentError, Example
 from kvlab.lab import InputError, Prepared, needle_test, parse_ratios, prepare_document
 from kvlab.lab.tasks import MAX_DEPTHS
 from kvlab.methods import REGISTRY
+from kvlab.methods.base import method_class
 from kvlab.methods.catalog import Knob, aware_tag, method_info, method_label, options_from, presets
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
 from kvlab.ui import common
@@ -234,10 +238,18 @@ def build_explore_tab(
 
     uploaded = upload.upload(on_upload, [upload], [text], api_name="load_file", concurrency_limit=4)
 
-    def on_method(name: str):
-        return (method_info(name), *[gr.Column(visible=n == name) for n in methods])
+    # Set by a pick of a method that has document-only work (KVzip's pass), to a new value each
+    # time: its change event prepares that method. Every Gradio event costs the browser CPU time
+    # (about a second for this page on a 2-core machine), so the other picks send none.
+    prepare_pick = gr.Textbox(visible=False)
 
-    method.change(on_method, [method], [info, *groups], api_name="select_method", concurrency_limit=None)
+    def on_method(name: str):
+        pick = f"{name}@{time.monotonic_ns()}" if method_class(name).prepares() else gr.skip()
+        return (method_info(name), *[gr.Column(visible=n == name) for n in methods], pick)
+
+    method.change(
+        on_method, [method], [info, *groups, prepare_pick], api_name="select_method", concurrency_limit=None,
+    )
 
     for name, menu in preset_menus.items():
         menu.input(
@@ -272,9 +284,9 @@ def build_explore_tab(
     uploaded.then(api_name=False, **prepare_args)
     text.blur(api_name=False, **prepare_args)
     question.blur(api_name=False, **prepare_args)  # a new question: its full-cache answer in the background
-    # A method picked: its document-only work (KVzip's pass) too, quietly: a progress animation
+    # A method with document-only work picked: that work too, quietly: a progress animation
     # beside the Run the user may click at once costs the browser, and a CPU machine's server, time.
-    method.input(api_name=False, **{**prepare_args, "show_progress": "hidden"})
+    prepare_pick.change(api_name=False, **{**prepare_args, "show_progress": "hidden"})
 
     run_outputs = [
         summary, answer_full, answer_comp, diff, err_plot, mass_plot, kept_plot, mem_plot,
