@@ -101,21 +101,32 @@ def question_attention(queries: list[torch.Tensor], keys: list[torch.Tensor]) ->
 def percentile_levels(scores: torch.Tensor) -> torch.Tensor:
     """Each token's percentile rank of score within its head, as a byte.
 
-    scores: [H, T] (NaN: no score) -> [H, T] uint8: 0 where NaN, else
+    scores: [..., H, T] (NaN: no score) -> [..., H, T] uint8: 0 where NaN, else
     1 + floor(255 p) clipped to 255, with p = (mid-rank + 1/2) / m the token's
     percentile among the head's m scored tokens (ties share one level).
     Ranks, not values: attention scores are heavy-tailed (a few tokens take
     most of it), so scaled values would leave almost every token at 0.
+    All heads at once, from one sort: in sorted order a token's count of smaller scores is where
+    its run of equal scores starts, and its count of scores up to its own is where that run ends
+    (running max / min of the runs' bounds), scattered back to the tokens.
     """
-    out = torch.zeros(scores.shape, dtype=torch.uint8, device=scores.device)
-    for head, row in enumerate(scores.float()):
-        scored = ~torch.isnan(row)
-        values = row[scored]
-        if values.numel() == 0:
-            continue
-        ordered = torch.sort(values).values
-        below = torch.searchsorted(ordered, values, right=False)
-        upto = torch.searchsorted(ordered, values, right=True)
-        p = (below + upto).float() / (2 * values.numel())
-        out[head, scored] = (1 + (p * 255).floor()).clamp(max=255).to(torch.uint8)
-    return out
+    rows = scores.float().reshape(-1, scores.shape[-1])
+    scored = ~torch.isnan(rows)
+    # Unscored tokens sort last as +inf (NaNs compare unequal to themselves); a real +inf score
+    # then counts them as ties, which the clamp to the head's m scored tokens takes back.
+    filled = torch.where(scored, rows, torch.full_like(rows, float("inf")))
+    ordered, order = torch.sort(filled, dim=-1)
+    n = rows.shape[-1]
+    position = torch.arange(n, device=rows.device).expand_as(order)
+    starts = torch.ones_like(scored)
+    starts[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    ends = torch.ones_like(scored)
+    ends[:, :-1] = starts[:, 1:]
+    below_sorted = torch.where(starts, position, torch.zeros_like(position)).cummax(dim=-1).values
+    upto_sorted = torch.where(ends, position + 1, torch.full_like(position, n)).flip(-1).cummin(dim=-1).values.flip(-1)
+    m = scored.sum(dim=-1, keepdim=True)
+    below = torch.empty_like(order).scatter_(-1, order, below_sorted)
+    upto = torch.minimum(torch.empty_like(order).scatter_(-1, order, upto_sorted), m)
+    p = (below + upto).float() / (2 * m.clamp(min=1))
+    levels = (1 + (p * 255).floor()).clamp(max=255)
+    return torch.where(scored, levels, torch.zeros_like(levels)).to(torch.uint8).view(scores.shape)

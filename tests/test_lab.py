@@ -101,17 +101,20 @@ def test_preparing_kvzip_scores_the_document_so_a_run_only_selects(tiny, monkeyp
         [seg.view().token_index.tolist() for layer in fresh.layers for seg in layer]
 
 
+def kept_keys(ctx) -> list[set]:
+    """What a context holds: the keys of its recorded queries, memos, kept runs and evaluations."""
+    return [set(store) for store in (ctx.queries, ctx.memos, ctx.runs, ctx.evaluations)]
+
+
 def test_a_method_says_it_prepares_exactly_when_its_preparation_does_work(tiny):
     # The app prepares a picked method only when it says it prepares: for every method, what its
-    # preparation leaves on a fresh context (recorded queries, memos, kept runs) is checked instead.
+    # preparation leaves on a fresh context is checked instead.
     text = DOC + " w3 w1 w4"
     for name in sorted(REGISTRY):
         ctx = prepare_context(tiny, text)
-        kept = lambda: [set(store) for store in (ctx.queries, ctx.memos, ctx.runs, ctx.evaluations)]  # noqa: E731
-        before = kept()
+        before = kept_keys(ctx)
         REGISTRY[name]().prepare(ctx)
-        did_work = kept() != before
-        assert REGISTRY[name].prepares() == did_work, name
+        assert REGISTRY[name].prepares() == (kept_keys(ctx) != before), name
     assert REGISTRY["kvzip"].prepares() and REGISTRY["attention_matching"].prepares()
 
 

@@ -376,6 +376,26 @@ def test_percentile_levels_rank_within_each_head():
     assert levels[2].tolist() == [179, 128, 77, 26, 230]
 
 
+def test_percentile_levels_of_many_heads_match_counts_token_by_token():
+    # Layers and heads at once, with many ties, unscored tokens and an infinite score: each level
+    # against the token's own counts of scored values below and up to it (in float32, as stored).
+    scores = torch.randint(0, 6, (2, 3, 40), generator=torch.Generator().manual_seed(0)).float()
+    scores[0, 1, ::3] = float("nan")
+    scores[1, 2] = float("nan")
+    scores[1, 0, 5] = float("inf")
+    levels = percentile_levels(scores)
+    assert levels.shape == scores.shape
+    for row, got in zip(scores.reshape(-1, 40).tolist(), levels.reshape(-1, 40).tolist()):
+        valid = [v for v in row if v == v]
+        for v, level in zip(row, got):
+            if v != v:
+                assert level == 0
+                continue
+            counts = sum(u < v for u in valid) + sum(u <= v for u in valid)
+            p = torch.tensor(counts, dtype=torch.float32) / (2 * len(valid))
+            assert level == min(255, 1 + int(torch.floor(p * 255))), (row, v)
+
+
 def test_mass_ratio_is_the_share_of_the_full_mass(ctx):
     """Keeping every key draws the full mass (ratio 1); evicting loses mass, and the
     ratio is the evicted cache's attention mass over the full one's, query by query."""

@@ -12,7 +12,8 @@ from kvlab.metrics import percentile_levels, question_attention
 
 def level_bytes(per_layer: list[torch.Tensor]) -> list[list[bytes]]:
     """Per layer [H_kv, T] scores -> [layer][head] one level byte per token (kvlab.metrics.percentile_levels)."""
-    return [[bytes(row.tolist()) for row in percentile_levels(scores)] for scores in per_layer]
+    levels = percentile_levels(torch.stack(per_layer)).cpu()  # [L, H_kv, T] bytes, for the front end
+    return [[bytes(row.numpy()) for row in layer] for layer in levels]
 
 
 @dataclass
