@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.runtime.attention import attend, attention_weights, group_queries
+from kvlab.runtime.attention import BlockAttention, attend, attention_weights, group_queries
 from kvlab.runtime.cache import CompressedKV, PaddedView, select_keys
 
 
@@ -36,42 +36,68 @@ class HeadErrors:
         return float(self.mass.mean())
 
 
+def block_attention(q: torch.Tensor, view: PaddedView) -> BlockAttention:
+    """Attention of grouped queries q [H_kv, n, d] over one block (keys, values, bias per head)."""
+    return attend(q, view.keys, view.values, bias=view.bias)
+
+
 def block_errors(
-    q: torch.Tensor, ref: PaddedView, approx: PaddedView
+    q: torch.Tensor, full: BlockAttention, approx: PaddedView
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Errors of one layer's block, per KV head.
 
-    q: [H_kv, n, d] grouped queries; ref, approx: the two blocks (keys, values,
-    bias per head) -> (output error [H_kv], mass error [H_kv], mass ratio
+    q: [H_kv, n, d] grouped queries; full: their attention over the reference
+    block (:func:`block_attention`); approx: the block compared with it (keys,
+    values, bias per head) -> (output error [H_kv], mass error [H_kv], mass ratio
     [H_kv]), each averaged over the queries.
     """
-    full = attend(q, ref.keys, ref.values, bias=ref.bias)
-    comp = attend(q, approx.keys, approx.values, bias=approx.bias)
+    comp = block_attention(q, approx)
     out_err = (comp.output - full.output).norm(dim=-1) / full.output.norm(dim=-1).clamp_min(1e-12)
     ratio = torch.exp(comp.lse - full.lse)
     return out_err.mean(dim=-1), (ratio - 1).abs().mean(dim=-1), ratio.mean(dim=-1)
 
 
+def _block(view: PaddedView, block_start: int) -> PaddedView:
+    """The keys of ``view`` that stand for tokens from ``block_start`` on (all of them for 0)."""
+    return select_keys(view, view.token_index >= block_start) if block_start else view
+
+
+def reference_attention(
+    reference: CompressedKV, queries: list[torch.Tensor], block_start: int = 0
+) -> list[BlockAttention]:
+    """Per layer, the attention of queries [H, n, d] (grouped per KV head) over ``reference``'s block
+    from ``block_start`` on: what :func:`head_errors` compares a compressed cache with. The same for
+    every compressed cache, so a caller comparing many with one reference may compute it once."""
+    out = []
+    for layer, q in enumerate(queries):
+        ref = _block(reference.layer_view(layer), block_start)
+        out.append(block_attention(group_queries(q, ref.keys.shape[0]), ref))
+    return out
+
+
 def head_errors(
-    reference: CompressedKV, stored: CompressedKV, queries: list[torch.Tensor], block_start: int = 0
+    reference: CompressedKV,
+    stored: CompressedKV,
+    queries: list[torch.Tensor],
+    block_start: int = 0,
+    full: list[BlockAttention] | None = None,
 ) -> HeadErrors:
     """Per-head errors of ``stored`` against ``reference`` for queries [H, n, d] per layer.
 
     Computed on the caches' device; the [n_layers, H_kv] results come back to
-    the CPU (they go to figures and JSON).
+    the CPU (they go to figures and JSON). ``full``: the reference's attention
+    for these queries and this block, :func:`reference_attention` (computed here when None).
 
     block_start > 0 compares only the keys that stand for tokens from that
     position on (e.g. the document without the template prefix that every
     method keeps): the error of the compacted block itself, as the Attention
     Matching paper reports it.
     """
+    full = reference_attention(reference, queries, block_start) if full is None else full
     outs, masses, ratios = [], [], []
     for layer, q in enumerate(queries):
-        ref, comp = reference.layer_view(layer), stored.layer_view(layer)
-        if block_start:
-            ref = select_keys(ref, ref.token_index >= block_start)
-            comp = select_keys(comp, comp.token_index >= block_start)
-        out, mass, ratio = block_errors(group_queries(q, ref.keys.shape[0]), ref, comp)
+        comp = _block(stored.layer_view(layer), block_start)
+        out, mass, ratio = block_errors(group_queries(q, comp.keys.shape[0]), full[layer], comp)
         outs.append(out)
         masses.append(mass)
         ratios.append(ratio)

@@ -13,7 +13,7 @@ import torch
 
 from kvlab.context import Context, Progress, no_progress
 from kvlab.methods.base import Method, Request
-from kvlab.metrics import HeadErrors, head_errors, log_perplexity
+from kvlab.metrics import HeadErrors, head_errors, log_perplexity, reference_attention
 from kvlab.prompts import question_tokens
 from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.decode import Generation, greedy, greedy_from_draft
@@ -219,7 +219,12 @@ def answered(
         start = time.perf_counter()
         drafted = greedy_from_draft(ctx.lm, stored, ev.question_ids, ev.answer.ids, max_new_tokens)
         answer_s = time.perf_counter() - start
-        errors = head_errors(ctx.full.stored, stored, ev.queries)
+        # The full cache's side of the errors is the same for every cache compared on this question.
+        full = ctx.cached(
+            "memos", ("reference attention", evaluation_key(ev.question, max_new_tokens)),
+            lambda: reference_attention(ctx.full.stored, ev.queries), ev.question,
+        )
+        errors = head_errors(ctx.full.stored, stored, ev.queries, full=full)
         return Answered(drafted.generation, answer_s, errors, drafted.draft_logprobs)
 
     return kept(ctx, ("answer", *cache_key, ev.question, max_new_tokens), make, ev.question)

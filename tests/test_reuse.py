@@ -100,6 +100,21 @@ def test_a_new_question_reuses_a_query_agnostic_cache_only(tiny, monkeypatch):
                           torch.tensor(fresh.result.per_head["attn_output_rel_err"]))
 
 
+def test_a_method_changed_reuses_the_full_caches_side_of_the_errors(tiny, monkeypatch):
+    # The full cache's attention for the question's queries is computed for the first run only;
+    # the next method's errors are still what a fresh context measures for it.
+    calls = []
+    own = pipeline.reference_attention
+    monkeypatch.setattr(pipeline, "reference_attention", lambda *a, **k: calls.append(1) or own(*a, **k))
+    ctx = prepare_context(tiny, DOCUMENT)
+    run(ctx, get_method("tova"), 4.0, QUESTION, max_new_tokens=6)
+    second = run(ctx, get_method("snapkv"), 4.0, QUESTION, max_new_tokens=6)
+    assert len(calls) == 1
+    fresh = run(prepare_context(tiny, DOCUMENT), get_method("snapkv"), 4.0, QUESTION, max_new_tokens=6)
+    for key in ("attn_output_rel_err", "attn_mass_rel_err", "attn_mass_ratio"):
+        assert torch.allclose(torch.tensor(second.result.per_head[key]), torch.tensor(fresh.result.per_head[key]))
+
+
 def test_kept_runs_count_in_the_context_budget_and_go_least_recent_first(tiny, monkeypatch):
     counts = counting(monkeypatch)
     method = counted_method(monkeypatch, counts, "snapkv")

@@ -27,7 +27,7 @@ from kvlab.methods.base import EvictionMethod, Method, MethodError, Options, Req
 from kvlab.methods.budgets import head_budgets
 from kvlab.methods.kvzip import KVzipOptions, kvzip_scores
 from kvlab.methods.solvers import CompactBlock, compact_block
-from kvlab.metrics import block_errors
+from kvlab.metrics import block_attention, block_errors
 from kvlab.prompts import question_tokens, repeat_tokens
 from kvlab.queries import (
     context_queries,
@@ -289,7 +289,8 @@ def train_errors(
     """
     if len(blocks) == 1 and blocks[0].train_output is not None and blocks[0].train_mass is not None:
         return blocks[0].train_output, blocks[0].train_mass
-    return block_errors(subsample(queries, n_max, 0), block, seg.view())[:2]
+    held = subsample(queries, n_max, 0)
+    return block_errors(held, block_attention(held, block), seg.view())[:2]
 
 
 def mixed_queries(
