@@ -51,8 +51,9 @@ def received_attention(
         visible = total - n + end if causal else total
         block = group_queries(queries[:, start:end].float(), n_kv)  # [H_kv, group * rows, d]
         logits = attention_logits(block, keys[:, :visible]).view(n_kv, group, end - start, visible)
-        if causal:
-            logits.masked_fill_(future_mask(end - start, visible, keys.device), float("-inf"))
+        if causal:  # only the block's own keys, the last end - start, can lie in a query's future
+            own = logits[..., visible - (end - start):]
+            own.masked_fill_(future_mask(end - start, end - start, keys.device), float("-inf"))
         weights = torch.softmax(logits, dim=-1).view(n_heads, end - start, visible)
         if reduce == "sum":
             out[:, :visible] += weights.sum(dim=1)
