@@ -32,7 +32,8 @@ changed; then per format the bundled answers right, the answers changed,
 the total answer time and its ratio to float32's in the same run, the
 time per written token (answers that change also change length; the
 question turn is included), and the time of one token's weight matmuls
-alone in that format (the floor of a step). A format is adoptable only where no bundled answer changes.
+alone in that format (the floor of a step). A format is adoptable only
+where no bundled answer changes.
 """
 from __future__ import annotations
 
