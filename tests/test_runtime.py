@@ -11,7 +11,7 @@ from kvlab.methods import Request
 from kvlab.methods.kvzip import KVzipOptions, kvzip_scores
 from kvlab.prompts import repeat_tokens
 from kvlab.queries import repeat_pass, repeat_queries
-from kvlab.runtime.attention import attend, causal_attention
+from kvlab.runtime.attention import attend, attention_logits, causal_attention, softmax_
 from kvlab.runtime.cache import CompressedKV, DenseSegment, FullKV, template_segment
 from kvlab.runtime.decode import continuation_logprobs, extend, greedy, open_session, prefill
 from kvlab.runtime.hooks import QueryCapture
@@ -51,6 +51,23 @@ def test_sdpa_path_matches_block_attention():
     fast = causal_attention(q, k, v, bias, 0.25)
     slow = attend(q[0].reshape(2, 2, 16), k[0], v[0], bias, 0.25).output.reshape(1, 4, 1, 16)
     assert torch.allclose(fast, slow, atol=1e-5)
+
+
+def test_in_place_softmax_and_logits_written_into_a_buffer_match_the_plain_computation():
+    gen = torch.Generator().manual_seed(4)
+    q, k, bias = torch.randn(3, 5, 8, generator=gen), torch.randn(3, 7, 8, generator=gen), torch.randn(3, 7, generator=gen)
+    bias[0, 2] = float("-inf")  # an absent key: weight 0, as torch.softmax gives it
+    # Hand-written logits: every query against every key, scaled by 1/sqrt(d), plus the key's bias.
+    expected = torch.einsum("hnd,htd->hnt", q, k) / 8 ** 0.5 + bias.unsqueeze(1)
+    buffer = torch.full((3, 5, 7), float("nan"))
+    written = attention_logits(q, k, bias, out=buffer)
+    assert written.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(written, expected, rtol=1e-5, atol=1e-6)
+    reference = torch.softmax(expected, dim=-1)
+    weights = softmax_(written)
+    assert weights.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(weights, reference, rtol=1e-5, atol=1e-7)
+    assert torch.all(weights[0, :, 2] == 0)
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -13,7 +13,7 @@ from typing import Callable, Literal, TypeVar
 import torch
 
 from kvlab.context import Context
-from kvlab.runtime.attention import attention_logits, future_mask, group_queries
+from kvlab.runtime.attention import attention_logits, future_mask, group_queries, softmax_
 
 T = TypeVar("T")
 
@@ -45,16 +45,19 @@ def received_attention(
     keys = keys.float()
     rows = max(1, block_elements // max(1, n_heads * total))
     out = torch.zeros(n_heads, total, device=keys.device)
+    # One block's logits, reused by every block: a fresh matrix per block costs more than its softmax.
+    buffer = torch.empty(n_heads * min(rows, n) * total, device=keys.device)
     for start in range(0, n, rows):
         end = min(start + rows, n)
         # Query i of the block sits at key position total - n + i: it sees keys up to there.
         visible = total - n + end if causal else total
         block = group_queries(queries[:, start:end].float(), n_kv)  # [H_kv, group * rows, d]
-        logits = attention_logits(block, keys[:, :visible]).view(n_kv, group, end - start, visible)
+        logits = buffer[: n_heads * (end - start) * visible].view(n_kv, group * (end - start), visible)
+        logits = attention_logits(block, keys[:, :visible], out=logits).view(n_kv, group, end - start, visible)
         if causal:  # only the block's own keys, the last end - start, can lie in a query's future
             own = logits[..., visible - (end - start):]
             own.masked_fill_(future_mask(end - start, end - start, keys.device), float("-inf"))
-        weights = torch.softmax(logits, dim=-1).view(n_heads, end - start, visible)
+        weights = softmax_(logits).view(n_heads, end - start, visible)
         if reduce == "sum":
             out[:, :visible] += weights.sum(dim=1)
         else:

@@ -18,21 +18,38 @@ import torch.nn.functional as F
 
 
 def attention_logits(
-    q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None = None, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product logits in float32.
 
     q: [..., n, d], k: [..., T, d], bias: [..., T] or None -> [..., n, T] (float32).
     float32 even for bf16 inputs: the mass targets of Attention Matching are
-    sums of exponentials and lose their meaning in 8-bit mantissas.
+    sums of exponentials and lose their meaning in 8-bit mantissas. ``out``:
+    a contiguous float32 [..., n, T] to write them into (a block loop reuses
+    one buffer instead of allocating a large matrix per block).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     # The queries scaled, not the logits: n x d multiplications instead of n x T, and one pass
     # fewer over the largest tensor here (exact for d = 64: the scale is a power of two).
-    logits = torch.matmul(q.float() * scale, k.float().transpose(-1, -2))
+    logits = torch.matmul(q.float() * scale, k.float().transpose(-1, -2), out=out)
     if bias is not None:
-        logits = logits + bias.float().unsqueeze(-2)
+        bias = bias.float().unsqueeze(-2)
+        logits = logits.add_(bias) if out is not None else logits + bias
     return logits
+
+
+def softmax_(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim, in place: [..., T] float32 -> the same tensor, now weights.
+
+    The same maximum-shifted maths as ``torch.softmax`` without a second
+    matrix of the logits' size (a row whose keys are all -inf gives NaN, as there).
+    """
+    logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+    return logits.div_(logits.sum(dim=-1, keepdim=True))
 
 
 @dataclass
