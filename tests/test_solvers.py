@@ -575,16 +575,26 @@ def test_a_factorisation_that_never_succeeds_is_counted_for_its_head():
 
 def test_non_finite_results_are_replaced_and_counted_per_head():
     """A NaN key in head 1 poisons that head's fit only: its values are replaced (and counted),
-    the other heads' fits are those of the same heads fitted without it."""
+    the other heads' fits are those of the same batch fitted without the NaN.
+
+    The reference is the same batch shape without the NaN (not the heads fitted alone): a batch
+    of another size takes another BLAS path, whose float32 rounding differs by CPU. The tolerance
+    is the forward-error bound of the value fit, a least squares through its normal equations:
+    n * eps * cond(X)^2 relative to the values, X = the compact attention weights of the head.
+    """
     q, k, v = _qkv(B=3, n=24, T=16, seed=5)
+    clean = compact_block(q, k, v, 6)
     k[1, 3] = float("nan")
     block = compact_block(q, k, v, 6)
     assert block.nonfinite[1] > 0 and block.nonfinite[[0, 2]].tolist() == [0, 0]
     assert block.fallbacks.tolist() == [0, 0, 0]
     assert torch.isfinite(block.values).all()
-    keep = torch.tensor([0, 2])
-    alone = compact_block(q[keep], k[keep], v[keep], 6)
-    assert torch.allclose(block.values[keep], alone.values, atol=1e-5)
+    for b in (0, 2):
+        assert torch.equal(block.index[b], clean.index[b])
+        x = torch.softmax(q[b].double() @ clean.keys[b].double().T / math.sqrt(16) + clean.bias[b].double(), -1)
+        scale = float(clean.values[b].abs().max())
+        tol = q.shape[1] * torch.finfo(torch.float32).eps * float(torch.linalg.cond(x)) ** 2 * scale
+        assert float((block.values[b] - clean.values[b]).abs().max()) <= tol
 
 
 def test_a_degenerate_head_duplicate_keys_and_zero_queries_fits_its_output():
