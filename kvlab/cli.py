@@ -4,6 +4,7 @@
     python -m kvlab run --doc PATH --method NAME --ratio R --question TEXT [--model M] [--json]
     python -m kvlab compare --doc PATH --methods A,B --ratios 2,5,10 --question TEXT --out DIR [--model M]
     python -m kvlab generate --prompt TEXT | --doc PATH --question Q [--method M] [--budget KEYS] [--json]
+    python -m kvlab warm SHEET [--model M]
 
 Each method's knobs (the fields of its Options dataclass, reflected by
 kvlab.methods.catalog) are flags too, e.g. ``--window 32`` for SnapKV, and
@@ -124,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=200, help="tokens written at most (default 200, at most 2048)")
     gen.add_argument("--model", default=None, help="as for run")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    warm = sub.add_parser("warm", help="compute a workshop sheet's configurations into the result store (resumable)")
+    warm.add_argument("sheet", help="a file of Explore links or METHOD RATIO EXAMPLE [QUESTION] lines (docs/workshop.md)")
+    warm.add_argument("--model", default=None, help="the model of lines that name none (default: the lab's default)")
     add_method_options(run)
     from kvlab.tasks.cli import add_parser as add_bench_parser
 
@@ -142,7 +146,7 @@ def cmd_methods(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from kvlab.context import CONTEXTS
+    from kvlab.contexts import CONTEXTS
     from kvlab.lab import inputs
     from kvlab.models import get_model
     from kvlab.pipeline import run
@@ -218,7 +222,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_budgets(args: argparse.Namespace) -> int:
-    from kvlab.context import CONTEXTS
+    from kvlab.contexts import CONTEXTS
     from kvlab.documents import load_examples, read_document
     from kvlab.models import get_model
     from kvlab.pipeline import evaluation
@@ -241,6 +245,29 @@ def cmd_budgets(args: argparse.Namespace) -> int:
     print(f"baseline loss {sweep.loss_base:.4f}; shares min {sweep.shares.min():.2f}, max {sweep.shares.max():.2f}; "
           f"{sweep.seconds:.0f}s; written to {path}")
     return 0
+
+
+def cmd_warm(args: argparse.Namespace) -> int:
+    """Fill the result store (kvlab.results) with every configuration of a sheet; 1 when one failed."""
+    from kvlab import results
+    from kvlab.lab.warm import read_sheet, warm
+
+    items = read_sheet(args.sheet, args.model)  # every line checked before any work
+    store = results.store()
+    where = store.directory or "memory only: nothing will outlive this command (see KVLAB_STORE_DIR)"
+    print(f"warming {len(items)} configuration(s) into {where}", file=sys.stderr)
+
+    def report(i: int, w: Any) -> None:
+        what = {"stored": "stored already", "computed": f"computed in {w.seconds:.1f} s",
+                "shared": "computed by another request"}.get(w.outcome, f"FAILED: {w.error}")
+        print(f"[{i + 1}/{len(items)}] line {w.item.line}: {w.item.label}: {what}", file=sys.stderr)
+
+    done = warm(items, store, report)
+    failed = sum(w.outcome == "failed" for w in done)
+    computed = sum(w.outcome == "computed" for w in done)
+    print(f"done: {computed} computed, {len(done) - computed - failed} stored already, {failed} failed",
+          file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _stderr_progress(fraction: float, desc: str) -> None:
@@ -272,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         commands = {
             "methods": cmd_methods, "run": cmd_run, "compare": cmd_compare, "budgets": cmd_budgets,
-            "generate": cmd_generate, "bench": cmd_bench,
+            "generate": cmd_generate, "bench": cmd_bench, "warm": cmd_warm,
         }
         return commands[args.command](args)
     except UsageError as exc:

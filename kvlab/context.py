@@ -9,28 +9,23 @@ even when requests race, without holding a lock other users need.
 
 Memory is bounded two ways (limits in kvlab.limits): a document remembers at
 most ``remembered_questions`` questions (the least recently used one's
-entries go first), and :class:`ContextStore` holds a byte budget for all of
+entries go first), and kvlab.contexts.ContextStore holds a byte budget for all of
 it (contexts and everything cached on them), evicting least recently used
 entries, then whole contexts, when it is exceeded.
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import threading
 import time
 from collections import OrderedDict
-from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, TypeVar
 
-import psutil
-import torch
-
 from kvlab import cancel, limits
 from kvlab.documents import DocumentError
-from kvlab.models import LoadedModel, on_unload, pick_device
+from kvlab.memo import MISSING, compute_once, held_bytes
+from kvlab.models import LoadedModel
 from kvlab.prompts import ContextTokens, context_tokens
 from kvlab.runtime.cache import FullKV
 from kvlab.runtime.decode import prefill
@@ -45,85 +40,6 @@ ANSWER_ROOM = 256
 
 def no_progress(fraction: float, desc: str) -> None:
     """Default progress sink."""
-
-
-_MISSING = object()
-
-
-def compute_once(
-    lock: threading.Lock,
-    flights: dict[Hashable, Future],
-    key: Hashable,
-    find: Callable[[], object],
-    make: Callable[[], T],
-    keep: Callable[[T], None],
-) -> T:
-    """``find()`` (under ``lock``), else ``make()`` once per key however many callers race.
-
-    find: the kept value or ``_MISSING``; the first caller that misses runs
-    ``make()`` with ``lock`` released (so nobody else is blocked meanwhile) and
-    ``keep``s the value under it; callers asking for the same key in the
-    meantime wait for that value, or get its exception (nothing is kept then).
-    Whatever fails, ``make`` or ``keep``, the key's future is resolved with the
-    exception, so no caller ever waits on it forever. A leader stopped by its
-    own request (kvlab.cancel.Cancelled) is not a failure of the value: a
-    waiter then computes it itself. A waiter's own request is checked while
-    it waits (kvlab.cancel.wait).
-    """
-    while True:
-        with lock:
-            found = find()
-            if found is not _MISSING:
-                return found  # type: ignore[return-value]
-            flight = flights.get(key)
-            leader = flight is None
-            if leader:
-                flight = flights[key] = Future()
-        if leader:
-            break
-        if cancel.current() is not None:  # a request: it may be stopped while it waits
-            cancel.wait(lambda timeout: bool(futures.wait([flight], timeout).done))
-        try:
-            return flight.result()
-        except cancel.Cancelled:
-            continue  # the leader's request was stopped, not the computation: make it here
-    try:
-        value = make()
-        with lock:
-            del flights[key]
-            keep(value)
-    except BaseException as exc:
-        with lock:
-            flights.pop(key, None)
-        flight.set_exception(exc)
-        raise
-    flight.set_result(value)
-    return value
-
-
-def held_bytes(obj: object, seen: set[int] | None = None) -> int:
-    """Bytes of the tensor storages ``obj`` keeps alive, each storage counted once.
-
-    Tensors are found inside lists, tuples, dict values and dataclass
-    instances (their cached properties included). A view costs its whole
-    storage: a small slice of a large tensor keeps all of it alive.
-    """
-    seen = set() if seen is None else seen
-    if isinstance(obj, torch.Tensor):
-        storage = obj.untyped_storage()
-        if storage.data_ptr() in seen:
-            return 0
-        seen.add(storage.data_ptr())
-        return storage.nbytes()
-    if isinstance(obj, dict):
-        parts = list(obj.values())
-    elif isinstance(obj, (list, tuple)):
-        parts = obj
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        parts = list(vars(obj).values())
-    else:
-        return 0
-    return sum(held_bytes(part, seen) for part in parts)
 
 
 @dataclass
@@ -194,7 +110,7 @@ class Context:
             return list(self._questions)
 
     def cached(self, store: str, key: Hashable, make: Callable[[], T], question: str | None = None) -> T:
-        """``getattr(self, store)[key]``, made by ``make()`` once (see :func:`compute_once`).
+        """``getattr(self, store)[key]``, made by ``make()`` once (see kvlab.memo.compute_once).
 
         store: "queries", "evaluations", "memos" or "runs"; question: the question the
         value belongs to; it is forgotten with that question when newer ones
@@ -205,7 +121,7 @@ class Context:
 
         def find() -> object:
             if slot not in self._entries:
-                return _MISSING
+                return MISSING
             self._entries.move_to_end(slot)
             if question in self._questions:
                 self._questions.move_to_end(question)
@@ -292,110 +208,3 @@ def prepare_context(lm: LoadedModel, text: str, progress: Progress = no_progress
     )
     elapsed = time.perf_counter() - start
     return Context(lm, text, tokens, full, elapsed, queries={"context": capture.per_layer()})
-
-
-def default_budget() -> int:
-    """The byte budget of cached contexts: ``KVLAB_CACHE_BYTES``, else sized from free memory now.
-
-    Half the free memory of the GPU the models run on, or a quarter of the
-    available RAM on a CPU (the rest is for models, runs and other programs).
-    """
-    if limits.LIMITS.cache_bytes:
-        return limits.LIMITS.cache_bytes
-    device, _ = pick_device()
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return free // 2
-    return psutil.virtual_memory().available // 4
-
-
-class ContextStore:
-    """Recently prepared contexts, keyed by (loaded model, document hash); thread-safe.
-
-    A document being prepared is in flight: a second request for it (a Run
-    clicked while the lab prepares the document in the background, or two
-    users on one document) waits for that preparation instead of repeating it.
-
-    budget: bytes for all contexts with everything cached on them (default:
-    :func:`default_budget`, sized on first use); the least recently used
-    contexts go while it is exceeded, but never the last one, which is bounded
-    by the same budget on its own (:meth:`Context.cached`). capacity: at most
-    this many contexts as well (None: bytes only).
-    """
-
-    def __init__(self, capacity: int | None = None, budget: int | None = None):
-        self.capacity = capacity
-        self._budget = budget
-        self._items: OrderedDict[tuple[int, str], Context] = OrderedDict()
-        self._flights: dict[Hashable, Future] = {}
-        self._lock = threading.Lock()
-
-    @property
-    def budget(self) -> int:
-        if self._budget is None:
-            self._budget = default_budget()
-        return self._budget
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the contexts kept (as of their last change)."""
-        with self._lock:
-            return sum(ctx.nbytes for ctx in self._items.values())
-
-    @staticmethod
-    def key(lm: LoadedModel, text: str) -> tuple[int, str]:
-        # The model object itself, not its name: two folders both called "model"
-        # are different models. The stored Context holds ``lm``, so its id cannot
-        # be reused by another object while the entry lives.
-        return id(lm), hashlib.sha256(text.encode()).hexdigest()
-
-    def peek(self, lm: LoadedModel, text: str) -> Context | None:
-        """The prepared context, or None when it is not ready (never prepares)."""
-        with self._lock:
-            return self._items.get(self.key(lm, text))
-
-    def get(self, lm: LoadedModel, text: str, progress: Progress = no_progress) -> Context:
-        """The context of ``text`` for ``lm``: cached, awaited if in flight, else prepared now.
-
-        ``progress`` hears the prefill only when this call runs it.
-        """
-        key = self.key(lm, text)
-        budget = self.budget  # sized outside the lock: it may ask the GPU
-
-        def find() -> object:
-            if key not in self._items:
-                return _MISSING
-            self._items.move_to_end(key)
-            return self._items[key]
-
-        def keep(ctx: Context) -> None:
-            ctx.budget, ctx.on_grow = budget, lambda: self.grew(key)
-            self._items[key] = ctx
-            self._trim()
-
-        return compute_once(self._lock, self._flights, key, find, lambda: prepare_context(lm, text, progress), keep)
-
-    def grew(self, key: tuple[int, str]) -> None:
-        """A context grew while in use: it becomes the most recently used, and the others go if need be."""
-        with self._lock:
-            if key in self._items:
-                self._items.move_to_end(key)
-            self._trim()
-
-    def _trim(self) -> None:
-        def over() -> bool:
-            too_many = self.capacity is not None and len(self._items) > self.capacity
-            return too_many or sum(ctx.nbytes for ctx in self._items.values()) > self.budget
-
-        while len(self._items) > 1 and over():
-            self._items.popitem(last=False)
-
-    def forget(self, lm: LoadedModel) -> None:
-        """Drop every context of ``lm`` (its model is being unloaded)."""
-        with self._lock:
-            for key in [k for k, ctx in self._items.items() if ctx.lm is lm]:
-                del self._items[key]
-
-
-CONTEXTS = ContextStore()
-on_unload(CONTEXTS.forget)  # an unloaded model's contexts go with it

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from concurrent.futures import Future
 
@@ -9,14 +10,24 @@ from concurrent.futures import Future
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Finished runs of the suite's servers (subprocesses included) go to a folder of this session's own:
+# never the user's store, where an earlier session's results would answer this one's requests.
+os.environ["KVLAB_STORE_DIR"] = tempfile.mkdtemp(prefix="kvlab-test-store-")
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from kvlab import context as context_module
+from kvlab import memo, results
 from kvlab.models import ATTENTION_NAME, LoadedModel, get_model, register_attention
+
+@pytest.fixture(autouse=True)
+def result_store(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test its own empty result store (kvlab.results): a run another test stored must never answer it."""
+    monkeypatch.setenv("KVLAB_STORE_DIR", str(tmp_path / "result-store"))
+    monkeypatch.setattr(results, "_store", None)
+
 
 def pytest_configure(config: pytest.Config) -> None:
     # gradio's queue still uses pandas options that pandas 4 deprecates; not ours to fix.
@@ -77,7 +88,7 @@ def embedded() -> LoadedModel:
 
 
 class FlightWaiters:
-    """Callers that joined a computation already in flight (kvlab.context.compute_once's followers),
+    """Callers that joined a computation already in flight (kvlab.memo.compute_once's followers),
     counted as each calls the flight's ``result()``: at once for a plain call (what these tests
     race); a cancellable request first waits through kvlab.cancel and is counted when it is done."""
 
@@ -107,5 +118,5 @@ def flight_waiters(monkeypatch: pytest.MonkeyPatch) -> FlightWaiters:
             waiters.arrived()
             return super().result(timeout)
 
-    monkeypatch.setattr(context_module, "Future", Counted)
+    monkeypatch.setattr(memo, "Future", Counted)
     return waiters

@@ -14,7 +14,7 @@ from gradio_client.exceptions import AppError  # noqa: E402
 
 from benchmarks.browser import serve_app  # noqa: E402
 from kvlab import lab  # noqa: E402
-from kvlab.context import CONTEXTS  # noqa: E402
+from kvlab.contexts import CONTEXTS  # noqa: E402
 from kvlab.methods import REGISTRY  # noqa: E402
 from kvlab.methods.catalog import all_knobs  # noqa: E402
 from kvlab.models import EMBEDDED, EMBEDDED_LABEL  # noqa: E402

@@ -17,7 +17,9 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kvlab import cancel, lab, limits, models  # noqa: E402
-from kvlab.context import _MISSING, ContextStore, compute_once, prepare_context  # noqa: E402
+from kvlab.context import prepare_context  # noqa: E402
+from kvlab.contexts import ContextStore
+from kvlab.memo import MISSING, compute_once
 from kvlab.documents import DocumentError  # noqa: E402
 from kvlab.methods import MethodError  # noqa: E402
 from kvlab.models import ModelLoadError  # noqa: E402
@@ -145,7 +147,7 @@ def test_a_request_stopped_while_it_waits_for_the_slot_leaves_the_queue():
 
 def test_a_stopped_leader_resolves_its_future_keeps_nothing_and_its_waiter_computes_the_value(flight_waiters):
     lock, flights, kept, made, results = threading.Lock(), {}, {}, [], []
-    find = lambda: kept.get("k", _MISSING)  # noqa: E731
+    find = lambda: kept.get("k", MISSING)  # noqa: E731
     keep = lambda value: kept.__setitem__("k", value)  # noqa: E731
     leading = threading.Event()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvlab.cli import main
-from kvlab.context import CONTEXTS
+from kvlab.contexts import CONTEXTS
 from kvlab.documents import load_examples
 from kvlab.methods import get_method
 from kvlab.pipeline import run

@@ -8,11 +8,12 @@ import threading
 import pytest
 import torch
 
-from kvlab import context as context_module
+from kvlab import contexts as contexts_module
 from kvlab import queries as queries_module
 from kvlab import lab, models
 from kvlab.cli import main
-from kvlab.context import ContextStore, prepare_context
+from kvlab.context import prepare_context
+from kvlab.contexts import ContextStore
 from kvlab.methods import REGISTRY, Request
 
 DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(120))
@@ -29,7 +30,7 @@ def test_racing_requests_share_one_preparation(tiny, monkeypatch, flight_waiters
         joined.append(flight_waiters.wait_for(2))
         return prepare_context(lm, text)
 
-    monkeypatch.setattr(context_module, "prepare_context", slow_prepare)
+    monkeypatch.setattr(contexts_module, "prepare_context", slow_prepare)
     store = ContextStore(capacity=2)
     got = []
     threads = [threading.Thread(target=lambda: got.append(store.get(tiny, DOC))) for _ in range(3)]
@@ -51,7 +52,7 @@ def test_a_failed_preparation_reaches_every_waiter_and_is_not_kept(tiny, monkeyp
             raise RuntimeError("disk on fire")
         return prepare_context(lm, text)
 
-    monkeypatch.setattr(context_module, "prepare_context", failing_once)
+    monkeypatch.setattr(contexts_module, "prepare_context", failing_once)
     store = ContextStore()
     errors = []
 
@@ -77,7 +78,7 @@ def test_preparing_a_document_records_the_methods_queries(tiny, monkeypatch):
     text = DOC + " w9 w8 w7"
     prepared = lab.prepare_document(text, None, "attention_matching")
     assert prepared.prefilled_now and prepared.doc_tokens > 100
-    monkeypatch.setattr(context_module, "prepare_context", lambda *a, **k: pytest.fail("prefilled again"))
+    monkeypatch.setattr(contexts_module, "prepare_context", lambda *a, **k: pytest.fail("prefilled again"))
     monkeypatch.setattr(queries_module, "_session_after", lambda *a, **k: pytest.fail("repeat pass recorded again"))
     ex = lab.explore(text, None, "attention_matching", 4, "w5 w6", max_new_tokens=2)
     assert ex.prefill_reused and ex.run.result.method == "attention_matching"

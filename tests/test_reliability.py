@@ -13,7 +13,9 @@ import torch
 
 from conftest import tiny_llama
 from kvlab import lab, limits, models, pipeline
-from kvlab.context import CONTEXTS, ContextStore, held_bytes, prepare_context
+from kvlab.context import prepare_context
+from kvlab.contexts import CONTEXTS, ContextStore
+from kvlab.memo import held_bytes
 from kvlab.documents import DocumentError
 from kvlab.queries import question_queries
 
@@ -212,14 +214,14 @@ def test_the_store_evicts_least_recently_used_contexts_by_bytes(tiny):
 def test_the_default_budget_follows_free_memory_unless_set(monkeypatch):
     import psutil
 
-    from kvlab import context
+    from kvlab import contexts
 
     monkeypatch.setenv("KVLAB_DEVICE", "cpu")
     with_limits(monkeypatch, cache_bytes=0)
     free = psutil.virtual_memory().available
-    assert 0.8 * free / 4 < context.default_budget() < 1.2 * free / 4
+    assert 0.8 * free / 4 < contexts.default_budget() < 1.2 * free / 4
     with_limits(monkeypatch, cache_bytes=12345)
-    assert context.default_budget() == 12345
+    assert contexts.default_budget() == 12345
 
 
 # --------------------------------------------------------------------------- models
@@ -313,7 +315,7 @@ def test_a_failing_keep_resolves_the_future_for_every_waiter():
     """compute_once: when ``keep`` raises, a caller waiting on the same key gets the error, not a hang."""
     from concurrent.futures import Future
 
-    from kvlab.context import _MISSING, compute_once
+    from kvlab.memo import MISSING, compute_once
 
     lock, flights = threading.Lock(), {}
     made, waiter_in = threading.Event(), threading.Event()
@@ -334,14 +336,14 @@ def test_a_failing_keep_resolves_the_future_for_every_waiter():
         assert isinstance(flight, Future)
         waiter_in.set()
         try:
-            outcome.append(compute_once(lock, flights, ("k",), lambda: _MISSING, make, keep))
+            outcome.append(compute_once(lock, flights, ("k",), lambda: MISSING, make, keep))
         except MemoryError as exc:
             outcome.append(exc)
 
     waiter = threading.Thread(target=second, daemon=True)
     waiter.start()
     with pytest.raises(MemoryError):
-        compute_once(lock, flights, ("k",), lambda: _MISSING, make, keep)
+        compute_once(lock, flights, ("k",), lambda: MISSING, make, keep)
     waiter.join(10)
     assert not waiter.is_alive(), "the second caller still waits on a future nobody resolves"
     assert len(outcome) == 1 and isinstance(outcome[0], MemoryError)

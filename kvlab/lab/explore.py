@@ -5,14 +5,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvlab.context import CONTEXTS, Context, Progress, no_progress
+from kvlab.context import Context, Progress, no_progress
+from kvlab.contexts import CONTEXTS
 from kvlab.lab.inputs import (
     check_answer_length, check_question, check_question_tokens, check_ratio, document_text, expected_answer,
 )
-from kvlab.methods import get_method
+from kvlab.methods import Method, get_method
 from kvlab import models
 from kvlab.models import LoadedModel
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS, Run, has_evaluation, run
+from kvlab.results import RunKey, code_identity, model_identity, options_text, text_digest
 from kvlab.tasks.scoring import contains_match
 
 
@@ -84,7 +86,7 @@ def prepared_context(lm: LoadedModel, document: str, progress: Progress = no_pro
     """(the document's context for ``lm``, whether this call ran its prefill) through the shared cache.
 
     The prefill runs only for a (model, document) pair not seen recently
-    (kvlab.context.CONTEXTS); changing the method, ratio or question reuses it.
+    (kvlab.contexts.CONTEXTS); changing the method, ratio or question reuses it.
     """
     prefilled = False
 
@@ -99,6 +101,43 @@ def prepared_context(lm: LoadedModel, document: str, progress: Progress = no_pro
 def sub_progress(progress: Progress, lo: float, width: float, label: str = "") -> Progress:
     """A progress sink reporting into [lo, lo + width] of ``progress``, its messages prefixed by ``label``."""
     return lambda f, desc: progress(lo + width * min(max(f, 0.0), 1.0), f"{label}{desc}")
+
+
+def checked_inputs(
+    text: str | None, file: str | None, method: str, ratio: object, question: str | None,
+    max_new_tokens: object, options: dict[str, Any] | None,
+) -> tuple[str, Method, float, str, int]:
+    """An Explore run's inputs checked (before any model work): (document, method, ratio, question, length)."""
+    question = check_question(question)
+    max_new_tokens = check_answer_length(max_new_tokens)
+    ratio = check_ratio(ratio)
+    document = document_text(text, file)
+    return document, get_method(method, **(options or {})), ratio, question, max_new_tokens
+
+
+def explore_key(
+    text: str | None,
+    file: str | None,
+    method: str,
+    ratio: float,
+    question: str,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    options: dict[str, Any] | None = None,
+    model: str | None = None,
+) -> RunKey:
+    """What an :func:`explore` run with these inputs depends on (kvlab.results.RunKey), checked as it checks them.
+
+    Needs no model loaded (the model's identity is its file's digest, cached
+    per process), so a stored run is found before any model work.
+    """
+    document, method_obj, ratio, question, max_new_tokens = checked_inputs(
+        text, file, method, ratio, question, max_new_tokens, options)
+    models.check_allowed(model or None)
+    return RunKey(
+        model=model_identity(model or None), document=text_digest(document), question=question,
+        method=method_obj.name, options=options_text(method_obj.options), ratio=ratio,
+        max_new_tokens=max_new_tokens, code=code_identity(),
+    )
 
 
 def explore(
@@ -118,11 +157,8 @@ def explore(
     InputError with a message fit for the user.
     """
     start = time.perf_counter()
-    question = check_question(question)
-    max_new_tokens = check_answer_length(max_new_tokens)
-    ratio = check_ratio(ratio)
-    document = document_text(text, file)
-    method_obj = get_method(method, **(options or {}))
+    document, method_obj, ratio, question, max_new_tokens = checked_inputs(
+        text, file, method, ratio, question, max_new_tokens, options)
     progress(0.0, f"loading the model {model or ''} (the first use of a model takes a while)")
     lm = models.get_model(model or None)
     check_question_tokens(lm.tokenizer, question)

@@ -99,6 +99,25 @@ def knobs(name: str) -> list[Knob]:
     return [Knob(name, f, kinds[f.name]) for f in dataclasses.fields(options) if f.init]
 
 
+def method_spec(entry: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
+    """``name`` or ``name:knob=value:knob=value`` -> (name, ((knob, converted value), ...)).
+
+    Raises MethodError for an unknown method, a knob the method does not have,
+    or a value the knob does not allow (the message names what it allows).
+    """
+    name, *pairs = entry.strip().split(":")
+    method_class(name)  # MethodError for an unknown name
+    by_name = {k.name: k for k in knobs(name)}
+    options = []
+    for pair in pairs:
+        knob, sep, text = pair.partition("=")
+        if not sep or knob.strip() not in by_name:
+            raise MethodError(f"{entry!r}: {pair!r} is not knob=value for one of {name}'s knobs "
+                              f"({', '.join(by_name) or 'it has none'})")
+        options.append((knob.strip(), by_name[knob.strip()].convert(text.strip())))
+    return name, tuple(options)
+
+
 def all_knobs() -> dict[str, list[Knob]]:
     """Every registered method's knobs, by method name (sorted)."""
     return {name: knobs(name) for name in sorted(REGISTRY)}

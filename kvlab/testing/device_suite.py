@@ -28,7 +28,7 @@ from unittest import mock
 import torch
 
 from kvlab import models
-from kvlab.context import CONTEXTS
+from kvlab.contexts import CONTEXTS
 from kvlab.methods import REGISTRY, get_method
 from kvlab.methods.base import SELECTION_PRESETS
 from kvlab.models import LoadedModel
@@ -131,7 +131,8 @@ def _method_step(name: str, preset: str | None) -> Step:
 def _explore(lm: LoadedModel, workdir: Path) -> None:
     """One Explore run and everything the page draws from it (token view, figures, fit figures)."""
     from kvlab.lab import explore
-    from kvlab.ui.present import draw, present
+    from kvlab.lab.views import present
+    from kvlab.ui.present import draw
 
     draw(present(explore(DOCUMENT, None, "attention_matching", 4.0, QUESTION, max_new_tokens=4)))
 

@@ -15,22 +15,25 @@ import dataclasses
 import importlib.util
 import logging
 import os
+import sys
 import threading
 from typing import Any
 
 import gradio as gr
 from huggingface_hub.constants import HF_HUB_OFFLINE
 
-from kvlab import limits
+from kvlab import cancel, limits, results
 from kvlab.bounded.policies import BOUNDED
 from kvlab.documents import DocumentError, Example
 from kvlab.lab.inputs import MAX_RATIO, MIN_RATIO
 from kvlab.lab import examples as bundled_examples
 from kvlab.lab import model_choices, prepare_document
+from kvlab.lab.warm import SheetError, WarmItem, read_sheet, warm
 from kvlab.methods import REGISTRY
 from kvlab.methods.catalog import all_knobs, query_awareness
 from kvlab.models import EMBEDDED, EMBEDDED_PACKAGE, LoadedModel, ModelLoadError, get_model
-from kvlab.ui import common, links
+from kvlab.lab import links
+from kvlab.ui import common
 from kvlab.ui.common import CSS, CompareInputs, DocumentInputs, GenerateInputs
 from kvlab.ui.compare import SWEEP_RATIOS, build_compare_tab
 from kvlab.ui.explore import RATIO_MAX, RATIO_MIN, build_explore_tab
@@ -44,10 +47,12 @@ log = logging.getLogger("kvlab.app")
 HUB_FALLBACK = "HuggingFaceTB/SmolLM2-135M-Instruct"
 #: The method a first visit starts with.
 PREFERRED_METHOD = "attention_matching"
-#: Requests waiting in the queue at most (more are refused with "queue full"), and how long
-#: Gradio keeps uploaded and generated files (seconds).
-QUEUE_SIZE = int(os.environ.get("KVLAB_QUEUE_SIZE", "20"))
+#: Events waiting in Gradio's queue at most (heavy ones are admitted at once and wait for the compute
+#: slot, which says "busy" past KVLAB_QUEUE_SIZE), and how long Gradio keeps uploaded and generated files (s).
+QUEUE_SIZE = limits.LIMITS.queue_size
 FILE_CACHE_S = 3600
+#: Threads Gradio runs events on, besides the heavy events it admits at once (the light ones: examples, token view).
+LIGHT_THREADS = 40
 # Placeholder geometry for the token-view sliders until a model is known.
 _DEFAULT_LAYERS, _DEFAULT_KV_HEADS = 32, 8
 
@@ -131,7 +136,7 @@ def wire_links(
     inputs: DocumentInputs, sweep: CompareInputs, writing: GenerateInputs,
     tabs: gr.Tabs, tab: gr.State, note: gr.Markdown, button: gr.Button, box: gr.Textbox,
 ) -> None:
-    """Page load: apply the URL's link (kvlab.ui.links), then prepare the document shown.
+    """Page load: apply the URL's link (kvlab.lab.links), then prepare the document shown.
     "Link to this": the current settings as such a link."""
     by_id = {ex.id: ex for ex in examples}
 
@@ -215,15 +220,18 @@ def _example_body(ex: Example) -> str | None:
 
 
 def launch_options() -> dict[str, Any]:
-    """The keyword arguments of ``launch()``: the style (Gradio 6: theme and css go there), the upload limit."""
+    """The keyword arguments of ``launch()``: the style (Gradio 6: theme and css go there), the upload limit,
+    and threads for every heavy event admitted at once plus the light ones (a stored answer must not wait
+    for a thread behind requests waiting for the compute slot)."""
     # Gradio refuses larger uploads itself, before they reach the disk.
-    return {"theme": gr.themes.Soft(), "css": CSS, "max_file_size": limits.LIMITS.upload_bytes}
+    return {"theme": gr.themes.Soft(), "css": CSS, "max_file_size": limits.LIMITS.upload_bytes,
+            "max_threads": common.COMPUTE_ADMITTED + LIGHT_THREADS}
 
 
 def prepare(demo: gr.Blocks) -> gr.Blocks:
-    """Queue the app: one heavy computation at a time (``/run`` and ``/compare`` share one slot), so a
-    small CPU Space stays responsive for the light events (examples, token view), which run beside it;
-    at most QUEUE_SIZE requests wait. Each user's last run stays in their own session state."""
+    """Queue the app: one heavy computation at a time (the heavy events share one slot, kvlab.ui.common),
+    so a small CPU Space stays responsive for the light events (examples, token view), which run beside it;
+    at most QUEUE_SIZE events wait in Gradio's queue. Each user's last run stays in their own session state."""
     return demo.queue(default_concurrency_limit=1, max_size=QUEUE_SIZE)
 
 
@@ -243,6 +251,33 @@ def warm_first_example(spec: str) -> threading.Thread | None:
             log.exception("preparing the first example failed")
 
     thread = threading.Thread(target=work, name="kvlab-warm", daemon=True)
+    thread.start()
+    return thread
+
+
+def warm_in_background(items: list[WarmItem]) -> threading.Thread | None:
+    """Fill the result store with a workshop sheet's configurations (``KVLAB_WARM``) in a background
+    thread, at the compute slot's lowest priority: each configuration waits until no visitor waits, so a
+    visitor waits at most one configuration behind it. None on ZeroGPU (nothing computed outside a GPU
+    slot survives it) or without items."""
+    if common.spaces is not None or not items:
+        return None
+
+    def report(i: int, w) -> None:  # noqa: ANN001 - a kvlab.lab.warm.Warmed
+        log.info("warming %d/%d, line %d: %s: %s (%.1f s)%s", i + 1, len(items), w.item.line, w.item.label,
+                 w.outcome, w.seconds, f": {w.error}" if w.error else "")
+
+    def work() -> None:
+        try:
+            with cancel.scope(owner="warming", priority=cancel.BACKGROUND):
+                done = warm(items, results.store(), report, hold=common.COMPUTE.hold)
+            log.info("warming done: %d computed, %d stored already, %d failed",
+                     sum(w.outcome == "computed" for w in done), sum(w.outcome in ("stored", "shared") for w in done),
+                     sum(w.outcome == "failed" for w in done))
+        except Exception:  # noqa: BLE001 - visitors compute what is missing
+            log.exception("warming the result store failed")
+
+    thread = threading.Thread(target=work, name="kvlab-warm-store", daemon=True)
     thread.start()
     return thread
 
@@ -267,11 +302,21 @@ def hub_fallback(choices: list[tuple[str, str]]) -> tuple[list[tuple[str, str]],
 
 
 def main() -> None:
-    """Load the default model (logged), build the app and serve it on GRADIO_SERVER_NAME:GRADIO_SERVER_PORT."""
+    """Load the default model (logged), build the app and serve it on GRADIO_SERVER_NAME:GRADIO_SERVER_PORT.
+
+    A bad KVLAB_WARM sheet ends it before anything loads, with one line and exit status 2.
+    """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     lm = None
     choices, notice = hub_fallback(model_choices())
+    try:
+        sheet = limits.warm_sheet()
+        items = read_sheet(sheet, choices[0][1]) if sheet is not None else []
+    except (limits.LimitConfigError, SheetError) as exc:
+        sys.stderr.write(f"kvlab: error: {exc}\n")
+        raise SystemExit(2) from None
+    store = results.store()  # opened now: an unusable folder is reported at start-up, not at a visitor's run
     if notice:
         log.warning("embedded model not installed: serving %s from the hub", HUB_FALLBACK)
     log.info("loading the default model (%s)...", choices[0][1])
@@ -279,6 +324,7 @@ def main() -> None:
         lm = get_model(choices[0][1])
         log.info("model ready: %s (%d layers, %d KV heads)", lm.name, lm.n_layers, lm.n_kv_heads)
         warm_first_example(choices[0][1])
+        warm_in_background(items)
     except ModelLoadError as exc:  # the app still starts; a run shows the error
         log.error("%s", exc)
         if notice:
@@ -286,9 +332,11 @@ def main() -> None:
                       f"could not be loaded from the hub either: {exc}")
     if len(choices) > 1:
         log.info("other models offered (loaded on first use): %s", ", ".join(spec for _, spec in choices[1:]))
+    if store.directory is None:
+        log.info("finished runs are kept in memory only (KVLAB_STORE_DIR)")
     demo = prepare(build_app(lm, choices, notice))
     demo.launch(
         server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
-        server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
+        server_port=limits.LIMITS.server_port,
         **launch_options(),
     )

@@ -3,29 +3,34 @@ page styling.
 
 The compute slot: every heavy event (``/run``, ``/compare``, ``/tasks``,
 ``/needle_test``, ``/generate``) runs its work through :func:`guarded`,
-which holds :data:`COMPUTE` (one computation at a time, granted in arrival
-order) inside a kvlab.cancel scope: the work stops at its next progress step
-once it has computed for ``KVLAB_MAX_REQUEST_S``, once Stop is pressed (the
-tabs' Stop buttons cancel the event) or once its page or client disconnects
-(:func:`requester_gone`). A long job (a sweep, a task set, Generate's
-methods) hands the slot over between its units, so others' single runs
-interleave with it. Gradio admits up to :data:`COMPUTE_ADMITTED` heavy events
-at once for that (they wait for the slot, not in Gradio's queue).
+which holds :data:`COMPUTE` (one computation at a time, shared fairly between
+pages: kvlab.cancel.Slot) inside a kvlab.cancel scope: the work stops at its
+next progress step once it has computed for ``KVLAB_MAX_REQUEST_S``, once Stop
+is pressed (the tabs' Stop buttons cancel the event) or once its page or
+client disconnects (:func:`requester_gone`); a page's newer request of the
+same kind replaces its older one still waiting. A long job (a sweep, a task
+set, Generate's methods) hands the slot over between its units, so others'
+single runs interleave with it. Gradio admits up to :data:`COMPUTE_ADMITTED`
+heavy events at once (they wait for the slot, where each page hears its place
+in line, not in Gradio's queue). Explore's run goes through :func:`served`
+instead: a configuration already computed is answered from the result store
+(kvlab.results) without the slot, and identical runs in flight share one
+computation.
 """
 from __future__ import annotations
 
 import logging
-import os
 import secrets
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import gradio as gr
 from gradio import utils as gradio_utils
 
-from kvlab import cancel, limits
+from kvlab import cancel, limits, results
 from kvlab.documents import DocumentError, read_document
 from kvlab.lab import InputError
 from kvlab.methods import MethodError
@@ -49,21 +54,23 @@ CSS = """
 .kvlab-mark-wrong { background: #b91c1c; }
 """
 # ZeroGPU time slots (seconds): one Explore run, and a sweep (per point, capped).
-GPU_RUN_S = int(os.environ.get("KVLAB_GPU_DURATION", "120"))
+GPU_RUN_S = limits.LIMITS.gpu_run_s
 GPU_SWEEP_BASE_S, GPU_SWEEP_POINT_S = 60, 15
-GPU_MAX_S = int(os.environ.get("KVLAB_GPU_MAX_DURATION", "600"))
+GPU_MAX_S = limits.LIMITS.gpu_max_s
 
-USER_ERRORS = (DocumentError, MethodError, ModelLoadError, InputError, cancel.Cancelled)
-#: Heavy events Gradio starts at once (its concurrency limit of "compute"); they queue for COMPUTE in order.
-COMPUTE_ADMITTED = int(os.environ.get("KVLAB_COMPUTE_ADMITTED", "8"))
-#: The one compute slot of this server.
-COMPUTE = cancel.Slot()
+USER_ERRORS = (DocumentError, MethodError, ModelLoadError, InputError, cancel.Cancelled, cancel.Busy)
+#: Heavy events Gradio starts at once (its concurrency limit of "compute"); they wait for COMPUTE.
+COMPUTE_ADMITTED = limits.LIMITS.compute_admitted
+#: The one compute slot of this server; more than KVLAB_QUEUE_SIZE visitors waiting are told it is busy.
+COMPUTE = cancel.Slot(max_waiting=limits.LIMITS.queue_size)
+#: Seconds between two updates of a waiting page's place in line (unless the place changes).
+WAIT_REPORT_S = 1.0
 
 
 @dataclass
 class DocumentInputs:
     """The Explore tab's inputs that the other tabs read too, and what the page's links set
-    (kvlab.ui.links): the example menu, its suggested questions, the method and ratio, and
+    (kvlab.lab.links): the example menu, its suggested questions, the method and ratio, and
     ``prepare``, the keyword arguments of the event that prepares the document shown."""
 
     text: gr.Textbox
@@ -150,6 +157,7 @@ def as_gr_error(exc: Exception) -> gr.Error:
         MethodError: "Method problem",
         InputError: "Missing input",
         cancel.Cancelled: "Stopped",
+        cancel.Busy: "Busy",
     }.get(type(exc), "Document problem" if isinstance(exc, DocumentError) else "Error")
     return gr.Error(str(exc), title=title, print_exception=False)
 
@@ -178,11 +186,46 @@ def requester_gone() -> str | None:
     return cancel.STOPPED
 
 
+def session_of(request: gr.Request | None) -> str | None:
+    """The page a request comes from (its Gradio session), the owner the compute slot tells apart."""
+    return getattr(request, "session_hash", None) if request is not None else None
+
+
+def wait_report(progress: Callable[..., Any] | None) -> Callable[[int, float | None], None] | None:
+    """A Scope.on_wait that shows a waiting page its place in line on its progress bar.
+
+    Sent when the place changes, else at most every WAIT_REPORT_S: each
+    update is an event the browser draws.
+    """
+    if progress is None:
+        return None
+    last: list = [None, 0.0]
+
+    def report(ahead: int, estimate_s: float | None) -> None:
+        now = time.monotonic()
+        if ahead == last[0] and now - last[1] < WAIT_REPORT_S:
+            return
+        last[:] = [ahead, now]
+        about = "" if estimate_s is None else f", about {estimate_s:.0f} s"
+        progress(0.0, desc=f"Waiting for the compute slot: {ahead} request(s) before this one{about}. "
+                           "A configuration someone has run already is answered at once.")
+
+    return report
+
+
 @contextmanager
-def bounded(slot: cancel.Slot | None = COMPUTE) -> Iterator[cancel.Scope]:
-    """A request's bounds (``KVLAB_MAX_REQUEST_S``, Stop, a disconnect), holding ``slot`` inside (None: no slot)."""
+def bounded(
+    slot: cancel.Slot | None = COMPUTE, owner: str | None = None, kind: str | None = None,
+    progress: Callable[..., Any] | None = None,
+) -> Iterator[cancel.Scope]:
+    """A request's bounds (``KVLAB_MAX_REQUEST_S``, Stop, a disconnect), holding ``slot`` inside (None: no slot).
+
+    owner, kind: the page and the kind of request (what the slot shares fairly, and what a newer
+    request replaces); progress: where the page hears its place in line while it waits.
+    """
     handover = slot.handover if slot is not None else (lambda: None)
-    with cancel.scope(limits.LIMITS.request_s, requester_gone, handover) as scope:
+    with cancel.scope(limits.LIMITS.request_s, requester_gone, handover,
+                      owner=owner, kind=kind, on_wait=wait_report(progress)) as scope:
         if slot is None:
             yield scope
             return
@@ -190,20 +233,56 @@ def bounded(slot: cancel.Slot | None = COMPUTE) -> Iterator[cancel.Scope]:
             yield scope
 
 
-def guarded(what: str, work: Callable[[], T]) -> T:
-    """``work()`` holding the compute slot within the request's bounds (:func:`bounded`), with any failure
-    turned into a message for the user: a user's error or a stop as it is (:func:`as_gr_error`), anything
-    else logged with an id (:func:`unexpected`); the server stays up."""
+@contextmanager
+def user_facing(what: str) -> Iterator[None]:
+    """Any failure inside turned into a message for the user: a user's error or a stop as it is
+    (:func:`as_gr_error`), anything else logged with an id (:func:`unexpected`); the server stays up."""
     try:
-        with bounded():
-            return work()
+        yield
     except cancel.Cancelled as exc:
         log.info("a run with %s stopped: %s", what, exc)
         raise as_gr_error(exc) from exc
     except USER_ERRORS as exc:
         raise as_gr_error(exc) from exc
+    except gr.Error:
+        raise
     except Exception as exc:  # noqa: BLE001 - say what failed; the server stays up
         raise unexpected(exc, what) from exc
+
+
+def guarded(
+    what: str, work: Callable[[], T], owner: str | None = None, kind: str | None = None,
+    progress: Callable[..., Any] | None = None,
+) -> T:
+    """``work()`` holding the compute slot within the request's bounds (:func:`bounded`), failures
+    shown to the user (:func:`user_facing`)."""
+    with user_facing(what), bounded(owner=owner, kind=kind, progress=progress):
+        return work()
+
+
+def served(
+    what: str, key: Callable[[], results.RunKey], work: Callable[[], T], owner: str | None = None,
+    kind: str | None = None, progress: Callable[..., Any] | None = None,
+) -> tuple[T, results.Served]:
+    """(``work()``'s value, how it was served) through the result store (kvlab.results).
+
+    ``key()`` checks the inputs and names the configuration; a stored one is
+    answered at once, without the compute slot; one being computed for
+    another page is waited for and shared; else ``work()`` runs holding the
+    slot (fairly, its place in line shown) and its value is stored. Within the
+    request's bounds, failures shown to the user as in :func:`guarded`.
+    """
+
+    def compute() -> T:
+        with COMPUTE.hold():
+            return work()
+
+    def shared() -> None:
+        if progress is not None:
+            progress(0.0, desc="The same configuration is being computed for another page: this one gets that result.")
+
+    with user_facing(what), bounded(slot=None, owner=owner, kind=kind, progress=progress):
+        return results.store().serve(key(), compute, on_share=shared)
 
 
 def error_id() -> str:

@@ -116,12 +116,13 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs
         views = build_task_outputs("tasks")
 
     def on_compare(text=None, file=None, methods=None, ratios=None, more_ratios="", question=None,
-                   max_new_tokens=DEFAULT_MAX_NEW_TOKENS, model=None, progress=gr.Progress()):
+                   max_new_tokens=DEFAULT_MAX_NEW_TOKENS, model=None, request: gr.Request = None,
+                   progress=gr.Progress()):
         chosen = list(methods or [])
         view = guarded(", ".join(chosen), lambda: sweep_view(
             common.document_input(text, file), None, chosen, parse_ratios(ratios, more_ratios), question,
             max_new_tokens or DEFAULT_MAX_NEW_TOKENS, checked_model(model, specs), progress,
-        ))
+        ), owner=common.session_of(request), kind="compare", progress=progress)
         sweep = view.sweep
         csv_path, json_path = write_exports(sweep)
         return (
@@ -139,11 +140,11 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs
     )
 
     def on_tasks(task=TASK_DEFAULT, items=TASK_ITEMS_DEFAULT, length=TASK_LENGTH_DEFAULT, methods=None,
-                 ratios=None, more_ratios="", model=None, progress=gr.Progress()):
+                 ratios=None, more_ratios="", model=None, request: gr.Request = None, progress=gr.Progress()):
         chosen = list(methods or [])
         run = guarded(", ".join(chosen), lambda: tasks_view(
             task, items, length, chosen, parse_ratios(ratios, more_ratios), checked_model(model, specs), progress,
-        ))
+        ), owner=common.session_of(request), kind="tasks", progress=progress)
         return show(run)
 
     tasks_run = tasks_go.click(

@@ -28,13 +28,15 @@ import gradio as gr
 from kvlab import figures
 from kvlab.documents import DocumentError, Example
 from kvlab.lab import InputError, Prepared, needle_test, parse_ratios, prepare_document
+from kvlab.lab.explore import explore_key
+from kvlab.lab.views import with_served_note
 from kvlab.lab.tasks import MAX_DEPTHS
 from kvlab.methods import REGISTRY
 from kvlab.methods.base import method_class
 from kvlab.methods.catalog import Knob, aware_tag, method_info, method_label, options_from, presets
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
 from kvlab.ui import common
-from kvlab.ui.common import GPU_MAX_S, USER_ERRORS, DocumentInputs, as_gr_error, checked_model, guarded, on_gpu
+from kvlab.ui.common import GPU_MAX_S, USER_ERRORS, DocumentInputs, as_gr_error, checked_model, guarded, on_gpu, served
 from kvlab.ui.knobs import knob_component
 from kvlab.ui.tasks import build_task_outputs, show
 from kvlab.ui.present import INTENSITIES, INTENSITY_DEFAULT, TokenFates, draw, run_view, token_view
@@ -296,11 +298,20 @@ def build_explore_tab(
 
     def on_run(text=None, file=None, method=start_method, ratio=RATIO_DEFAULT, question=None,
                max_new_tokens=DEFAULT_MAX_NEW_TOKENS, layer=0, head=0, model=None,
-               intensity=INTENSITY_DEFAULT, progress=gr.Progress(), **knob_values):
-        view = guarded(method, lambda: run_view(
-            common.document_input(text, file), None, method, ratio, question, max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
-            options_from(method, knob_values), checked_model(model, specs), progress,
-        ))
+               intensity=INTENSITY_DEFAULT, request: gr.Request = None, progress=gr.Progress(), **knob_values):
+        inputs: dict = {}
+
+        def key():
+            inputs.update(text=common.document_input(text, file), options=options_from(method, knob_values),
+                          model=checked_model(model, specs))
+            return explore_key(inputs["text"], None, method, ratio, question, max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+                               inputs["options"], inputs["model"])
+
+        stored, how = served(method, key, lambda: run_view(
+            inputs["text"], None, method, ratio, question, max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+            inputs["options"], inputs["model"], progress,
+        ), owner=common.session_of(request), kind="run", progress=progress)
+        view = with_served_note(stored, how)
         # The answers and the summary first; the figures and the token view follow as they are drawn
         # (on the CPU, outside the compute slot, which the next visitor's run can take meanwhile).
         yield (*view.texts, *[gr.skip()] * (len(run_outputs) - len(view.texts) - 2), *view.answer_marks)
@@ -338,11 +349,11 @@ def build_explore_tab(
     stop_btn.click(None, None, None, cancels=[running], api_name=False)
 
     def on_needle(text=None, file=None, methods=None, ratios="", depths=NEEDLE_DEPTHS, model=None,
-                  progress=gr.Progress()):
+                  request: gr.Request = None, progress=gr.Progress()):
         chosen = list(methods or [])
         run = guarded(", ".join(chosen), lambda: needle_view(
             common.document_input(text, file), None, chosen, parse_ratios([], ratios), depths, checked_model(model, specs), progress,
-        ))
+        ), owner=common.session_of(request), kind="needle_test", progress=progress)
         return show(run)
 
     needle_run = needle_go.click(

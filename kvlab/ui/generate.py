@@ -81,7 +81,8 @@ def build_generate_tab(inputs: DocumentInputs, specs: list[str]) -> GenerateInpu
     beacon_plot = gr.Plot(label="BeaconKV's beacons", elem_id="kvlab-gen-beacons")
 
     def on_generate(source_=SOURCES[0], prompt_="", text=None, file=None, question=None, methods_=None,
-                    budget_=0, max_new_=DEFAULT_GENERATE_TOKENS, model=None, progress=gr.Progress()):
+                    budget_=0, max_new_=DEFAULT_GENERATE_TOKENS, model=None, request: gr.Request = None,
+                    progress=gr.Progress()):
         chosen = list(methods_ or [])
         use_prompt = source_ != SOURCES[1]
         g = guarded("generation", lambda: generate(
@@ -90,7 +91,7 @@ def build_generate_tab(inputs: DocumentInputs, specs: list[str]) -> GenerateInpu
             question=None if use_prompt else question, methods=chosen,
             budget=budget_ or None, max_new_tokens=max_new_ or DEFAULT_GENERATE_TOKENS,
             model=checked_model(model, specs), progress=progress,
-        ))
+        ), owner=common.session_of(request), kind="generate", progress=progress)
         summary = (f"**{g.model}**: {g.prompt_tokens} prompt tokens, {len(g.reference.run.ids)} written by the "
                    f"unbounded cache; budget **{g.budget}** keys per KV head; {g.wall_s:.1f} s in all.")
         return (summary, {"headers": COLUMNS, "data": generation_rows(g)}, *generation_figures(g))

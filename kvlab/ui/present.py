@@ -7,14 +7,13 @@ worker and pickles what they return.
 """
 from __future__ import annotations
 
-import html
 from dataclasses import dataclass
 from typing import Any
 
 from kvlab import figures
 from kvlab.context import Progress, no_progress
-from kvlab.lab import Explored, Sweep, TokenFates, compare, explore
-from kvlab.pipeline import RunResult
+from kvlab.lab import Sweep, TokenFates, compare, explore
+from kvlab.lab.views import RunView, present
 from kvlab.ui.common import GPU_MAX_S, GPU_RUN_S, GPU_SWEEP_BASE_S, GPU_SWEEP_POINT_S, on_gpu
 
 #: What shades the token view: (label, value); the value names an entry of TokenFates.levels.
@@ -30,81 +29,6 @@ COMPARE_COLUMNS = [
     "method", "ratio", "query-aware", "memory ratio", "output error", "mass error",
     "log-ppl (full answer)", "compression s", "answer (compressed cache)",
 ]
-
-
-def summary_markdown(ex: Explored) -> str:
-    """The run's headline: method, ratio, verdict on the answers, memory, time and errors."""
-    r = ex.run.result
-    prefix = r.context_tokens - r.doc_tokens
-    agree = figures.answers_agree(r.answer_full, r.answer_compressed)
-    verdict = (
-        "The two answers are **identical**."
-        if r.answer_full.strip() == r.answer_compressed.strip()
-        else f"The answers **differ** (word overlap {agree:.0%})."
-    )
-    expected = ""
-    if ex.expected:
-        mark = {True: "right", False: "**wrong**"}
-        expected = (
-            f" Expected answer (from the example): **{ex.expected[0]}**; the full cache's answer is "
-            f"{mark[ex.full_right]}, the compressed cache's is {mark[ex.compressed_right]}."
-        )
-    prefill = (
-        f"Prefill {r.prefill_s:.2f} s: reused (done before this run), not re-run."
-        if ex.prefill_reused
-        else f"Prefill {r.prefill_s:.2f} s (done now; reused by later runs on this document)."
-    )
-    return (
-        f"**{r.method}**{' (query-aware: compressed for this question)' if ex.query_aware else ''} at **{r.ratio:g}x** on {r.doc_tokens:,} document tokens "
-        f"(+ {prefix} chat-template tokens, always kept) with {r.model}: "
-        f"{r.kept_tokens_mean:.1f} keys stored per head on average. {verdict}{expected}\n\n"
-        "| | full cache | compressed cache |\n|---|---|---|\n"
-        f"| memory | {figures.human_bytes(r.bytes_full)} | {figures.human_bytes(r.bytes_compressed)} ({r.memory_ratio:.1f}x smaller) |\n"
-        f"| answer time | {r.answer_full_s:.2f} s{' (cached)' if ex.full_answer_reused else ''} "
-        f"| {r.answer_compressed_s:.2f} s{' (cached)' if ex.run.answer_reused else ''} |\n"
-        f"| log-perplexity of the full cache's answer | {r.logppl_full:.3f} | {r.logppl_compressed:.3f} |\n\n"
-        f"Attention error on held-out queries (mean over layers x KV heads): "
-        f"output {r.attn_output_rel_err:.3f}, mass {r.attn_mass_rel_err:.3f}. "
-        f"{prefill} Compression {r.compress_s:.2f} s"
-        f"{' (reused: same method, options and ratio as an earlier run)' if ex.run.compression_reused else ''}; "
-        f"this run took {ex.wall_s:.1f} s in all."
-        + (f"\n\n**{r.numerics_warning}**" if r.numerics_warning else "")
-    )
-
-
-def stage_timings(ex: Explored) -> tuple[dict[str, float], dict[str, str]]:
-    """(seconds per stage of this run, notes for stages reused from earlier runs) for the time figure.
-
-    Stages: prefill, reference queries (when the method reports them in
-    ``details["fit_s"]["queries"]``), compression, both answers, and the
-    rest of the run (errors, log-perplexity, token texts). A reused stage
-    counts 0 s and is labelled with the time it took when it ran.
-    """
-    r = ex.run.result
-    fit = r.details.get("fit_s") if isinstance(r.details.get("fit_s"), dict) else {}
-    queries_s = float(fit.get("queries", 0.0)) if fit else 0.0
-    has_queries = bool(fit) and "queries" in fit
-    timings: dict[str, float] = {}
-    notes: dict[str, str] = {}
-    timings["prefill"] = 0.0 if ex.prefill_reused else r.prefill_s
-    if ex.prefill_reused:
-        notes["prefill"] = f"reused ({r.prefill_s:.2f} s when run)"
-    if has_queries:
-        timings["reference queries"] = queries_s
-    compression = "compression" + (" (fit)" if has_queries else "")
-    timings[compression] = 0.0 if ex.run.compression_reused else max(0.0, r.compress_s - queries_s)
-    if ex.run.compression_reused:
-        if has_queries:
-            timings["reference queries"] = 0.0
-        notes[compression] = f"reused ({r.compress_s:.2f} s when run)"
-    timings["answer, full cache"] = 0.0 if ex.full_answer_reused else r.answer_full_s
-    if ex.full_answer_reused:
-        notes["answer, full cache"] = f"reused ({r.answer_full_s:.2f} s when run)"
-    timings["answer, compressed cache"] = 0.0 if ex.run.answer_reused else r.answer_compressed_s
-    if ex.run.answer_reused:
-        notes["answer, compressed cache"] = f"reused ({r.answer_compressed_s:.2f} s when run)"
-    timings["errors, log-ppl, other"] = max(0.0, ex.wall_s - sum(timings.values()))
-    return timings, notes
 
 
 def token_view(
@@ -135,27 +59,6 @@ def token_view(
 
 
 @dataclass
-class RunView:
-    """Everything ``/run`` shows for one run, as plain picklable data (no model, no cache, no figure).
-
-    texts: summary, full answer, compressed answer, word diff, shown as soon
-    as the run is done; answer_marks: a line above each answer, right or
-    wrong when the gold answer is known, else ""; result, timings, notes,
-    wall_s and fitted_biases (Attention Matching's, None for other methods):
-    what :func:`draw` makes the figures from, after the texts are on the page.
-    """
-
-    texts: tuple[str, str, str, str]
-    fates: TokenFates
-    result: RunResult
-    timings: dict[str, float]
-    notes: dict[str, str]
-    wall_s: float
-    fitted_biases: list[float] | None = None
-    answer_marks: tuple[str, str] = ("", "")
-
-
-@dataclass
 class Drawn:
     """The figures of one run.
 
@@ -167,23 +70,6 @@ class Drawn:
     figures: tuple
     fit: tuple | None
     divergence: object
-
-
-def present(ex: Explored) -> RunView:
-    """The texts of one finished run and the data its figures are drawn from."""
-    r = ex.run.result
-    timings, notes = stage_timings(ex)
-    fitted = ex.run.fitted_biases() if r.details.get("train_attn_output_rel_err") is not None else None
-    return RunView(
-        (summary_markdown(ex), r.answer_full, r.answer_compressed, figures.word_diff(r.answer_full, r.answer_compressed)),
-        TokenFates.of(ex),
-        r,
-        timings,
-        notes,
-        ex.wall_s,
-        fitted,
-        answer_marks(ex),
-    )
 
 
 def draw(view: RunView) -> Drawn:
@@ -206,21 +92,6 @@ def draw(view: RunView) -> Drawn:
         fit,
         figures.divergence_figure(r.answer_tokens, r.answer_logprobs_full, r.answer_logprobs_compressed, r.first_divergence),
     )
-
-
-def answer_marks(ex: Explored) -> tuple[str, str]:
-    """A line above each answer: right or wrong against the gold answer when it is known, else ""."""
-    if not ex.expected:
-        return "", ""
-    gold = f" (expected: {html.escape(ex.expected[0])})"
-    return verdict_mark(ex.full_right) + gold, verdict_mark(ex.compressed_right) + gold
-
-
-def verdict_mark(right: bool) -> str:
-    """The word right or wrong, bold on green or red (kvlab.ui.common.CSS): words and colour, never
-    an emoji glyph, which a browser without an emoji font (Debian's Chromium) draws as an empty box."""
-    word = "right" if right else "wrong"
-    return f'<span class="kvlab-mark kvlab-mark-{word}">{word}</span>'
 
 
 @on_gpu(duration=GPU_RUN_S)

@@ -1,0 +1,234 @@
+"""A workshop on one server: `python -m benchmarks.workshop --clients 30 --clicks 3`.
+
+Simulates a class through ``gradio_client`` (loopback only): each participant
+opens the page (a client session), runs the link the teacher handed out (the
+first line of the sheet: Attention Matching at 10x on the story's first
+question), then ``--clicks`` more runs drawn from the sheet (default
+assets/workshop.txt, 18 configurations), thinking ``--think`` seconds between
+clicks, arrivals spread over ``--spread`` seconds (``--together``: everyone
+clicks the link within one second). Bounded: at most ``--clients`` x
+(1 + ``--clicks``) requests, and everything stops after ``--limit-s``.
+
+Prints, per click kind (the link, a further run, all), n, p50, p95 and max
+seconds, the errors, and how many runs were served from the result store,
+shared with an identical request in flight, or computed (read from the line
+the page shows above a run's summary). ``--url`` measures a server already
+running; by default the benchmark starts one itself (``python app.py``, as
+``make run`` does, on a free port, with ``--store-dir`` as its result store;
+``--fresh-store`` empties it first) and waits ``--settle`` seconds for the
+page's own preparation of the first example. ``--json FILE`` writes every
+click.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import shutil
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SHEET = ROOT / "assets" / "workshop.txt"
+#: What a page shows above a run it did not compute itself (kvlab.lab.views.SERVED_NOTES).
+SERVED_MARKS = {"stored": "Served from the result store", "shared": "Shared computation"}
+#: "**method**... at **10x** on 2,011 document tokens": what a run's summary says it ran.
+RAN = re.compile(r"\*\*(?P<method>[a-z0-9_]+)\*\*.*? at \*\*(?P<ratio>[0-9.]+)x\*\* on (?P<tokens>[0-9,]+) document tokens")
+
+
+@dataclass
+class Click:
+    """One participant's run: what was asked, how long it took, how it was served, what came back."""
+
+    client: int
+    kind: str  # "link" or "further"
+    label: str
+    asked: dict
+    seconds: float = 0.0
+    served: str = ""  # stored, shared, computed, or "error"
+    error: str = ""
+    ran: dict = field(default_factory=dict)  # method, ratio, doc tokens read off the summary
+
+
+def served_of(summary: str) -> str:
+    """How the page says a run was served: stored, shared or computed."""
+    return next((how for how, mark in SERVED_MARKS.items() if mark in summary), "computed")
+
+
+def run_args(item: Any, text: str) -> dict:
+    """The /run endpoint's keyword arguments for a kvlab.lab.warm.WarmItem on its document."""
+    args = {"text": text, "method": item.method, "ratio": item.ratio, "question": item.question}
+    args.update({f"{item.method}__{k}": v for k, v in item.options})
+    return args
+
+
+def click(client: Any, index: int, kind: str, label: str, asked: dict) -> Click:
+    """One /run through ``client``; its time, how it was served, what its summary says it ran."""
+    c = Click(index, kind, label, {k: v for k, v in asked.items() if k != "text"})
+    start = time.perf_counter()
+    try:
+        out = client.predict(api_name="/run", **asked)
+        summary = out[0]["value"] if isinstance(out[0], dict) else out[0]
+        c.served = served_of(summary)
+        found = RAN.search(summary)
+        if found:
+            c.ran = {"method": found["method"], "ratio": float(found["ratio"]),
+                     "doc_tokens": int(found["tokens"].replace(",", ""))}
+    except Exception as exc:  # noqa: BLE001 - an error is a result of the benchmark
+        c.served, c.error = "error", f"{type(exc).__name__}: {exc}"[:300]
+    c.seconds = time.perf_counter() - start
+    return c
+
+
+def simulate(
+    url: str, clients: int, link: tuple[str, dict], further: list[tuple[str, dict]], clicks: int,
+    spread_s: float = 20.0, think_s: tuple[float, float] = (5.0, 15.0), seed: int = 0, limit_s: float = 900.0,
+) -> list[Click]:
+    """Every participant's clicks (each a thread with its own session), within ``limit_s`` in all.
+
+    link: (label, /run arguments) everyone runs first; further: the sheet's
+    configurations, ``clicks`` of them drawn per participant (seeded).
+    """
+    from gradio_client import Client
+
+    rng = random.Random(seed)
+    plans = [(rng.uniform(0, spread_s), [rng.choice(further) for _ in range(clicks)],
+              [rng.uniform(*think_s) for _ in range(clicks)]) for _ in range(clients)]
+    done: list[Click] = []
+    lock = threading.Lock()
+    start = time.monotonic()
+    deadline = start + limit_s
+
+    def participant(i: int) -> None:
+        arrival, picks, thinks = plans[i]
+        time.sleep(arrival)
+        client = Client(url, verbose=False)  # opening the page: a session of its own
+        mine = [(link[0], link[1], "link")] + [(lab, args, "further") for lab, args in picks]
+        for n, (label, args, kind) in enumerate(mine):
+            if time.monotonic() > deadline:
+                return
+            c = click(client, i, kind, label, args)
+            with lock:
+                done.append(c)
+            if n < len(thinks):
+                time.sleep(thinks[n])
+
+    threads = [threading.Thread(target=participant, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()) + 1)
+    with lock:
+        return list(done)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (nearest rank) of ``values``."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered), max(1, math.ceil(q / 100 * len(ordered)))) - 1]
+
+
+#: The table's rows: each a label and which clicks it counts.
+ROWS = (
+    ("the handed-out link", lambda c: c.kind == "link"),
+    ("a further run", lambda c: c.kind == "further"),
+    ("all runs", lambda c: True),
+    ("served from the store", lambda c: c.served == "stored"),
+)
+
+
+def table(clicks: list[Click]) -> list[dict]:
+    """Per row of :data:`ROWS`: n, p50, p95 and max seconds, errors, and how the runs were served."""
+    rows = []
+    for label, counts in ROWS:
+        mine = [c for c in clicks if counts(c)]
+        secs = [c.seconds for c in mine if c.served != "error"]
+        rows.append({
+            "click": label, "n": len(mine),
+            "p50_s": round(statistics.median(secs), 2) if secs else None,
+            "p95_s": round(percentile(secs, 95), 2) if secs else None,
+            "max_s": round(max(secs), 2) if secs else None,
+            **{how: sum(c.served == how for c in mine) for how in ("error", "stored", "shared", "computed")},
+        })
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    head = "| click | n | p50 | p95 | max | errors | stored | shared | computed |\n|---|---|---|---|---|---|---|---|---|\n"
+    return head + "\n".join(
+        f"| {r['click']} | {r['n']} | {r['p50_s']} s | {r['p95_s']} s | {r['max_s']} s | {r['error']} | "
+        f"{r['stored']} | {r['shared']} | {r['computed']} |" for r in rows)
+
+
+def sheet_runs(path: Path) -> tuple[tuple[str, dict], list[tuple[str, dict]]]:
+    """(the handed-out link, every other configuration) of a sheet, as /run arguments."""
+    from kvlab.lab.inputs import examples
+    from kvlab.lab.warm import read_sheet
+
+    texts = {ex.id: ex.text() for ex in examples()}
+    items = [(it.label, run_args(it, texts[it.example])) for it in read_sheet(path)]
+    return items[0], items[1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.workshop", description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=30)
+    parser.add_argument("--clicks", type=int, default=3, help="runs after the handed-out link, per participant")
+    parser.add_argument("--sheet", type=Path, default=SHEET)
+    parser.add_argument("--spread", type=float, default=20.0, help="seconds over which participants arrive")
+    parser.add_argument("--think", default="5,15", help="seconds between a participant's clicks: low,high")
+    parser.add_argument("--together", action="store_true", help="everyone clicks the link within one second, and only it")
+    parser.add_argument("--url", default=None, help="a running server (default: start `python app.py`)")
+    parser.add_argument("--store-dir", type=Path, default=Path("/tmp/kvlab-workshop-store"))
+    parser.add_argument("--fresh-store", action="store_true", help="empty --store-dir before starting the server")
+    parser.add_argument("--settle", type=float, default=40.0, help="seconds to wait after the server starts")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--limit-s", type=float, default=900.0, help="the whole simulation stops after this")
+    parser.add_argument("--json", type=Path, default=None, help="write every click here")
+    args = parser.parse_args(argv)
+    if args.clients < 1 or args.clicks < 0 or args.clients * (1 + args.clicks) > 1000:
+        parser.error("--clients >= 1, --clicks >= 0, at most 1,000 requests in all")
+    low, high = (float(x) for x in args.think.split(","))
+    link, further = sheet_runs(args.sheet)
+    clicks = 0 if args.together else args.clicks
+    spread = 1.0 if args.together else args.spread
+
+    def measure(url: str) -> list[Click]:
+        print(f"{args.clients} participants, {clicks} further click(s) each, arrivals over {spread:g} s, "
+              f"thinking {low:g}-{high:g} s; {os.getloadavg()[0]:.2f} load average", file=sys.stderr)
+        return simulate(url, args.clients, link, further, clicks, spread, (low, high), args.seed, args.limit_s)
+
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    if args.url:
+        done = measure(args.url)
+    else:
+        from benchmarks.browser import free_port, serve_process
+
+        if args.fresh_store:
+            shutil.rmtree(args.store_dir, ignore_errors=True)
+        env = {**os.environ, "GRADIO_SERVER_PORT": str(free_port()), "KVLAB_STORE_DIR": str(args.store_dir),
+               "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
+        log_path = Path("/tmp/kvlab-workshop-server.log")
+        with serve_process([sys.executable, "app.py"], ROOT, env, log_path, start_s=300) as url:
+            time.sleep(args.settle)
+            done = measure(url)
+    rows = table(done)
+    print(f"\n{started}, {len(done)} runs:\n{markdown(rows)}")
+    errors = sorted({c.error for c in done if c.error})
+    if errors:
+        print("errors:\n" + "\n".join(f"- {e}" for e in errors))
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "clicks": [asdict(c) for c in done]}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
