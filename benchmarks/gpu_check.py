@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 from transformers import PreTrainedModel
 
-from kvlab import kernels
+from kvlab.kernels import dispatch as kernels
 from kvlab.kernels import bench, reference
 from kvlab.methods import REGISTRY
 from kvlab.methods.solvers import score_keys

@@ -53,6 +53,7 @@ class Click:
     label: str
     asked: dict
     seconds: float = 0.0
+    started_s: float = 0.0  # when it was clicked, from the simulation's start
     served: str = ""  # stored, shared, computed, or "error"
     error: str = ""
     ran: dict = field(default_factory=dict)  # method, ratio, doc tokens read off the summary
@@ -70,10 +71,14 @@ def run_args(item: Any, text: str) -> dict:
     return args
 
 
-def click(client: Any, index: int, kind: str, label: str, asked: dict) -> Click:
-    """One /run through ``client``; its time, how it was served, what its summary says it ran."""
+def click(client: Any, index: int, kind: str, label: str, asked: dict, origin: float | None = None) -> Click:
+    """One /run through ``client``; its time, how it was served, what its summary says it ran.
+
+    origin: the simulation's start (time.perf_counter), for ``started_s``.
+    """
     c = Click(index, kind, label, {k: v for k, v in asked.items() if k != "text"})
     start = time.perf_counter()
+    c.started_s = start - (start if origin is None else origin)
     try:
         out = client.predict(api_name="/run", **asked)
         summary = out[0]["value"] if isinstance(out[0], dict) else out[0]
@@ -105,6 +110,7 @@ def simulate(
     done: list[Click] = []
     lock = threading.Lock()
     start = time.monotonic()
+    origin = time.perf_counter()
     deadline = start + limit_s
 
     def participant(i: int) -> None:
@@ -115,7 +121,7 @@ def simulate(
         for n, (label, args, kind) in enumerate(mine):
             if time.monotonic() > deadline:
                 return
-            c = click(client, i, kind, label, args)
+            c = click(client, i, kind, label, args, origin)
             with lock:
                 done.append(c)
             if n < len(thinks):
@@ -162,9 +168,13 @@ def table(clicks: list[Click]) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
+    """The table as markdown (docs/workshop.md)."""
+    def secs(value: float | None) -> str:
+        return "-" if value is None else f"{value:g} s"
+
     head = "| click | n | p50 | p95 | max | errors | stored | shared | computed |\n|---|---|---|---|---|---|---|---|---|\n"
     return head + "\n".join(
-        f"| {r['click']} | {r['n']} | {r['p50_s']} s | {r['p95_s']} s | {r['max_s']} s | {r['error']} | "
+        f"| {r['click']} | {r['n']} | {secs(r['p50_s'])} | {secs(r['p95_s'])} | {secs(r['max_s'])} | {r['error']} | "
         f"{r['stored']} | {r['shared']} | {r['computed']} |" for r in rows)
 
 

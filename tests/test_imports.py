@@ -4,7 +4,9 @@ Every import of every module under kvlab/ counts: at the top, inside a
 function (an import put there to dodge a circle is still a circle) or under
 ``TYPE_CHECKING``. A module's edge goes to the module it names: ``from
 kvlab.lab import fates`` to ``kvlab.lab.fates`` when that is a module, else to
-the package ``kvlab.lab`` (its ``__init__``).
+the package ``kvlab.lab`` (its ``__init__``). Importing a submodule runs its
+packages' ``__init__`` first, so an edge to ``kvlab.ui.links`` is an edge to
+``kvlab.ui`` too (unless the importer is inside that package already).
 """
 from __future__ import annotations
 
@@ -25,6 +27,15 @@ FORBIDDEN = [
     ("kvlab.methods", "kvlab.ui", "methods never import the UI"),
     ("kvlab.lab", "kvlab.ui", "the lab layer is below the UI"),
     ("kvlab.bounded", "kvlab.tasks", "tasks with known answers sit above bounded generation"),
+] + [(low, high, f"{low} is below {high}")
+     for low in ("kvlab.runtime", "kvlab.kernels", "kvlab.memo", "kvlab.cancel", "kvlab.limits")
+     for high in ("kvlab.methods", "kvlab.lab", "kvlab.ui", "kvlab.pipeline", "kvlab.context", "kvlab.contexts",
+                  "kvlab.results", "kvlab.tasks", "kvlab.bounded", "kvlab.cli")
+     if not high.startswith(low)] + [
+    (low, high, f"{low} is below {high}") for low in ("kvlab.methods", "kvlab.pipeline", "kvlab.results")
+    for high in ("kvlab.lab", "kvlab.ui", "kvlab.tasks", "kvlab.cli")] + [
+    ("kvlab.lab", "kvlab.cli", "the command line is a front end above the lab layer"),
+    ("kvlab.results", "kvlab.methods", "the result store keeps any value: it knows no method"),
 ] + [("kvlab.figures", model_code, "figures never import model code")
      for model_code in ("kvlab.models", "kvlab.context", "kvlab.runtime", "kvlab.kernels", "kvlab.methods",
                         "kvlab.pipeline", "kvlab.lab")]
@@ -69,13 +80,33 @@ def resolve(name: str, modules: dict[str, tuple[Path, bool]]) -> str | None:
     return name or None
 
 
+def packages_run(target: str, importer: str, modules: dict[str, tuple[Path, bool]]) -> set[str]:
+    """The packages whose ``__init__`` importing ``target`` runs: its parents, but those ``importer`` is inside."""
+    parts = target.split(".")
+    parents = {".".join(parts[:i]) for i in range(2, len(parts))}
+    return {p for p in parents if p in modules and modules[p][1] and not under(importer, p)}
+
+
 def import_graph(modules: dict[str, tuple[Path, bool]]) -> dict[str, set[str]]:
-    """Module -> the kvlab modules it imports (itself excluded)."""
+    """Module -> the kvlab modules it imports, the package ``__init__``s that runs included (itself excluded)."""
     graph = {}
     for module, (path, package) in modules.items():
         targets = {resolve(n, modules) for n in imported_names(path, module, package) if n.split(".")[0] == "kvlab"}
-        graph[module] = {t for t in targets if t is not None and t != module}
+        targets = {t for t in targets if t is not None}
+        targets |= {p for t in targets for p in packages_run(t, module, modules)}
+        graph[module] = {t for t in targets if t != module}
     return graph
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -140,8 +171,8 @@ def test_function_level_and_relative_imports_count(tmp_path: Path) -> None:
     (tmp_path / "kvlab" / "top.py").write_text("from kvlab.sub import low\nfrom typing import TYPE_CHECKING\n")
     graph = import_graph(module_files(tmp_path))
     assert graph["kvlab.sub"] == {"kvlab.sub.low"}
-    assert graph["kvlab.top"] == {"kvlab.sub.low"}
-    assert cycles(graph) == [["kvlab.sub.low", "kvlab.top"]]
+    assert graph["kvlab.top"] == {"kvlab.sub.low", "kvlab.sub"}  # importing sub.low runs sub's __init__
+    assert cycles(graph) == [["kvlab.sub", "kvlab.sub.low", "kvlab.top"]]
 
 
 # --- the house --------------------------------------------------------------------------------------
@@ -167,8 +198,28 @@ def test_ui_tabs_do_not_import_each_other(graph: dict[str, set[str]]) -> None:
     assert not wrong, "\n".join(wrong)
 
 
-def test_library_layers_import_no_gradio() -> None:
-    wrong = [module for module, (path, package) in module_files().items()
-             if any(under(module, p) for p in NO_GRADIO)
-             and any(n.split(".")[0] == "gradio" for n in imported_names(path, module, package))]
-    assert not wrong, f"import gradio: {', '.join(wrong)}"
+def test_library_layers_import_no_gradio(graph: dict[str, set[str]]) -> None:
+    files = module_files()
+    direct = {module for module, (path, package) in files.items()
+              if any(n.split(".")[0] == "gradio" for n in imported_names(path, module, package))}
+    # Directly, or through any module they import (a package's __init__ included).
+    wrong = [f"{module} ({', '.join(sorted(({module} | reachable(graph, module)) & direct))})"
+             for module in files if any(under(module, p) for p in NO_GRADIO)
+             and ({module} | reachable(graph, module)) & direct]
+    assert not wrong, f"reach gradio: {', '.join(wrong)}"
+
+
+def test_a_submodule_import_counts_its_packages_init(tmp_path: Path) -> None:
+    """``from kvlab.ui.links import x`` runs kvlab/ui/__init__.py: an import of gradio there is reached."""
+    (tmp_path / "kvlab" / "ui").mkdir(parents=True)
+    (tmp_path / "kvlab" / "lab").mkdir()
+    (tmp_path / "kvlab" / "__init__.py").write_text("")
+    (tmp_path / "kvlab" / "ui" / "__init__.py").write_text("from kvlab.ui.app import main\n")
+    (tmp_path / "kvlab" / "ui" / "app.py").write_text("import gradio\nfrom kvlab.ui import links\n")
+    (tmp_path / "kvlab" / "ui" / "links.py").write_text("x = 1\n")
+    (tmp_path / "kvlab" / "lab" / "__init__.py").write_text("")
+    (tmp_path / "kvlab" / "lab" / "warm.py").write_text("from kvlab.ui.links import x\n")
+    graph = import_graph(module_files(tmp_path))
+    assert graph["kvlab.lab.warm"] == {"kvlab.ui.links", "kvlab.ui"}
+    assert graph["kvlab.ui.app"] == {"kvlab.ui.links"}  # inside kvlab.ui already: its __init__ has run
+    assert "kvlab.ui.app" in reachable(graph, "kvlab.lab.warm")

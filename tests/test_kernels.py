@@ -44,7 +44,7 @@ import math
 import pytest
 import torch
 
-from kvlab import kernels
+from kvlab.kernels import dispatch as kernels
 from kvlab.kernels import launch, reference, triton_decode
 from kvlab.methods.solvers import score_keys
 from kvlab.runtime.attention import causal_attention

@@ -13,7 +13,7 @@ from kvlab.prompts import repeat_tokens
 from kvlab.queries import repeat_pass, repeat_queries
 from kvlab.runtime.attention import attend, attention_logits, causal_attention, softmax_
 from kvlab.runtime.cache import CompressedKV, DenseSegment, FullKV, template_segment
-from kvlab.runtime.decode import continuation_logprobs, extend, greedy, open_session, prefill
+from kvlab.runtime.decode import GrowingLayer, continuation_logprobs, extend, greedy, open_session, prefill
 from kvlab.runtime.hooks import QueryCapture
 
 T = 40
@@ -85,6 +85,64 @@ def test_new_block_after_a_cache_sees_the_cache_and_its_own_past(bias):
         b = None if key_bias is None else torch.cat([key_bias, torch.zeros(2, i + 1)], dim=1)
         slow = attend(q[0, :, i : i + 1].reshape(2, 2, 16), k[0, :, :seen], v[0, :, :seen], b, 0.25).output
         assert torch.allclose(fast[0, :, i], slow.reshape(4, 16), atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("past", "n"), [(0, 12), (7, 5), (20, 5), (20, 1), (3, 1)])
+def test_a_sliding_window_layer_sees_each_querys_last_window_keys(past, n, bias):
+    """Window 6 (transformers' count: a query sees itself and the 5 keys before it), queries appended
+    after ``past`` cached keys (a first chunk, a later chunk, a decode step; with a stored cache's
+    bias or none), against attention query by query over exactly those keys."""
+    window, gen = 6, torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, n, 16, generator=gen)
+    k, v = (torch.randn(1, 2, past + n, 16, generator=gen) for _ in range(2))
+    key_bias = torch.randn(2, past, generator=gen) if bias and past else None
+    fast = causal_attention(q, k, v, key_bias, 0.25, window)
+    for i in range(n):
+        seen = past + i + 1
+        first = max(0, seen - window)
+        b = None if key_bias is None else torch.cat([key_bias, torch.zeros(2, n)], dim=1)[:, first:seen]
+        slow = attend(q[0, :, i : i + 1].reshape(2, 2, 16), k[0, :, first:seen], v[0, :, first:seen], b, 0.25).output
+        assert torch.allclose(fast[0, :, i], slow.reshape(4, 16), atol=1e-5)
+    if past + n > window:  # the window bites: without it, the same keys give another answer
+        assert not torch.allclose(fast, causal_attention(q, k, v, key_bias, 0.25), atol=1e-3)
+
+
+@pytest.mark.parametrize(("past", "n", "window"), [(0, 9, None), (7, 5, None), (20, 1, None), (20, 5, 6), (20, 1, 6)])
+def test_a_learned_sink_is_one_more_key_of_each_head_with_no_value(past, n, window):
+    """GPT-OSS's sinks: each query head's sink logit joins the softmax (it takes mass, adds nothing),
+    after a biased cache, with or without a window, against a softmax written out query by query."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, n, 16, generator=gen)
+    k, v = (torch.randn(1, 2, past + n, 16, generator=gen) for _ in range(2))
+    key_bias = torch.randn(2, past, generator=gen) if past else None
+    sinks = torch.randn(4, generator=gen) * 2
+    fast = causal_attention(q, k, v, key_bias, 0.25, window, sinks)
+    bias = torch.zeros(2, past + n) if key_bias is None else torch.cat([key_bias, torch.zeros(2, n)], dim=1)
+    for i in range(n):
+        seen = past + i + 1
+        first = 0 if window is None else max(0, seen - window)
+        for h in range(4):
+            logits = q[0, h, i] @ k[0, h // 2, first:seen].T * 0.25 + bias[h // 2, first:seen]
+            weights = torch.softmax(torch.cat([logits, sinks[h : h + 1]]), dim=0)[:-1]
+            assert torch.allclose(fast[0, h, i], weights @ v[0, h // 2, first:seen], atol=1e-5)
+    assert not torch.allclose(fast, causal_attention(q, k, v, key_bias, 0.25, window), atol=1e-3)
+
+
+def test_a_window_layer_holds_its_window_and_the_tokens_of_its_latest_read():
+    """GrowingLayer with keep = window - 1: before each append the older keys go; the latest read's own
+    tokens stay, so a rewind of them (kvlab.runtime.decode.rewind) leaves the window whole."""
+    layer, keys = GrowingLayer(keep=5), torch.arange(40.0).view(1, 1, 40, 1)
+    layer.update(keys[:, :, :12], keys[:, :, :12])
+    assert layer.keys.flatten().tolist() == list(range(12))
+    for t in range(12, 30):
+        layer.update(keys[:, :, t : t + 1], keys[:, :, t : t + 1])
+        assert layer.keys.flatten().tolist() == list(range(t - 5, t + 1))
+    layer.update(keys[:, :, 30:38], keys[:, :, 30:38])
+    assert layer.keys.flatten().tolist() == list(range(25, 38))
+    layer.crop(layer.keys.shape[-2] - 3)  # rewind 3 of the 8 just read: the window before token 35 stays
+    assert layer.keys.flatten().tolist() == list(range(25, 35))
+    assert layer._k.shape[-2] <= 2 * 13  # the buffer stays about the window's size
 
 
 def test_a_bf16_read_after_a_fitted_cache_keeps_the_biases_in_float32():

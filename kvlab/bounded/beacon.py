@@ -23,7 +23,7 @@ from kvlab.methods.beacon_core import BeaconBank, BeaconState, max_attention_sco
 from kvlab.models import LoadedModel
 from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.decode import Generation
-from kvlab.runtime.rope import rope_cos_sin
+from kvlab.runtime.rope import row_cos_sin
 
 #: Tokens evicted at once (the budget keeps room for them).
 EVICT_CHUNK = 16
@@ -60,22 +60,22 @@ class BeaconPolicy(EvictionPolicy):
 
     def observe(self, queries: list[torch.Tensor] | None, positions: torch.Tensor) -> None:
         super().observe(queries, positions)
-        cos, sin = rope_cos_sin(self.lm, positions)
+        cos, sin = row_cos_sin(self.lm, positions)
         self.state.observe(stack_layers(queries), positions, cos, sin)
 
     def choose(self, target: int) -> list[torch.Tensor]:
         now = self.session.position
         device = self.lm.device
-        cos_now, sin_now = rope_cos_sin(self.lm, torch.tensor([now], device=device))
+        cos_now, sin_now = row_cos_sin(self.lm, torch.tensor([now], device=device))
         queries, q_pos, beacon_pos = self.state.scoring_set(cos_now, sin_now, now)
         counts = Counter(beacon_pos.flatten().tolist())
         self.beacons.append(BeaconSnapshot(now, sorted(counts), [counts[t] for t in sorted(counts)]))
         n_heads, n_kv, length = self.lm.n_heads, self.lm.n_kv_heads, self.size()
         out = []
-        for layer in range(self.lm.n_layers):
+        for layer in self.bounded:
             keys = self.session.cache.layers[layer].keys[0]
             rows = slice(layer * n_heads, (layer + 1) * n_heads)
-            score = max_attention_scores(queries[rows], q_pos, keys, self.k_pos[layer])
+            score = max_attention_scores(queries[rows], q_pos, keys, self.k_pos[layer], self.lm.geometry[layer].scaling)
             score[:, : self.protected] = float("inf")
             score[:, max(self.protected, length - self.opts.window) :] = float("inf")
             out.append(top_k_per_head(score, torch.full((n_kv,), target, device=device)))

@@ -15,7 +15,9 @@ Policies (one small class each; :data:`POLICIES` names them):
 - :class:`kvlab.bounded.online.OnlineAMPolicy`: Attention Matching compaction to half when full.
 
 Every policy works on its own session (kvlab.runtime.decode.open_session copies
-a stored starting cache), so stored caches are never changed.
+a stored starting cache), so stored caches are never changed. A policy bounds
+the layers a method compresses (kvlab.models.LoadedModel.compressed_layers):
+a sliding-window layer keeps its window by itself, as the model does.
 """
 from __future__ import annotations
 
@@ -81,16 +83,21 @@ class CachePolicy:
         self.session = open_session(lm, stored)
         self.events: list[CacheEvent] = []
         self.beacons: list[BeaconSnapshot] = []
+        #: The layers the policy bounds (and shrinks): all but the sliding-window ones.
+        self.bounded = lm.compressed_layers
 
     def size(self) -> int:
-        """Keys per head in the working cache now (the longest head, padding included)."""
+        """Keys per head in the working cache now (the longest head, padding included), in the layers
+        the policy bounds (every layer's when all are sliding-window layers: then nothing is shrunk)."""
         layers = self.session.cache.layers
-        return int(layers[0].keys.shape[-2]) if layers else 0
+        held = [layers[i] for i in (self.bounded or range(len(layers)))]
+        return max((int(layer.keys.shape[-2]) for layer in held if layer.keys is not None), default=0)
 
     def nbytes(self) -> int:
         """Bytes of the working cache now: keys, values and (Attention Matching) biases."""
-        total = sum(layer.keys.nbytes + layer.values.nbytes for layer in self.session.cache.layers)
-        return total + sum(b.nbytes for b in self.session.key_bias or [])
+        held = [layer for layer in self.session.cache.layers if layer.keys is not None]
+        total = sum(layer.keys.nbytes + layer.values.nbytes for layer in held)
+        return total + sum(b.nbytes for b in self.session.key_bias or [] if b is not None)
 
     def check(self, chunk: int) -> None:
         """Raise MethodError when the budget cannot hold what the policy always keeps plus ``chunk`` new tokens."""
@@ -133,14 +140,14 @@ class EvictionPolicy(CachePolicy):
         return self.budget - n
 
     def choose(self, target: int) -> list[torch.Tensor]:
-        """Per layer, the slots [H_kv, target] to keep, ascending."""
+        """Per bounded layer (``self.bounded``, in order), the slots [H_kv, target] to keep, ascending."""
         raise NotImplementedError
 
     def make_room(self, n: int) -> None:
         before = self.size()
-        if self.budget is None or before + n <= self.budget:
+        if self.budget is None or before + n <= self.budget or not self.bounded:
             return
-        for layer, index in enumerate(self.choose(self.target(n))):
+        for layer, index in zip(self.bounded, self.choose(self.target(n))):
             self.keep(layer, index)
         self.events.append(CacheEvent(self.session.position, before, self.size()))
 
@@ -154,7 +161,8 @@ class EvictionPolicy(CachePolicy):
 
     def observe(self, queries: list[torch.Tensor] | None, positions: torch.Tensor) -> None:
         n_kv = self.lm.n_kv_heads
-        self.k_pos = [torch.cat([p, positions.expand(n_kv, -1)], dim=1) for p in self.k_pos]
+        for layer in self.bounded:  # a window layer's positions are its window's: never looked up
+            self.k_pos[layer] = torch.cat([self.k_pos[layer], positions.expand(n_kv, -1)], dim=1)
 
 
 class WindowPolicy(EvictionPolicy):
@@ -180,7 +188,7 @@ class WindowPolicy(EvictionPolicy):
         index = torch.cat([
             torch.arange(self.n_sink, device=device), torch.arange(length - (target - self.n_sink), length, device=device)
         ])
-        return [index.expand(self.lm.n_kv_heads, -1) for _ in range(self.lm.n_layers)]
+        return [index.expand(self.lm.n_kv_heads, -1) for _ in self.bounded]
 
 
 class H2OPolicy(EvictionPolicy):
@@ -205,17 +213,18 @@ class H2OPolicy(EvictionPolicy):
     def observe(self, queries: list[torch.Tensor] | None, positions: torch.Tensor) -> None:
         super().observe(queries, positions)
         n_kv, n = self.lm.n_kv_heads, positions.numel()
-        for layer, q in enumerate(queries):
-            keys = self.session.cache.layers[layer].keys[0]
-            received = pool_group(received_attention(q, keys, reduce="sum", causal=True), n_kv, "mean")
+        for layer in self.bounded:
+            q, keys = queries[layer], self.session.cache.layers[layer].keys[0]
+            received = pool_group(received_attention(q, keys, reduce="sum", causal=True,
+                                                         scale=self.lm.geometry[layer].scaling), n_kv, "mean")
             fresh = torch.zeros(n_kv, n, device=keys.device)
             self.scores[layer] = torch.cat([self.scores[layer], fresh], dim=1) + received
 
     def choose(self, target: int) -> list[torch.Tensor]:
         length, recent = self.size(), min(round(self.recent_share * target), target)
         out = []
-        for score in self.scores:
-            score = score.clone()
+        for layer in self.bounded:
+            score = self.scores[layer].clone()
             score[:, length - recent :] = float("inf")
             out.append(top_k_per_head(score, torch.full((self.lm.n_kv_heads,), target, device=score.device)))
         return out

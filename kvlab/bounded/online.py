@@ -16,9 +16,9 @@ import torch
 
 from kvlab.bounded.generate import CacheEvent, CachePolicy
 from kvlab.cancel import checkpoint
-from kvlab.methods.attention_matching import AMOptions, compact_cache
+from kvlab.methods.attention_matching import AMOptions, compact_cache, is_window
 from kvlab.methods.base import MethodError
-from kvlab.runtime.cache import CompressedKV, DenseSegment, FullKV, Segment, segment_from_view, select_keys
+from kvlab.runtime.cache import CompressedKV, DenseSegment, Segment, segment_from_view, select_keys, window_segment
 from kvlab.runtime.decode import Session, extend, open_session
 from kvlab.runtime.hooks import QueryCapture
 from kvlab.models import LoadedModel
@@ -43,8 +43,34 @@ class OnlineResult:
 
 
 def physical_length(stored: CompressedKV, appended: int) -> int:
-    """Longest head's stored keys plus the tokens appended since."""
-    return int(stored.kept_per_head().max()) + appended
+    """Longest head's stored keys plus the tokens appended since, in the layers compaction bounds
+    (a sliding-window layer keeps its own window)."""
+    bounded = [i for i, layer in enumerate(stored.layers) if not is_window(layer)]
+    return (int(stored.kept_per_head()[bounded].max()) if bounded else 0) + appended
+
+
+def moved_window(lm: LoadedModel, session: Session, layer: int) -> list[Segment]:
+    """A sliding-window layer of a session, as stored: its window now (the layer holds the latest
+    tokens, consecutive, up to the session's position)."""
+    work = session.cache.layers[layer]
+    keys, values = work.keys[0], work.values[0]
+    return [window_segment(keys, values, lm.geometry[layer].window, session.position - keys.shape[1])]
+
+
+def read_so_far(lm: LoadedModel, session: Session) -> CompressedKV:
+    """A session that started from an empty cache, as one stored cache: every token read (positions
+    0..), a sliding-window layer's window."""
+    layers: list[list[Segment]] = []
+    for i, work in enumerate(session.cache.layers):
+        if lm.geometry[i].window is not None:
+            layers.append(moved_window(lm, session, i))
+            continue
+        keys, values = work.keys[0], work.values[0]
+        n_heads, length = keys.shape[:2]
+        index = torch.arange(length, device=keys.device).expand(n_heads, length)
+        lengths = torch.full((n_heads,), length, device=keys.device)
+        layers.append([DenseSegment.from_padded(keys, values, lengths, index, fate="read")])
+    return CompressedKV(layers, session.position, scales=[g.scaling for g in lm.geometry])
 
 
 def with_appended(lm: LoadedModel, stored: CompressedKV, session: Session, appended: int) -> CompressedKV:
@@ -52,10 +78,14 @@ def with_appended(lm: LoadedModel, stored: CompressedKV, session: Session, appen
 
     The appended tokens sit after each layer's padded stored view in the
     session's working layers; they get fate "read" and their logical positions.
+    A sliding-window layer is stored as its window now.
     """
     layers = []
     first = session.position - appended
     for i, segments in enumerate(stored.layers):
+        if lm.geometry[i].window is not None:
+            layers.append(moved_window(lm, session, i))
+            continue
         work = session.cache.layers[i]
         keys, values = work.keys[0, :, -appended:], work.values[0, :, -appended:]
         n_heads, device = keys.shape[0], keys.device
@@ -63,7 +93,7 @@ def with_appended(lm: LoadedModel, stored: CompressedKV, session: Session, appen
         lengths = torch.full((n_heads,), appended, device=device)
         new = DenseSegment.from_padded(keys, values, lengths, index, fate="read")
         layers.append(list(segments) + [new])
-    return CompressedKV(layers, session.position, meta=dict(stored.meta))
+    return CompressedKV(layers, session.position, meta=dict(stored.meta), scales=[g.scaling for g in lm.geometry])
 
 
 # (cache to shrink, queries read so far per layer [H, n, d], keys to keep per head
@@ -83,9 +113,13 @@ def am_compactor(opts: AMOptions = AMOptions()) -> Compactor:
 
 
 def window_compactor(stored: CompressedKV, queries: list[torch.Tensor], keep: int, protected: int) -> CompressedKV:
-    """The sliding-window baseline: keep the protected prefix and the ``keep`` most recent tokens."""
+    """The sliding-window baseline: keep the protected prefix and the ``keep`` most recent tokens
+    (a sliding-window layer keeps its own window)."""
     layers: list[list[Segment]] = []
     for i in range(stored.n_layers):
+        if is_window(stored.layers[i]):
+            layers.append(list(stored.layers[i]))
+            continue
         view = stored.layer_view(i)
         recent = view.token_index >= 0
         cut = torch.sort(torch.where(recent, view.token_index, -1), dim=1, descending=True).values
@@ -170,8 +204,7 @@ class OnlineAMPolicy(CachePolicy):
         if self.budget is None or before + n <= self.budget:
             return
         if self.stored is None:  # nothing compacted yet: the working cache holds positions 0..L-1
-            layers = self.session.cache.layers
-            full = FullKV([layer.keys[0] for layer in layers], [layer.values[0] for layer in layers]).stored
+            full = read_so_far(self.lm, self.session)
         else:
             full = with_appended(self.lm, self.stored, self.session, self.appended)
         queries = [torch.cat(q, dim=1) for q in self.queries]

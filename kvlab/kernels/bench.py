@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kvlab import kernels
+from kvlab.kernels import dispatch as kernels
 from kvlab.kernels import reference
 from kvlab.runtime.attention import causal_bias_mask
 from kvlab.runtime.quant import PackedTensor, quantize_keys, quantize_values

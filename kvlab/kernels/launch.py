@@ -62,7 +62,7 @@ def check_heads(n_heads: int, n_kv: int) -> None:
 def decode_inputs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float | None
 ) -> tuple[torch.Tensor | None, float]:
-    """Check decode attention's shapes (see :func:`kvlab.kernels.decode_attention`);
+    """Check decode attention's shapes (see :func:`kvlab.kernels.dispatch.decode_attention`);
     -> (bias as float32 [B or 1, H_kv, L] or None, scale)."""
     check_heads(q.shape[1], k.shape[1])
     if k.shape != v.shape or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
@@ -83,7 +83,7 @@ def decode_attention(
     scale: float | None = None,
     causal: bool = True,
 ) -> KernelAttention:
-    """The Triton decode kernel, shapes as :func:`kvlab.kernels.decode_attention`, whatever :func:`backend` says."""
+    """The Triton decode kernel, shapes as :func:`kvlab.kernels.dispatch.decode_attention`, whatever :func:`backend` says."""
     bias, scale = decode_inputs(q, k, v, bias, scale)
     from kvlab.kernels import triton_decode as kernel  # triton is imported only when a kernel runs
 

@@ -25,7 +25,9 @@ from kvlab.context import Context, Progress, no_progress
 from kvlab.methods.adakv import adakv_budgets, safeguard
 from kvlab.methods.chunkkv import chunk_ranks
 from kvlab.methods.criticalkv import critical_scores, output_projection, projected_value_norm
-from kvlab.runtime.cache import CompressedKV, DenseSegment, Segment, gather_tokens, template_segment, token_importance
+from kvlab.runtime.cache import (
+    CompressedKV, DenseSegment, Segment, gather_tokens, keep_windows, template_segment, token_importance,
+)
 
 MIN_RATIO, MAX_RATIO = 1.0, 1000.0
 
@@ -379,12 +381,30 @@ def with_selection(cls: type[EvictionMethod]) -> None:
     cls.presets = {**cls.presets, **SELECTION_PRESETS}
 
 
+def keeping_windows(compress: Callable[[Method, Request], CompressedKV]) -> Callable[[Method, Request], CompressedKV]:
+    """``compress`` whose caches of the request's document keep every sliding-window layer as the model
+    does (its window; kvlab.runtime.cache.keep_windows): a method compresses the full-attention layers
+    only. A cache of another text (a summary, the template alone) was read by the model itself, its
+    window layers' keys consecutive tokens that the window mask reads as the model would."""
+
+    @functools.wraps(compress)
+    def compress_full_layers(self: Method, req: Request) -> CompressedKV:
+        stored = compress(self, req)
+        return keep_windows(stored, req.ctx.full) if stored.logical_len == req.ctx.length else stored
+
+    compress_full_layers.keeps_windows = True  # type: ignore[attr-defined]
+    return compress_full_layers
+
+
 def register(cls: type[Method]) -> type[Method]:
-    """Class decorator: make a method available by its ``name`` (a scoring method with the wrappers' knobs)."""
+    """Class decorator: make a method available by its ``name`` (a scoring method with the wrappers' knobs;
+    its caches keep the model's sliding windows, :func:`keeping_windows`)."""
     if cls.name in REGISTRY:
         raise ValueError(f"method {cls.name!r} registered twice")
     if issubclass(cls, EvictionMethod) and cls.selects():
         with_selection(cls)
+    if not getattr(cls.compress, "keeps_windows", False):
+        cls.compress = keeping_windows(cls.compress)
     REGISTRY[cls.name] = cls
     return cls
 

@@ -35,7 +35,7 @@ from kvlab.methods.memory_plan import TokenSplit, build_layer, context_plan
 from kvlab.methods.scoring import per_context
 from kvlab.queries import question_queries
 from kvlab.runtime.cache import CompressedKV
-from kvlab.runtime.rope import rope_cos_sin, unrotate
+from kvlab.runtime.rope import row_cos_sin, unrotate
 
 BeaconSource = Literal["context", "question", "instruction"]
 Rest = Literal["evict", "4bit", "2bit"]
@@ -76,7 +76,6 @@ def document_state(ctx: Context, opts: BeaconOptions, question: str | None) -> B
     """
     lm, length = ctx.lm, ctx.length
     positions = torch.arange(length, device=lm.device)
-    cos, sin = rope_cos_sin(lm, positions)
     ctx_q = ctx.queries["context"]
     state = BeaconState(opts.n_recent, BeaconBank(opts.n_beacons, opts.buffer))
     if opts.beacon_source == "context":
@@ -84,7 +83,7 @@ def document_state(ctx: Context, opts: BeaconOptions, question: str | None) -> B
         step = max(512, opts.buffer)
         for start in range(0, length, step):
             part = slice(start, min(start + step, length))
-            state.observe(stack_layers([q[:, part] for q in ctx_q]), positions[part], cos[part], sin[part])
+            state.observe(stack_layers([q[:, part] for q in ctx_q]), positions[part], *row_cos_sin(lm, positions[part]))
         return state
     if opts.beacon_source == "question":
         if not question:
@@ -94,9 +93,9 @@ def document_state(ctx: Context, opts: BeaconOptions, question: str | None) -> B
         source = question_queries(ctx, opts.beacon_instruction)
     # Recent part: the document's last queries; beacon history: the source's queries.
     tail = slice(length - min(opts.n_recent, length), length)
-    state.observe(stack_layers([q[:, tail] for q in ctx_q]), positions[tail], cos[tail], sin[tail])
+    state.observe(stack_layers([q[:, tail] for q in ctx_q]), positions[tail], *row_cos_sin(lm, positions[tail]))
     src_pos = torch.arange(length, length + source[0].shape[1], device=lm.device)
-    s_cos, s_sin = rope_cos_sin(lm, src_pos)
+    s_cos, s_sin = row_cos_sin(lm, src_pos)
     state.bank.add(unrotate(stack_layers(source), s_cos, s_sin), src_pos)
     return state
 
@@ -115,14 +114,15 @@ def beacon_scores(req: Request, opts: BeaconOptions) -> tuple[list[torch.Tensor]
         state = document_state(ctx, opts, req.question)
         now, n_heads = ctx.length, ctx.lm.n_heads
         device = ctx.lm.device
-        cos_now, sin_now = rope_cos_sin(ctx.lm, torch.tensor([now], device=device))
+        cos_now, sin_now = row_cos_sin(ctx.lm, torch.tensor([now], device=device))
         queries, q_pos, beacon_pos = state.scoring_set(cos_now, sin_now, now)
         k_pos = torch.arange(ctx.length, device=device)
         scores, beacons = [], []
         for layer in range(ctx.lm.n_layers):
             rows = slice(layer * n_heads, (layer + 1) * n_heads)
             keys = ctx.full.keys[layer]
-            scores.append(max_attention_scores(queries[rows], q_pos, keys, k_pos)[:, ctx.prefix_len :])
+            scale = ctx.lm.geometry[layer].scaling
+            scores.append(max_attention_scores(queries[rows], q_pos, keys, k_pos, scale)[:, ctx.prefix_len :])
             beacons.append([sorted(int(p) for p in row) for row in beacon_pos[rows].tolist()])
         return scores, beacons
 

@@ -128,27 +128,28 @@ class BeaconState:
     bank: BeaconBank
     recent: torch.Tensor | None = None  # [R, r, d] post-RoPE
     recent_pos: torch.Tensor | None = None  # [r]
-    recent_cos: torch.Tensor | None = None  # [r, d]: the RoPE tables at recent_pos
+    recent_cos: torch.Tensor | None = None  # [r, d] or [R, r, d]: the RoPE tables at recent_pos
     recent_sin: torch.Tensor | None = None
 
     def observe(self, post: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """New post-RoPE queries [R, n, d] at ``positions`` [n]; cos/sin [n, d] at those positions."""
+        """New post-RoPE queries [R, n, d] at ``positions`` [n]; cos/sin at those positions: [n, d], or
+        [R, n, d] when the rows' layers rotate differently (kvlab.runtime.rope.row_cos_sin)."""
         pos = positions.long()
         if self.recent is not None:
             post = torch.cat([self.recent, post], dim=1)
             pos = torch.cat([self.recent_pos, pos])
-            cos = torch.cat([self.recent_cos, cos])
-            sin = torch.cat([self.recent_sin, sin])
+            cos = torch.cat([self.recent_cos, cos], dim=-2)
+            sin = torch.cat([self.recent_sin, sin], dim=-2)
         cut = max(0, post.shape[1] - self.n_recent)
         if cut:
-            self.bank.add(unrotate(post[:, :cut], cos[:cut], sin[:cut]), pos[:cut])
+            self.bank.add(unrotate(post[:, :cut], cos[..., :cut, :], sin[..., :cut, :]), pos[:cut])
         self.recent, self.recent_pos = post[:, cut:], pos[cut:]
-        self.recent_cos, self.recent_sin = cos[cut:], sin[cut:]
+        self.recent_cos, self.recent_sin = cos[..., cut:, :], sin[..., cut:, :]
 
     def scoring_set(
         self, cos_now: torch.Tensor, sin_now: torch.Tensor, now: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Recent queries + beacons rotated to position ``now`` (cos_now/sin_now: [1, d]).
+        """Recent queries + beacons rotated to position ``now`` (cos_now/sin_now: [1, d] or [R, 1, d]).
 
         -> queries [R, m, d] (post-RoPE), their positions [m] (the beacons': ``now``),
         and the beacons' source positions [R, b].
@@ -164,12 +165,15 @@ class BeaconState:
         return torch.cat(queries, dim=1), torch.cat(positions), beacon_pos
 
 
-def max_attention_scores(queries: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+def max_attention_scores(
+    queries: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k_pos: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
     """BeaconKV score of every key: max attention over the queries and the GQA group.
 
     queries: [H, m, d] post-RoPE, q_pos: [m] their positions; keys: [H_kv, T, d]
-    post-RoPE, k_pos: [T] or [H_kv, T] their positions. A query sees the keys at
-    or before its position (softmax over those). -> [H_kv, T].
+    post-RoPE, k_pos: [T] or [H_kv, T] their positions; scale: the layer's own
+    (None: 1/sqrt(d)). A query sees the keys at or before its position
+    (softmax over those). -> [H_kv, T].
     """
     n_heads, n_kv, length = queries.shape[0], keys.shape[0], keys.shape[1]
     k = expand_kv_heads(keys.float(), n_heads)
@@ -179,7 +183,7 @@ def max_attention_scores(queries: torch.Tensor, q_pos: torch.Tensor, keys: torch
     visible = (kp.unsqueeze(1) <= q_pos.reshape(1, -1, 1)).sum(-1)  # [H, m] keys each query sees
     sees_all = (visible == length).all(dim=0)
     if sees_all.any():  # the beacons (at "now"): one softmax over every key
-        best = torch.maximum(best, attention_weights(q[:, sees_all], k).amax(dim=1))
+        best = torch.maximum(best, attention_weights(q[:, sees_all], k, scale=scale).amax(dim=1))
     rest = torch.nonzero(~sees_all).squeeze(1)
     if rest.numel() == 0:
         return best.reshape(n_kv, n_heads // n_kv, length).amax(dim=1)
@@ -188,12 +192,12 @@ def max_attention_scores(queries: torch.Tensor, q_pos: torch.Tensor, keys: torch
     if in_order and bool((counts == counts[:1]).all()) and bool((counts[0].diff() == 1).all()):
         # Consecutive queries over a key prefix (the recent queries): one causal softmax.
         end = int(counts[0, -1])
-        w = attention_weights(q[:, rest], k[:, :end], causal=True)
+        w = attention_weights(q[:, rest], k[:, :end], scale=scale, causal=True)
         best[:, :end] = torch.maximum(best[:, :end], w.amax(dim=1))
     else:
         for i in rest.tolist():
             bias = torch.zeros(n_heads, length, device=k.device).masked_fill(kp > q_pos[i], float("-inf"))
-            best = torch.maximum(best, attention_weights(q[:, i : i + 1], k, bias=bias)[:, 0])
+            best = torch.maximum(best, attention_weights(q[:, i : i + 1], k, bias=bias, scale=scale)[:, 0])
     return best.reshape(n_kv, n_heads // n_kv, length).amax(dim=1)
 
 

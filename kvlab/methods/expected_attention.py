@@ -53,23 +53,25 @@ def average_rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def query_statistics(
-    ctx_queries: torch.Tensor, lm: LoadedModel, length: int, opts: ExpectedAttentionOptions
+    ctx_queries: torch.Tensor, lm: LoadedModel, length: int, opts: ExpectedAttentionOptions, layer: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mean [H, d] and covariance [H, d, d] of future queries (post-RoPE, averaged over positions).
 
-    ctx_queries: [H, N, d] the context's post-RoPE queries at positions 0..N-1.
+    ctx_queries: [H, N, d] the context's post-RoPE queries at positions 0..N-1
+    of ``layer`` (whose own RoPE un-rotates and re-rotates them).
     """
     n = ctx_queries.shape[1]
     start = max(opts.n_sink, n - opts.stats_window) if opts.stats_window > 0 else opts.n_sink
     start = min(start, n - 1)
-    cos, sin = rope_cos_sin(lm, torch.arange(start, n, device=lm.device))
+    cos, sin = rope_cos_sin(lm, torch.arange(start, n, device=lm.device), layer)
     q = unrotate(ctx_queries[:, start:].float(), cos, sin)
     mu = q.mean(dim=1)
     cov = None
     if opts.use_covariance:
         centred = q - mu.unsqueeze(1)
         cov = torch.einsum("hni,hnj->hij", centred, centred) / q.shape[1]
-    rot = average_rotation(*rope_cos_sin(lm, torch.arange(length, length + opts.n_future_positions, device=lm.device)))
+    future = torch.arange(length, length + opts.n_future_positions, device=lm.device)
+    rot = average_rotation(*rope_cos_sin(lm, future, layer))
     mu = mu @ rot.T
     if cov is not None:
         cov = rot @ cov @ rot.T
@@ -82,12 +84,13 @@ def expected_attention_scores(req: Request, opts: ExpectedAttentionOptions) -> l
     sink = min(opts.n_sink, ctx.length - 1)
     out = []
     for layer, q in enumerate(ctx.queries["context"]):
-        mu, cov = query_statistics(q, lm, ctx.length, opts)
+        mu, cov = query_statistics(q, lm, ctx.length, opts, layer)
         keys = expand_kv_heads(ctx.full.keys[layer][:, sink:].float(), q.shape[0])  # [H, T', d]
+        scale = lm.geometry[layer].scaling  # 1/sqrt(d) but for e.g. Gemma 3's query_pre_attn_scalar
         quad = None
-        if cov is not None:
-            quad = torch.einsum("htd,hde,hte->ht", keys, cov, keys) / keys.shape[-1] / 2
-        weights = attention_weights(mu.unsqueeze(1), keys, bias=quad)[:, 0]  # [H, T']
+        if cov is not None:  # E[exp(s q.k)] for a Gaussian q: exp(s k.mu + s^2 k^T Sigma k / 2)
+            quad = torch.einsum("htd,hde,hte->ht", keys, cov, keys) * scale**2 / 2
+        weights = attention_weights(mu.unsqueeze(1), keys, bias=quad, scale=scale)[:, 0]  # [H, T']
         score = pool_group(weights, lm.n_kv_heads, "mean")
         if opts.use_vnorm:
             score = (score + opts.epsilon) * ctx.full.values[layer][:, sink:].float().norm(dim=-1)

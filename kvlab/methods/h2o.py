@@ -35,7 +35,8 @@ def h2o_scores(req: Request) -> list[torch.Tensor]:
         seen_by = torch.arange(ctx.length, 0, -1, dtype=torch.float32, device=ctx.lm.device)
         out = []
         for layer, q in enumerate(ctx.queries["context"]):
-            received = received_attention(q, ctx.full.keys[layer], reduce="sum", causal=True)
+            received = received_attention(q, ctx.full.keys[layer], reduce="sum", causal=True,
+                                          scale=ctx.lm.geometry[layer].scaling)
             out.append(pool_group(received / seen_by, ctx.lm.n_kv_heads, "mean")[:, ctx.prefix_len :])
         return out
 

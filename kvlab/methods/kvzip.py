@@ -54,9 +54,14 @@ def kvzip_scores(req: Request, opts: KVzipOptions) -> list[torch.Tensor]:
         out = []
         for layer, (q, k_own) in enumerate(zip(recon.queries, recon.keys)):
             keys = ctx.full.keys[layer]
+            if ctx.full.window(layer) is not None:
+                # A sliding-window layer keeps its window whatever its scores (and its working
+                # cache held only the window, not the repeat's own keys in order): none needed.
+                out.append(torch.zeros(keys.shape[0], ctx.doc_len, device=keys.device))
+                continue
             # Sinks, document, reconstruction: the queries are the last n of these keys.
             keys = torch.cat([keys[:, :sink], keys[:, ctx.prefix_len :], k_own], dim=1)
-            received = received_attention(q, keys, reduce="max", causal=True)
+            received = received_attention(q, keys, reduce="max", causal=True, scale=ctx.lm.geometry[layer].scaling)
             out.append(pool_group(received, ctx.lm.n_kv_heads, "max")[:, sink : sink + ctx.doc_len])
         return out
 
@@ -109,9 +114,14 @@ class KVzip(EvictionMethod):
         self.kept_scores(Request(ctx, 1.0))
 
     def budgets(self, req: Request) -> torch.Tensor:
-        if self.options.prune == "head":
-            return req.budgets()
-        return pooled_budgets(self.kept_scores(req), min(req.doc_budget, req.ctx.doc_len), self.options.prune)
+        budgets = req.budgets()
+        layers = req.ctx.lm.compressed_layers  # a sliding-window layer keeps its window: not in the pool
+        if self.options.prune == "head" or not layers:
+            return budgets
+        scores = self.kept_scores(req)
+        per_head = min(req.doc_budget, req.ctx.doc_len)
+        budgets[layers] = pooled_budgets([scores[i] for i in layers], per_head, self.options.prune).to(budgets.device)
+        return budgets
 
     def details(self) -> dict:
         return {"prune": self.options.prune}

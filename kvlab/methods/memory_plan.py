@@ -114,12 +114,20 @@ def plan_memory(
 
 
 def context_plan(ctx: Context, ratio: float, bits: int | None, group_size: int, fp_newest: int | None = None) -> MemoryPlan:
-    """:func:`plan_memory` for a prepared context's full cache."""
-    keys = ctx.full.keys[0]
-    return plan_memory(
-        ctx.doc_len, ctx.prefix_len, len(ctx.full.keys), keys.shape[0], keys.shape[-1], keys.element_size(),
-        ctx.full.nbytes, ratio, bits, group_size, fp_newest,
+    """:func:`plan_memory` for a prepared context's full cache, over the layers a method compresses
+    (a sliding-window layer keeps its window: its rows of the plan are the first compressed layer's,
+    never used)."""
+    layers = ctx.lm.compressed_layers or [0]
+    keys = ctx.full.keys[layers[0]]
+    full_nbytes = sum(ctx.full.keys[i].nbytes + ctx.full.values[i].nbytes for i in layers)
+    plan = plan_memory(
+        ctx.doc_len, ctx.prefix_len, len(layers), keys.shape[0], keys.shape[-1], keys.element_size(),
+        full_nbytes, ratio, bits, group_size, fp_newest,
     )
+    if len(layers) == len(ctx.full.keys):
+        return plan
+    rows = torch.tensor([layers.index(i) if i in layers else 0 for i in range(len(ctx.full.keys))], device="cpu")
+    return MemoryPlan(plan.n_fp[rows], plan.n_quant[rows], plan.target_bytes, plan.planned_bytes)
 
 
 @dataclass

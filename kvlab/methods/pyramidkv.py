@@ -73,7 +73,11 @@ class PyramidKV(EvictionMethod):
 
     def budgets(self, req: Request) -> torch.Tensor:
         lm = req.ctx.lm
-        per_layer = pyramid_budgets(lm.n_layers, req.doc_budget, req.ctx.doc_len, self.options.beta)
+        # The pyramid runs over the layers a method compresses: a sliding-window layer keeps its window.
+        layers = lm.compressed_layers
+        per_layer = torch.full((lm.n_layers,), req.doc_budget, dtype=torch.long, device="cpu")
+        if layers:
+            per_layer[layers] = pyramid_budgets(len(layers), req.doc_budget, req.ctx.doc_len, self.options.beta)
         return per_layer.unsqueeze(1).expand(-1, lm.n_kv_heads).to(lm.device)
 
     def scores(self, req: Request) -> list[torch.Tensor]:

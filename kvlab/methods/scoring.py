@@ -29,10 +29,12 @@ def received_attention(
     reduce: Literal["sum", "max"] = "sum",
     causal: bool = True,
     block_elements: int = BLOCK_ELEMENTS,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Attention each key receives from each query head, summed or maxed over the queries.
 
-    queries: [H, n, d], keys: [H_kv, T, d] -> [H, T] (float32). With
+    queries: [H, n, d], keys: [H_kv, T, d] -> [H, T] (float32); scale: the
+    layer's own (kvlab.models.LayerGeometry.scaling; None: 1/sqrt(d)). With
     ``causal`` the queries are the last n of the T keys' tokens (each sees the
     keys up to its own); the softmax of every query runs over all the keys it
     can see. Computed in blocks of query rows of at most ``block_elements``
@@ -53,7 +55,7 @@ def received_attention(
         visible = total - n + end if causal else total
         block = group_queries(queries[:, start:end].float(), n_kv)  # [H_kv, group * rows, d]
         logits = buffer[: n_heads * (end - start) * visible].view(n_kv, group * (end - start), visible)
-        logits = attention_logits(block, keys[:, :visible], out=logits).view(n_kv, group, end - start, visible)
+        logits = attention_logits(block, keys[:, :visible], scale=scale, out=logits).view(n_kv, group, end - start, visible)
         if causal:  # only the block's own keys, the last end - start, can lie in a query's future
             own = logits[..., visible - (end - start):]
             own.masked_fill_(future_mask(end - start, end - start, keys.device), float("-inf"))

@@ -26,17 +26,19 @@ class SnapKVOptions(Options):
 
 
 def pooled_window_scores(
-    queries: torch.Tensor, keys: torch.Tensor, kernel: int, causal: bool, drop_last: int = 0
+    queries: torch.Tensor, keys: torch.Tensor, kernel: int, causal: bool, drop_last: int = 0,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Mean attention from a query window, pooled along the tokens.
 
-    queries: [H, w, d], keys: [H_kv, T, d] -> [H_kv, T - drop_last]. The
+    queries: [H, w, d], keys: [H_kv, T, d] -> [H_kv, T - drop_last]; scale:
+    the layer's own (None: 1/sqrt(d)). The
     softmax runs over all T keys; the last ``drop_last`` columns (the window's
     own tokens, kept anyway) are cut before pooling, as SnapKV does, so they
     do not leak into their neighbours' scores.
     """
     n_heads, n_kv = queries.shape[0], keys.shape[0]
-    weights = attention_weights(queries, expand_kv_heads(keys, n_heads), causal=causal)
+    weights = attention_weights(queries, expand_kv_heads(keys, n_heads), scale=scale, causal=causal)
     per_head = weights.mean(dim=1)[:, : keys.shape[1] - drop_last]
     if per_head.shape[1] == 0:  # the window is the whole context: nothing left to pool
         return per_head.reshape(n_kv, n_heads // n_kv, 0).mean(dim=1)
@@ -53,11 +55,11 @@ def snap_scores(req: Request, window: int, kernel: int, from_question: bool) -> 
     sources = question_queries(ctx, req.question) if from_question else ctx.queries["context"]
     out = []
     for layer, q in enumerate(sources):
-        keys = ctx.full.keys[layer]
+        keys, scale = ctx.full.keys[layer], ctx.lm.geometry[layer].scaling
         if from_question:
-            score = pooled_window_scores(q, keys, kernel, causal=False)[:, ctx.prefix_len :]
+            score = pooled_window_scores(q, keys, kernel, causal=False, scale=scale)[:, ctx.prefix_len :]
         else:
-            cut = pooled_window_scores(q[:, -window:], keys, kernel, causal=True, drop_last=window)
+            cut = pooled_window_scores(q[:, -window:], keys, kernel, causal=True, drop_last=window, scale=scale)
             score = torch.cat([cut[:, ctx.prefix_len :], torch.full((keys.shape[0], window), float("inf"), device=cut.device)], dim=1)
         out.append(score)
     return out

@@ -21,7 +21,7 @@ def tova_scores(req: Request) -> list[torch.Tensor]:
     for layer, q in enumerate(ctx.queries["context"]):
         keys = expand_kv_heads(ctx.full.keys[layer], q.shape[0])
         # The last token sees every key: no causal mask needed.
-        weights = attention_weights(q[:, -1:], keys)[:, 0]  # [H, T]
+        weights = attention_weights(q[:, -1:], keys, scale=ctx.lm.geometry[layer].scaling)[:, 0]  # [H, T]
         score = weights.mean(dim=0)[ctx.prefix_len :].clone()
         protect(score, slice(ctx.doc_len - 1, None))
         out.append(score.expand(ctx.lm.n_kv_heads, -1))

@@ -84,16 +84,23 @@ def attend(
     return BlockAttention(output=torch.matmul(weights, v.float()), lse=lse)
 
 
-def future_mask(q_len: int, kv_len: int, device: torch.device | None = None) -> torch.Tensor:
+def future_mask(q_len: int, kv_len: int, device: torch.device | None = None, window: int | None = None) -> torch.Tensor:
     """[q_len, kv_len] True where query i may not see key j.
 
     The queries are the last ``q_len`` tokens of the ``kv_len`` keys
     (bottom-right alignment), so this holds whatever the physical length of the
-    cached part before them.
+    cached part before them. ``window`` (a sliding-window layer's, as
+    transformers counts it): query i also may not see keys ``window`` or more
+    tokens before it; such a layer's keys are consecutive tokens, so physical
+    distance is token distance.
     """
     rows = torch.arange(q_len, device=device).unsqueeze(1)
     cols = torch.arange(kv_len, device=device).unsqueeze(0)
-    return cols > (kv_len - q_len + rows)
+    now = kv_len - q_len + rows
+    hidden = cols > now
+    if window is not None:
+        hidden |= cols <= now - window
+    return hidden
 
 
 def attention_weights(
@@ -132,29 +139,42 @@ def causal_bias_mask(
     n_heads: int,
     dtype: torch.dtype,
     device: torch.device,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Additive mask for queries that are the last ``q_len`` tokens of the keys.
 
     key_bias: [H_kv, L] for the first L keys (the stored cache; later keys get
-    0). Returns [1, n_heads, q_len, kv_len].
+    0); window as in :func:`future_mask`. Returns [1, n_heads, q_len, kv_len].
     """
     mask = torch.zeros(n_heads, q_len, kv_len, dtype=dtype, device=device)
     mask[:, :, : key_bias.shape[1]] += expand_kv_heads(key_bias.to(dtype), n_heads).unsqueeze(1)
-    if q_len > 1:
-        mask.masked_fill_(future_mask(q_len, kv_len, device).unsqueeze(0), float("-inf"))
+    if q_len > 1 or window is not None:
+        mask.masked_fill_(future_mask(q_len, kv_len, device, window).unsqueeze(0), float("-inf"))
     return mask.unsqueeze(0)
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_bias: torch.Tensor | None,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for the model's forward pass (fast path through SDPA).
 
     q: [1, H, n, d], k/v: [1, H_kv, kv_len, d], key_bias: [H_kv, L] or None
     -> [1, H, n, d]. Same maths as :func:`attend` plus the causal mask;
-    tests check the two agree.
+    tests check the two agree. window: a sliding-window layer's (see
+    :func:`future_mask`), None for a layer that sees every key. sinks: [H]
+    learned attention-sink logits (GPT-OSS), or None: see :func:`_with_sinks`.
     """
     n_heads, q_len, kv_len = q.shape[1], q.shape[2], k.shape[2]
+    if window is not None and kv_len > window:
+        return _sliding_window(q, k, v, key_bias, scale, window, sinks)
+    if sinks is not None:
+        return _with_sinks(q, k, v, key_bias, scale, sinks, window)
     gqa = n_heads != k.shape[1]
     if key_bias is None and q_len == kv_len:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -174,6 +194,56 @@ def causal_attention(
     # e.g. the question) runs in float32 so the biases stay exact.
     mask = causal_bias_mask(q_len, kv_len, key_bias, n_heads, torch.float32, q.device)
     out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.to(q.dtype)
+
+
+def _sliding_window(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor | None, scale: float, window: int,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`causal_attention` of a window layer whose keys reach past the first query's window.
+
+    Shapes as there. The keys no query sees are cut off first (a decode step
+    then reads exactly the last ``window`` keys, unmasked); what remains is
+    masked by the band of each query's window.
+    """
+    n_heads, q_len, kv_len = q.shape[1], q.shape[2], k.shape[2]
+    start = max(0, kv_len - q_len - window + 1)
+    k, v = k[:, :, start:], v[:, :, start:]
+    if key_bias is not None:
+        key_bias = key_bias[..., start:] if key_bias.shape[-1] > start else None
+    if sinks is not None:
+        return _with_sinks(q, k, v, key_bias, scale, sinks, window)
+    if q_len == 1:
+        return causal_attention(q, k, v, key_bias, scale)
+    gqa, kv_len = n_heads != k.shape[1], kv_len - start
+    if key_bias is None:
+        mask = ~future_mask(q_len, kv_len, q.device, window)[None, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    mask = causal_bias_mask(q_len, kv_len, key_bias, n_heads, torch.float32, q.device, window)
+    out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.to(q.dtype)
+
+
+def _with_sinks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor | None, scale: float,
+    sinks: torch.Tensor, window: int | None = None,
+) -> torch.Tensor:
+    """:func:`causal_attention` with a learned sink per query head: a logit that joins every query's
+    softmax as one more key with no value (GPT-OSS), taking its share of the mass.
+
+    Shapes as there, sinks [H]. The sink is a key of zeros (its logit is then
+    only its bias, the head's sink logit) whose value is zeros, read in float32
+    through the per-head float mask.
+    """
+    n_heads, q_len, kv_len = q.shape[1], q.shape[2], k.shape[2]
+    bias = key_bias if key_bias is not None else k.new_zeros(k.shape[1], 0)
+    mask = causal_bias_mask(q_len, kv_len, bias, n_heads, torch.float32, q.device, window)
+    sink = sinks.float().view(1, n_heads, 1, 1).expand(1, n_heads, q_len, 1)
+    none = k.new_zeros(1, k.shape[1], 1, k.shape[-1])
+    k, v = torch.cat([k, none], dim=2).float(), torch.cat([v, none], dim=2).float()
+    out = F.scaled_dot_product_attention(q.float(), k, v, attn_mask=torch.cat([mask, sink], dim=-1), scale=scale,
+                                         enable_gqa=n_heads != k.shape[1])
     return out.to(q.dtype)
 
 

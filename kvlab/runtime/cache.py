@@ -144,6 +144,20 @@ def template_segment(keys: torch.Tensor, values: torch.Tensor, prefix_len: int) 
     return DenseSegment.from_padded(keys[:, :prefix_len], values[:, :prefix_len], lengths, index, fate="template")
 
 
+def window_segment(keys: torch.Tensor, values: torch.Tensor, window: int, first: int = 0) -> DenseSegment:
+    """What a sliding-window layer keeps of a context: its last ``window - 1`` tokens (fate "window").
+
+    keys/values: [H_kv, L, d], consecutive tokens ``first .. first + L - 1`` of
+    the context, its last ones, in order. The next query sees the kept ones
+    and itself, ``window`` tokens, as transformers' sliding layers keep them.
+    """
+    n_heads, length = keys.shape[:2]
+    kept = min(length, window - 1)
+    index = torch.arange(first + length - kept, first + length, device=keys.device).expand(n_heads, kept)
+    lengths = torch.full((n_heads,), kept, device=keys.device)
+    return DenseSegment.from_padded(keys[:, length - kept :], values[:, length - kept :], lengths, index, fate="window")
+
+
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Each head's chosen keys (or values): x [H, L, d], index [H, n] -> [H, n, d]."""
     return x.gather(1, index.to(x.device).unsqueeze(-1).expand(-1, -1, x.shape[-1]))
@@ -219,12 +233,18 @@ class CompressedKV:
     template prefix, kept whatever its score). It is not stored bytes (not in
     ``nbytes`` or ``breakdown``) and stays out of ``meta``, which the run's
     JSON details are built from.
+
+    scales: per layer, the model's factor on q.k for this cache's keys
+    (kvlab.models.LayerGeometry.scaling), carried by the keep-all cache
+    (:attr:`FullKV.stored`) for what measures or fits against it (the
+    metrics, Attention Matching); None: 1/sqrt(d).
     """
 
     layers: list[list[Segment]]
     logical_len: int
     meta: dict = field(default_factory=dict)
     importance: list[torch.Tensor] | None = None
+    scales: list[float] | None = None
 
     @property
     def n_layers(self) -> int:
@@ -233,6 +253,10 @@ class CompressedKV:
     @property
     def nbytes(self) -> int:
         return sum(seg.nbytes for layer in self.layers for seg in layer)
+
+    def layers_nbytes(self, layers: list[int]) -> int:
+        """Stored bytes of the given layers."""
+        return sum(seg.nbytes for i in layers for seg in self.layers[i])
 
     def breakdown(self) -> dict[str, int]:
         """Stored bytes by part (e.g. full-precision, codes, scales, biases)."""
@@ -276,11 +300,19 @@ class FullKV:
 
     Each tensor holds exactly its T tokens (no spare decode capacity), and the
     keep-all view :attr:`stored` shares their storage, so a held document costs
-    its KV cache's bytes once.
+    its KV cache's bytes once. windows: per layer, the sliding window of a
+    layer that has one (None: it sees every key; no list: no layer has one).
+    A window layer's keys are kept for every token too (the methods score
+    every layer's keys), but the model's cache, :attr:`stored` and
+    :attr:`nbytes`, holds only its window (:func:`window_segment`).
+    scales: per layer, the model's factor on q.k (None: 1/sqrt(d)), passed on
+    to :attr:`stored` (:attr:`CompressedKV.scales`).
     """
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    windows: list[int | None] | None = None
+    scales: list[float] | None = None
     # The keep-all view, built once on first use under the lock: the app's prepare slot, its
     # compute slot and its warm-up thread may all ask for it at once.
     _stored: "CompressedKV | None" = field(default=None, init=False, repr=False)
@@ -290,13 +322,24 @@ class FullKV:
     def length(self) -> int:
         return self.keys[0].shape[1]
 
+    def window(self, layer: int) -> int | None:
+        """``layer``'s sliding window, or None when it sees every key."""
+        return self.windows[layer] if self.windows is not None else None
+
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
+        """Bytes of the model's own cache: every token of a full layer, a window layer's window."""
+        total = 0
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            window = self.window(layer)
+            kept = k.shape[1] if window is None else min(k.shape[1], window - 1)
+            total += (k.nbytes + v.nbytes) * kept // max(1, k.shape[1])
+        return total
 
     @property
     def stored(self) -> CompressedKV:
-        """The keep-all cache: every token, no bias (the ceiling every method is compared with).
+        """The keep-all cache: every token, no bias (the ceiling every method is compared with);
+        a window layer keeps its window, as the model does.
 
         Built once, as views of :attr:`keys` and :attr:`values`, however many
         threads ask at once; like every stored cache it is never modified."""
@@ -307,9 +350,32 @@ class FullKV:
 
     def _keep_all(self) -> CompressedKV:
         layers: list[list[Segment]] = []
-        for k, v in zip(self.keys, self.values):
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            window = self.window(layer)
+            if window is not None:
+                layers.append([window_segment(k, v, window)])
+                continue
             n_heads, length = k.shape[:2]
             lengths = torch.full((n_heads,), length, device=k.device)
             index = torch.arange(length, device=k.device).expand(n_heads, length)
             layers.append([DenseSegment.from_padded(k, v, lengths, index)])
-        return CompressedKV(layers=layers, logical_len=self.length, meta={"method": "full"})
+        return CompressedKV(layers=layers, logical_len=self.length, meta={"method": "full"}, scales=self.scales)
+
+
+def keep_windows(stored: CompressedKV, full: FullKV) -> CompressedKV:
+    """``stored`` with every window layer replaced by ``full``'s window: the layers a method compresses
+    are the full-attention ones; a window layer keeps what the model keeps. ``stored`` must stand for
+    ``full``'s context (the same logical length); its layer list is replaced (a list it may share
+    with another cache stays as it was) and it is returned. A window layer's importance, when
+    recorded, is NaN: the method's scores chose none of its keys."""
+    if full.windows is None or all(w is None for w in full.windows):
+        return stored
+    keep_all = full.stored
+    windowed = [full.window(i) is not None for i in range(stored.n_layers)]
+    stored.layers = [
+        list(keep_all.layers[i]) if w else layer for i, (layer, w) in enumerate(zip(stored.layers, windowed))
+    ]
+    if stored.importance is not None:
+        nan = float("nan")
+        stored.importance = [torch.full_like(imp, nan) if w else imp for imp, w in zip(stored.importance, windowed)]
+    return stored

@@ -28,11 +28,18 @@ class GrowingLayer(DynamicLayer):
     token, which dominates decoding time on a CPU; this one copies only the
     new token and doubles its buffer when full. ``keys``/``values`` are views
     [1, H_kv, n, d] of the buffers.
+
+    keep: a sliding-window layer's ``window - 1``: before each append the
+    layer lets go of the keys older than that, so it holds what the model
+    keeps (its window) plus the tokens of its latest append, which a rewind of
+    those tokens needs (kvlab's attention masks the window itself). None:
+    every key stays.
     """
 
-    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None):
+    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None, keep: int | None = None):
         super().__init__()
-        self._length = 0
+        self.keep = keep
+        self._start = self._length = 0  # the held keys are buffer slots [_start, _length)
         if keys is not None:
             self._allocate(keys, values, keys.shape[-2] + 64)
             self._append(keys, values)
@@ -44,19 +51,27 @@ class GrowingLayer(DynamicLayer):
         self.device, self.is_initialized = like_k.device, True
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        end = self._length + k.shape[-2]
-        if end > self._k.shape[-2]:
-            old_k, old_v = self._k[..., : self._length, :], self._v[..., : self._length, :]
-            self._allocate(k, v, max(end, 2 * self._k.shape[-2]))
-            self._k[..., : self._length, :], self._v[..., : self._length, :] = old_k, old_v
+        if self.keep is not None:
+            self._start = max(self._start, self._length - self.keep)
+        held, n = self._length - self._start, k.shape[-2]
+        if self._length + n > self._k.shape[-2]:
+            old_k, old_v = self._k[..., self._start : self._length, :], self._v[..., self._start : self._length, :]
+            self._allocate(k, v, max(held + n, 2 * held))
+            self._k[..., :held, :], self._v[..., :held, :] = old_k, old_v
+            self._start, self._length = 0, held
+        end = self._length + n
         self._k[..., self._length : end, :], self._v[..., self._length : end, :] = k, v
         self._length = end
-        self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]
+        self._view()
+
+    def _view(self) -> None:
+        self.keys = self._k[..., self._start : self._length, :]
+        self.values = self._v[..., self._start : self._length, :]
 
     def crop(self, max_length: int) -> None:
-        """Keep the first ``max_length`` tokens (the buffers stay; later appends overwrite the rest)."""
-        self._length = min(self._length, max_length)
-        self.keys, self.values = self._k[..., : self._length, :], self._v[..., : self._length, :]
+        """Keep the first ``max_length`` held tokens (the buffers stay; later appends overwrite the rest)."""
+        self._length = min(self._length, self._start + max_length)
+        self._view()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self._allocate(key_states, value_states, key_states.shape[-2])
@@ -79,25 +94,37 @@ def _working_cache(layers: list[GrowingLayer] | None = None) -> DynamicCache:
 class Session:
     """A working copy of a cache that the model appends to while it reads and writes.
 
-    key_bias: per layer [H_kv, L] for the stored keys, or None for a plain cache;
-    position: the logical position of the next token.
+    key_bias: per layer [H_kv, L] for the stored keys (None for a layer without
+    one), or None for a plain cache; position: the logical position of the next token.
     """
 
     cache: DynamicCache
-    key_bias: list[torch.Tensor] | None
+    key_bias: list[torch.Tensor | None] | None
     position: int
 
 
-def open_session(lm: LoadedModel, stored: CompressedKV | None = None) -> Session:
-    """Start from an empty cache, or from a stored one (which is left untouched)."""
+def open_session(lm: LoadedModel, stored: CompressedKV | None = None, every_key: bool = False) -> Session:
+    """Start from an empty cache, or from a stored one (which is left untouched).
+
+    A sliding-window layer holds only its window (:class:`GrowingLayer`'s
+    ``keep``), unless ``every_key``: the prefill keeps every layer's keys,
+    which the methods score.
+    """
+    keeps = [None if g.window is None or every_key else g.window - 1 for g in lm.geometry]
     if stored is None:
-        return Session(_working_cache(), None, 0)
+        return Session(_working_cache([GrowingLayer(keep=keep) for keep in keeps]), None, 0)
     views = [stored.layer_view(i) for i in range(stored.n_layers)]
+    # A window layer is stored as its plain window (kvlab.runtime.cache.keep_windows): no bias to
+    # carry, so its keys may go as the window moves on; any other stays whole, with its bias.
+    plain = [keep is not None and bool((v.bias == 0).all()) for keep, v in zip(keeps, views)]
     layers = [
-        GrowingLayer(v.keys.unsqueeze(0).to(lm.device, lm.dtype), v.values.unsqueeze(0).to(lm.device, lm.dtype))
-        for v in views
+        GrowingLayer(v.keys.unsqueeze(0).to(lm.device, lm.dtype), v.values.unsqueeze(0).to(lm.device, lm.dtype),
+                     keep if windowed else None)
+        for v, keep, windowed in zip(views, keeps, plain)
     ]
-    bias = None if stored.is_plain() else [v.bias.to(lm.device) for v in views]
+    if stored.is_plain():
+        return Session(_working_cache(layers), None, stored.logical_len)
+    bias = [None if windowed else v.bias.to(lm.device) for v, windowed in zip(views, plain)]
     return Session(_working_cache(layers), bias, stored.logical_len)
 
 
@@ -162,13 +189,18 @@ def prefill(
     Chunked so that long documents never build a T x T score matrix.
     on_chunk(done, total) reports progress in tokens. The cache is copied out
     of the working buffers (which grow by doubling) into tensors of exactly T
-    tokens, so the spare capacity is not held with the document.
+    tokens, so the spare capacity is not held with the document. Every layer
+    keeps every token's keys, a window layer's too (the methods score them);
+    the model's cache of the document is ``FullKV.stored``.
     """
-    session = open_session(lm)
+    session = open_session(lm, every_key=True)
     read_chunked(lm, session, ids, capture, chunk_size, on_chunk)
     layers = session.cache.layers
     return FullKV(
-        keys=[layer.keys[0].contiguous() for layer in layers], values=[layer.values[0].contiguous() for layer in layers]
+        keys=[layer.keys[0].contiguous() for layer in layers],
+        values=[layer.values[0].contiguous() for layer in layers],
+        windows=[g.window for g in lm.geometry],
+        scales=[g.scaling for g in lm.geometry],
     )
 
 

@@ -74,10 +74,11 @@ def kvlab_attention(
     The causal mask is built here, per layer, from the physical key length;
     transformers' own mask is sized from layer 0 and would be wrong for
     caches whose layers differ in length. ``scaling`` is the model's own
-    (Gemma's query_pre_attn_scalar included); ``attention_mask``,
-    ``sliding_window`` and ``softcap`` are not used: a model whose sliding
-    window can drop a key, or that caps its logits, is refused at load time
-    (kvlab.models.check_supported).
+    (Gemma's query_pre_attn_scalar included), and so is ``sliding_window``,
+    the window the layer passes (None on full layers): kvlab's mask applies
+    it, and so are GPT-OSS's learned attention sinks (``s_aux``, one logit
+    per head). ``attention_mask`` and ``softcap`` are not used: a model that
+    caps its logits is refused at load time (kvlab.models.check_supported).
     """
     ctx: ForwardContext | None = kwargs.get("kvlab")
     layer = module.layer_idx
@@ -87,7 +88,7 @@ def kvlab_attention(
             ctx.capture.record(layer, query)
         if ctx.key_bias is not None:
             bias = ctx.key_bias[layer]
-    out = causal_attention(query, key, value, bias, scaling)
+    out = causal_attention(query, key, value, bias, scaling, kwargs.get("sliding_window"), kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None
 
 

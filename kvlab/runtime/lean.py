@@ -16,7 +16,8 @@ views of them: the model keeps working through transformers (the tests
 compare the two paths) and no weight is held twice.
 
 Supported: the families whose decoder layer is Llama's (Llama, Mistral,
-Qwen2 with its q/k/v biases, SmolLM). Anything else (q/k norms, Gemma's
+Qwen2 with its q/k/v biases, SmolLM), sliding windows included (each
+layer's own, kvlab.models.layer_geometry). Anything else (q/k norms, Gemma's
 scaled norms and embeddings, other activations, weights spread over devices)
 gets ``None`` from :func:`lean_model` and runs through transformers.
 """
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvlab.models import layer_geometry
 from kvlab.runtime.attention import causal_attention
 from kvlab.runtime.rope import rotate
 
@@ -37,10 +39,11 @@ LLAMA_TYPES = ("llama", "mistral", "qwen2")
 
 @dataclass
 class LeanLayer:
-    """One decoder layer's weights, fused.
+    """One decoder layer's weights, fused, and how it attends.
 
     qkv: [(H + 2 H_kv) d, D] (and qkv_bias [(H + 2 H_kv) d] or None);
-    o: [D, H d]; gate_up: [2 I, D]; down: [D, I]; norms: [D].
+    o: [D, H d]; gate_up: [2 I, D]; down: [D, I]; norms: [D]; scaling: its
+    factor on q.k; window: its sliding window, or None.
     """
 
     qkv: torch.Tensor
@@ -50,6 +53,8 @@ class LeanLayer:
     down: torch.Tensor
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
+    scaling: float
+    window: int | None
 
 
 @dataclass
@@ -66,7 +71,6 @@ class LeanModel:
     n_kv_heads: int
     head_dim: int
     intermediate: int
-    scaling: float
 
 
 def _fuse(modules: list[torch.nn.Linear], name: str) -> torch.Tensor | None:
@@ -136,7 +140,7 @@ def _current(lean: LeanModel, model: torch.nn.Module) -> bool:
 def _build(model: torch.nn.Module) -> LeanModel:
     cfg, body = model.config, model.model
     layers = []
-    for layer in body.layers:
+    for layer, geometry in zip(body.layers, layer_geometry(model)):
         attn, mlp = layer.self_attn, layer.mlp
         projections = [attn.q_proj, attn.k_proj, attn.v_proj]
         layers.append(LeanLayer(
@@ -147,6 +151,8 @@ def _build(model: torch.nn.Module) -> LeanModel:
             down=mlp.down_proj.weight,
             attn_norm=layer.input_layernorm.weight,
             mlp_norm=layer.post_attention_layernorm.weight,
+            scaling=geometry.scaling,
+            window=geometry.window,
         ))
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return LeanModel(
@@ -160,7 +166,6 @@ def _build(model: torch.nn.Module) -> LeanModel:
         n_kv_heads=cfg.num_key_value_heads,
         head_dim=head_dim,
         intermediate=cfg.intermediate_size,
-        scaling=body.layers[0].self_attn.scaling,
     )
 
 
@@ -200,7 +205,7 @@ def lean_forward(
         keys, values = cache.layers[i].update(k, v)
         if capture is not None:
             capture.record(i, q)
-        out = causal_attention(q, keys, values, None if key_bias is None else key_bias[i], lean.scaling)
+        out = causal_attention(q, keys, values, None if key_bias is None else key_bias[i], w.scaling, w.window)
         x = x + F.linear(out[0].transpose(0, 1).reshape(n, heads * d), w.o)
         gate, up = F.linear(rms_norm(x, w.mlp_norm, lean.eps), w.gate_up).split(lean.intermediate, dim=-1)
         x = x + F.linear(F.silu(gate) * up, w.down)

@@ -4,18 +4,18 @@ The cache and the recorded queries are post-RoPE: each vector is rotated by
 its own position. Methods that compare queries across positions (BeaconKV's
 beacon queries) need them pre-RoPE, and re-rotate them to a new position
 before scoring. These helpers use the model's own rotary embedding
-(``model.model.rotary_emb(x, position_ids) -> cos, sin``), so frequencies and
-RoPE scaling (Llama 3.1's "llama3", YaRN's attention factor...) match the
-model, and the Llama "rotate half" layout (Llama, Mistral, Qwen2, Qwen3,
-Gemma 3, SmolLM...): ``rot(q) = q * cos + rotate_half(q) * sin``.
+(``model.model.rotary_emb(x, position_ids) -> cos, sin``; Gemma 3's takes the
+layer type too: one RoPE for its local layers, one for its global ones), so
+frequencies and RoPE scaling (Llama 3.1's "llama3", YaRN's attention
+factor...) match each layer, and the Llama "rotate half" layout (Llama,
+Mistral, Qwen2, Qwen3, Gemma 3, SmolLM, GPT-OSS...):
+``rot(q) = q * cos + rotate_half(q) * sin``.
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 
-from kvlab.models import PER_LAYER_ROPE, LoadedModel, ModelLoadError, unsupported_message
+from kvlab.models import LoadedModel, ModelLoadError
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -39,26 +39,43 @@ def unrotate(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return (q * cos - rotate_half(q) * sin) / (cos * cos + sin * sin)
 
 
-def rope_cos_sin(lm: LoadedModel, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's RoPE tables at ``positions`` [n] -> cos, sin: float32 [n, d] on the model's device.
+def rope_cos_sin(
+    lm: LoadedModel, positions: torch.Tensor, layer: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layer``'s RoPE tables at ``positions`` [n] -> cos, sin: float32 [n, d] on the model's device.
 
-    A rotary embedding that takes a ``layer_type`` (Gemma 3: one RoPE for its
-    sliding layers, one for its global ones) is asked for every layer type the
-    model has; the callers use one table for every layer, so the tables must
-    agree, or ModelLoadError (kvlab.models.check_supported refuses such a
-    model at load time already).
+    layer None: the table every layer shares; ModelLoadError for a model whose
+    layers rotate differently (Gemma 3), which must name the layer.
     """
+    kinds = {g.rope_type for g in lm.geometry}
+    if layer is None and len(kinds) > 1:
+        raise ModelLoadError(f"{lm.name}: its layers rotate by different RoPEs ({', '.join(sorted(kinds))}): "
+                             "ask for one layer's tables")
+    kind = lm.geometry[0 if layer is None else layer].rope_type
     positions = positions.reshape(1, -1).to(lm.device)
     probe = torch.zeros(1, 1, lm.head_dim, device=lm.device, dtype=torch.float32)
     rotary = lm.model.model.rotary_emb
-    kinds: list[str | None] = [None]
-    if "layer_type" in inspect.signature(rotary.forward).parameters:
-        kinds = sorted(set(lm.model.config.layer_types))
     with torch.no_grad():
-        tables = [rotary(probe, positions) if k is None else rotary(probe, positions, layer_type=k) for k in kinds]
-    cos, sin = tables[0]
-    for kind, (c, s) in zip(kinds[1:], tables[1:]):
-        if not (torch.equal(c, cos) and torch.equal(s, sin)):
-            feature = f"a different rotary embedding per layer type ({kinds[0]} and {kind} differ)"
-            raise ModelLoadError(unsupported_message(lm.name, [(feature, PER_LAYER_ROPE)]))
+        cos, sin = rotary(probe, positions) if kind is None else rotary(probe, positions, layer_type=kind)
+    if cos.shape[-1] * 2 == lm.head_dim:
+        # GPT-OSS's tables hold each frequency once and rotate the halves (x1, x2) by them: the
+        # rotate-half layout with the tables repeated for both halves.
+        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     return cos[0].float(), sin[0].float()
+
+
+def row_cos_sin(lm: LoadedModel, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables for queries stacked layer-major (row ``layer * H + head``, BeaconKV's rows).
+
+    positions [n] -> cos, sin: [n, d] when every layer rotates alike (they
+    broadcast over the rows), else [L * H, n, d], each layer's tables for its H rows.
+    """
+    if len({g.rope_type for g in lm.geometry}) == 1:
+        return rope_cos_sin(lm, positions)
+    tables = {g.rope_type: None for g in lm.geometry}
+    for layer, g in enumerate(lm.geometry):
+        if tables[g.rope_type] is None:
+            tables[g.rope_type] = rope_cos_sin(lm, positions, layer)
+    cos = torch.stack([tables[g.rope_type][0] for g in lm.geometry]).repeat_interleave(lm.n_heads, dim=0)
+    sin = torch.stack([tables[g.rope_type][1] for g in lm.geometry]).repeat_interleave(lm.n_heads, dim=0)
+    return cos, sin

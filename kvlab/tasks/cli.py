@@ -3,6 +3,7 @@
     python -m kvlab bench --tasks niah_single,needle_grid --methods snapkv,attention_matching \\
         --ratios 2,5,10 --limit 10 --seed 0 --out runs/bench [--shard 1/4] [--preset AM-OMP]
     python -m kvlab bench --tasks examples --methods attention_matching:self_study_weight=4 --out runs/am
+    python -m kvlab bench --tasks niah_single --haystack prose --needle-values code --out runs/prose
     python -m kvlab bench --report runs/bench      # rebuild the CSV and HTML from the JSONL alone
 
 Results go to OUT/results*.jsonl, one line per (task, item, method, ratio,
@@ -20,6 +21,7 @@ from typing import Any, Callable
 from kvlab.methods.base import MAX_RATIO, MIN_RATIO, REGISTRY, MethodError
 from kvlab.tasks.items import TaskError
 from kvlab.tasks.registry import DEFAULT_LENGTH, TASKS
+from kvlab.tasks.synthetic import HAYSTACKS, VALUE_SHAPES
 
 
 def _csv(text: str) -> list[str]:
@@ -36,6 +38,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=10, help="items per task (default 10)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic items and shuffles (default 0)")
     p.add_argument("--length", type=int, default=DEFAULT_LENGTH, help=f"synthetic document length in model tokens (default {DEFAULT_LENGTH})")
+    p.add_argument("--haystack", choices=HAYSTACKS, default="noise",
+                   help="the needle tasks' filler: noise (one repeated line, RULER's noise; default) or prose "
+                   "(the bundled essay text, where the needle is not the only sentence unlike the rest)")
+    p.add_argument("--needle-values", choices=VALUE_SHAPES, default="number",
+                   help="the needles' values: number (7 digits; default), code (4821-violet) or name (a person's)")
     p.add_argument("--model", default=None, help="embedded (default), a .gguf file, a local directory or a hub id; also KVLAB_MODEL")
     p.add_argument("--out", default=None, help="results folder (JSONL, results.csv, summary.csv, report.html)")
     p.add_argument("--shard", default=None, help="K/N: run only items i with i %% N == K-1 (its own JSONL file)")
@@ -145,7 +152,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     lm = get_model(args.model)
-    items = [it for t in tasks for it in build_items(t, lm, args.limit, args.seed, args.length)]
+    items = [it for t in tasks
+             for it in build_items(t, lm, args.limit, args.seed, args.length, args.haystack, args.needle_values)]
     if shard is not None:
         # Whole documents go to one shard, so each document is prefilled once across the shards.
         items = [it for group in shard.select(group_by_document(items)) for it in group]

@@ -8,16 +8,25 @@ chain VAR A = 12345, VAR B = VAR A, ... in the same noise. Keys are
 adjective-noun pairs and values 7-digit numbers, as in RULER; the wording and
 the noise line are the project's own.
 
+The needle tasks take two further choices. ``haystack="prose"`` fills with
+the project's own essay text (assets/haystack/prose.txt) instead of the one
+repeated noise line: in noise the needle is the only sentence unlike the
+rest, which flatters methods that keep whatever stands out (RULER has an
+essay haystack for the same reason). ``values`` picks the needle's shape:
+7-digit numbers, word-number codes ("4821-violet") or people's names.
+
 Each generator sizes its filler so that the document is at most ``length``
 model tokens (RULER's binary search over the haystack size).
 """
 from __future__ import annotations
 
+import functools
 import random
 import re
 import string
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence
 
+from kvlab.paths import assets_dir
 from kvlab.tasks.items import TaskError, TaskItem, TokenCounter
 
 #: The noise line repeated as filler (RULER's "noise" haystack, our sentences).
@@ -34,6 +43,29 @@ _NOUNS = (
     "umbrella", "valley", "window", "yarrow", "zipper", "button", "cellar", "falcon", "lantern", "marble",
 )
 
+#: What fills the document around the needles.
+Haystack = Literal["noise", "prose"]
+HAYSTACKS: tuple[Haystack, ...] = ("noise", "prose")
+#: The shape of a needle's value.
+ValueShape = Literal["number", "code", "name"]
+VALUE_SHAPES: tuple[ValueShape, ...] = ("number", "code", "name")
+
+#: The word half of a code; the prose filler may use these words, never with digits.
+_CODE_WORDS = (
+    "violet", "azure", "cobalt", "crimson", "olive", "scarlet", "indigo", "ivory", "copper", "jade",
+    "maroon", "ochre", "silver", "teal", "umber", "saffron", "coral", "slate", "pearl", "russet",
+)
+#: Given names and family names for the name shape; the prose filler names no one.
+_GIVEN_NAMES = (
+    "Amara", "Bertil", "Cosima", "Dario", "Elif", "Fintan", "Greta", "Hamid", "Ines", "Jonah",
+    "Kalina", "Lucan", "Mireille", "Nikolai", "Odile", "Pavel", "Quilla", "Rosalind", "Soren", "Thandiwe",
+)
+_FAMILY_NAMES = (
+    "Abernathy", "Brandvold", "Castellanos", "Delacroix", "Eriksdottir", "Fairweather", "Grabowski",
+    "Hollingsworth", "Iwasaki", "Jaramillo", "Kowalczyk", "Lindqvist", "Montgomery", "Nakashima",
+    "Okonkwo", "Pemberton", "Quintero", "Rasmussen", "Szymanski", "Thorvaldsen",
+)
+
 #: RULER's 40 needle depths (0 to 100 %, rounded), as fractions.
 RULER_DEPTHS = tuple(round(100 * i / 39) / 100 for i in range(40))
 #: The needle grid's depths.
@@ -42,14 +74,53 @@ GRID_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s+")
 
 
-def needle_sentence(key: str, value: str, one_of: bool = False) -> str:
+def needle_sentence(key: str, value: str, one_of: bool = False, shape: ValueShape = "number") -> str:
     """The needle: one fact to retrieve."""
-    lead = "One of the special magic numbers" if one_of else "The special magic number"
+    noun = value_noun(shape)
+    lead = f"One of the special magic {noun}s" if one_of else f"The special magic {noun}"
     return f"{lead} for {key} is: {value}."
+
+
+def value_noun(shape: ValueShape) -> str:
+    """The word a value of ``shape`` takes in the needle, question and answer prefix: the shape's own name.
+
+    TaskError for an unknown shape.
+    """
+    if shape not in VALUE_SHAPES:
+        raise TaskError(f"unknown needle value shape {shape!r}; choose from: {', '.join(VALUE_SHAPES)}")
+    return shape
 
 
 def _number(rng: random.Random) -> str:
     return str(rng.randint(1_000_000, 9_999_999))
+
+
+def _code(rng: random.Random) -> str:
+    return f"{rng.randint(1000, 9999)}-{rng.choice(_CODE_WORDS)}"
+
+
+def _name(rng: random.Random) -> str:
+    return f"{rng.choice(_GIVEN_NAMES)} {rng.choice(_FAMILY_NAMES)}"
+
+
+_VALUE_MAKERS: dict[str, Callable[[random.Random], str]] = {"number": _number, "code": _code, "name": _name}
+
+
+def needle_values(rng: random.Random, shape: ValueShape, k: int) -> list[str]:
+    """``k`` distinct needle values of ``shape``.
+
+    A repeat is drawn again (several values of one key must be told apart);
+    7-digit numbers almost never repeat, so the number items are the ones
+    drawn before the shapes existed.
+    """
+    value_noun(shape)  # refuses an unknown shape
+    make = _VALUE_MAKERS[shape]
+    values: list[str] = []
+    while len(values) < k:
+        value = make(rng)
+        if value not in values:
+            values.append(value)
+    return values
 
 
 def _keys(rng: random.Random, n: int) -> list[str]:
@@ -86,9 +157,9 @@ def insert_at_depths(units: Sequence[str], needles: Sequence[tuple[float, str]],
 
 
 def fit_filler(build: Callable[[int], str], count: TokenCounter, length: int) -> str:
-    """The document ``build(n)`` with the most noise lines n whose length is at most ``length`` tokens."""
+    """The document ``build(n)`` with the most filler units n (noise lines, prose sentences) whose length is at most ``length`` tokens."""
     if count(build(1)) > length:
-        raise TaskError(f"length {length} tokens is too short for this task (one noise line does not fit)")
+        raise TaskError(f"length {length} tokens is too short for this task (one line of filler does not fit)")
     lo, hi = 1, 2
     while count(build(hi)) <= length:
         lo, hi = hi, hi * 2
@@ -98,81 +169,146 @@ def fit_filler(build: Callable[[int], str], count: TokenCounter, length: int) ->
     return build(lo)
 
 
-def _haystack(preamble: str, needles: Sequence[tuple[float, str]]) -> Callable[[int], str]:
-    return lambda n: preamble + "\n" + insert_at_depths([NOISE + "\n"] * n, needles)
+@functools.cache
+def prose_paragraphs() -> tuple[str, ...]:
+    """The prose filler's paragraphs (blank-line separated in the asset), each on one line."""
+    text = (assets_dir() / "haystack" / "prose.txt").read_text(encoding="utf-8")
+    return tuple(" ".join(block.split()) for block in text.split("\n\n") if block.strip())
+
+
+def prose_units(order: Sequence[int], n: int) -> list[str]:
+    """The first ``n`` sentences of the prose paragraphs read in ``order``, cycled.
+
+    Cycling one order (rather than reshuffling each pass) keeps the same
+    paragraph a whole filler apart (about 6,300 tokens on the embedded
+    model), so a document shorter than that never repeats one. A paragraph's
+    last sentence ends in a blank line, so the paragraphs stay visible.
+    """
+    paragraphs = prose_paragraphs()
+    units: list[str] = []
+    pos = 0
+    while len(units) < n:
+        units += split_units(paragraphs[order[pos % len(order)]] + "\n\n")
+        pos += 1
+    return units[:n]
+
+
+def _filler_order(task: str, seed: int, index: int) -> list[int]:
+    """A seeded paragraph order per item, from its own generator so the needles' draws stay those of noise."""
+    rng = random.Random(f"{task}:{seed}:prose:{index}")
+    return rng.sample(range(len(prose_paragraphs())), len(prose_paragraphs()))
+
+
+def _haystack(preamble: str, needles: Sequence[tuple[float, str]], haystack: Haystack = "noise",
+              order: Sequence[int] = ()) -> Callable[[int], str]:
+    """``build(n)`` for :func:`fit_filler`: n noise lines, or n prose sentences read in ``order``, around the needles."""
+    if haystack == "noise":
+        return lambda n: preamble + "\n" + insert_at_depths([NOISE + "\n"] * n, needles)
+    if haystack == "prose":
+        # A needle goes between two sentences as one more sentence, as in RULER's essays.
+        return lambda n: preamble + "\n\n" + insert_at_depths(prose_units(order, n), needles, sep=" ")
+    raise TaskError(f"unknown haystack {haystack!r}; choose from: {', '.join(HAYSTACKS)}")
+
+
+def task_label(task: str, haystack: Haystack = "noise", values: ValueShape = "number") -> str:
+    """The task's name in results: the plain name for the defaults, else e.g. ``niah_single[prose,code]``.
+
+    The label keeps results on different haystacks or shapes apart in a
+    report and in the resume keys, and leaves the defaults' results as before.
+    """
+    variant = [v for v, default in ((haystack, "noise"), (values, "number")) if v != default]
+    return f"{task}[{','.join(variant)}]" if variant else task
 
 
 def _item_id(task: str, length: int, seed: int, index: int) -> str:
     return f"{task}-L{length}-s{seed}-{index}"
 
 
-def niah_single(count: TokenCounter, n: int, seed: int, length: int, depths: Sequence[float] | None = None) -> list[TaskItem]:
-    """One needle in noise; ask for its number.
+def _needle_doc(task: str, count: TokenCounter, length: int, seed: int, index: int, preamble: str,
+                needles: Sequence[tuple[float, str]], haystack: Haystack) -> str:
+    """The document of item ``index``: ``needles`` in the longest filler that fits ``length`` tokens."""
+    order = _filler_order(task, seed, index) if haystack == "prose" else ()
+    return fit_filler(_haystack(preamble, needles, haystack, order), count, length)
+
+
+def niah_single(count: TokenCounter, n: int, seed: int, length: int, depths: Sequence[float] | None = None,
+                haystack: Haystack = "noise", values: ValueShape = "number") -> list[TaskItem]:
+    """One needle in the haystack; ask for its value.
 
     depths: one per item, cycled (the needle grid); default a random RULER depth per item.
     """
     task = "niah_single" if depths is None else "needle_grid"
+    label = task_label(task, haystack, values)
+    noun = value_noun(values)
     rng = random.Random(f"{task}:{seed}")
     items = []
     for i in range(n):
-        key, value = _keys(rng, 1)[0], _number(rng)
+        key, value = _keys(rng, 1)[0], needle_values(rng, values, 1)[0]
         depth = rng.choice(RULER_DEPTHS) if depths is None else depths[i % len(depths)]
-        preamble = "A special magic number is hidden in the text below. Remember it: you will be asked for it afterwards."
-        doc = fit_filler(_haystack(preamble, [(depth, needle_sentence(key, value))]), count, length)
+        preamble = f"A special magic {noun} is hidden in the text below. Remember it: you will be asked for it afterwards."
+        needle = needle_sentence(key, value, shape=values)
+        doc = _needle_doc(task, count, length, seed, i, preamble, [(depth, needle)], haystack)
         items.append(TaskItem(
-            task, _item_id(task, length, seed, i), doc,
-            question=f"What is the special magic number for {key} in the text above?",
+            label, _item_id(label, length, seed, i), doc,
+            question=f"What is the special magic {noun} for {key} in the text above?",
             answers=(value,), scoring="contains",
-            answer_prefix=f"The special magic number for {key} is", depth=depth,
+            answer_prefix=f"The special magic {noun} for {key} is", depth=depth,
         ))
     return items
 
 
-def needle_grid(count: TokenCounter, n: int, seed: int, length: int) -> list[TaskItem]:
+def needle_grid(count: TokenCounter, n: int, seed: int, length: int,
+                haystack: Haystack = "noise", values: ValueShape = "number") -> list[TaskItem]:
     """Single needles at the grid's depths (0, 25, 50, 75, 100 %), ``n`` items in all, depths cycled."""
-    return niah_single(count, n, seed, length, depths=GRID_DEPTHS)
+    return niah_single(count, n, seed, length, depths=GRID_DEPTHS, haystack=haystack, values=values)
 
 
-def niah_multikey(count: TokenCounter, n: int, seed: int, length: int, n_keys: int = 4) -> list[TaskItem]:
-    """``n_keys`` needles with different keys (RULER's multikey_1: 4); ask for one key's number."""
+def niah_multikey(count: TokenCounter, n: int, seed: int, length: int, n_keys: int = 4,
+                  haystack: Haystack = "noise", values: ValueShape = "number") -> list[TaskItem]:
+    """``n_keys`` needles with different keys (RULER's multikey_1: 4); ask for one key's value."""
+    label = task_label("niah_multikey", haystack, values)
+    noun = value_noun(values)
     rng = random.Random(f"niah_multikey:{seed}")
     items = []
     for i in range(n):
         keys = _keys(rng, n_keys)
-        values = [_number(rng) for _ in keys]
+        vals = needle_values(rng, values, n_keys)
         depths = rng.sample(RULER_DEPTHS, n_keys)
         asked = rng.randrange(n_keys)
-        preamble = ("Special magic numbers for several keys are hidden in the text below. "
+        preamble = (f"Special magic {noun}s for several keys are hidden in the text below. "
                     "Remember them: you will be asked for one of them afterwards.")
-        needles = [(d, needle_sentence(k, v)) for d, k, v in zip(depths, keys, values)]
-        doc = fit_filler(_haystack(preamble, needles), count, length)
+        needles = [(d, needle_sentence(k, v, shape=values)) for d, k, v in zip(depths, keys, vals)]
+        doc = _needle_doc("niah_multikey", count, length, seed, i, preamble, needles, haystack)
         key = keys[asked]
         items.append(TaskItem(
-            "niah_multikey", _item_id("niah_multikey", length, seed, i), doc,
-            question=f"What is the special magic number for {key} in the text above?",
-            answers=(values[asked],), scoring="contains",
-            answer_prefix=f"The special magic number for {key} is", depth=depths[asked],
+            label, _item_id(label, length, seed, i), doc,
+            question=f"What is the special magic {noun} for {key} in the text above?",
+            answers=(vals[asked],), scoring="contains",
+            answer_prefix=f"The special magic {noun} for {key} is", depth=depths[asked],
         ))
     return items
 
 
-def niah_multivalue(count: TokenCounter, n: int, seed: int, length: int, n_values: int = 4) -> list[TaskItem]:
-    """One key with ``n_values`` numbers (RULER's multivalue: 4); all must come back."""
+def niah_multivalue(count: TokenCounter, n: int, seed: int, length: int, n_values: int = 4,
+                    haystack: Haystack = "noise", values: ValueShape = "number") -> list[TaskItem]:
+    """One key with ``n_values`` values (RULER's multivalue: 4); all must come back."""
+    label = task_label("niah_multivalue", haystack, values)
+    noun = value_noun(values)
     rng = random.Random(f"niah_multivalue:{seed}")
     items = []
     for i in range(n):
         key = _keys(rng, 1)[0]
-        values = [_number(rng) for _ in range(n_values)]
+        vals = needle_values(rng, values, n_values)
         depths = rng.sample(RULER_DEPTHS, n_values)
-        preamble = ("Several special magic numbers are hidden in the text below. "
+        preamble = (f"Several special magic {noun}s are hidden in the text below. "
                     "Remember all of them: you will be asked for them afterwards.")
-        needles = [(d, needle_sentence(key, v, one_of=True)) for d, v in zip(depths, values)]
-        doc = fit_filler(_haystack(preamble, needles), count, length)
+        needles = [(d, needle_sentence(key, v, one_of=True, shape=values)) for d, v in zip(depths, vals)]
+        doc = _needle_doc("niah_multivalue", count, length, seed, i, preamble, needles, haystack)
         items.append(TaskItem(
-            "niah_multivalue", _item_id("niah_multivalue", length, seed, i), doc,
-            question=f"What are all the special magic numbers for {key} in the text above?",
-            answers=tuple(values), scoring="all",
-            answer_prefix=f"The special magic numbers for {key} are", max_new_tokens=48,
+            label, _item_id(label, length, seed, i), doc,
+            question=f"What are all the special magic {noun}s for {key} in the text above?",
+            answers=tuple(vals), scoring="all",
+            answer_prefix=f"The special magic {noun}s for {key} are", max_new_tokens=48,
         ))
     return items
 

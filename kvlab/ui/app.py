@@ -22,7 +22,7 @@ from typing import Any
 import gradio as gr
 from huggingface_hub.constants import HF_HUB_OFFLINE
 
-from kvlab import cancel, limits, results
+from kvlab import cancel, figures, limits, results
 from kvlab.bounded.policies import BOUNDED
 from kvlab.documents import DocumentError, Example
 from kvlab.lab.inputs import MAX_RATIO, MIN_RATIO
@@ -255,6 +255,16 @@ def warm_first_example(spec: str) -> threading.Thread | None:
     return thread
 
 
+def ready_to_serve(spec: str) -> None:
+    """Pay now what a restarted server's first stored answer would: the model's identity (the sha256 of
+    its weights file, part of every run's key) and plotly's first figure (its validators load then)."""
+    try:
+        results.model_identity(spec)
+    except ModelLoadError:  # a Run reports it
+        return
+    figures.time_figure({"prefill": 0.0}, {}, total=0.0)
+
+
 def warm_in_background(items: list[WarmItem]) -> threading.Thread | None:
     """Fill the result store with a workshop sheet's configurations (``KVLAB_WARM``) in a background
     thread, at the compute slot's lowest priority: each configuration waits until no visitor waits, so a
@@ -323,6 +333,7 @@ def main() -> None:
     try:
         lm = get_model(choices[0][1])
         log.info("model ready: %s (%d layers, %d KV heads)", lm.name, lm.n_layers, lm.n_kv_heads)
+        ready_to_serve(choices[0][1])
         warm_first_example(choices[0][1])
         warm_in_background(items)
     except ModelLoadError as exc:  # the app still starts; a run shows the error

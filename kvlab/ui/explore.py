@@ -39,7 +39,7 @@ from kvlab.ui import common
 from kvlab.ui.common import GPU_MAX_S, USER_ERRORS, DocumentInputs, as_gr_error, checked_model, guarded, on_gpu, served
 from kvlab.ui.knobs import knob_component
 from kvlab.ui.tasks import build_task_outputs, show
-from kvlab.ui.present import INTENSITIES, INTENSITY_DEFAULT, TokenFates, draw, run_view, token_view
+from kvlab.ui.present import INTENSITIES, INTENSITY_DEFAULT, TokenFates, drawn_for, run_view, token_view
 
 RATIO_MIN, RATIO_MAX, RATIO_DEFAULT = 2, 100, 10
 #: The needle test's first settings: methods besides the one chosen, ratios, depths.
@@ -304,8 +304,9 @@ def build_explore_tab(
         def key():
             inputs.update(text=common.document_input(text, file), options=options_from(method, knob_values),
                           model=checked_model(model, specs))
-            return explore_key(inputs["text"], None, method, ratio, question, max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
-                               inputs["options"], inputs["model"])
+            inputs["key"] = explore_key(inputs["text"], None, method, ratio, question,
+                                        max_new_tokens or DEFAULT_MAX_NEW_TOKENS, inputs["options"], inputs["model"])
+            return inputs["key"]
 
         stored, how = served(method, key, lambda: run_view(
             inputs["text"], None, method, ratio, question, max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
@@ -315,7 +316,7 @@ def build_explore_tab(
         # The answers and the summary first; the figures and the token view follow as they are drawn
         # (on the CPU, outside the compute slot, which the next visitor's run can take meanwhile).
         yield (*view.texts, *[gr.skip()] * (len(run_outputs) - len(view.texts) - 2), *view.answer_marks)
-        drawn = draw(view)
+        drawn = drawn_for(inputs["key"].digest, stored)
         fates = view.fates
         layer = min(max(int(layer or 0), 0), fates.n_layers - 1)
         head = min(max(int(head or 0), 0), fates.n_kv_heads - 1)

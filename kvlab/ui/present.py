@@ -7,6 +7,8 @@ worker and pickles what they return.
 """
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +94,32 @@ def draw(view: RunView) -> Drawn:
         fit,
         figures.divergence_figure(r.answer_tokens, r.answer_logprobs_full, r.answer_logprobs_compressed, r.first_divergence),
     )
+
+
+#: Drawn figures kept per configuration (kvlab.results.RunKey.digest), most recently used.
+DRAWN_KEPT = 64
+_drawn: OrderedDict[str, Drawn] = OrderedDict()
+_drawn_lock = threading.Lock()
+
+
+def drawn_for(digest: str, view: RunView) -> Drawn:
+    """:func:`draw` of ``view``, drawn once per configuration while it is among the DRAWN_KEPT last used.
+
+    Building a run's plotly figures costs about 0.1 s of the interpreter's one
+    lock: thirty pages answered from the result store at once would queue for
+    it. Two pages may draw the same figures at once the first time; both
+    results are the same, and the figures are only read afterwards.
+    """
+    with _drawn_lock:
+        if digest in _drawn:
+            _drawn.move_to_end(digest)
+            return _drawn[digest]
+    made = draw(view)
+    with _drawn_lock:
+        _drawn[digest] = made
+        while len(_drawn) > DRAWN_KEPT:
+            _drawn.popitem(last=False)
+    return made
 
 
 @on_gpu(duration=GPU_RUN_S)

@@ -1,0 +1,41 @@
+"""vLLM's FP8 KV cache in e5m2 (``--kv-cache-dtype fp8_e5m2``).
+
+The same storage as ``fp8_e4m3`` (:mod:`kvlab.methods.fp8_e4m3`, whose docstring cites the vLLM
+source read) in the other float8 format: 1 sign, 5 exponent and 2 mantissa bits, largest finite
+value 57344. vLLM dispatches ``fp8_e5m2`` to ``__NV_E5M2`` in ``scaled_convert``
+(``csrc/quantization/fp8/nvidia/quant_utils.cuh``), the same saturating conversion
+(``__NV_SATFINITE``); torch's own ``float8_e5m2`` cast does not saturate (a value past the
+largest rounds to inf), which is why :func:`~kvlab.runtime.engine_formats.fp8_encode` clamps
+first. ``--calculate-kv-scales`` uses the same divisors as for e4m3 (``Attention.calc_kv_scales``
+does not look at the format).
+"""
+from __future__ import annotations
+
+from kvlab.methods.base import register
+from kvlab.methods.fp8_e4m3 import EVICT_LEARN, FP8_SCALE_LEARN, FP8Format, FP8Options
+
+
+@register
+class FP8E5M2(FP8Format):
+    name = "fp8_e5m2"
+    fp8 = "e5m2"
+    summary = ("vLLM's FP8 KV cache, e5m2 (--kv-cache-dtype fp8_e5m2): every key and value one byte with a "
+               "per-tensor scale per layer; the ratio only caps the memory (evicting the oldest or a scorer's lowest)")
+    learn = (
+        "Stores every key and value element as one float8 e5m2 byte (1 sign, 5 exponent, 2 mantissa bits; largest "
+        "finite value 57344), as vLLM's `--kv-cache-dtype fp8_e5m2` does: "
+        "$q=\\operatorname{sat}\\big(\\operatorname{rne}(x/s)\\big)$ and $\\hat x=q\\,s$, one float32 scale $s$ "
+        "per layer for the keys and one for the values. A wider range than e4m3 and one mantissa bit less: a "
+        "relative step of $2^{-2}$ instead of $2^{-3}$, so the scale matters less and the rounding more. Rounding "
+        "is to nearest even with saturation (vLLM's `__NV_SATFINITE` conversion, `scaled_vec_conversion` in "
+        "`csrc/quantization/fp8/nvidia/quant_utils.cuh`); torch's own e5m2 cast would give inf past the largest "
+        "value, so kvlab clamps before it. " + FP8_SCALE_LEARN + " Memory: one byte per element, so 2x the "
+        "model's cache in bf16 or fp16 and 4x in float32 (the ratio is counted against the model's own dtype), "
+        "less the 8 bytes of scales per layer. " + EVICT_LEARN
+    )
+    paper = "vLLM, Quantized KV Cache (--kv-cache-dtype fp8_e5m2), github.com/vllm-project/vllm"
+    Options = FP8Options
+    presets = {
+        "fp8_e5m2": {"scale": "fixed"},
+        "fp8_e5m2+calculate-kv-scales": {"scale": "calculated"},
+    }

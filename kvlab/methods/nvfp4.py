@@ -1,0 +1,83 @@
+"""TensorRT-LLM's NVFP4 KV cache: e2m1 codes, an e4m3 scale per block of 16, a float32 global scale.
+
+Storage: :class:`~kvlab.runtime.engine_formats.NVFP4Segment`. The recipe is TensorRT-LLM's
+``cvt_warp_fp16_to_fp4`` (``cpp/tensorrt_llm/kernels/quantization.cuh``; read through copies of
+that kernel in the code index, since the TensorRT-LLM snapshot was too large to fetch here): with
+``SFScaleVal`` the inverse of the global scale ``g``, a block's scale is
+``e4m3(SFScaleVal * amax_block / 6)``, the elements are multiplied by
+``1 / (fp32(block scale) * g)`` and converted to e2m1 by a round-to-nearest-even, saturating
+conversion; a block whose scale is 0 stores zeros.
+
+Not verified in TensorRT-LLM's own source: how its KV cache obtains the global scale (a
+checkpoint's calibrated KV scale). kvlab uses the documented NVFP4 convention,
+``g = amax_tensor / (6 * 448)``, calibrated on the document: one global scale per layer for the
+keys and one for the values, from every token of the full cache (as the FP8 formats' per-tensor
+scales). Blocks run along the head dim of one token of one head (16 consecutive channels), so the
+head dim must be a multiple of 16.
+
+Ratio semantics: those of the engine formats (:mod:`kvlab.methods.fp8_e4m3`): ratio 1 is the full
+cache, above it everything is stored in NVFP4 and, if still above full bytes / ratio, document
+tokens are evicted (``evict_with``) until it fits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.context import Context
+from kvlab.methods.base import MethodError, Options, Request, register
+from kvlab.methods.fp8_e4m3 import EVICT_LEARN, EngineFormat, check_evict_with, evict_with_knob
+from kvlab.runtime.cache import CompressedKV, Segment
+from kvlab.runtime.engine_formats import NVFP4_BLOCK, NVFP4Segment, nvfp4_global_scale, nvfp4_token_bytes
+
+
+@dataclass(frozen=True)
+class NVFP4Options(Options):
+    evict_with: str = evict_with_knob()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_evict_with(self.evict_with)
+
+
+@register
+class NVFP4(EngineFormat):
+    name = "nvfp4"
+    summary = ("TensorRT-LLM's NVFP4 KV cache: e2m1 codes with an e4m3 scale per block of head-dim channels and a "
+               "float32 global scale per layer; the ratio only caps the memory (evicting the oldest or a scorer's "
+               "lowest)")
+    learn = (
+        "Stores every key and value element as a 4-bit e2m1 code (a sign and the magnitudes 0, 0.5, 1, 1.5, 2, 3, "
+        "4, 6), two per byte, as TensorRT-LLM's NVFP4 KV cache does (ModelOpt's `--kv_cache_qformat nvfp4`, "
+        "`kv_cache_quant_algo: NVFP4`). Two levels of scales: a float32 global scale per layer for the keys and "
+        "one for the values, $g=\\max|x|/(6\\cdot 448)$, and one e4m3 scale per block $b$ of 16 consecutive "
+        "channels of a token, $s_b=\\operatorname{e4m3}\\big(\\max_{j\\in b}|x_j|/(6g)\\big)$; then "
+        "$q_j=\\operatorname{rne}_{e2m1}\\big(x_j/(s_b\\,g)\\big)$ (nearest value, ties to the even code, "
+        "saturating at 6) and $\\hat x_j=q_j\\,s_b\\,g$. The recipe is TensorRT-LLM's `cvt_warp_fp16_to_fp4` "
+        "(`cpp/tensorrt_llm/kernels/quantization.cuh`); the global scale is the documented NVFP4 convention, "
+        "calibrated on the document (how TensorRT-LLM's KV cache obtains it was not verified). Memory: 4 bits per "
+        "element plus an 8-bit scale per 16 elements, 4.5 bits, so 3.6x the model's cache in bf16 or fp16 and "
+        "7.1x in float32 (the ratio is counted against the model's own dtype), less the 8 bytes of global "
+        "scales per layer. " + EVICT_LEARN
+    )
+    paper = "NVIDIA TensorRT-LLM, NVFP4 KV cache (cvt_warp_fp16_to_fp4), github.com/NVIDIA/TensorRT-LLM"
+    Options = NVFP4Options
+
+    def token_bytes(self, head_dim: int) -> int:
+        return nvfp4_token_bytes(head_dim)
+
+    def details(self) -> dict:
+        return {"format": "nvfp4"}
+
+    def compress(self, req: Request) -> CompressedKV:
+        head_dim = req.ctx.lm.head_dim
+        if head_dim % NVFP4_BLOCK:
+            raise MethodError(f"nvfp4 needs a head dim that is a multiple of {NVFP4_BLOCK}; this model's is {head_dim}")
+        return super().compress(req)
+
+    def store(self, ctx: Context, layer: int, keys: torch.Tensor, values: torch.Tensor,
+              lengths: torch.Tensor, index: torch.Tensor) -> Segment:
+        k_global = nvfp4_global_scale(ctx.full.keys[layer])
+        v_global = nvfp4_global_scale(ctx.full.values[layer])
+        return NVFP4Segment.quantize(keys, values, lengths, index, k_global, v_global)
