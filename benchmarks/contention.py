@@ -35,7 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from kvlab.context import prepare_context  # noqa: E402
-from kvlab.documents import load_examples  # noqa: E402
+from kvlab.examples import load_examples  # noqa: E402
 from kvlab.methods import REGISTRY, Request, get_method  # noqa: E402
 from kvlab.models import get_model  # noqa: E402
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS  # noqa: E402

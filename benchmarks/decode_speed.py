@@ -38,7 +38,7 @@ from transformers import DynamicCache  # noqa: E402
 
 import kvlab.runtime.decode as decode  # noqa: E402
 from kvlab.context import prepare_context  # noqa: E402
-from kvlab.documents import load_examples  # noqa: E402
+from kvlab.examples import load_examples  # noqa: E402
 from kvlab.models import get_model  # noqa: E402
 from kvlab.prompts import question_tokens  # noqa: E402
 from kvlab.runtime.decode import greedy, stop_token_ids  # noqa: E402

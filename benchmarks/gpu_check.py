@@ -42,16 +42,16 @@ from typing import Any, Callable
 import torch
 from transformers import PreTrainedModel
 
+from kvlab.compression.solvers.scores import score_keys
 from kvlab.kernels import dispatch as kernels
 from kvlab.kernels import bench, reference
 from kvlab.methods import REGISTRY
-from kvlab.methods.solvers import score_keys
 from kvlab.models import LoadedModel, pick_device
 from kvlab.runtime.decode import GrowingLayer, _working_cache
 from kvlab.runtime.hooks import ForwardContext
 from kvlab.runtime.quant import quantize_keys, quantize_values
-from kvlab.synthetic import random_llama
 from kvlab.testing import device_suite
+from kvlab.testing.random_models import random_llama
 
 LLAMA_31_8B = dict(
     num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -171,7 +171,7 @@ def check_kernels(device: torch.device) -> list[dict]:
             bias = torch.randn(8, 2900, device=device, generator=gen)
             bias[::2, 2000:] = float("-inf")
             got = kernels.decode_attention(q, k, v, bias)
-            out, lse = reference.decode_attention(q, k, v, bias[None], d**-0.5)
+            out, lse = reference.eager_decode_attention(q, k, v, bias[None], d**-0.5)
             rows.append(dict(kernel="decode_attention", dtype=str(dtype), head_dim=d,
                              max_abs_err_out=max_err(got.output, out), max_abs_err_lse=max_err(got.lse, lse)))
         for bits in (2, 4):

@@ -73,6 +73,18 @@ AdaKVPress stores the whole 93,735 KiB cache at both ratios and masks.
 On assets/examples/contract.md the same: aligned identical in every head but
 knorm at 2x (89/90) and lagkv (99.7 %, 98.9 %); native chunkkv 0.86 and 0.82;
 AdaKV 57,870 and 15,300 KiB against kvpress's 114,705 KiB.
+
+The 2025-26 scorers (issue 34): observed_attention <-> ObservedAttentionPress (eager),
+leverage <-> LeverageScorePress, non_causal_attn <-> NonCausalAttnPress, compactor <->
+CompactorPress, capkv <-> CapPress, kvzip_plus <-> KVzipPress(kvzip_plus_normalization=True),
+finch <-> FinchPress (rerotate_keys=False, its window the question turn of QUESTION, set by hand
+instead of a delimiter token; the question's own tokens, which kvpress keeps, are left out of the
+sets). Aligned also puts kvlab's conventions into kvpress's scorers where they differ on purpose:
+the leverage sketch (kvlab's seeded CPU draw instead of torch's global one, handed to kvpress's
+own code), the attention scale 1/sqrt(d) of the non-causal attention (kvpress multiplies q.k
+unscaled) and Compactor's blending 1 - 1/ratio (kvpress: its own compression_ratio); kvpress's
+padded last chunk of the non-causal attention is left as it is (kvlab's last chunk is its own
+softmax over its real keys). Native is each press as shipped. Results: docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -93,9 +105,14 @@ MARK = "\x00KVLAB-DOCUMENT\x00"  # as kvlab/prompts.py
 METHODS = [
     "streaming_llm", "snapkv", "tova", "expected_attention", "h2o", "kvzip", "knorm", "keydiff", "lagkv", "cur",
     "snapkv+adakv", "expected_attention+adakv", "snapkv+criticalkv", "expected_attention+criticalkv", "snapkv+chunkkv",
+    "observed_attention", "leverage", "non_causal_attn", "compactor", "capkv", "finch", "kvzip_plus",
 ]
-KVLAB_OPTIONS = {"h2o": {"recent_share": 0.0}, "kvzip": {"prune": "global"}}
-#: kvlab's defaults of the wrappers (kvlab.methods.base.SelectionOptions), which kvpress's must match.
+KVLAB_OPTIONS = {"h2o": {"recent_share": 0.0}, "kvzip": {"prune": "global"}, "kvzip_plus": {"prune": "global"}}
+#: The question of the query-aware pairs (finch), the story's first example question.
+QUESTION = "Who was the ferryman?"
+#: kvlab's leverage / compactor sketch: seed and columns (kvlab.methods.leverage.gaussian_sketches).
+SKETCH_SEED, SKETCH_DIMENSION = 0, 48
+#: kvlab's defaults of the wrappers (kvlab.compression.selection.SelectionOptions), which kvpress's must match.
 ALPHA_SAFEGUARD, FIRST_STAGE_RATIO, CHUNK_SIZE = 0.2, 0.5, 10
 
 
@@ -122,15 +139,19 @@ def run_kvlab(ratios: list[float], methods: list[str], doc: Path) -> dict:
     from kvlab.methods import Request, get_method
     from kvlab.models import get_model
 
+    from kvlab.prompts import question_tokens
+
     lm = get_model()
     ctx = prepare_context(lm, doc.read_text())
     out = {"side": "kvlab", "ids": ctx.tokens.ids.tolist(), "prefix_len": ctx.prefix_len, "results": {}, "seconds": {},
-           "bytes": {}}
+           "bytes": {}, "question_ids": question_tokens(lm.tokenizer, QUESTION).tolist()}
     for method in methods:
         for ratio in ratios:
             start = time.perf_counter()
             name, preset = split(method)
-            stored = get_method(name, preset=preset, **KVLAB_OPTIONS.get(name, {})).compress(Request(ctx, ratio))
+            method_ = get_method(name, preset=preset, **KVLAB_OPTIONS.get(name, {}))
+            question = QUESTION if method_.uses_question() else None
+            stored = method_.compress(Request(ctx, ratio, question))
             kept = [
                 [sorted(i - ctx.prefix_len for i in stored.fates(layer, head) if i >= ctx.prefix_len)
                  for head in range(lm.n_kv_heads)]
@@ -170,6 +191,17 @@ def kvlab_layout(tokenizer, document: str):
         if getattr(tokenizer, "add_bos_token", False):
             prefix = torch.cat([torch.tensor([tokenizer.bos_token_id]), prefix])
     return torch.cat([prefix, encode(document)]), prefix.numel()
+
+
+def question_layout(tokenizer, question: str):
+    """kvlab's question turn (kvlab/prompts.py: question_tokens): "\n\n" + question + the template's
+    suffix after the user's content, encoded as one text."""
+    import torch
+
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": MARK}], tokenize=False,
+                                             add_generation_prompt=True)
+    text = "\n\n" + question.strip() + rendered.split(MARK)[1]
+    return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)
 
 
 def kept_positions(cache, full_keys) -> list[list[list[int]]]:
@@ -214,6 +246,8 @@ def protect_prefix(press_cls, prefix_len: int):
 
 
 def run_kvpress(ratios: list[float], methods: list[str], doc: Path) -> dict:
+    import torch
+
     import kvpress
     from kvpress.presses import kvzip_press
 
@@ -225,8 +259,11 @@ def run_kvpress(ratios: list[float], methods: list[str], doc: Path) -> dict:
     n, doc_len = ids.numel(), ids.numel() - prefix
     cfg = model.config
     full_keys = [layer.keys[0] for layer in prefill(model, ids).layers]
-    out = {"side": "kvpress", "kvpress": getattr(kvpress, "__version__", "?"), "ids": ids.tolist(),
-           "prefix_len": prefix, "results": {}, "seconds": {}, "bytes": {}}
+    from importlib.metadata import version
+
+    out = {"side": "kvpress", "kvpress": version("kvpress"), "ids": ids.tolist(),
+           "prefix_len": prefix, "results": {}, "seconds": {}, "bytes": {},
+           "question_ids": question_layout(tokenizer, QUESTION).tolist()}
 
     def record(name: str, positions: list[list[list[int]]], seconds: float, stored_bytes: int | None = None) -> None:
         out["results"][name] = {
@@ -246,11 +283,16 @@ def run_kvpress(ratios: list[float], methods: list[str], doc: Path) -> dict:
                 if method.endswith("+chunkkv") and mode == "aligned":
                     continue  # no alignment makes ChunkKV's sets equal (see the module's docstring)
                 start = time.perf_counter()
-                if method == "kvzip":
-                    record(key(method, ratio, mode), run_kvzip(model, ids, prefix, budget, mode), time.perf_counter() - start)
+                if method in ("kvzip", "kvzip_plus"):
+                    positions = run_kvzip(model, ids, prefix, budget, mode, plus=method == "kvzip_plus")
+                    record(key(method, ratio, mode), positions, time.perf_counter() - start)
                     continue
-                press, masks = make_press(kvpress, method, cr, prefix, budget, mode)
-                if method == "h2o":  # ObservedAttentionPress reads the attention weights: eager only
+                if method == "finch":
+                    positions = run_finch(model, ids, torch.tensor(out["question_ids"]), prefix, budget, mode)
+                    record(key(method, ratio, mode), positions, time.perf_counter() - start)
+                    continue
+                press, masks = make_press(kvpress, method, cr, prefix, budget, mode, model, 1 - 1 / ratio)
+                if method in ("h2o", "observed_attention"):  # ObservedAttentionPress reads the weights: eager only
                     model.set_attn_implementation("eager")
                 try:
                     cache = prefill(model, ids, press)
@@ -264,12 +306,18 @@ def run_kvpress(ratios: list[float], methods: list[str], doc: Path) -> dict:
     return out
 
 
-def make_press(kvpress, method: str, cr: float, prefix: int, budget: int, mode: str):
-    """(the kvpress press paired with kvlab's ``method``, whether it masks instead of evicting)."""
+def make_press(kvpress, method: str, cr: float, prefix: int, budget: int, mode: str, model=None, evicted: float = 0.0):
+    """(the kvpress press paired with kvlab's ``method``, whether it masks instead of evicting).
+
+    evicted: kvlab's share of document tokens evicted, 1 - 1/ratio (Compactor's blending, aligned).
+    """
     if method == "streaming_llm":
         return kvpress.StreamingLLMPress(compression_ratio=cr, n_sink=4 if mode == "native" else prefix), False
+    if method in ("leverage", "non_causal_attn", "compactor"):
+        return compactor_family(kvpress, method, cr, prefix, mode, model, evicted), False
     scorer = {"snapkv": kvpress.SnapKVPress, "tova": kvpress.TOVAPress,
               "expected_attention": kvpress.ExpectedAttentionPress, "h2o": kvpress.ObservedAttentionPress,
+              "observed_attention": kvpress.ObservedAttentionPress, "capkv": kvpress.CapPress,
               "knorm": kvpress.KnormPress, "keydiff": kvpress.KeyDiffPress, "lagkv": kvpress.LagKVPress,
               "cur": kvpress.CURPress}
     name, wrapper = split(method)
@@ -287,6 +335,88 @@ def make_press(kvpress, method: str, cr: float, prefix: int, budget: int, mode: 
     return kvpress.ChunkKVPress(press=inner, chunk_length=CHUNK_SIZE), False
 
 
+def kvlab_sketches(model) -> list:
+    """kvlab's leverage sketches (kvlab.methods.leverage.gaussian_sketches), drawn here the same way:
+    a CPU generator seeded with SKETCH_SEED, one [H_kv, d, k] N(0, 1/k) draw per layer in order."""
+    import math
+
+    import torch
+
+    cfg = model.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    gen = torch.Generator().manual_seed(SKETCH_SEED)
+    return [torch.randn(cfg.num_key_value_heads, d, SKETCH_DIMENSION, generator=gen) / math.sqrt(SKETCH_DIMENSION)
+            for _ in range(cfg.num_hidden_layers)]
+
+
+def compactor_family(kvpress, method: str, cr: float, prefix: int, mode: str, model, evicted: float):
+    """LeverageScorePress, NonCausalAttnPress or CompactorPress; aligned, with kvlab's conventions put in:
+    kvlab's sketch in place of torch's global draw (torch.randn answers it while the press scores a layer),
+    the layer's attention scale 1/sqrt(d) on the queries of the non-causal attention (kvpress's press
+    multiplies q.k unscaled), Compactor's blending 1 - 1/ratio, and the prefix protected. The last chunk's
+    padding (kvpress's padded queries and keys join its softmax) is left as kvpress has it."""
+    import math
+
+    import torch
+
+    from kvpress.presses.leverage_press import LeverageScorePress
+    from kvpress.presses.non_causal_attention_press import NonCausalAttnPress
+
+    if mode == "native":
+        cls = {"leverage": kvpress.LeverageScorePress, "non_causal_attn": kvpress.NonCausalAttnPress,
+               "compactor": kvpress.CompactorPress}[method]
+        return cls(compression_ratio=cr)
+    sketches = kvlab_sketches(model)
+    cfg = model.config
+    scale = 1 / math.sqrt(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+    class KvlabSketch(LeverageScorePress):
+        def score(self, module, *args, **kwargs):
+            phi, draw = sketches[module.layer_idx], torch.randn
+            # kvpress scales its draw by 1/sqrt(k): hand it kvlab's sketch times sqrt(k).
+            torch.randn = lambda *shape, device=None, dtype=None, **kw: (  # noqa: E731
+                phi * math.sqrt(SKETCH_DIMENSION)).unsqueeze(0).to(device=device, dtype=dtype)
+            try:
+                return super().score(module, *args, **kwargs)
+            finally:
+                torch.randn = draw
+
+    class Scaled(NonCausalAttnPress):
+        @staticmethod
+        def non_causal_chunked_attn(q, k, chunk_size):
+            return NonCausalAttnPress.non_causal_chunked_attn(q * scale, k, chunk_size)
+
+    if method == "leverage":
+        return protect_prefix(KvlabSketch, prefix)(compression_ratio=cr, sketch_dimension=SKETCH_DIMENSION)
+    if method == "non_causal_attn":
+        return protect_prefix(Scaled, prefix)(compression_ratio=cr)
+    press = protect_prefix(kvpress.CompactorPress, prefix)(compression_ratio=cr, blending=evicted)
+    object.__setattr__(press, "_leverage_press", KvlabSketch(compression_ratio=cr, sketch_dimension=SKETCH_DIMENSION))
+    object.__setattr__(press, "_non_causal_press", Scaled(compression_ratio=cr, chunk_size=press.chunk_size))
+    return press
+
+
+def run_finch(model, ids, question, prefix: int, budget: int, mode: str) -> list[list[list[int]]]:
+    """FinchPress over context + question (its window, set by hand: no delimiter token, so the model's
+    vocabulary stays as it is; rerotate_keys=False so that kept keys match the full cache's); the
+    positions kept in the context, the window's own left out (kvlab never stores the question)."""
+    import torch
+
+    from kvpress import FinchPress
+
+    full_ids = torch.cat([ids, question])
+    n, total, window = ids.numel(), full_ids.numel(), question.numel()
+    # Keep prefix + budget context tokens and the window: int(total * (1 - cr)) == that.
+    cr = 1 - (prefix + budget + window + 0.5) / total
+    press = (FinchPress if mode == "native" else protect_prefix(FinchPress, prefix))(compression_ratio=cr,
+                                                                                     rerotate_keys=False)
+    press.delimiter_token_id = -1  # no token has this id: the embedding hook never fires
+    press.window_size = window
+    full_keys = [layer.keys[0] for layer in prefill(model, full_ids).layers]
+    positions = kept_positions(prefill(model, full_ids, press), full_keys)
+    return [[[p for p in head if p < n] for head in layer] for layer in positions]
+
+
 def unmasked_positions(model, n: int) -> list[list[list[int]]]:
     """Per layer and head, the positions a masking press (AdaKV, KVzip) left unmasked; the masks are cleared."""
     import torch
@@ -302,8 +432,9 @@ def unmasked_positions(model, n: int) -> list[list[list[int]]]:
     return out
 
 
-def run_kvzip(model, ids, prefix: int, budget: int, mode: str) -> list[list[list[int]]]:
-    """KVzipPress's kept positions (it masks instead of evicting: read masked_key_indices)."""
+def run_kvzip(model, ids, prefix: int, budget: int, mode: str, plus: bool = False) -> list[list[list[int]]]:
+    """KVzipPress's kept positions (it masks instead of evicting: read masked_key_indices); ``plus``:
+    with ``kvzip_plus_normalization`` (KVzip+)."""
     from kvpress import KVzipPress
 
     cfg = model.config
@@ -318,7 +449,7 @@ def run_kvzip(model, ids, prefix: int, budget: int, mode: str) -> list[list[list
             super().compress_post(model)
 
     press = (KVzipPress if mode == "native" else AlignedKVzip)(
-        compression_ratio=cr, layerwise=False, chunk_size=2048 if mode == "native" else n
+        compression_ratio=cr, layerwise=False, chunk_size=2048 if mode == "native" else n, kvzip_plus_normalization=plus
     )
     prefill(model, ids, press)
     return unmasked_positions(model, n)
@@ -330,6 +461,8 @@ def run_kvzip(model, ids, prefix: int, budget: int, mode: str) -> list[list[list
 def compare(ours: dict, theirs: dict) -> list[dict]:
     if ours["ids"] != theirs["ids"] or ours["prefix_len"] != theirs["prefix_len"]:
         raise SystemExit("the two sides did not read the same token ids: the comparison would be meaningless")
+    if ours.get("question_ids") != theirs.get("question_ids"):
+        raise SystemExit("the two sides did not read the same question ids: the query-aware pairs would be meaningless")
     rows = []
     for name, res in theirs["results"].items():
         base = name.split("/")[0]
@@ -359,6 +492,20 @@ def compare(ours: dict, theirs: dict) -> list[dict]:
     return rows
 
 
+def merged(paths: str) -> dict:
+    """One side's JSON files (comma-separated paths, e.g. one run per method) as one: the first file's
+    token ids and prefix, every file's results, seconds and bytes; runs over other token ids are refused."""
+    runs = [json.loads(Path(p).read_text()) for p in paths.split(",") if p]
+    out = {**runs[0], "results": {}, "seconds": {}, "bytes": {}}
+    read = lambda run: (run["ids"], run["prefix_len"], run.get("question_ids"))  # noqa: E731
+    for run in runs:
+        if read(run) != read(out):
+            raise SystemExit("the files of one side read different token ids: run them on the same document")
+        for part in ("results", "seconds", "bytes"):
+            out[part].update(run.get(part, {}))
+    return out
+
+
 def print_rows(rows: list[dict]) -> None:
     print(f"{'method@ratio/mode':<34} {'|A&B|/|A| mean':>14} {'min':>6} {'Jaccard mean':>12} {'min':>6} "
           f"{'identical heads':>15} {'all heads':>9} {'prefix dropped':>14} {'KiB ours':>9} {'KiB theirs':>10}")
@@ -373,14 +520,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--side", choices=["kvlab", "kvpress", "compare"], required=True)
     parser.add_argument("--out", help="JSON written by --side kvlab / kvpress")
-    parser.add_argument("--ours", help="compare: the kvlab JSON")
-    parser.add_argument("--theirs", help="compare: the kvpress JSON")
+    parser.add_argument("--ours", help="compare: the kvlab JSON (several, comma-separated, are merged)")
+    parser.add_argument("--theirs", help="compare: the kvpress JSON (several, comma-separated, are merged)")
     parser.add_argument("--ratios", default="2,8", help="kvlab ratios, comma-separated (default 2,8)")
     parser.add_argument("--methods", default=",".join(METHODS), help="kvlab method names, comma-separated")
     parser.add_argument("--doc", default=str(DOC), help="the document (default assets/examples/story.txt)")
     args = parser.parse_args(argv)
     if args.side == "compare":
-        rows = compare(json.loads(Path(args.ours).read_text()), json.loads(Path(args.theirs).read_text()))
+        rows = compare(merged(args.ours), merged(args.theirs))
         print_rows(rows)
         return 0
     if not args.out:

@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.memory_model [--tokens 16384] [--layers 4] [--ratio 5] [--methods a,b] [--json PATH]``
 
-A random-weights Llama (kvlab.synthetic) with Llama-3.1-8B's attention
+A random-weights Llama (kvlab.testing.random_models) with Llama-3.1-8B's attention
 geometry (32 query heads, 8 KV heads, head dim 128; ``--layers`` layers,
 a narrow residual stream, MLP and vocabulary, which do not change what is measured) reads a
 document of ``--tokens`` tokens on the CPU in float32. Peaks are the
@@ -43,8 +43,8 @@ import torch
 from kvlab import pipeline
 from kvlab.context import Context, prepare_context
 from kvlab.methods import REGISTRY, get_method
-from kvlab.methods.base import Request
-from kvlab.synthetic import synthetic_lm
+from kvlab.methods import Request
+from kvlab.testing.random_models import synthetic_lm
 
 T = TypeVar("T")
 

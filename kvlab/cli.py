@@ -2,12 +2,12 @@
 
     python -m kvlab methods [--long]
     python -m kvlab run --doc PATH --method NAME --ratio R --question TEXT [--model M] [--json]
-    python -m kvlab compare --doc PATH --methods A,B --ratios 2,5,10 --question TEXT --out DIR [--model M]
+    python -m kvlab compare --doc PATH --methods A,B --ratios 2,5,10 --question TEXT --out DIR [--model M | --models A,B]
     python -m kvlab generate --prompt TEXT | --doc PATH --question Q [--method M] [--budget KEYS] [--json]
     python -m kvlab warm SHEET [--model M]
 
 Each method's knobs (the fields of its Options dataclass, reflected by
-kvlab.methods.catalog) are flags too, e.g. ``--window 32`` for SnapKV, and
+kvlab.compression.catalog) are flags too, e.g. ``--window 32`` for SnapKV, and
 ``--preset NAME`` picks a method's published configuration;
 ``python -m kvlab run --help`` lists them. Bad arguments exit with status 2
 and one line on stderr.
@@ -15,13 +15,14 @@ and one line on stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import typing
 from typing import Any, Callable, Sequence
 
+from kvlab.compression.catalog import Knob, all_knobs, describe, methods_markdown, presets
 from kvlab.methods import REGISTRY, MethodError, get_method
-from kvlab.methods.catalog import Knob, all_knobs, describe, methods_markdown, presets
 
 
 class UsageError(Exception):
@@ -108,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--question", required=True, help="the question asked after the document")
     compare.add_argument("--out", required=True, help="folder for compare.csv and compare.json (created if needed)")
     compare.add_argument("--model", default=None, help="as for run")
+    compare.add_argument("--models", default=None,
+                         help="comma-separated models, the same sweep on each (each its own full cache), e.g. embedded,gemma3-270m")
     compare.add_argument("--max-new-tokens", type=int, default=48, help="answer length cap (default 48)")
     sweep = sub.add_parser("budgets", help="sensitivity sweep -> non-uniform Attention Matching budgets for a model")
     sweep.add_argument("--model", default=None, help="as for run")
@@ -146,22 +149,14 @@ def cmd_methods(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from kvlab.contexts import CONTEXTS
-    from kvlab.lab import inputs
-    from kvlab.models import get_model
-    from kvlab.pipeline import run
+    from kvlab.lab import explore
 
-    # The lab's own checks (kvlab.lab.inputs), before any work; an InputError exits with status 2.
-    question = inputs.check_question(args.question)
-    ratio = inputs.check_ratio(args.ratio)
-    max_new_tokens = inputs.check_answer_length(args.max_new_tokens)
-    method = method_from_args(args.method, args)
-    text = inputs.document_text(None, args.doc)
-    lm = get_model(args.model)
-    inputs.check_question_tokens(lm.tokenizer, question)
+    method = method_from_args(args.method, args)  # the flags and the preset checked before any work
+    options = {f.name: getattr(method.options, f.name) for f in dataclasses.fields(method.options)}
     progress = (lambda f, desc: None) if args.json else _stderr_progress
-    ctx = CONTEXTS.get(lm, text, progress)
-    result = run(ctx, method, ratio, question, max_new_tokens, progress).result
+    # The lab's own run (kvlab.lab.explore): the same checks and the same path as the app's Explore.
+    result = explore(None, args.doc, method.name, args.ratio, args.question, args.max_new_tokens, options,
+                     progress, args.model).run.result
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
@@ -177,18 +172,26 @@ def cmd_compare(args: argparse.Namespace) -> int:
         ratios = lab.parse_ratios([], args.ratios)
         for name in methods:
             get_method(name)  # an unknown name fails here, before the model loads
+        if args.models is not None and args.model is not None:
+            raise lab.InputError("give --model or --models, not both")
+        models = None if args.models is None else [m.strip() for m in args.models.split(",") if m.strip()]
+        if models is not None and not models:
+            raise lab.InputError("--models names no model (comma-separated, e.g. embedded,gemma3-270m)")
         sweep = lab.compare(None, args.doc, methods, ratios, args.question, args.max_new_tokens,
-                            _stderr_progress, args.model)
+                            _stderr_progress, args.model, models)
     except lab.InputError as exc:
         raise UsageError(str(exc)) from exc
     csv_path, json_path = lab.write_exports(sweep, args.out, stem="compare")
-    print(f"{'method':<20} {'ratio':>6} {'memory':>7} {'out err':>8} {'log-ppl':>8}  answer")
+    several = len(sweep.ceilings) > 1
+    print(f"{'model':<34} " * several + f"{'method':<20} {'ratio':>6} {'memory':>7} {'out err':>8} {'log-ppl':>8}  answer")
     for r in sweep.results:
-        print(f"{r.method:<20} {r.ratio:>6g} {r.memory_ratio:>6.1f}x {r.attn_output_rel_err:>8.4f} "
-              f"{r.logppl_compressed:>8.3f}  {r.answer_compressed[:60]!r}")
+        print(f"{r.model[:34]:<34} " * several + f"{r.method:<20} {r.ratio:>6g} {r.memory_ratio:>6.1f}x "
+              f"{r.attn_output_rel_err:>8.4f} {r.logppl_compressed:>8.3f}  {r.answer_compressed[:60]!r}")
     for e in sweep.errors:
-        print(f"{e.method:<20} {e.ratio:>6g}  failed: {e.message}")
-    print(f"full cache's answer: {sweep.answer_full!r} (log-ppl {sweep.logppl_full:.3f}); {sweep.wall_s:.1f} s")
+        print(f"{e.model[:34]:<34} " * several + f"{e.method:<20} {e.ratio:>6g}  failed: {e.message}")
+    for c in sweep.ceilings:
+        print(f"full cache's answer{f' ({c.model})' if several else ''}: {c.answer_full!r} (log-ppl {c.logppl_full:.3f})")
+    print(f"{sweep.wall_s:.1f} s")
     print(f"written: {csv_path}, {json_path}")
     return 0
 
@@ -223,10 +226,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_budgets(args: argparse.Namespace) -> int:
     from kvlab.contexts import CONTEXTS
-    from kvlab.documents import load_examples, read_document
+    from kvlab.documents import read_document
+    from kvlab.examples import load_examples
     from kvlab.models import get_model
     from kvlab.pipeline import evaluation
-    from kvlab.sweep import save_profile, sensitivity_sweep
+    from kvlab.compression.compaction_sweep import save_profile, sensitivity_sweep
 
     if args.ratio < 2 or args.boost <= 1:
         raise UsageError("--ratio must be >= 2 and --boost > 1")
@@ -278,6 +282,11 @@ def _print_summary(r: Any) -> None:
     print(f"model           {r.model}")
     print(f"method          {r.method} at {r.ratio:g}x  ({r.doc_tokens} document tokens, {r.kept_tokens_mean:.1f} kept per head)")
     print(f"memory          {r.bytes_full:,} B full -> {r.bytes_compressed:,} B compressed ({r.memory_ratio:.2f}x)")
+    if "compressed_layers" in r.details:  # a hybrid model: the ratio is met in its full-attention layers
+        d = r.details
+        print(f"  full layers   {d['compressed_layers_bytes_full']:,} B -> {d['compressed_layers_bytes_compressed']:,} B "
+              f"({d['compressed_layers_memory_ratio']:.2f}x) in layers {d['compressed_layers']}; the window layers "
+              f"{d['window_layers_bytes']:,} B -> {d['window_layers_bytes_compressed']:,} B")
     print(f"time            prefill {r.prefill_s:.2f}s, compression {r.compress_s:.2f}s")
     print(f"attention error output {r.attn_output_rel_err:.4f}, mass {r.attn_mass_rel_err:.4f} (mean over layers x heads)")
     print(f"answer log-ppl  full {r.logppl_full:.4f}, compressed {r.logppl_compressed:.4f}")

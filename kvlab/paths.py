@@ -1,4 +1,4 @@
-"""Where kvlab's bundled assets lie, whether kvlab is installed or run from a checkout.
+"""Where kvlab's bundled assets lie (installed or run from a checkout), and where it keeps models.
 
 The repository keeps ``assets/`` at its top level; ``pip install`` (plain or
 editable) maps that folder to the data package ``kvlab.assets``, which
@@ -7,6 +7,8 @@ the folder is then the one beside ``kvlab/``.
 """
 from __future__ import annotations
 
+import os
+import typing
 from importlib import resources
 from pathlib import Path
 
@@ -18,3 +20,16 @@ def assets_dir() -> Path:
         return Path(resources.files("kvlab.assets"))
     except ModuleNotFoundError:
         return Path(__file__).resolve().parent.parent / "assets"
+
+
+def models_dir(environ: typing.Mapping[str, str] | None = None) -> Path:
+    """Where kvlab keeps the models it assembles and dequantises (kvlab.models): the user's cache.
+
+    ``KVLAB_MODELS_DIR`` when set, else ``$XDG_CACHE_HOME/kvlab/models``, else ``~/.cache/kvlab/models``.
+    """
+    env = os.environ if environ is None else environ
+    raw = (env.get("KVLAB_MODELS_DIR") or "").strip()
+    if raw:
+        return Path(raw).expanduser()
+    cache = (env.get("XDG_CACHE_HOME") or "").strip()
+    return (Path(cache) if cache else Path.home() / ".cache") / "kvlab" / "models"

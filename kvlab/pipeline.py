@@ -11,8 +11,9 @@ from typing import Callable, TypeVar
 
 import torch
 
+from kvlab.compression.interface import Method
+from kvlab.compression.request import Request
 from kvlab.context import Context, Progress, no_progress
-from kvlab.methods.base import Method, Request
 from kvlab.metrics import HeadErrors, head_errors, log_perplexity, reference_attention
 from kvlab.prompts import question_tokens
 from kvlab.runtime.cache import CompressedKV
@@ -111,7 +112,7 @@ class RunResult:
         """One line naming the heads whose fit fell back or had non-finite results replaced, or None.
 
         Read from ``details``: per layer and KV head counts, ``solver_fallbacks`` and
-        ``nonfinite_replaced`` (kvlab.methods.attention_matching.diagnostics).
+        ``nonfinite_replaced`` (kvlab.compression.compaction.diagnostics).
         """
         parts = []
         for key, what in (("solver_fallbacks", "a solve fell back to zeros"),
@@ -154,8 +155,9 @@ class Run:
 def window_details(ctx: Context, stored: CompressedKV, errors: HeadErrors) -> dict:
     """For a model with sliding-window layers, what its ratio is counted over: the layers a method
     compresses (their memory ratio, mean kept keys and mean attention errors: a window layer's are
-    0, which the means over every layer include), and the window layers' bytes, the same in both
-    caches (``bytes_full`` and ``bytes_compressed`` count them). Empty for any other model."""
+    0, which the means over every layer include), and the window layers' bytes in each cache
+    (``bytes_full`` and ``bytes_compressed`` count them): the same, unless the method rewrote the
+    context (no_context, a summary), whose window layers hold its own tokens. Empty for any other model."""
     windows = [g.window for g in ctx.lm.geometry]
     layers, full = ctx.lm.compressed_layers, ctx.full.stored
     if len(layers) == len(windows):
@@ -164,6 +166,7 @@ def window_details(ctx: Context, stored: CompressedKV, errors: HeadErrors) -> di
     return {
         "layer_windows": windows,  # per layer, its sliding window (None: a full-attention layer)
         "window_layers_bytes": full.layers_nbytes([i for i, w in enumerate(windows) if w is not None]),
+        "window_layers_bytes_compressed": stored.layers_nbytes([i for i, w in enumerate(windows) if w is not None]),
         "compressed_layers": layers,
         "compressed_layers_bytes_full": full.layers_nbytes(layers),
         "compressed_layers_bytes_compressed": stored.layers_nbytes(layers),

@@ -23,11 +23,13 @@ class Template:
     """The chat template cut around the user's content.
 
     prefix: everything before the user content (system prompt, turn header);
-    suffix: what closes the user turn and opens the assistant's.
+    suffix: what closes the user turn and opens the assistant's;
+    label: what goes before a question (a base model's "Question: "; a chat turn needs none).
     """
 
     prefix: str
     suffix: str
+    label: str = ""
 
     @classmethod
     def of(cls, tokenizer: PreTrainedTokenizerBase) -> "Template":
@@ -37,8 +39,22 @@ class Template:
             )
             prefix, suffix = rendered.split(_MARK)
             return cls(prefix, suffix)
-        # Base models: a plain reading-comprehension layout.
-        return cls("", "\nAnswer:")
+        # Base models: a plain reading-comprehension layout, "<document>\n\nQuestion: ...\nAnswer:".
+        return cls("", "\nAnswer:", "Question: ")
+
+
+def answer_end_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Tokens that end an answer besides end-of-sequence: in the plain layout, a line break.
+
+    A base model's answer is the rest of the "Answer:" line; after it, the model
+    writes its own next "Question:" (Gemma 3 270M does), which is not the answer.
+    A chat model's end-of-turn token ends its answer (kvlab.runtime.decode), so
+    none here. The ids of one to three newlines that are single tokens.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        return set()
+    singles = (tokenizer(breaks, add_special_tokens=False).input_ids for breaks in ("\n", "\n\n", "\n\n\n"))
+    return {ids[0] for ids in singles if len(ids) == 1}
 
 
 def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> torch.Tensor:
@@ -65,14 +81,17 @@ def context_tokens(tokenizer: PreTrainedTokenizerBase, document: str) -> Context
     template = Template.of(tokenizer)
     prefix = encode(tokenizer, template.prefix)
     if tokenizer.bos_token_id is not None and (prefix.numel() == 0 or prefix[0] != tokenizer.bos_token_id):
-        if getattr(tokenizer, "add_bos_token", False):
+        # What the tokenizer itself puts first (its post-processor; transformers 5 does not keep an
+        # add_bos_token flag through save_pretrained, so the flag alone would lose Gemma's <bos>).
+        if tokenizer("").input_ids[:1] == [tokenizer.bos_token_id]:
             prefix = torch.cat([torch.tensor([tokenizer.bos_token_id], device="cpu"), prefix])
     return ContextTokens(torch.cat([prefix, encode(tokenizer, document)]), prefix.numel())
 
 
 def question_tokens(tokenizer: PreTrainedTokenizerBase, question: str) -> torch.Tensor:
     """The question turn asked after the context: ids [n], ending where the answer starts."""
-    return encode(tokenizer, "\n\n" + question.strip() + Template.of(tokenizer).suffix)
+    template = Template.of(tokenizer)
+    return encode(tokenizer, "\n\n" + template.label + question.strip() + template.suffix)
 
 
 def repeat_tokens(

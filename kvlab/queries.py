@@ -61,11 +61,14 @@ class RepeatPass:
 
     queries: per layer [H, n, d] post-RoPE queries of the n repeat tokens
     (instruction turn + document); keys: per layer [H_kv, n, d] the same
-    tokens' own keys in the model's dtype on its device (KVzip's softmax includes them).
+    tokens' own keys in the model's dtype on its device (KVzip's softmax
+    includes them), None on a sliding-window layer: its working cache held
+    only its window, not the repeat's keys in order (and a window layer
+    keeps its window whatever its scores, so no method scores it).
     """
 
     queries: list[torch.Tensor]
-    keys: list[torch.Tensor]
+    keys: list[torch.Tensor | None]
 
 
 def repeat_pass(ctx: Context, instruction: str = REPEAT_INSTRUCTION) -> RepeatPass:
@@ -81,7 +84,8 @@ def repeat_pass(ctx: Context, instruction: str = REPEAT_INSTRUCTION) -> RepeatPa
         capture = QueryCapture(ctx.lm.n_layers)
         session = _session_after(ctx, ids, capture)
         # A copy: a slice would keep the whole working cache (document included) alive.
-        keys = [layer.keys[0, :, ctx.length :].clone() for layer in session.cache.layers]
+        keys = [None if g.window is not None else layer.keys[0, :, ctx.length :].clone()
+                for g, layer in zip(ctx.lm.geometry, session.cache.layers)]
         return RepeatPass(capture.per_layer(), keys)
 
     return ctx.cached("queries", key, make)

@@ -149,6 +149,8 @@ def model_identity(spec: str | None) -> str:
 
     source = resolve_source(spec)
     location = Path(source.location)
+    if source.digest:  # a packaged GGUF, checked by its sha256 when it was assembled
+        return "gguf:" + source.digest
     if source.gguf_file:
         return "gguf:" + file_digest(location / source.gguf_file)
     if location.is_dir():

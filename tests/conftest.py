@@ -15,12 +15,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["KVLAB_STORE_DIR"] = tempfile.mkdtemp(prefix="kvlab-test-store-")
 
 import pytest
-import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
+
+try:
+    from hypothesis import settings as hypothesis_settings
+except ImportError:  # requirements-dev.txt's; the property tests skip themselves without it
+    hypothesis_settings = None
 
 from kvlab import memo, results
-from kvlab.models import ATTENTION_NAME, LoadedModel, get_model, register_attention
+from kvlab.models import ATTENTION_NAME, LoadedModel, get_model
+from kvlab.testing import random_models
+from kvlab.testing.random_models import TINY, word_tokenizer
 
 @pytest.fixture(autouse=True)
 def result_store(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -29,42 +34,31 @@ def result_store(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(results, "_store", None)
 
 
+if hypothesis_settings is not None:
+    # The same examples on every run and machine (a failure found once is found again), and no example
+    # database written into the checkout.
+    hypothesis_settings.register_profile("kvlab", derandomize=True, database=None)
+    hypothesis_settings.load_profile("kvlab")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # gradio's queue still uses pandas options that pandas 4 deprecates; not ours to fix.
     config.addinivalue_line("filterwarnings", "ignore::DeprecationWarning:gradio.queueing")
     config.addinivalue_line("filterwarnings", "ignore:.*(no_silent_downcasting|copy keyword).*")
 
 
-TINY_VOCAB = ["<unk>", "<eos>"] + [f"w{i}" for i in range(62)]
-
-
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over w0..w61, so tests can write token ids as text."""
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(TINY_VOCAB)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    """The tiny models' word-level tokenizer over w0..w61, so tests can write token ids as text."""
+    return word_tokenizer(TINY["vocab_size"])
 
 
 def tiny_llama(seed: int = 0, attn: str = ATTENTION_NAME) -> LoadedModel:
-    """2 layers, 4 query heads, 2 KV heads, head dim 16, random weights (fp32, CPU)."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(TINY_VOCAB),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        eos_token_id=1,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    model = LlamaForCausalLM(config).eval()
-    register_attention()
-    model.set_attn_implementation(attn)
-    return LoadedModel("tiny-llama", model, tiny_tokenizer(), torch.device("cpu"), torch.float32)
+    """kvlab.testing.random_models.tiny_llama (2 layers, 4 query heads, 2 KV heads, head dim 16, fp32,
+    CPU) under the attention implementation ``attn``."""
+    lm = random_models.tiny_llama(seed)
+    if attn != ATTENTION_NAME:
+        lm.model.set_attn_implementation(attn)
+    return lm
 
 
 @pytest.fixture(scope="session")

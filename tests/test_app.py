@@ -14,10 +14,10 @@ from gradio_client.exceptions import AppError  # noqa: E402
 
 from benchmarks.browser import serve_app  # noqa: E402
 from kvlab import lab  # noqa: E402
+from kvlab.compression.catalog import all_knobs  # noqa: E402
 from kvlab.contexts import CONTEXTS  # noqa: E402
 from kvlab.methods import REGISTRY  # noqa: E402
-from kvlab.methods.catalog import all_knobs  # noqa: E402
-from kvlab.models import EMBEDDED, EMBEDDED_LABEL  # noqa: E402
+from kvlab.models import EMBEDDED, EMBEDDED_LABEL, PACKAGED, installed_packaged  # noqa: E402
 from kvlab.ui import common, default_method, present  # noqa: E402
 from kvlab.ui.knobs import knob_component  # noqa: E402
 from kvlab.ui.learn import learn_markdown  # noqa: E402
@@ -100,9 +100,11 @@ def test_every_knob_gets_the_widget_of_its_type():
 
 
 def test_model_choices_come_from_the_environment():
-    assert lab.model_choices({}) == [(f"{EMBEDDED_LABEL} (default)", EMBEDDED)]
+    packaged = [(PACKAGED[spec].label, spec) for spec in installed_packaged()]  # `make setup` installs them
+    assert lab.model_choices({}) == [(f"{EMBEDDED_LABEL} (default)", EMBEDDED), *packaged]
     env = {"KVLAB_MODEL": "/models/big.gguf", "KVLAB_MODELS": " Qwen/Qwen3-4B, /models/big.gguf,,/data/llama "}
-    assert [spec for _, spec in lab.model_choices(env)] == ["/models/big.gguf", EMBEDDED, "Qwen/Qwen3-4B", "/data/llama"]
+    assert [spec for _, spec in lab.model_choices(env)] == [
+        "/models/big.gguf", EMBEDDED, *[spec for _, spec in packaged], "Qwen/Qwen3-4B", "/data/llama"]
     assert lab.model_choices(env)[0][0].endswith("(default)")
 
 
@@ -293,6 +295,23 @@ def test_compare_sweeps_methods_and_ratios(client):
     assert [(r["method"], r["ratio"]) for r in data["results"]] == pairs
     assert data["logppl_full"] == pytest.approx(float(rows[0]["logppl_full"]))
     assert "attn_output_rel_err" in data["results"][0]["per_head"]
+
+
+def test_compare_runs_the_same_sweep_on_each_model_ticked(client, tiny_dir):
+    """Models as an axis: each model's runs named by it, each with its own full cache (ceiling)."""
+    status, full, _err, _mass, _ppl, table, _csv, json_file = client.predict(
+        text=DOCUMENT, methods=[FAST], ratios=[2], more_ratios="", question=QUESTION, max_new_tokens=4,
+        models=[EMBEDDED, tiny_dir], api_name="/compare",
+    )
+    labels = [row[0] for row in table["data"]]
+    assert labels == [f"{FAST} · {EMBEDDED_LABEL}", f"{FAST} · kvlab-tiny-llama"]
+    assert "own full cache" in status and len(full.splitlines()) == 2
+    data = json.loads(open(json_file, encoding="utf-8").read())
+    assert [c["spec"] for c in data["ceilings"]] == [EMBEDDED, tiny_dir]
+    assert [r["model"] for r in data["results"]] == [c["model"] for c in data["ceilings"]]
+    with pytest.raises(AppError, match="not offered here"):
+        client.predict(text=DOCUMENT, methods=[FAST], ratios=[2], more_ratios="", question=QUESTION,
+                       models=["/elsewhere"], api_name="/compare")
 
 
 def test_compare_bad_ratio_is_a_clear_error(client):

@@ -1,6 +1,6 @@
 """The architectures researchers use, as tiny random models: every family through kvlab's invariants.
 
-Each family of :data:`kvlab.synthetic.FAMILIES` (Llama with Llama 3.1's RoPE
+Each family of :data:`kvlab.testing.random_models.FAMILIES` (Llama with Llama 3.1's RoPE
 scaling, Qwen2, Qwen3, Mistral, Gemma 3) runs its own transformers modelling
 code; kvlab replaces only the attention function. So do the layouts with
 sliding-window layers (:data:`WINDOWED`: Gemma 3 as released, with a window
@@ -30,9 +30,9 @@ from transformers import (
 
 from kvlab.bounded.generate import run_policy
 from kvlab.bounded.policies import BOUNDED, make_policy
+from kvlab.compression.scoring import received_attention
 from kvlab.context import prepare_context
 from kvlab.methods import REGISTRY, Request, get_method
-from kvlab.methods.scoring import received_attention
 from kvlab.metrics import reference_attention
 from kvlab.models import ATTENTION_NAME, LoadedModel, ModelLoadError, check_supported, load_model, register_attention
 from kvlab.pipeline import run
@@ -41,9 +41,9 @@ from kvlab.runtime.cache import CompressedKV, FullKV, keep_windows
 from kvlab.runtime.decode import extend, open_session, prefill
 from kvlab.runtime.hooks import QueryCapture
 from kvlab.runtime.rope import rope_cos_sin, rotate, unrotate
-from kvlab.synthetic import FAMILIES, SPECIAL_IDS, TINY, perturb_constant_init, random_model, word_tokenizer
 from kvlab.testing.device_suite import run_step, steps, suite_model
 from kvlab.testing.fake_cuda import FAKE_DEVICE, fake_cuda, to_fake_cuda
+from kvlab.testing.random_models import FAMILIES, SPECIAL_IDS, TINY, perturb_constant_init, random_model, word_tokenizer
 from test_methods import assert_meets_budget
 from test_runtime import cache_from, logits_after
 
@@ -71,7 +71,7 @@ ARCHITECTURES = {name: (name, {}) for name in FAMILIES} | WINDOWED | {"gpt-oss":
 
 
 def tiny_gpt_oss() -> LoadedModel:
-    """A tiny random GPT-OSS (not a kvlab.synthetic family): the shared :data:`TINY` geometry, 4 experts
+    """A tiny random GPT-OSS (not a kvlab.testing.random_models family): the shared :data:`TINY` geometry, 4 experts
     (2 per token), a local layer (window W) and a global one, and sinks large enough to matter (the
     released model's are of order 1 to 5, transformers initialises them near 0)."""
     torch.manual_seed(0)

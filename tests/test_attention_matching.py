@@ -7,20 +7,27 @@
   original values with the fitted beta;
 - query weights: a weight of 2 is the query counted twice;
 - the union of KVzip's and HighestAttnKeys' keys: each part is the top of its own ranking;
-- self-study queries mixed in and their validation.
+- self-study queries mixed in and their validation;
+- exact tokens inside the fit (issue #33, ``exact_share``): all exact is the block itself or eviction,
+  and with some exact keys the biases and values are the brute-force box least squares of the residual
+  mass and the least squares of the residual output; in the method, the exact keys are KVzip's own;
+- document budgets (``budgets=document``): the concentration against the entropy by hand, the total
+  kept, more keys to more concentrated heads.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 
+from kvlab.compression.compaction import AMOptions, concentration, document_budgets, fitting_queries, mixed_queries
+from kvlab.compression.solvers.compact import compact_block
+from kvlab.compression.solvers.scores import score_keys
 from kvlab.context import prepare_context
 from kvlab.methods import MethodError, Request, get_method
-from kvlab.methods.attention_matching import fitting_queries, mixed_queries, AMOptions
 from kvlab.methods.kvzip import KVzipOptions, kvzip_scores
-from kvlab.methods.solvers import compact_block, score_keys
 from kvlab.queries import repeat_queries, self_study_queries
 from kvlab.runtime.attention import attend
 
@@ -183,3 +190,153 @@ def test_the_retrieval_knobs_stay_on_the_models_device(monkeypatch: pytest.Monke
         assert mode.on_cuda > 0
     finally:
         CONTEXTS.forget(lm)
+
+
+# --- exact tokens inside the fit (issue #33) ------------------------------------------------------
+
+
+def _exact_block(seed: int = 0, T: int = 10, n: int = 40, d: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, n, d, generator=g, dtype=torch.float64).float()
+    k = torch.randn(1, T, d, generator=g, dtype=torch.float64).float()
+    v = torch.randn(1, T, 3, generator=g, dtype=torch.float64).float()
+    order = torch.randn(1, T, generator=g, dtype=torch.float64).float()  # the exact keys' ranking
+    return q, k, v, order
+
+
+def test_exact_share_one_at_full_budget_is_the_block_itself():
+    q, k, v, order = _exact_block()
+    out = compact_block(q, k, v, k.shape[1], exact_share=1.0, exact_scores=order)
+    assert bool(out.exact.all())
+    assert torch.equal(out.values, v.gather(1, out.index.unsqueeze(-1).expand(-1, -1, 3)))
+    assert torch.equal(out.bias, torch.zeros_like(out.bias))
+    ref = attend(q.double(), k.double(), v.double())
+    got = attend(q.double(), out.keys.double(), out.values.double(), out.bias.double())
+    assert torch.allclose(got.output, ref.output, atol=1e-6) and torch.allclose(got.lse, ref.lse, atol=1e-6)
+
+
+def test_exact_share_one_below_the_budget_is_eviction_by_the_exact_scores():
+    q, k, v, order = _exact_block(1)
+    out = compact_block(q, k, v, 4, exact_share=1.0, exact_scores=order)
+    assert set(out.index[0].tolist()) == set(order[0].topk(4).indices.tolist())
+    assert torch.equal(out.values, v.gather(1, out.index.unsqueeze(-1).expand(-1, -1, 3)))
+    assert torch.equal(out.bias, torch.zeros_like(out.bias))
+
+
+def _box_lstsq(m: torch.Tensor, z: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """argmin ||m w - z|| with lo <= w <= hi by brute force over every active set (each weight at a bound
+    or free): the feasible stationary point of least cost. m [n, p] float64, p small."""
+    best, best_cost = None, float("inf")
+    for choice in itertools.product((0, 1, 2), repeat=m.shape[1]):  # 0: at lo, 1: at hi, 2: free
+        w = torch.tensor([lo if c == 0 else hi for c in choice], dtype=torch.float64)
+        free = [i for i, c in enumerate(choice) if c == 2]
+        if free:
+            fixed = [i for i in range(m.shape[1]) if i not in free]
+            rhs = z - m[:, fixed] @ w[fixed]
+            w[free] = torch.linalg.lstsq(m[:, free], rhs.unsqueeze(-1)).solution.squeeze(-1)
+        if bool((w >= lo - 1e-12).all()) and bool((w <= hi + 1e-12).all()):
+            cost = float((m @ w - z).square().sum())
+            if cost < best_cost:
+                best, best_cost = w, cost
+    return best
+
+
+def test_exact_keys_fit_only_the_residual_brute_force():
+    """One head: 2 exact keys of 5 slots (share 0.4) by the given ranking, 3 compact keys chosen by RMS
+    attention among the rest; the biases are the box-bounded least squares of the residual mass, the
+    values the least squares of the residual output, recomputed here in float64 from the definitions."""
+    q, k, v, order = _exact_block(2)
+    out = compact_block(q, k, v, 5, exact_share=0.4, exact_scores=order, nnls_iters=400, ridge=0.0)
+    qd, kd, vd = q[0].double(), k[0].double(), v[0].double()
+    s = qd @ kd.T / math.sqrt(4)  # [n, T]
+    exact = order[0].topk(2).indices.tolist()
+    a = torch.softmax(s, -1)
+    rms = a.square().mean(0).sqrt()
+    rms[exact] = -1
+    compact = rms.topk(3).indices.tolist()
+    assert out.exact[0].tolist() == [True, True, False, False, False]
+    assert set(out.index[0, :2].tolist()) == set(exact) and set(out.index[0, 2:].tolist()) == set(compact)
+    # The mass, as the solver weighs it: each query's equation scaled by its largest logit's exp.
+    phi = torch.exp(s - s.max(-1, keepdim=True).values)
+    residual = phi.sum(-1) - phi[:, exact].sum(-1)
+    cols = out.index[0, 2:].tolist()
+    w = _box_lstsq(phi[:, cols], residual, math.exp(-3), math.exp(3))
+    assert torch.allclose(out.bias[0, 2:].double(), w.log(), atol=1e-3)
+    assert torch.equal(out.bias[0, :2], torch.zeros(2))
+    # The values: the block's output minus the exact keys' part, under the softmax over every slot.
+    beta = out.bias[0].double()
+    x = torch.softmax(qd @ kd[out.index[0]].T / math.sqrt(4) + beta, -1)  # [n, 5]
+    target = a @ vd - x[:, :2] @ vd[out.index[0, :2]]
+    cv = torch.linalg.lstsq(x[:, 2:], target).solution
+    assert torch.allclose(out.values[0, 2:].double(), cv, atol=1e-4)
+    assert torch.equal(out.values[0, :2], v[0, out.index[0, :2]])
+
+
+def test_exact_share_refuses_omp_and_the_union():
+    q, k, v, order = _exact_block()
+    with pytest.raises(ValueError, match="exact_share"):
+        compact_block(q, k, v, 4, key_selection="omp", exact_share=0.5)
+    with pytest.raises(ValueError, match="exact_share"):
+        compact_block(q, k, v, 4, key_scores=order, key_scores_share=0.5, exact_share=0.5)
+
+
+def test_exact_tokens_in_the_method_are_kvzips_own_keys_and_values(ctx):
+    """exact_share with exact_keys=kvzip: each head's first round(share x budget) stored keys are its best by
+    KVzip's scores, with the full cache's own keys and values and no bias; the total is the budget's."""
+    am = get_method("attention_matching", exact_share=0.5, exact_keys="kvzip")
+    req = Request(ctx, 4.0)
+    stored = am.compress(req)
+    scores = kvzip_scores(req, KVzipOptions())
+    n_exact = math.floor(0.5 * req.doc_budget + 0.5)
+    for layer in range(ctx.lm.n_layers):
+        kept, compacted = [seg for seg in stored.layers[layer] if seg.fate in ("kept", "compacted")]
+        assert kept.fate == "kept" and kept.bias is None
+        view = kept.view()
+        for head in range(ctx.lm.n_kv_heads):
+            best = scores[layer][head].topk(n_exact).indices + ctx.prefix_len
+            assert set(view.token_index[head].tolist()) == set(best.tolist())
+            index = view.token_index[head]
+            assert torch.equal(view.keys[head], ctx.full.keys[layer][head, index])
+            assert torch.equal(view.values[head], ctx.full.values[layer][head, index])
+        assert torch.equal(kept.lengths() + compacted.lengths(),
+                           torch.full((ctx.lm.n_kv_heads,), req.doc_budget, device=kept.lengths().device))
+
+
+def test_concentration_against_the_entropy_by_hand():
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 7, 4, generator=gen), torch.randn(2, 9, 4, generator=gen)
+    got = concentration(q, k, scale=0.5, rows=3)  # chunks of 3 queries: 3 + 3 + 1
+    a = torch.softmax(q.double() @ k.double().transpose(-1, -2) * 0.5, -1)
+    entropy = -(a * a.log()).sum(-1).mean(-1)
+    assert torch.allclose(got.double(), math.log(9) - entropy, atol=1e-5)
+    # Zero queries attend evenly: no concentration; a query far along one key reads that key alone.
+    assert torch.allclose(concentration(torch.zeros(1, 2, 4), k[:1]), torch.zeros(1), atol=1e-6)
+    sharp = concentration(k[:1, :1] * 200.0, k[:1])
+    assert float(sharp) > math.log(9) - 1e-3
+
+
+def test_document_budgets_move_keys_to_concentrated_heads_and_keep_the_total(ctx):
+    req = Request(ctx, 4.0)
+    queries = repeat_queries(ctx)
+    opts = AMOptions(budgets="document")
+    budgets = document_budgets(ctx, queries, opts, req.doc_budget)
+    assert int(budgets.sum()) == req.doc_budget * ctx.lm.n_layers * ctx.lm.n_kv_heads
+    focus = torch.stack([concentration(fitting_queries(q, ctx.lm.n_kv_heads, opts), ctx.full.keys[i][:, ctx.prefix_len:],
+                                       ctx.lm.geometry[i].scaling) for i, q in enumerate(queries)]).flatten()
+    flat = budgets.flatten().cpu()
+    # More concentrated, never fewer keys (rounding aside: at most one).
+    for i in range(flat.numel()):
+        for j in range(flat.numel()):
+            if focus[i] > focus[j]:
+                assert flat[i] >= flat[j] - 1
+    stored = get_method("attention_matching", budgets="document").compress(req)
+    assert torch.equal(stored.kept_per_head().cpu() - ctx.prefix_len, flat.view_as(budgets.cpu()))
+
+
+def test_exact_and_document_options_are_validated():
+    with pytest.raises(MethodError, match="exact_share"):
+        AMOptions(exact_share=0.5, key_selection="omp")
+    with pytest.raises(MethodError, match="exact_share"):
+        AMOptions(exact_share=1.5)
+    with pytest.raises(MethodError, match="budgets=document"):
+        AMOptions(budgets="document", on_policy=True)

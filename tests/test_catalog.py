@@ -1,4 +1,4 @@
-"""kvlab.methods.catalog and option validation: knobs reflected from the Options
+"""kvlab.compression.catalog and option validation: knobs reflected from the Options
 dataclasses, bad values refused in one line (library and CLI), the published
 Attention Matching presets, and the methods' own Learn text."""
 from __future__ import annotations
@@ -7,13 +7,18 @@ import dataclasses
 import math
 import re
 import typing
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvlab.cli import build_parser, main
+from kvlab.compression import catalog
+from kvlab.compression.interface import FAMILIES
+from kvlab.compression.selection import SelectionOptions
 from kvlab.methods import REGISTRY, MethodError, get_method
-from kvlab.methods import catalog
+
+SELECTION_FIELDS = {f.name for f in dataclasses.fields(SelectionOptions)}
 
 # (method, options, what the message must name): each value is outside what the method can do.
 BAD = [
@@ -133,34 +138,25 @@ def test_cli_flags_come_from_the_knobs():
     assert parser.parse_args(base + ["--fill-budget", "TRUE"]).opt_fill_budget is True
 
 
-# The Attention Matching knobs, written from the paper's description and the Options docs.
-AM_KINDS = {
-    "query_source": ("repeat", "context", "self_study", "random", "question"),
-    "max_queries": int, "seed": int, "self_study_tokens": int,
-    "scoring": ("rms", "mean", "max"),
-    "key_selection": ("highest_attn", "omp", "kvzip", "kvzip_union"), "kvzip_share": float,
-    "keys_per_iter": int, "refit_every": int, "drop_below": float, "nnls_iters": int, "ridge": float,
-    "budgets": ("uniform", "nonuniform"),
-    "chunk_size": int, "on_policy": bool,
-    "value_fit": ("least_squares", "original"), "value_anchor": float, "self_study_weight": float,
-}
-
-
 def test_knobs_reflect_types_and_choices_and_defaults_read_back():
-    knobs = catalog.knobs("attention_matching")
-    assert [k.name for k in knobs] == list(AM_KINDS)
-    for k in knobs:
-        expected = AM_KINDS[k.name]
-        if isinstance(expected, tuple):
-            assert k.choices == expected and typing.get_origin(k.kind) is typing.Literal
-        else:
-            assert k.kind is expected and k.choices is None
-        assert k.key == f"attention_matching__{k.name}" and k.help
+    # Each knob's kind, choices and default as the app and the CLI see them: a Literal's choices hold its
+    # default, a number's or flag's default is of its kind, every knob says what it does.
+    for name, knobs in catalog.all_knobs().items():
+        for k in knobs:
+            if k.choices is not None:
+                assert typing.get_origin(k.kind) is typing.Literal and k.default in k.choices, (name, k.name)
+            else:
+                assert k.kind in (int, float, bool, str), (name, k.name)
+                assert isinstance(k.default, k.kind) and (k.kind is not int or not isinstance(k.default, bool))
+            assert k.key == f"{name}__{k.name}" and k.help, (name, k.name)
     every = catalog.all_knobs()
     assert list(every) == sorted(REGISTRY)
     for name, knobs in every.items():
         fields = [f for f in dataclasses.fields(REGISTRY[name].Options) if f.init]
-        assert [k.name for k in knobs] == [f.name for f in fields]
+        assert sorted(k.name for k in knobs) == sorted(f.name for f in fields)
+        # The method's own knobs first, the selection wrappers' after them.
+        shared = [issubclass(REGISTRY[name].Options, SelectionOptions) and k.name in SELECTION_FIELDS for k in knobs]
+        assert shared == sorted(shared), name
         # A widget or a flag shows a knob's default as text: read back, it is the same setting
         # (right type, inside the knob's range), so an untouched widget changes nothing.
         as_text = {k.key: str(k.default) for k in knobs}
@@ -230,7 +226,7 @@ def test_methods_long_prints_every_learn_text_and_knob_table(capsys):
     assert main(["methods", "--long"]) == 0
     out = capsys.readouterr().out
     for name, cls in REGISTRY.items():
-        assert f"### `{name}`" in out and cls.summary in out
+        assert f"#### `{name}`" in out and cls.summary in out
         if cls.learn:
             assert cls.learn in out
         for f in dataclasses.fields(cls.Options):
@@ -274,6 +270,25 @@ def test_every_method_has_a_learn_text_and_no_default_in_its_prose(name):
         pattern = rf"(?<![\w.-]){re.escape(f'{value:g}')}(?![\w.])"
         assert not re.search(pattern, cls.summary), (f.name, cls.summary)
         assert not re.search(pattern, cls.learn), (f.name, value)
+
+
+def test_docs_methods_table_is_the_catalogs():
+    """docs/methods.md holds methods_table() between its markers (regenerate: python -c "from pathlib import
+    Path; import kvlab.methods; from kvlab.compression.catalog import with_methods_table as w;
+    p = Path('docs/methods.md'); p.write_text(w(p.read_text()))")."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "methods.md").read_text(encoding="utf-8")
+    assert doc == catalog.with_methods_table(doc), "docs/methods.md's methods table is stale: see this test's docstring"
+
+
+def test_the_methods_table_groups_every_method_under_its_family():
+    table = catalog.methods_table()
+    sections = re.split(r"^\*\*(\w[\w ]*)\*\*: ", table, flags=re.M)[1:]
+    by_family = dict(zip(sections[::2], sections[1::2]))
+    assert list(by_family) == [f.capitalize() for f in FAMILIES]
+    for name, cls in REGISTRY.items():
+        rows = [f for f, text in by_family.items() if re.search(rf"^\| `{name}`", text, flags=re.M)]
+        assert rows == [cls.family.capitalize()], name
+        assert catalog.source_cell(cls.paper) in by_family[rows[0]]
 
 
 def test_unknown_methods_are_refused_everywhere():

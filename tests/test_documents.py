@@ -8,13 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvlab import documents, paths
-from kvlab.documents import (
-    DocumentError,
-    clean_text,
-    default_examples_root,
-    load_examples,
-    read_document,
-)
+from kvlab.documents import DocumentError, clean_text, read_document
+from kvlab.examples import default_examples_root, load_examples
 
 
 def _text_pdf(text: str) -> bytes:

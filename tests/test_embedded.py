@@ -10,7 +10,7 @@ import pytest
 
 from kvlab.cli import main
 from kvlab.contexts import CONTEXTS
-from kvlab.documents import load_examples
+from kvlab.examples import load_examples
 from kvlab.methods import get_method
 from kvlab.pipeline import run
 

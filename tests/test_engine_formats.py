@@ -12,9 +12,9 @@ import dataclasses
 import pytest
 import torch
 
+from kvlab.compression.engine_format import K_SCALE_CONSTANT, V_SCALE_CONSTANT
 from kvlab.context import prepare_context
 from kvlab.methods import MethodError, Request, get_method
-from kvlab.methods.fp8_e4m3 import K_SCALE_CONSTANT, V_SCALE_CONSTANT
 from kvlab.runtime.decode import extend, open_session
 from kvlab.runtime.engine_formats import (
     FP8Segment, NVFP4Segment, e2m1_decode, e2m1_encode, fp8_decode, fp8_encode, nvfp4_decode, nvfp4_encode,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvlab.contexts import CONTEXTS
-from kvlab.documents import load_examples
+from kvlab.examples import load_examples
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS, evaluation
 from kvlab.tasks.scoring import contains_match
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from kvlab.compression.catalog import knobs, method_markdown
 from kvlab.methods import MethodError, Request, get_method
-from kvlab.methods.catalog import knobs, method_markdown
 from test_methods import templated  # noqa: F401  (a fixture: their 96-token document behind a two-token template prefix)
 
 PREFIX = 2

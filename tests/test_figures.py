@@ -4,6 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import plotly.graph_objects as go
 import pytest
 
@@ -190,8 +191,10 @@ def test_fate_html_escapes_and_colours():
 
 
 def test_attention_matching_figures():
-    hist = figures.bias_histogram([-1.0, 0.0, 0.5, 2.0])
-    assert hist.layout.height and list(hist.data[0].x) == [-1.0, 0.0, 0.5, 2.0]
+    hist = figures.bias_histogram([-1.0, 0.0, 0.5, 2.0], bins=3)
+    # Edges -1, 0, 1, 2 by hand: [-1, 0) holds -1; [0, 1) holds 0 and 0.5; [1, 2] holds 2.
+    assert hist.layout.height and list(hist.data[0].y) == [1, 2, 1]
+    assert list(hist.data[0].x) == pytest.approx([-0.5, 0.5, 1.5], abs=TOL)
     fit = figures.fit_vs_eval_figure([[0.1, 0.3], [0.2, 0.2]], [[0.2, 0.4], [0.3, 0.5]])
     assert fit.layout.height
     assert [list(t.y) for t in fit.data] == [pytest.approx([0.2, 0.2], abs=TOL), pytest.approx([0.3, 0.4], abs=TOL)]
@@ -216,3 +219,17 @@ def test_divergence_figure_draws_both_caches_and_marks_where_answers_part():
     assert "token 1" in fig.layout.title.text and "cat" in fig.layout.title.text
     same = figures.divergence_figure(["a"], [-0.5], [-0.5], None)
     assert not same.layout.shapes and "the same" in same.layout.title.text
+
+
+@pytest.mark.parametrize("bins", [1, 7, 60])
+def test_bias_histogram_bins_as_numpy_does(bins):
+    values = np.random.default_rng(bins).normal(size=500).round(1).tolist()  # rounded: values on edges occur
+    edges, counts = figures.histogram_bins(values, bins)
+    ref_counts, ref_edges = np.histogram(values, bins=bins)
+    assert counts == ref_counts.tolist() and sum(counts) == len(values)
+    assert edges == pytest.approx(ref_edges.tolist(), abs=1e-12)
+
+
+def test_bias_histogram_of_equal_values_is_one_bin():
+    edges, counts = figures.histogram_bins([0.3] * 4, 5)
+    assert sum(counts) == 4 and counts.count(4) == 1 and edges[0] < 0.3 < edges[-1]

@@ -7,7 +7,7 @@ import torch
 from kvlab.bounded import generate
 from kvlab.bounded.generate import H2OPolicy, run_policy
 from kvlab.bounded.policies import BOUNDED, POLICIES, make_policy
-from kvlab.methods.scoring import pool_group
+from kvlab.compression.scoring import pool_group
 from kvlab.runtime.decode import greedy
 
 PROTECTED = 4

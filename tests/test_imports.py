@@ -19,6 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: (importer prefix, imported prefix, why): imports that go the wrong way up the layers.
 FORBIDDEN = [
+    ("kvlab.compression", "kvlab.methods", "the compression core is below the methods (they are found by discovery)"),
+    ("kvlab.runtime", "kvlab.compression", "the runtime is below the compression core"),
+    ("kvlab.kernels", "kvlab.compression", "the kernels are below the compression core"),
     ("kvlab.runtime", "kvlab.methods", "the runtime is below the methods"),
     ("kvlab.runtime", "kvlab.lab", "the runtime is below the lab layer"),
     ("kvlab.runtime", "kvlab.ui", "the runtime is below the UI"),
@@ -29,20 +32,21 @@ FORBIDDEN = [
     ("kvlab.bounded", "kvlab.tasks", "tasks with known answers sit above bounded generation"),
 ] + [(low, high, f"{low} is below {high}")
      for low in ("kvlab.runtime", "kvlab.kernels", "kvlab.memo", "kvlab.cancel", "kvlab.limits")
-     for high in ("kvlab.methods", "kvlab.lab", "kvlab.ui", "kvlab.pipeline", "kvlab.context", "kvlab.contexts",
+     for high in ("kvlab.compression", "kvlab.methods", "kvlab.lab", "kvlab.ui", "kvlab.pipeline", "kvlab.context", "kvlab.contexts",
                   "kvlab.results", "kvlab.tasks", "kvlab.bounded", "kvlab.cli")
      if not high.startswith(low)] + [
-    (low, high, f"{low} is below {high}") for low in ("kvlab.methods", "kvlab.pipeline", "kvlab.results")
-    for high in ("kvlab.lab", "kvlab.ui", "kvlab.tasks", "kvlab.cli")] + [
+    (low, high, f"{low} is below {high}") for low in ("kvlab.compression", "kvlab.methods", "kvlab.pipeline", "kvlab.results")
+    for high in ("kvlab.lab", "kvlab.ui", "kvlab.tasks", "kvlab.cli", "kvlab.bounded")] + [
     ("kvlab.lab", "kvlab.cli", "the command line is a front end above the lab layer"),
     ("kvlab.results", "kvlab.methods", "the result store keeps any value: it knows no method"),
+    ("kvlab.results", "kvlab.compression", "the result store keeps any value: it knows no method"),
 ] + [("kvlab.figures", model_code, "figures never import model code")
-     for model_code in ("kvlab.models", "kvlab.context", "kvlab.runtime", "kvlab.kernels", "kvlab.methods",
+     for model_code in ("kvlab.models", "kvlab.context", "kvlab.runtime", "kvlab.kernels", "kvlab.compression", "kvlab.methods",
                         "kvlab.pipeline", "kvlab.lab")]
 #: The UI's tabs: none imports another (what two share lives in kvlab.ui.common or kvlab.ui.tasks).
 TABS = ["kvlab.ui.explore", "kvlab.ui.compare", "kvlab.ui.generate", "kvlab.ui.learn"]
 #: Packages that never import gradio (the lab layer runs without the UI; methods and figures too).
-NO_GRADIO = ["kvlab.methods", "kvlab.lab", "kvlab.runtime", "kvlab.figures", "kvlab.kernels"]
+NO_GRADIO = ["kvlab.compression", "kvlab.methods", "kvlab.lab", "kvlab.runtime", "kvlab.figures", "kvlab.kernels"]
 
 
 def module_files(root: Path = ROOT) -> dict[str, tuple[Path, bool]]:
@@ -223,3 +227,14 @@ def test_a_submodule_import_counts_its_packages_init(tmp_path: Path) -> None:
     assert graph["kvlab.lab.warm"] == {"kvlab.ui.links", "kvlab.ui"}
     assert graph["kvlab.ui.app"] == {"kvlab.ui.links"}  # inside kvlab.ui already: its __init__ has run
     assert "kvlab.ui.app" in reachable(graph, "kvlab.lab.warm")
+
+
+def test_the_compression_cores_packages_run_nothing_on_import() -> None:
+    """Importing kvlab.compression (or its subpackages) runs no module: the core is imported piece by piece."""
+    files = module_files()
+    inits = {m: path for m, (path, package) in files.items() if package and under(m, "kvlab.compression")}
+    assert "kvlab.compression" in inits
+    busy = [m for m, path in inits.items()
+            if any(not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
+                   for node in ast.parse(path.read_text(encoding="utf-8")).body)]
+    assert not busy, f"more than a docstring in: {', '.join(busy)}"

@@ -44,9 +44,9 @@ import math
 import pytest
 import torch
 
+from kvlab.compression.solvers.scores import score_keys
 from kvlab.kernels import dispatch as kernels
 from kvlab.kernels import launch, reference, triton_decode
-from kvlab.methods.solvers import score_keys
 from kvlab.runtime.attention import causal_attention
 from kvlab.runtime.quantized import QuantSegment
 
@@ -108,7 +108,7 @@ def test_decode_reference_matches_brute_force(dtype) -> None:
     k, v = torch.randn(2, 2, 2, 40, 16, generator=gen).to(dtype)
     bias = ragged_bias(2, 30, gen)
     bias[0, :5] = 0.5  # head 0 keeps a few keys, so every query head sees some compacted key
-    out, lse = reference.decode_attention(q, k, v, bias[None], 0.25)
+    out, lse = reference.eager_decode_attention(q, k, v, bias[None], 0.25)
     want_out, want_lse = brute_force_decode(q, k, v, bias, 0.25)
     assert out.dtype == dtype and lse.dtype == torch.float32
     torch.testing.assert_close(out.double(), want_out, **REF_TOL[dtype])
@@ -151,7 +151,7 @@ def test_decode_kernel(force_triton, dtype, n_heads, n_kv, n, seq_len, head_dim)
     k, v = torch.randn(2, 2, n_kv, seq_len, head_dim, generator=gen).to(dtype)
     bias = ragged_bias(n_kv, seq_len - 20, gen)  # the last 20 keys are the recent window (bias 0)
     got = kernels.decode_attention(q, k, v, bias)
-    out, lse = reference.decode_attention(q, k, v, bias[None], head_dim**-0.5)
+    out, lse = reference.eager_decode_attention(q, k, v, bias[None], head_dim**-0.5)
     assert got.output.dtype == dtype
     torch.testing.assert_close(got.output, out, **TOL[dtype])
     torch.testing.assert_close(got.lse, lse, **LSE_TOL)
@@ -163,9 +163,9 @@ def test_decode_kernel_split_counts_agree(force_triton) -> None:
     q = torch.randn(1, 4, 1, 64, generator=gen)
     k, v = torch.randn(2, 1, 2, 200, 64, generator=gen)
     bias = ragged_bias(2, 180, gen)
-    out, lse = reference.decode_attention(q, k, v, bias[None], 0.125)
+    out, lse = reference.eager_decode_attention(q, k, v, bias[None], 0.125)
     for splits in (1, 3, 5):
-        got_out, got_lse = triton_decode.decode_attention(q, k, v, bias[None].contiguous(), 0.125, splits=splits)
+        got_out, got_lse = triton_decode.triton_decode_attention(q, k, v, bias[None].contiguous(), 0.125, splits=splits)
         torch.testing.assert_close(got_out, out, **TOL[torch.float32])
         torch.testing.assert_close(got_lse, lse, **LSE_TOL)
 
@@ -175,7 +175,7 @@ def test_decode_kernel_without_bias_or_causality(force_triton) -> None:
     q = torch.randn(1, 4, 2, 64, generator=gen)
     k, v = torch.randn(2, 1, 2, 70, 64, generator=gen)
     got = kernels.decode_attention(q, k, v, None, causal=False)
-    out, lse = reference.decode_attention(q, k, v, None, 0.125, causal=False)
+    out, lse = reference.eager_decode_attention(q, k, v, None, 0.125, causal=False)
     torch.testing.assert_close(got.output, out, **TOL[torch.float32])
     torch.testing.assert_close(got.lse, lse, **LSE_TOL)
 
@@ -285,8 +285,8 @@ def test_decode_path_uses_the_kernel_when_dispatch_says_triton(monkeypatch: pyte
     kernel then runs in the interpreter and must agree with the SDPA path.
     """
     calls = []
-    real = triton_decode.decode_attention
-    monkeypatch.setattr(triton_decode, "decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = triton_decode.triton_decode_attention
+    monkeypatch.setattr(triton_decode, "triton_decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v, bias = biased_decode_inputs()
     monkeypatch.delenv("KVLAB_KERNELS", raising=False)
     on_cpu = causal_attention(q, k, v, bias, 0.25)

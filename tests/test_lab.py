@@ -142,7 +142,7 @@ def test_a_sweep_keeps_going_past_a_failing_point_and_exports_every_run(tiny, mo
     assert [float(r["bytes_compressed"]) for r in rows] == [r["bytes_compressed"] for r in data["results"]]
     # Bytes are those of the stored caches: keeping half of the document stores fewer bytes than a third more.
     assert float(rows[1]["bytes_compressed"]) < float(rows[0]["bytes_compressed"]) < float(rows[0]["bytes_full"])
-    assert data["errors"] == [{"method": "tova", "ratio": 3.0, "message": "ValueError: no good at 3x"}]
+    assert data["errors"] == [{"method": "tova", "ratio": 3.0, "message": "ValueError: no good at 3x", "model": ""}]
 
 
 def test_a_sweep_refuses_bad_input_before_any_work(tiny, monkeypatch):

@@ -9,7 +9,7 @@ from kvlab.runtime.cache import CompressedKV, DenseSegment
 from kvlab.runtime.decode import extend, open_session, prefill
 from kvlab.runtime.hooks import QueryCapture
 from kvlab.runtime.lean import lean_model, unsupported_reason
-from kvlab.synthetic import random_model
+from kvlab.testing.random_models import random_model
 
 LEAN_FAMILIES = ["llama", "qwen2", "mistral"]
 

@@ -31,7 +31,7 @@ TOKENS = 15000
 #   cache plus the queries, measured 3.0;
 # - an eviction or quantisation method adds its recorded queries (KVzip's repeat
 #   pass: 2, and its keys: 0.5), working copies of one layer and the compressed
-#   cache, and attention blocks of bounded size (kvlab.methods.scoring.BLOCK_ELEMENTS);
+#   cache, and attention blocks of bounded size (kvlab.compression.scoring.BLOCK_ELEMENTS);
 #   measured at most 7.5 (Expected Attention: the keys copied per query head);
 # - Attention Matching also holds its fit's designs: the reference queries'
 #   attention over the kept keys, [n, t] per KV head (n = 2,048 queries, t =

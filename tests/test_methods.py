@@ -3,19 +3,24 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import pkgutil
+import typing
 
 import pytest
 import torch
 
+import kvlab.methods
+from kvlab.compression.budgets import allocate, cap_shares
+from kvlab.compression.compaction import AMOptions, compact_cache, fitting_queries, reference_queries
+from kvlab.compression.interface import FAMILIES, Bf16Tolerance
+from kvlab.compression.paper import Baseline, Paper
+from kvlab.compression.solvers.compact import compact_block
 from kvlab.context import prepare_context
 from kvlab.methods import REGISTRY, MethodError, Request, get_method
-from kvlab.methods.attention_matching import AMOptions, compact_cache, fitting_queries, reference_queries
-from kvlab.methods.budgets import allocate, cap_shares
-from kvlab.methods.solvers import compact_block
 from kvlab.metrics import head_errors, percentile_levels, question_attention
-from kvlab.runtime.attention import attend, group_queries
 from kvlab.pipeline import evaluation
 from kvlab.queries import repeat_queries
+from kvlab.runtime.attention import attend, group_queries
 from kvlab.runtime.decode import extend, open_session
 
 DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(96))
@@ -42,6 +47,25 @@ def templated(tiny):
     ctx = prepare_context(dataclasses.replace(tiny, tokenizer=tokenizer), DOC)
     assert ctx.prefix_len == 2
     return ctx
+
+
+def test_every_module_of_the_methods_package_registers_one_method_named_as_its_file():
+    """Discovery (kvlab.compression.registry.discover): the package's files are the methods, one each."""
+    files = sorted(info.name for info in pkgutil.iter_modules(kvlab.methods.__path__))
+    by_module: dict[str, list[str]] = {}
+    for name, cls in REGISTRY.items():
+        by_module.setdefault(cls.__module__, []).append(name)
+    assert by_module == {f"kvlab.methods.{file}": [file] for file in files}
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_every_method_declares_its_source_family_and_bf16_tolerance(name):
+    cls = REGISTRY[name]
+    assert isinstance(getattr(cls, "paper", None), (Paper, Baseline)), f"{name}: paper = Paper(...) or Baseline(...)"
+    assert getattr(cls, "family", None) in FAMILIES, f"{name}: family is one of {', '.join(FAMILIES)}"
+    assert getattr(cls, "bf16_tolerance", None) in typing.get_args(Bf16Tolerance), name
+    # A baseline says it is one, and only a baseline.
+    assert (cls.family == "baselines") == isinstance(cls.paper, Baseline), name
 
 
 def fresh_logits(ctx, stored):

@@ -1,4 +1,4 @@
-"""Tests of the Attention Matching solvers (kvlab.methods.solvers).
+"""Tests of the Attention Matching solvers (kvlab.compression.solvers).
 
 Small seeded random problems; each test checks a property that fails if the
 maths is wrong, not merely that the code runs.
@@ -11,19 +11,12 @@ import math
 import pytest
 import torch
 
-from kvlab.methods.solvers import (
-    _box_nnls_gram,
-    _gram,
-    streamed_mass,
-    compact_block,
-    fit_values,
-    mass_features,
-    nnls,
-    nnls_bias,
-    omp_select,
-    score_keys,
-    select_highest_attn,
-)
+from kvlab.compression.solvers.compact import compact_block
+from kvlab.compression.solvers.linalg import masked_gram
+from kvlab.compression.solvers.nnls import box_nnls_gram, nnls, nnls_bias
+from kvlab.compression.solvers.omp import omp_select
+from kvlab.compression.solvers.scores import streamed_mass, mass_features, score_keys, select_highest_attn
+from kvlab.compression.solvers.values import fit_values
 from kvlab.runtime.attention import attend, attention_logits
 
 
@@ -531,8 +524,8 @@ def test_nnls_bias_on_a_wide_design_equals_the_primal_gram_form(ridge):
     valid[1, 24:] = False
     lo, hi = math.exp(-3), math.exp(3)
     got = nnls_bias(m, z, valid, lo, hi, iters=3, ridge=ridge)
-    gram, b, active, design = _gram(m, z, valid)
-    w = _box_nnls_gram(gram, b, active, lo, hi, 3, ridge, design, z)
+    gram, b, active, design = masked_gram(m, z, valid)
+    w = box_nnls_gram(gram, b, active, lo, hi, 3, ridge, design, z)
     expected = w.log().masked_fill(~valid, float("-inf"))
     assert torch.isinf(got[1, 24:]).all()
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
@@ -556,19 +549,19 @@ def test_a_head_that_sees_only_padding_fits_to_zeros_not_nans(key_selection):
 
 
 def test_a_factorisation_that_never_succeeds_is_counted_for_its_head():
-    """_ridge_factor: a head whose Gram cannot be factorised at any ridge (here +inf on its
+    """ridge_factor: a head whose Gram cannot be factorised at any ridge (here +inf on its
     diagonal) solves to 0 and is counted against that head only, while a fit is running."""
-    from kvlab.methods.solvers import _FALLBACKS, _ridge_factor
+    from kvlab.compression.solvers.linalg import FALLBACKS, ridge_factor
 
     g = torch.randn(3, 6, 4, generator=_gen(30))
     gram = g.transpose(-1, -2) @ g
     gram[1, 2, 2] = float("inf")
     counts = torch.zeros(3, dtype=torch.long)
-    token = _FALLBACKS.set(counts)
+    token = FALLBACKS.set(counts)
     try:
-        _, ok = _ridge_factor(gram, torch.ones(3, 4), 1e-6)
+        _, ok = ridge_factor(gram, torch.ones(3, 4), 1e-6)
     finally:
-        _FALLBACKS.reset(token)
+        FALLBACKS.reset(token)
     assert ok.tolist() == [True, False, True]
     assert counts.tolist() == [0, 1, 0]
 

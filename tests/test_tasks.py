@@ -397,7 +397,7 @@ def test_bench_knob_overrides_run_the_configured_method(tiny_cli, tiny, tmp_path
     (["--methods", "snapkv:nope=1"], "not knob=value"),
     (["--methods", "snapkv:window"], "not knob=value"),
     (["--methods", "snapkv:window=two"], "window"),
-    (["--ratios", "x"], "ratios"),
+    (["--ratios", "x"], "not a compression ratio"),
     (["--tasks", "nope"], "unknown task"),
     (["--methods", "nope"], "unknown method"),
     (["--limit", "0"], "limit"),

@@ -442,3 +442,29 @@ def test_a_stored_answer_is_served_while_the_slot_is_held_and_others_wait(worksh
         holder.join(30)
     for job in waiting:
         assert "Served from the result store" not in job.result(timeout=120)[0]
+
+
+def test_pages_drawing_one_configuration_at_once_share_one_drawing(monkeypatch):
+    from kvlab.ui import present
+
+    drawings, start = [], threading.Barrier(8)
+
+    def slow_draw(view):  # stands in for plotly's work: long enough for every page to arrive meanwhile
+        drawings.append(view)
+        time.sleep(0.3)
+        return ("figures of", view)
+
+    monkeypatch.setattr(present, "draw", slow_draw)
+    got = []
+
+    def page():
+        start.wait()
+        got.append(present.drawn_for("one configuration", "its view"))
+
+    threads = [threading.Thread(target=page) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert drawings == ["its view"] and got == [("figures of", "its view")] * 8
+    assert present.drawn_for("another configuration", "view 2") == ("figures of", "view 2") and len(drawings) == 2

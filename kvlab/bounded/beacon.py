@@ -3,7 +3,7 @@
 This is the paper's own setting (long reasoning outputs): the cache never
 holds more than ``budget`` keys per layer and head; before it would, each
 layer evicts by the beacon scores of the running query history
-(kvlab.methods.beacon_core: the recent queries + beacons chosen by continual
+(kvlab.compression.beacon_core: the recent queries + beacons chosen by continual
 FPS over everything read and written), keeping the template prefix and a
 recent window. It evicts ``evict_chunk`` tokens at a time, so it scores once
 every ``evict_chunk`` written tokens rather than at every step.
@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.bounded.generate import BeaconSnapshot, EvictionPolicy, run_policy
+from kvlab.compression.beacon_core import BeaconBank, BeaconState, max_attention_scores, stack_layers
+from kvlab.compression.selection import top_k_per_head
 from kvlab.context import Context
-from kvlab.methods.base import MethodError, top_k_per_head
-from kvlab.methods.beacon import BeaconOptions, document_state
-from kvlab.methods.beacon_core import BeaconBank, BeaconState, max_attention_scores, stack_layers
+from kvlab.methods import MethodError
+from kvlab.methods.beaconkv import BeaconOptions, document_state
 from kvlab.models import LoadedModel
 from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.decode import Generation

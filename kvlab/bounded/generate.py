@@ -28,10 +28,11 @@ from typing import Callable
 import torch
 
 from kvlab.cancel import checkpoint
-from kvlab.methods.base import MethodError, top_k_per_head
+from kvlab.compression.scoring import pool_group, received_attention
+from kvlab.compression.selection import top_k_per_head
+from kvlab.methods import MethodError
 from kvlab.methods.h2o import H2OOptions
-from kvlab.methods.scoring import pool_group, received_attention
-from kvlab.methods.streaming import StreamingOptions
+from kvlab.methods.streaming_llm import StreamingOptions
 from kvlab.models import LoadedModel
 from kvlab.runtime.cache import CompressedKV, gather_tokens
 from kvlab.runtime.decode import GrowingLayer, extend, greedy_loop, open_session, stop_token_ids

@@ -1,10 +1,11 @@
 """Every bounded-cache policy by name, and one call that builds one."""
 from __future__ import annotations
 
+from kvlab import messages
 from kvlab.bounded.beacon import BeaconPolicy
 from kvlab.bounded.generate import CachePolicy, H2OPolicy, WindowPolicy
 from kvlab.bounded.online import OnlineAMPolicy
-from kvlab.methods.base import MethodError
+from kvlab.methods import MethodError
 from kvlab.models import LoadedModel
 
 #: name -> (label, one-line summary); "unbounded" is the reference every other one is measured against.
@@ -31,4 +32,4 @@ def make_policy(name: str, lm: LoadedModel, budget: int | None, protected: int) 
         return BeaconPolicy(lm, budget, protected=protected)
     if name == "online_am":
         return OnlineAMPolicy(lm, budget, protected=protected)
-    raise MethodError(f"unknown generation method {name!r}; choose from: {', '.join(POLICIES)}")
+    raise MethodError(messages.unknown("generation method", name, POLICIES))

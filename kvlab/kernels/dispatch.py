@@ -34,8 +34,8 @@ def decode_attention(
         from kvlab.kernels import reference
 
         bias, scale = decode_inputs(q, k, v, bias, scale)
-        return KernelAttention(*reference.decode_attention(q, k, v, bias, scale, causal))
-    return launch.decode_attention(q, k, v, bias, scale, causal)
+        return KernelAttention(*reference.eager_decode_attention(q, k, v, bias, scale, causal))
+    return launch.launch_decode_attention(q, k, v, bias, scale, causal)
 
 
 def check_packed(keys: PackedTensor, values: PackedTensor) -> None:
@@ -91,7 +91,7 @@ def key_scores(
 ) -> torch.Tensor:
     """HighestAttnKeys scores [B, T] float32 of q [B, n, d] over k [B, T, d], bias [B, T] or None.
 
-    Same values as :func:`kvlab.methods.solvers.score_keys`, without building
+    Same values as :func:`kvlab.compression.solvers.scores.score_keys`, without building
     the [B, n, T] attention matrix.
     """
     if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] or q.shape[1] == 0:

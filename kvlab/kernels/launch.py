@@ -5,7 +5,7 @@ reference; the references are built on :mod:`kvlab.runtime.attention`, and
 that module's forward pass wants the Triton decode kernel on CUDA. This module
 holds what both need and imports no reference, so the forward pass can import
 it without a circle: :func:`backend` (the choice, ``KVLAB_KERNELS``) and
-:func:`decode_attention` (the checked Triton launch, for callers that asked
+:func:`launch_decode_attention` (the checked Triton launch, for callers that asked
 :func:`backend` first).
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ def decode_inputs(
     return bias, scale
 
 
-def decode_attention(
+def launch_decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -87,4 +87,4 @@ def decode_attention(
     bias, scale = decode_inputs(q, k, v, bias, scale)
     from kvlab.kernels import triton_decode as kernel  # triton is imported only when a kernel runs
 
-    return KernelAttention(*kernel.decode_attention(unit_stride(q), unit_stride(k), unit_stride(v), bias, scale, causal))
+    return KernelAttention(*kernel.triton_decode_attention(unit_stride(q), unit_stride(k), unit_stride(v), bias, scale, causal))

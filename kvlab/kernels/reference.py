@@ -33,7 +33,7 @@ def full_bias(bias: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
     return F.pad(bias.float(), (0, seq_len - bias.shape[-1]))
 
 
-def decode_attention(
+def eager_decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -90,7 +90,7 @@ def mixed_attention(
     bias = None
     if bias_full is not None:
         bias = torch.cat([bias_full.new_zeros(k_q.shape[:2]).float(), bias_full.float()], dim=1)
-    out, lse = decode_attention(q[None], k[None], v[None], None if bias is None else bias[None], scale, causal)
+    out, lse = eager_decode_attention(q[None], k[None], v[None], None if bias is None else bias[None], scale, causal)
     return out[0], lse[0]
 
 
@@ -107,7 +107,7 @@ def key_scores(
     ``a_ij = exp(s_ij - lse_i)``; rms = sqrt(mean_i a_ij^2), mean = mean_i
     a_ij, max = max_i a_ij; keys with bias -inf score -inf. Two passes over
     key chunks (row log-sum-exps, then per-key reductions), as the kernel
-    does; :func:`kvlab.methods.solvers.score_keys` is the unchunked original.
+    does; :func:`kvlab.compression.solvers.scores.score_keys` is the unchunked original.
     """
     if scoring not in ("rms", "mean", "max"):
         raise ValueError(f"scoring must be 'rms', 'mean' or 'max', got {scoring!r}")

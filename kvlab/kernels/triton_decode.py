@@ -222,7 +222,7 @@ def merge_splits(
     return out, lse
 
 
-def decode_attention(
+def triton_decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

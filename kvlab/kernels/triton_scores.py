@@ -1,6 +1,6 @@
 """Kernel 3: Attention Matching's key scores without the n-by-T attention matrix.
 
-Scores (HighestAttnKeys, see :func:`kvlab.methods.solvers.score_keys`) of
+Scores (HighestAttnKeys, see :func:`kvlab.compression.solvers.scores.score_keys`) of
 ``T`` keys under ``n`` reference queries, with ``a_ij = exp(s_ij - lse_i)``:
 rms = sqrt(mean_i a_ij^2), mean = mean_i a_ij, max = max_i a_ij; keys whose
 bias is -inf (padding) score -inf.

@@ -1,17 +1,20 @@
-"""A Compare sweep: several methods at several ratios on one document and question."""
+"""A Compare sweep: several methods at several ratios on one document and question, on one model or several."""
 from __future__ import annotations
 
 import logging
 import time
+import typing
 from dataclasses import dataclass, field
 
 from kvlab import cancel
 from kvlab.context import Progress, no_progress
 from kvlab.lab.explore import prepared_context, sub_progress
 from kvlab import limits
-from kvlab.lab.inputs import check_answer_length, check_question, check_question_tokens, check_sweep, document_text
+from kvlab.lab.inputs import (
+    InputError, check_answer_length, check_question, check_question_tokens, check_sweep, document_text,
+)
 from kvlab.methods import Method, MethodError, get_method
-from kvlab import models
+from kvlab import models as models_module
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS, RunResult, run
 
 log = logging.getLogger("kvlab.lab")
@@ -22,19 +25,40 @@ MAX_SWEEP_POINTS = limits.LIMITS.sweep_points
 
 @dataclass
 class SweepError:
-    """One (method, ratio) of a sweep that failed, and why."""
+    """One (method, ratio) of a sweep that failed, and why; model: its model's label on a sweep over several."""
 
     method: str
     ratio: float
     message: str
+    model: str = ""
+
+
+@dataclass
+class Ceiling:
+    """One model's side of a sweep: its full cache's answer (what its methods are measured against) and prefill.
+
+    model: the model's label (``RunResult.model``); spec: how it was asked for (``--model``; "": the default).
+    """
+
+    model: str
+    spec: str
+    doc_tokens: int
+    context_tokens: int
+    answer_full: str
+    logppl_full: float
+    prefill_s: float
+    prefill_reused: bool
 
 
 @dataclass
 class Sweep:
-    """A Compare sweep: every (method, ratio) run on one document and question, in order.
+    """A Compare sweep: every (method, ratio) run on one document and question, in order, model after model.
 
-    stopped: when the request's time limit ended the sweep early, what was
-    run and what was not (``results`` hold the runs done); "" otherwise.
+    The top-level fields (model, doc_tokens, answer_full, ...) are the first
+    model's; ``ceilings`` holds each model's own (one entry per model that ran),
+    and each result names its model. stopped: when the request's time limit
+    ended the sweep early, what was run and what was not (``results`` hold the
+    runs done); "" otherwise.
     """
 
     model: str
@@ -50,6 +74,7 @@ class Sweep:
     errors: list[SweepError] = field(default_factory=list)
     wall_s: float = 0.0
     stopped: str = ""
+    ceilings: list[Ceiling] = field(default_factory=list)
 
 
 def compare(
@@ -61,60 +86,82 @@ def compare(
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     progress: Progress = no_progress,
     model: str | None = None,
+    models: typing.Sequence[str] | None = None,
 ) -> Sweep:
     """Every method in ``methods`` (default knobs) at every ratio, on one document and question.
 
-    The prefill and the full cache's answer are computed once and shared. A
-    (method, ratio) that fails is recorded in ``Sweep.errors`` and the sweep
-    goes on; if every one fails, raises MethodError with the reasons. Each
-    run is a unit of the request (kvlab.cancel.between_units): others' runs
-    may take the compute slot in between, and when the time limit passes
-    after at least one run, the sweep returns what it has (``stopped`` says
-    what was not run); stopped otherwise, it raises kvlab.cancel.Cancelled.
+    models: model specs to run the same sweep on, one after another (the same
+    document and question; each model its own prefill and full-cache answer,
+    :class:`Ceiling`); None or empty: ``model`` alone. Per model the prefill
+    and the full cache's answer are computed once and shared. A (method,
+    ratio) that fails is recorded in ``Sweep.errors`` and the sweep goes on;
+    if every one fails, raises MethodError with the reasons. Each run is a
+    unit of the request (kvlab.cancel.between_units): others' runs may take
+    the compute slot in between, and when the time limit passes after at
+    least one run, the sweep returns what it has (``stopped`` says what was
+    not run); stopped otherwise, it raises kvlab.cancel.Cancelled.
     """
     start = time.perf_counter()
     methods, ratios = check_sweep(methods, ratios)
-    points = len(methods) * len(ratios)
+    specs: list[str | None] = list(dict.fromkeys(s.strip() for s in models or [] if s.strip())) or [model or None]
+    points = len(methods) * len(ratios) * len(specs)
+    if points > MAX_SWEEP_POINTS:
+        raise InputError(f"{points} runs is too many for one sweep: pick at most {MAX_SWEEP_POINTS} "
+                         "(methods x ratios x models)")
     question = check_question(question)
     max_new_tokens = check_answer_length(max_new_tokens)
     document = document_text(text, file)
     chosen = [get_method(name) for name in methods]
-    progress(0.0, f"loading the model {model or ''} (the first use of a model takes a while)")
-    lm = models.get_model(model or None)
-    check_question_tokens(lm.tokenizer, question)
-    ctx, prefilled = prepared_context(lm, document, sub_progress(progress, 0.02, 0.18))
     errors: list[SweepError] = []
-    results, aware = [], []
-    plan = [(m, r) for m in chosen for r in ratios]
-    stopped = ""
-    for done, (method_obj, ratio) in enumerate(plan):
-        label = f"{method_obj.name} at {ratio:g}x ({done + 1}/{points}): "
-        point_progress = sub_progress(progress, 0.2 + 0.8 * done / points, 0.8 / points, label)
-        try:
-            if done:
-                cancel.between_units(f"{done} of {points} runs done")
-            res = run(ctx, method_obj, float(ratio), question, max_new_tokens, point_progress).result
-        except cancel.Cancelled as exc:
-            if exc.reason != cancel.TIME or not results:
-                raise
-            stopped = not_run(exc, done, plan[done:])
+    results, aware, ceilings = [], [], []
+    plan = [(spec, m, r) for spec in specs for m in chosen for r in ratios]
+    stopped, done, share = "", 0, 1.0 / len(specs)
+    for k, spec in enumerate(specs):
+        base = k * share
+        progress(base, f"loading the model {spec or ''} (the first use of a model takes a while)")
+        lm = models_module.get_model(spec)
+        check_question_tokens(lm.tokenizer, question)
+        ctx, prefilled = prepared_context(lm, document, sub_progress(progress, base + 0.02 * share, 0.16 * share))
+        first: RunResult | None = None
+        for method_obj, ratio in ((m, r) for s, m, r in plan[done:] if s == spec):
+            label = f"{method_obj.name} at {ratio:g}x ({done + 1}/{points}){f' on {lm.name}' if len(specs) > 1 else ''}: "
+            at = base + share * (0.2 + 0.8 * (done - k * len(chosen) * len(ratios)) / (len(chosen) * len(ratios)))
+            point_progress = sub_progress(progress, at, 0.8 * share / (len(chosen) * len(ratios)), label)
+            try:
+                if done:
+                    cancel.between_units(f"{done} of {points} runs done")
+                res = run(ctx, method_obj, float(ratio), question, max_new_tokens, point_progress).result
+            except cancel.Cancelled as exc:
+                if exc.reason != cancel.TIME or not results:
+                    raise
+                stopped = not_run(exc, done, [(m, r) for _, m, r in plan[done:]])
+                break
+            except Exception as exc:  # noqa: BLE001 - one failing point must not lose the sweep
+                if not isinstance(exc, (MethodError, ValueError)):
+                    log.exception("sweep point failed (%s at %gx)", method_obj.name, ratio)
+                errors.append(SweepError(method_obj.name, float(ratio), f"{type(exc).__name__}: {exc}",
+                                         lm.name if len(specs) > 1 else ""))
+            else:
+                results.append(res)
+                aware.append(method_obj.uses_question())
+                first = first or res
+            finally:
+                done += 1
+        if first is not None:
+            ceilings.append(Ceiling(first.model, spec or "",
+                                    first.doc_tokens, first.context_tokens, first.answer_full, first.logppl_full,
+                                    first.prefill_s, not prefilled))
+        if stopped:
             break
-        except Exception as exc:  # noqa: BLE001 - one failing point must not lose the sweep
-            if not isinstance(exc, (MethodError, ValueError)):
-                log.exception("sweep point failed (%s at %gx)", method_obj.name, ratio)
-            errors.append(SweepError(method_obj.name, float(ratio), f"{type(exc).__name__}: {exc}"))
-        else:
-            results.append(res)
-            aware.append(method_obj.uses_question())
     if not results:
         reasons = "; ".join(f"{e.method} at {e.ratio:g}x: {e.message}" for e in errors[:5])
         raise MethodError(f"every run of the sweep failed: {reasons}")
-    first = results[0]
+    top = ceilings[0]
     return Sweep(
-        model=first.model, question=question, doc_tokens=first.doc_tokens, context_tokens=first.context_tokens,
-        answer_full=first.answer_full, logppl_full=first.logppl_full, prefill_s=first.prefill_s,
-        prefill_reused=not prefilled, results=results, query_aware=aware, errors=errors,
-        wall_s=time.perf_counter() - start, stopped=stopped,
+        model=top.model, question=question, doc_tokens=top.doc_tokens, context_tokens=top.context_tokens,
+        answer_full=top.answer_full, logppl_full=top.logppl_full, prefill_s=top.prefill_s,
+        prefill_reused=top.prefill_reused, results=results, query_aware=aware, errors=errors,
+        wall_s=time.perf_counter() - start, stopped=stopped, ceilings=ceilings,
     )
 
 

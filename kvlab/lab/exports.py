@@ -47,6 +47,7 @@ def sweep_json(sweep: Sweep) -> dict[str, Any]:
         "ratios": sorted({r.ratio for r in sweep.results}),
         "results": [{**r.to_dict(), "query_aware": a} for r, a in zip(sweep.results, sweep.query_aware)],
         "errors": [dataclasses.asdict(e) for e in sweep.errors],
+        "ceilings": [dataclasses.asdict(c) for c in sweep.ceilings],  # each model's full cache, on a sweep over several
     }
 
 

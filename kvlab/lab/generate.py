@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlab import cancel, limits, models
+from kvlab import cancel, limits, messages, models
 from kvlab.bounded.generate import PROMPT_CHUNK, BoundedRun, run_policy
 from kvlab.bounded.policies import BOUNDED, POLICIES, make_policy
 from kvlab.tasks.copying import CopyScore, codes_in_prompt, score_copy
@@ -89,7 +89,7 @@ def check_methods(methods: list[str] | None) -> list[str]:
     chosen = list(BOUNDED) if methods is None else [m for m in methods if m != "unbounded"]
     unknown = [m for m in chosen if m not in POLICIES]
     if unknown:
-        raise InputError(f"unknown generation method {unknown[0]!r}; choose from: {', '.join(BOUNDED)}")
+        raise InputError(messages.unknown("generation method", unknown, BOUNDED))
     if not chosen:
         raise InputError("Pick at least one bounded-cache method.")
     return [m for m in BOUNDED if m in chosen]

@@ -16,9 +16,11 @@ import re
 import typing
 
 from kvlab import limits
-from kvlab.documents import DocumentError, Example, clean_text, load_examples, read_document
-from kvlab.methods.base import MAX_RATIO, MIN_RATIO, get_method
-from kvlab.models import EMBEDDED, EMBEDDED_LABEL
+from kvlab.compression.request import MAX_RATIO, MIN_RATIO
+from kvlab.documents import DocumentError, clean_text, read_document
+from kvlab.examples import Example, load_examples
+from kvlab.methods import get_method
+from kvlab.models import EMBEDDED, EMBEDDED_LABEL, PACKAGED, installed_packaged
 
 log = logging.getLogger("kvlab.lab")
 
@@ -212,14 +214,15 @@ def expected_answer(question: str, pool: list[Example] | None = None) -> tuple[s
 def model_choices(environ: typing.Mapping[str, str] | None = None) -> list[tuple[str, str]]:
     """(label, spec) of every model the lab offers; the first is the default.
 
-    The default is ``KVLAB_MODEL`` (else the embedded model); the embedded model
-    and every comma-separated spec of ``KVLAB_MODELS`` follow, without repeats.
+    The default is ``KVLAB_MODEL`` (else the embedded model); the embedded model,
+    the installed packaged ones (kvlab.models.PACKAGED) and every comma-separated
+    spec of ``KVLAB_MODELS`` follow, without repeats.
     """
     env = os.environ if environ is None else environ
     default = (env.get("KVLAB_MODEL") or "").strip() or EMBEDDED
     extra = [s.strip() for s in (env.get("KVLAB_MODELS") or "").split(",") if s.strip()]
     out: list[tuple[str, str]] = []
-    for spec in dict.fromkeys([default, EMBEDDED, *extra]):
-        label = EMBEDDED_LABEL if spec == EMBEDDED else spec
+    for spec in dict.fromkeys([default, EMBEDDED, *installed_packaged(), *extra]):
+        label = EMBEDDED_LABEL if spec == EMBEDDED else PACKAGED[spec].label if spec in PACKAGED else spec
         out.append((label + (" (default)" if spec == default else ""), spec))
     return out

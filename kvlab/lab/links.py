@@ -2,7 +2,8 @@
 
 ``?tab=explore&example=story&method=kvzip&ratio=10&question=Who+kept+the+ledger``
 opens the Explore tab on the bundled example ``story`` with that question,
-KVzip at 10x. The Compare tab reads ``methods`` and ``ratios`` (comma-separated),
+KVzip at 10x. The Compare tab reads ``methods``, ``ratios`` and ``models``
+(comma-separated; models: the same sweep on each of the page's models named),
 the Generate tab ``methods`` (its bounded-cache methods), ``budget`` and
 ``source=document`` (write after the Explore tab's document and question).
 ``method``/``methods`` and ``ratio``/``ratios`` are the same parameter, so a
@@ -22,7 +23,8 @@ from urllib.parse import urlencode
 
 TABS = ("explore", "compare", "generate", "learn")
 #: Parameters a link may carry; anything else gets a note.
-PARAMETERS = ("tab", "example", "question", "method", "methods", "ratio", "ratios", "budget", "source", "model")
+PARAMETERS = ("tab", "example", "question", "method", "methods", "ratio", "ratios", "budget", "source", "model",
+              "models")
 SOURCES = ("prompt", "document")
 
 
@@ -54,6 +56,7 @@ class Link:
     ratios: tuple[float, ...] | None = None
     budget: int | None = None
     source: str | None = None
+    models: tuple[str, ...] | None = None
     notes: tuple[str, ...] = field(default=())
 
     def note(self) -> str:
@@ -101,6 +104,15 @@ def parse_link(params: Mapping[str, str], choices: LinkChoices) -> Link:
             values["model"] = got["model"]
         else:
             notes.append(f"model `{got['model']}` is not offered here.")
+
+    if got.get("models") and tab == "compare":
+        names = _names(got["models"])
+        unknown = [n for n in names if n not in choices.models]
+        if unknown:
+            notes.append(f"model {', '.join(f'`{n}`' for n in unknown)} is not offered here.")
+        offered_models = tuple(dict.fromkeys(n for n in names if n in choices.models))
+        if offered_models:
+            values["models"] = offered_models
 
     method_text = got.get("methods") or got.get("method") or ""
     ratio_text = got.get("ratios") or got.get("ratio") or ""
@@ -159,6 +171,8 @@ def link_query(link: Link) -> str:
         pairs.append(("methods", ",".join(link.methods)))
     if link.ratios:
         pairs.append(("ratios", ",".join(f"{r:g}" for r in link.ratios)))
+    if link.models:
+        pairs.append(("models", ",".join(link.models)))
     if link.budget is not None:
         pairs.append(("budget", str(link.budget)))
     return "?" + urlencode(pairs, safe=",")

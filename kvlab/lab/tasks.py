@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from kvlab import cancel, models
+from kvlab import cancel, messages, models
 from kvlab.context import Progress, no_progress
 from kvlab.lab.explore import sub_progress
 from kvlab.lab.inputs import InputError, check_count, check_sweep, document_text
@@ -97,7 +97,7 @@ def run_tasks(
     """``n`` items of ``task`` answered from the full cache, no_context and every method at every ratio."""
     start = time.perf_counter()
     if task not in TASKS:
-        raise InputError(f"unknown task {task!r}; choose one of: {', '.join(TASKS)}")
+        raise InputError(messages.unknown("task", task, TASKS))
     n = check_count(n, 1, MAX_LIVE_ITEMS, "number of items")
     length = check_count(length, MIN_LENGTH, MAX_LIVE_LENGTH, "document length (model tokens)")
     methods, ratios = check_sweep(methods, ratios)

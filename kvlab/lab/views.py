@@ -45,8 +45,10 @@ def summary_markdown(ex: Explored) -> str:
         f"(+ {prefix} chat-template tokens, always kept) with {r.model}: "
         f"{r.kept_tokens_mean:.1f} keys stored per head on average. {verdict}{expected}\n\n"
         "| | full cache | compressed cache |\n|---|---|---|\n"
-        f"| memory | {figures.human_bytes(r.bytes_full)} | {figures.human_bytes(r.bytes_compressed)} ({r.memory_ratio:.1f}x smaller) |\n"
-        f"| answer time | {r.answer_full_s:.2f} s{' (cached)' if ex.full_answer_reused else ''} "
+        f"| memory{' (whole cache)' if 'compressed_layers' in r.details else ''} | {figures.human_bytes(r.bytes_full)} "
+        f"| {figures.human_bytes(r.bytes_compressed)} ({r.memory_ratio:.1f}x smaller) |\n"
+        + hybrid_memory_row(r)
+        + f"| answer time | {r.answer_full_s:.2f} s{' (cached)' if ex.full_answer_reused else ''} "
         f"| {r.answer_compressed_s:.2f} s{' (cached)' if ex.run.answer_reused else ''} |\n"
         f"| log-perplexity of the full cache's answer | {r.logppl_full:.3f} | {r.logppl_compressed:.3f} |\n\n"
         f"Attention error on held-out queries (mean over layers x KV heads): "
@@ -55,6 +57,23 @@ def summary_markdown(ex: Explored) -> str:
         f"{' (reused: same method, options and ratio as an earlier run)' if ex.run.compression_reused else ''}; "
         f"this run took {ex.wall_s:.1f} s in all."
         + (f"\n\n**{r.numerics_warning}**" if r.numerics_warning else "")
+    )
+
+
+def hybrid_memory_row(r: RunResult) -> str:
+    """On a model with sliding-window layers, the table row of the layers a method compresses (where
+    its ratio is counted, as the Attention Matching code counts it); "" on any other model."""
+    d = r.details
+    if "compressed_layers" not in d:
+        return ""
+    windows = sorted({w for w in d["layer_windows"] if w is not None})
+    n_window = sum(w is not None for w in d["layer_windows"])
+    return (
+        f"| memory of the {len(d['compressed_layers'])} full-attention layers (the ratio's; the {n_window} "
+        f"window layers keep their last {'/'.join(map(str, windows))} tokens) "
+        f"| {figures.human_bytes(d['compressed_layers_bytes_full'])} "
+        f"| {figures.human_bytes(d['compressed_layers_bytes_compressed'])} "
+        f"({d['compressed_layers_memory_ratio']:.1f}x smaller) |\n"
     )
 
 

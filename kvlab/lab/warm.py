@@ -27,14 +27,15 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager
 from urllib.parse import parse_qsl
 
-from kvlab.documents import DocumentError, Example
+from kvlab.compression.catalog import method_spec
+from kvlab.compression.request import MAX_RATIO, MIN_RATIO
+from kvlab.documents import DocumentError
+from kvlab.examples import Example
 from kvlab.lab.explore import explore, explore_key
 from kvlab.lab.inputs import InputError, check_ratio, examples
 from kvlab.lab.links import LinkChoices, parse_link
 from kvlab.lab.views import RunView, present
 from kvlab.methods import REGISTRY, MethodError
-from kvlab.methods.base import MAX_RATIO, MIN_RATIO
-from kvlab.methods.catalog import method_spec
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
 from kvlab.results import ResultStore, RunKey, Served
 

@@ -1,5 +1,14 @@
-"""Compression methods, one module each, registered by name (see base.py)."""
-from kvlab.methods import attention_matching, beacon, cur, expected_attention, fp8_e4m3, fp8_e5m2, h2o, keydiff, kivi, knorm, kvzip, lagkv, no_context, nvfp4, pyramidkv, random_evict, snapkv, streaming, summarisation, summary_am, tova  # noqa: F401  (registration side effects)
-from kvlab.methods.base import REGISTRY, Method, MethodError, Request, get_method
+"""Compression methods: one module each, the file named as the method, found by discovery.
 
-__all__ = ["REGISTRY", "Method", "MethodError", "Request", "get_method"]
+Importing this package imports every module in it (:func:`kvlab.compression.registry.discover`),
+each registering its method: a method is a file here and nothing else. What the methods stand on
+(options, the interface, selection, the registry, shared maths) is kvlab.compression.
+"""
+from kvlab.compression.interface import Method
+from kvlab.compression.options import MethodError
+from kvlab.compression.registry import REGISTRY, discover, get_method, method_class
+from kvlab.compression.request import Request
+
+discover(__name__, __path__)
+
+__all__ = ["REGISTRY", "Method", "MethodError", "Request", "get_method", "method_class"]

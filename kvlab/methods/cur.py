@@ -22,12 +22,17 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kvlab.methods.base import EvictionMethod, Options, Request, context_scores, knob, register
-from kvlab.methods.scoring import protect
+from kvlab.compression.interface import EvictionMethod, context_scores
+from kvlab.compression.options import knob
+from kvlab.compression.paper import Paper
+from kvlab.compression.registry import register
+from kvlab.compression.request import Request
+from kvlab.compression.scoring import protect
+from kvlab.compression.selection import SelectionOptions
 
 
 @dataclass(frozen=True)
-class CUROptions(Options):
+class CUROptions(SelectionOptions):
     num_sinks: int = knob(4, "first context tokens always kept (attention sinks)", low=0)
     leverage_type: Literal["kv_product", "kv_avg", "key", "value"] = knob(
         "kv_product", "combine key and value leverages: product, mean, or one of them")
@@ -64,8 +69,11 @@ class CUR(EvictionMethod):
         "likewise $\\ell^V_j$, and the score is $s_j=\\ell^K_j\\,\\ell^V_j$ (`leverage_type=kv_product`), "
         "normalised over the context; the first `num_sinks` tokens are kept."
     )
-    paper = ("Sengupta, Chowdhury, Goyal, Chakraborty, 2025, Value-Guided KV Compression for LLMs via "
-             "Approximated CUR Decomposition (CurDKV)")
+    paper = Paper(
+        "Sengupta, Chowdhury, Goyal, Chakraborty", 2025,
+        "Value-Guided KV Compression for LLMs via Approximated CUR Decomposition", arxiv="2509.15038", note="CurDKV")
+    family = "selection"
+    bf16_tolerance = "same_tokens"
     Options = CUROptions
 
     def scores(self, req: Request) -> list[torch.Tensor]:

@@ -23,15 +23,20 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.methods.base import EvictionMethod, Options, Request, knob, register
-from kvlab.methods.scoring import pool_group, protect
+from kvlab.compression.interface import EvictionMethod
+from kvlab.compression.options import knob
+from kvlab.compression.paper import Paper
+from kvlab.compression.registry import register
+from kvlab.compression.request import Request
+from kvlab.compression.scoring import pool_group, protect
+from kvlab.compression.selection import SelectionOptions
 from kvlab.models import LoadedModel
 from kvlab.runtime.attention import attention_weights, expand_kv_heads
 from kvlab.runtime.rope import rope_cos_sin, unrotate
 
 
 @dataclass(frozen=True)
-class ExpectedAttentionOptions(Options):
+class ExpectedAttentionOptions(SelectionOptions):
     n_future_positions: int = knob(512, "future positions whose RoPE rotations are averaged", low=1)
     n_sink: int = knob(4, "first context tokens left out of the statistics and the softmax (always kept)", low=0)
     stats_window: int = knob(
@@ -113,7 +118,12 @@ class ExpectedAttention(EvictionMethod):
         "\\tfrac{k_j^\\top\\bar R\\Sigma\\bar R^\\top k_j}{2d}\\Big),\\qquad s_j=\\hat a_j\\,\\lVert v_j\\rVert$$ "
         "(softmax over the keys, times the size of what the key would contribute)."
     )
-    paper = "Devoto, Jeblick, Jégou, 2025, Expected Attention: KV Cache Compression by Estimating Attention from Future Queries Distribution"
+    paper = Paper(
+        "Devoto, Jeblick, Jégou", 2025,
+        "Expected Attention: KV Cache Compression by Estimating Attention from Future Queries Distribution",
+        arxiv="2510.00636")
+    family = "selection"
+    bf16_tolerance = "near_ties"
     Options = ExpectedAttentionOptions
 
     def scores(self, req: Request) -> list[torch.Tensor]:

@@ -11,8 +11,9 @@ does not look at the format).
 """
 from __future__ import annotations
 
-from kvlab.methods.base import register
-from kvlab.methods.fp8_e4m3 import EVICT_LEARN, FP8_SCALE_LEARN, FP8Format, FP8Options
+from kvlab.compression.engine_format import EVICT_LEARN, FP8_SCALE_LEARN, FP8Format, FP8Options
+from kvlab.compression.paper import Paper
+from kvlab.compression.registry import register
 
 
 @register
@@ -33,7 +34,10 @@ class FP8E5M2(FP8Format):
         "model's cache in bf16 or fp16 and 4x in float32 (the ratio is counted against the model's own dtype), "
         "less the 8 bytes of scales per layer. " + EVICT_LEARN
     )
-    paper = "vLLM, Quantized KV Cache (--kv-cache-dtype fp8_e5m2), github.com/vllm-project/vllm"
+    paper = Paper(
+        "vLLM", None, "Quantized KV Cache (--kv-cache-dtype fp8_e5m2)", url="https://github.com/vllm-project/vllm")
+    family = "engine formats"
+    bf16_tolerance = "code_flips"  # as fp8_e4m3
     Options = FP8Options
     presets = {
         "fp8_e5m2": {"scale": "fixed"},

@@ -15,12 +15,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.methods.base import EvictionMethod, Options, Request, knob, register
-from kvlab.methods.scoring import per_context, pool_group, protect, received_attention
+from kvlab.compression.interface import EvictionMethod
+from kvlab.compression.options import knob
+from kvlab.compression.paper import Paper
+from kvlab.compression.registry import register
+from kvlab.compression.request import Request
+from kvlab.compression.scoring import per_context, pool_group, protect, received_attention
+from kvlab.compression.selection import SelectionOptions
 
 
 @dataclass(frozen=True)
-class H2OOptions(Options):
+class H2OOptions(SelectionOptions):
     recent_share: float = knob(
         0.5, "share of each head's budget kept as the most recent tokens (the paper: 0.5; 0: heavy hitters only)",
         low=0.0, high=1.0)
@@ -40,7 +45,7 @@ def h2o_scores(req: Request) -> list[torch.Tensor]:
             out.append(pool_group(received / seen_by, ctx.lm.n_kv_heads, "mean")[:, ctx.prefix_len :])
         return out
 
-    return per_context(ctx, "h2o", make)
+    return per_context(ctx, ("h2o",), make)
 
 
 @register
@@ -54,10 +59,14 @@ class H2O(EvictionMethod):
         "$s_j=\\tfrac{1}{T-j}\\sum_{i\\ge j}a_{ij}$; a share `recent_share` of each head's budget is kept for "
         "the most recent tokens."
     )
-    paper = "Zhang et al., 2023, H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models"
+    paper = Paper(
+        "Zhang et al.", 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models",
+        arxiv="2306.14048")
+    family = "selection"
+    bf16_tolerance = "same_tokens"  # attention summed over the whole prefill: no near ties
     Options = H2OOptions
     # The recent window is a share of the budget; the heavy-hitter scores under it are kept per context.
-    ratio_free_scores = False
+    keep_scores = False
 
     def scores(self, req: Request) -> list[torch.Tensor]:
         recent = min(round(self.options.recent_share * req.doc_budget), req.ctx.doc_len)

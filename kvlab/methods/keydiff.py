@@ -14,7 +14,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvlab.methods.base import EvictionMethod, Request, register
+from kvlab.compression.interface import EvictionMethod
+from kvlab.compression.paper import Paper
+from kvlab.compression.registry import register
+from kvlab.compression.request import Request
+from kvlab.compression.selection import SelectionOptions
 
 
 def keydiff_scores(req: Request) -> list[torch.Tensor]:
@@ -31,14 +35,19 @@ def keydiff_scores(req: Request) -> list[torch.Tensor]:
 @register
 class KeyDiff(EvictionMethod):
     name = "keydiff"
+    Options = SelectionOptions
     summary = "keys least like the head's mean key direction (the most distinctive); no attention computed"
     learn = (
         "Keys that differ from the rest carry what the rest cannot. With the anchor "
         "$a=\\tfrac1T\\sum_j k_j/\\lVert k_j\\rVert$ (the mean key direction of the head, over the whole context), "
         "the score is $s_j=-\\cos(k_j,a)$, top B per head."
     )
-    paper = ("Park et al., 2025, KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference "
-             "in Resource-Constrained Environments")
+    paper = Paper(
+        "Park et al.", 2025,
+        "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference in Resource-Constrained Environments",
+        arxiv="2504.15364")
+    family = "selection"
+    bf16_tolerance = "same_tokens"
 
     def scores(self, req: Request) -> list[torch.Tensor]:
         return keydiff_scores(req)

@@ -11,7 +11,7 @@ Ratio semantics: the memory this takes is fixed by ``bits``, not by the
 requested ratio, which only caps it: ratio 1 means no compression (the full
 cache, like every method); above 1 the quantised cache is used, and if it is
 still larger than full bytes / ratio, the oldest document tokens are evicted
-until it fits (kvlab.methods.memory_plan, which may give some heads one token
+until it fits (kvlab.compression.memory_plan, which may give some heads one token
 more than others to use the bytes rounding leaves). The actual memory ratio
 is what RunResult reports (and ``meta["memory_ratio"]``); it can be far above
 the requested one.
@@ -21,8 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvlab.methods.base import Method, MethodError, Options, Request, knob, register
-from kvlab.methods.memory_plan import TokenSplit, build_layer, context_plan
+from kvlab.compression.interface import Method
+from kvlab.compression.memory_plan import TokenSplit, build_layer, context_plan
+from kvlab.compression.options import MethodError, Options, knob
+from kvlab.compression.paper import Paper
+from kvlab.compression.registry import register
+from kvlab.compression.request import Request
 from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.quant import SUPPORTED_BITS
 
@@ -53,7 +57,10 @@ class KIVI(Method):
         "above it the ratio only caps the memory, by evicting the oldest tokens if needed. Codes, scales and "
         "zero points are really packed and counted."
     )
-    paper = "Liu et al., 2024, KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache"
+    paper = Paper(
+        "Liu et al.", 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", arxiv="2402.02750")
+    family = "quantisation"
+    bf16_tolerance = "code_flips"  # the byte plan is pinned in tests/test_bf16.py
     Options = KIVIOptions
     #: The ratio is an upper bound on memory, not a token count (see the module docstring).
     memory_ratio_semantics: ClassVar[str] = "at_most"

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.methods.base import EvictionMethod, Request, register
+from kvlab.compression.interface import EvictionMethod
+from kvlab.compression.paper import Paper
+from kvlab.compression.registry import register
+from kvlab.compression.request import Request
+from kvlab.compression.selection import SelectionOptions
 
 
 def knorm_scores(req: Request) -> list[torch.Tensor]:
@@ -22,12 +26,17 @@ def knorm_scores(req: Request) -> list[torch.Tensor]:
 @register
 class KNorm(EvictionMethod):
     name = "knorm"
+    Options = SelectionOptions
     summary = "keys with the smallest L2 norm (they draw the most attention); no attention computed"
     learn = (
         "A key's norm predicts the attention it draws: low-norm keys are the ones queries attend to. "
         "The score is $s_j=-\\lVert k_j\\rVert_2$, top B per head; nothing but the keys is read."
     )
-    paper = "Devoto, Zhao, Scardapane, Minervini, 2024, A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression"
+    paper = Paper(
+        "Devoto, Zhao, Scardapane, Minervini", 2024,
+        "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression", arxiv="2406.11430")
+    family = "selection"
+    bf16_tolerance = "near_ties"  # the same word some positions on has a key norm within a few bf16 roundings
 
     def scores(self, req: Request) -> list[torch.Tensor]:
         return knorm_scores(req)

@@ -29,15 +29,20 @@ from typing import Literal
 
 import torch
 
+from kvlab.compression.interface import EvictionMethod
+from kvlab.compression.options import knob
+from kvlab.compression.paper import Paper
+from kvlab.compression.registry import register
+from kvlab.compression.request import Request
+from kvlab.compression.scoring import per_context, pool_group, protect, received_attention
+from kvlab.compression.selection import SelectionOptions
 from kvlab.context import Context
-from kvlab.methods.base import EvictionMethod, Options, Request, knob, register
-from kvlab.methods.scoring import per_context, pool_group, protect, received_attention
 from kvlab.prompts import REPEAT_INSTRUCTION
 from kvlab.queries import repeat_pass
 
 
 @dataclass(frozen=True)
-class KVzipOptions(Options):
+class KVzipOptions(SelectionOptions):
     prune: Literal["global", "layer", "head"] = knob(
         "global", "global (across all layers and heads, ragged), layer (across the heads of each layer), head (uniform)")
     n_sink: int = knob(4, "first context tokens in every reconstruction softmax (never evicted)", low=0)
@@ -62,13 +67,13 @@ def kvzip_scores(req: Request, opts: KVzipOptions) -> list[torch.Tensor]:
             # Sinks, document, reconstruction: the queries are the last n of these keys.
             keys = torch.cat([keys[:, :sink], keys[:, ctx.prefix_len :], k_own], dim=1)
             received = received_attention(q, keys, reduce="max", causal=True, scale=ctx.lm.geometry[layer].scaling)
-            out.append(pool_group(received, ctx.lm.n_kv_heads, "max")[:, sink : sink + ctx.doc_len])
+            # Without a template prefix the sinks are the document's first tokens: never evicted.
+            doc_sinks = max(0, opts.n_sink - ctx.prefix_len)
+            scored = pool_group(received, ctx.lm.n_kv_heads, "max")[:, sink : sink + ctx.doc_len]
+            out.append(protect(scored, slice(0, doc_sinks)))
         return out
 
-    scores = per_context(ctx, f"kvzip:{opts.n_sink}:{opts.instruction}", make)
-    # Without a template prefix the sinks are the document's first tokens: never evicted.
-    doc_sinks = max(0, opts.n_sink - ctx.prefix_len)
-    return [protect(s.clone(), slice(0, doc_sinks)) for s in scores]
+    return per_context(ctx, ("kvzip", opts.n_sink, opts.instruction), make)
 
 
 def pooled_budgets(scores: list[torch.Tensor], per_head: int, scope: Literal["global", "layer"]) -> torch.Tensor:
@@ -99,11 +104,18 @@ class KVzip(EvictionMethod):
         "globally across all layers and heads, or across the heads of each layer, so heads keep different "
         "numbers of tokens; or per head, with the uniform budget."
     )
-    paper = "Kim et al., 2025, KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction (arXiv 2505.23416)"
+    paper = Paper(
+        "Kim et al.", 2025, "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction",
+        arxiv="2505.23416")
+    family = "selection"
+    bf16_tolerance = "near_ties"
     Options = KVzipOptions
     # The pooled top-k decides how many tokens each head keeps, and the total stays
     # exact: a head may keep no document token at all.
     min_head_budget = 0
+
+    # Its scores are the reconstruction memo itself (Attention Matching's key selection reads it too).
+    keep_scores = False
 
     def scores(self, req: Request) -> list[torch.Tensor]:
         return kvzip_scores(req, self.options)

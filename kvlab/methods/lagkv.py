@@ -24,11 +24,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.methods.base import EvictionMethod, Options, Request, context_scores, knob, register
+from kvlab.compression.interface import EvictionMethod, context_scores
+from kvlab.compression.options import knob
+from kvlab.compression.paper import Paper
+from kvlab.compression.registry import register
+from kvlab.compression.request import Request
+from kvlab.compression.selection import SelectionOptions
 
 
 @dataclass(frozen=True)
-class LagKVOptions(Options):
+class LagKVOptions(SelectionOptions):
     n_sink: int = knob(4, "first context tokens always kept (attention sinks); partitions start after them", low=0)
     lag_size: int = knob(128, "partition length: each partition is normalised by the next one's range", low=1)
     cross_scoring: bool = knob(False, "compare raw scores across partitions instead of ranks within each")
@@ -73,7 +78,11 @@ class LagKV(EvictionMethod):
         "rank within the partition is used, so every partition keeps its share. The sinks and the last partition "
         "(no reference yet) are kept."
     )
-    paper = "Liang, Zhang, Li, Li, 2025, LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are Important"
+    paper = Paper(
+        "Liang, Zhang, Li, Li", 2025, "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are Important",
+        arxiv="2504.04704")
+    family = "selection"
+    bf16_tolerance = "same_tokens"
     Options = LagKVOptions
 
     def scores(self, req: Request) -> list[torch.Tensor]:

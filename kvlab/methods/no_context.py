@@ -8,7 +8,10 @@ had been given. The ratio is ignored: whatever is asked, the document costs
 """
 from __future__ import annotations
 
-from kvlab.methods.base import Method, Request, register
+from kvlab.compression.interface import Method
+from kvlab.compression.paper import Baseline
+from kvlab.compression.registry import register
+from kvlab.compression.request import Request
 from kvlab.runtime.cache import CompressedKV, template_segment
 
 
@@ -20,7 +23,9 @@ class NoContext(Method):
         "The floor: the document is dropped and only the chat template is kept, so the model answers from "
         "what it already knows. Compare any method with this and with the full cache (the ceiling)."
     )
-    paper = "a baseline: the model answers without the document"
+    paper = Baseline("the model answers without the document")
+    family = "baselines"
+    bf16_tolerance = "same_tokens"
     # Keeps a fixed amount whatever the ratio: the budget tests do not apply.
     fixed_budget = True
 

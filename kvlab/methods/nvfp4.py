@@ -25,9 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab.compression.engine_format import EVICT_LEARN, EngineFormat, check_evict_with, evict_with_knob
+from kvlab.compression.options import MethodError, Options
+from kvlab.compression.paper import Paper
+from kvlab.compression.registry import register
+from kvlab.compression.request import Request
 from kvlab.context import Context
-from kvlab.methods.base import MethodError, Options, Request, register
-from kvlab.methods.fp8_e4m3 import EVICT_LEARN, EngineFormat, check_evict_with, evict_with_knob
 from kvlab.runtime.cache import CompressedKV, Segment
 from kvlab.runtime.engine_formats import NVFP4_BLOCK, NVFP4Segment, nvfp4_global_scale, nvfp4_token_bytes
 
@@ -61,7 +64,11 @@ class NVFP4(EngineFormat):
         "7.1x in float32 (the ratio is counted against the model's own dtype), less the 8 bytes of global "
         "scales per layer. " + EVICT_LEARN
     )
-    paper = "NVIDIA TensorRT-LLM, NVFP4 KV cache (cvt_warp_fp16_to_fp4), github.com/NVIDIA/TensorRT-LLM"
+    paper = Paper(
+        "NVIDIA TensorRT-LLM", None, "NVFP4 KV cache (cvt_warp_fp16_to_fp4)",
+        url="https://github.com/NVIDIA/TensorRT-LLM")
+    family = "engine formats"
+    bf16_tolerance = "code_flips"  # e2m1 codes flip like KIVI's 4-bit ones
     Options = NVFP4Options
 
     def token_bytes(self, head_dim: int) -> int:

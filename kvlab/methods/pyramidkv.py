@@ -24,7 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.methods.base import EvictionMethod, Request, knob, register
+from kvlab.compression.interface import EvictionMethod
+from kvlab.compression.options import knob
+from kvlab.compression.paper import Paper
+from kvlab.compression.registry import register
+from kvlab.compression.request import Request
 from kvlab.methods.snapkv import SnapKVOptions, snap_scores
 
 
@@ -68,7 +72,11 @@ class PyramidKV(EvictionMethod):
         "widely and get more keys, upper layers focus and get fewer. With slope $\\beta$ (`beta`) the top layer keeps "
         "$B/\\beta$ keys per head and the bottom layer $2B-B/\\beta$; the mean over layers stays $B$."
     )
-    paper = "Cai et al., 2024, PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling"
+    paper = Paper(
+        "Cai et al.", 2024, "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling",
+        arxiv="2406.02069")
+    family = "selection"
+    bf16_tolerance = "same_tokens"
     Options = PyramidKVOptions
 
     def budgets(self, req: Request) -> torch.Tensor:

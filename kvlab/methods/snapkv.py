@@ -13,13 +13,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvlab.methods.base import EvictionMethod, MethodError, Options, Request, knob, register
+from kvlab.compression.interface import EvictionMethod
+from kvlab.compression.options import MethodError, knob
+from kvlab.compression.paper import Paper
+from kvlab.compression.registry import register
+from kvlab.compression.request import Request
+from kvlab.compression.selection import SelectionOptions
 from kvlab.queries import question_queries
 from kvlab.runtime.attention import attention_weights, expand_kv_heads
 
 
 @dataclass(frozen=True)
-class SnapKVOptions(Options):
+class SnapKVOptions(SelectionOptions):
     window: int = knob(64, "observation window: the last queries of the document", low=1)
     # Odd, as in SnapKV's code: padding kernel // 2 on both sides keeps one score per token.
     kernel: int = knob(5, "1-D average-pooling kernel over token scores (odd: centred on each token)", low=1, odd=True)
@@ -76,26 +81,11 @@ class SnapKV(EvictionMethod):
         "$s_j=\\operatorname{pool}\\big(\\tfrac{1}{|W|}\\sum_{i\\in W}a_{ij}\\big)$; top B per head, the window "
         "itself is kept. Here the window is the end of the document, so it is query-agnostic."
     )
-    paper = "Li et al., 2024, SnapKV: LLM Knows What You are Looking for Before Generation"
+    paper = Paper(
+        "Li et al.", 2024, "SnapKV: LLM Knows What You are Looking for Before Generation", arxiv="2404.14469")
+    family = "selection"
+    bf16_tolerance = "same_tokens"
     Options = SnapKVOptions
 
     def scores(self, req: Request) -> list[torch.Tensor]:
         return snap_scores(req, self.options.window, self.options.kernel, from_question=False)
-
-
-@register
-class SnapKVQuestion(EvictionMethod):
-    name = "snapkv_question"
-    summary = "query-aware SnapKV: the window is the user's question (the compression depends on it)"
-    learn = (
-        "SnapKV whose observation window is your question (read after the document): "
-        "$s_j=\\operatorname{pool}\\big(\\tfrac{1}{|W|}\\sum_{i\\in W_{\\text{question}}}a_{ij}\\big)$. This is the "
-        "setting of the SnapKV paper, where the question is at the end of the prompt: excellent for that "
-        "question, but the cache must be rebuilt for every new question. `window` is not used here."
-    )
-    paper = SnapKV.paper
-    query_aware = True
-    Options = SnapKVOptions
-
-    def scores(self, req: Request) -> list[torch.Tensor]:
-        return snap_scores(req, self.options.window, self.options.kernel, from_question=True)

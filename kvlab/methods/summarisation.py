@@ -20,7 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.methods.base import Method, MethodError, Options, Request, knob, register
+from kvlab.compression.interface import Method
+from kvlab.compression.options import MethodError, Options, knob
+from kvlab.compression.paper import Baseline
+from kvlab.compression.registry import register
+from kvlab.compression.request import Request
 from kvlab.models import LoadedModel
 from kvlab.prompts import question_tokens
 from kvlab.runtime.cache import CompressedKV, DenseSegment, FullKV, template_segment
@@ -86,7 +90,9 @@ class Summarisation(Method):
         "and the summary's cache replaces the document's. Cheap to store, but whatever the summary leaves out "
         "is gone, and writing it is slow on a CPU."
     )
-    paper = "a baseline: prompt compression by the model's own summary"
+    paper = Baseline("prompt compression by the model's own summary")
+    family = "baselines"
+    bf16_tolerance = "same_tokens"  # the summary is pinned in tests/test_bf16.py: a prefill of the same tokens
     Options = SummaryOptions
 
     def compress(self, req: Request) -> CompressedKV:

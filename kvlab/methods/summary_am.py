@@ -8,11 +8,16 @@ requested ratio allows for the original document (T / ratio).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from kvlab.compression.compaction import AMOptions, QuerySourced
+from kvlab.compression.interface import Method
+from kvlab.compression.options import knob
+from kvlab.compression.registry import register
+from kvlab.compression.request import Request
 from kvlab.context import prepare_context
-from kvlab.methods.attention_matching import PRESETS, AMOptions, AttentionMatching, QuerySourced
-from kvlab.methods.base import Method, Request, knob, register
+from kvlab.methods.attention_matching import PRESETS, AttentionMatching
 from kvlab.methods.summarisation import SUMMARY_PROMPT, write_summary
 from kvlab.prompts import question_tokens
 from kvlab.runtime.cache import CompressedKV
@@ -32,7 +37,10 @@ class SummaryThenAM(QuerySourced, Method):
         "Matching compacts the summary's cache down to T/r keys per head (of the original document). The paper "
         "reports that this reaches very high ratios with the accuracy of the summary alone."
     )
-    paper = "Zweiger et al., 2026 (summarise + AM), on the summarisation baseline"
+    paper = dataclasses.replace(
+        AttentionMatching.paper, note="summarise, then compact: Attention Matching on the summarisation baseline")
+    family = "compaction"
+    bf16_tolerance = "code_flips"  # the summary pinned, Attention Matching's fit of it then moves like a selection
     Options = SummaryAMOptions
     presets = PRESETS
 

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.methods.base import EvictionMethod, Request, register
-from kvlab.methods.scoring import protect
+from kvlab.compression.interface import EvictionMethod
+from kvlab.compression.paper import Paper
+from kvlab.compression.registry import register
+from kvlab.compression.request import Request
+from kvlab.compression.scoring import protect
+from kvlab.compression.selection import SelectionOptions
 from kvlab.runtime.attention import attention_weights, expand_kv_heads
 
 
@@ -31,13 +35,18 @@ def tova_scores(req: Request) -> list[torch.Tensor]:
 @register
 class TOVA(EvictionMethod):
     name = "tova"
+    Options = SelectionOptions
     summary = "attention of the document's last token, averaged over all heads (same tokens in every head of a layer)"
     learn = (
         "Token Omission Via Attention: the score is the attention the document's last token pays each token, "
         "averaged over all query heads of the layer, $s_j=\\tfrac1H\\sum_h a^{(h)}_{T j}$, so every KV head of "
         "a layer keeps the same tokens."
     )
-    paper = "Oren, Hassid, Yarden, Adi, Schwartz, 2024, Transformers are Multi-State RNNs (TOVA)"
+    paper = Paper(
+        "Oren, Hassid, Yarden, Adi, Schwartz", 2024, "Transformers are Multi-State RNNs",
+        arxiv="2401.06104", note="TOVA")
+    family = "selection"
+    bf16_tolerance = "near_ties"
 
     def scores(self, req: Request) -> list[torch.Tensor]:
         return tova_scores(req)

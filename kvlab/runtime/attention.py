@@ -259,10 +259,10 @@ def _decode_step(
     bias keeps 8 bits in a bf16 mask).
     """
     # Only the backend choice and the Triton launch: kvlab.kernels' torch references are built on this module.
-    from kvlab.kernels import launch as kernels
+    from kvlab.kernels import launch
 
-    if key_bias is not None and kernels.backend(q) == "triton":
-        return kernels.decode_attention(q, k, v, key_bias, scale).output
+    if key_bias is not None and launch.backend(q) == "triton":
+        return launch.launch_decode_attention(q, k, v, key_bias, scale).output
     batch, n_heads, n_kv, d = q.shape[0], q.shape[1], k.shape[1], q.shape[-1]
     grouped = q.reshape(batch, n_kv, n_heads // n_kv, d).float()
     logits = torch.matmul(grouped * scale, k.float().transpose(-1, -2))  # [B, H_kv, group, kv]

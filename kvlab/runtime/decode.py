@@ -16,6 +16,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvlab.cancel import checkpoint
 from kvlab.models import LoadedModel
+from kvlab.prompts import answer_end_ids
 from kvlab.runtime.cache import CompressedKV, FullKV
 from kvlab.runtime.hooks import ForwardContext, QueryCapture
 from kvlab.runtime.lean import lean_forward, lean_model
@@ -205,9 +206,11 @@ def prefill(
 
 
 def stop_token_ids(lm: LoadedModel) -> set[int]:
-    """End-of-sequence and end-of-turn tokens: where a chat answer ends."""
+    """End-of-sequence and end-of-turn tokens: where a chat answer ends (a base model's: its line's end,
+    kvlab.prompts.answer_end_ids)."""
     tok = lm.tokenizer
     stops = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    stops |= answer_end_ids(tok)
     for marker in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>"):
         token_id = tok.convert_tokens_to_ids(marker)
         if isinstance(token_id, int) and token_id != tok.unk_token_id:

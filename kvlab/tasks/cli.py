@@ -18,7 +18,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from kvlab.methods.base import MAX_RATIO, MIN_RATIO, REGISTRY, MethodError
+from kvlab import messages
+from kvlab.compression.catalog import method_spec
+from kvlab.lab.inputs import parse_ratios
+from kvlab.methods import REGISTRY
 from kvlab.tasks.items import TaskError
 from kvlab.tasks.registry import DEFAULT_LENGTH, TASKS
 from kvlab.tasks.synthetic import HAYSTACKS, VALUE_SHAPES
@@ -51,33 +54,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _ratios(text: str) -> list[float]:
-    try:
-        ratios = sorted({float(x) for x in _csv(text)})
-    except ValueError:
-        raise TaskError(f"--ratios must be comma-separated numbers, got {text!r}") from None
-    if not ratios or any(not MIN_RATIO <= r <= MAX_RATIO for r in ratios):
-        raise TaskError(f"--ratios must be between {MIN_RATIO:g} and {MAX_RATIO:g}, got {text!r}")
-    return ratios
-
-
-def _knob_overrides(entry: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
-    """``name:knob=value:knob=value`` -> (name, ((knob, converted value), ...)); TaskError if a knob is not the method's."""
-    from kvlab.methods.catalog import knobs as method_knobs
-
-    name, *pairs = entry.split(":")
-    if name not in REGISTRY:
-        raise TaskError(f"unknown method {name!r}; choose from: {', '.join(sorted(REGISTRY))}")
-    knobs = {k.name: k for k in method_knobs(name)}
-    options = []
-    for pair in pairs:
-        knob, sep, text = pair.partition("=")
-        if not sep or knob not in knobs:
-            raise TaskError(f"{entry!r}: {pair!r} is not knob=value for one of {name}'s knobs ({', '.join(knobs)})")
-        options.append((knob, knobs[knob].convert(text)))  # MethodError names the knob and what it allows
-    return name, tuple(options)
-
-
 def method_specs(methods: list[str], presets: list[str]) -> list:
     """One spec per method entry (``name`` or ``name:knob=value:...``), or per (entry, preset)
     for the methods that have the presets asked."""
@@ -87,7 +63,7 @@ def method_specs(methods: list[str], presets: list[str]) -> list:
     for entry in methods:
         if entry == FULL:
             continue
-        name, options = _knob_overrides(entry)
+        name, options = method_spec(entry)  # MethodError names the method, knob or value refused
         own = [p for p in presets if p in getattr(REGISTRY[name], "presets", {})]
         specs += [MethodSpec(name, p, options) for p in own] or [MethodSpec(name, options=options)]
     unused = [p for p in presets if not any(s.preset == p for s in specs)]
@@ -137,8 +113,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     tasks = _csv(args.tasks)
     unknown = [t for t in tasks if t not in TASKS]
     if not tasks or unknown:
-        raise TaskError(f"unknown task(s) {', '.join(unknown) or '(none given)'}; choose from: {', '.join(TASKS)}")
-    ratios = _ratios(args.ratios)
+        raise TaskError(messages.unknown("task", unknown, TASKS))
+    ratios = parse_ratios([], args.ratios)
     specs = method_specs(_csv(args.methods), _csv(args.preset))
     from kvlab.tasks.store import ResultWriter, Shard, read_results, results_path
 

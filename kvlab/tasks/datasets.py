@@ -11,7 +11,8 @@ import os
 import random
 from pathlib import Path
 
-from kvlab.documents import DocumentError, load_examples
+from kvlab.documents import DocumentError
+from kvlab.examples import load_examples
 from kvlab.tasks.items import TaskError, TaskItem
 
 _QA_INSTRUCTION = "Answer the question from the documents above with a short phrase only."

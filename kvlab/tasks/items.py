@@ -13,7 +13,7 @@ from kvlab.prompts import encode
 #: "all": the fraction of the gold values that appear (RULER's string_match_all; right when all do);
 #: "f1": SQuAD token F1 of the generated answer (free text; exact match kept beside it);
 #: "choice": the option with the highest log-likelihood (lm-eval's multiple choice).
-Scoring = Literal["contains", "all", "f1", "choice"]
+AnswerScoring = Literal["contains", "all", "f1", "choice"]
 
 #: Counts a text's tokens the way the context is tokenised.
 TokenCounter = Callable[[str], int]
@@ -42,7 +42,7 @@ class TaskItem:
     document: str
     question: str
     answers: tuple[str, ...]
-    scoring: Scoring
+    scoring: AnswerScoring
     answer_prefix: str = ""
     choices: tuple[str, ...] = ()
     gold_index: int | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from kvlab import messages
 from kvlab.models import LoadedModel
 from kvlab.tasks import datasets, synthetic
 from kvlab.tasks.copying import copy_codes
@@ -53,7 +54,7 @@ def build_items(task: str, lm: LoadedModel, n: int, seed: int = 0, length: int =
     rather than silently ignoring them.
     """
     if task not in TASKS:
-        raise TaskError(f"unknown task {task!r}; choose from: {', '.join(TASKS)}")
+        raise TaskError(messages.unknown("task", task, TASKS))
     if n < 1:
         raise TaskError("the number of items must be at least 1")
     spec = TASKS[task]

@@ -16,8 +16,9 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from kvlab.context import Context, Progress, no_progress, prepare_context
-from kvlab.methods.base import Method, Request, get_method
+from kvlab.methods import Method, get_method
 from kvlab.models import LoadedModel
+from kvlab.pipeline import compressed
 from kvlab.prompts import encode, question_tokens
 from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.decode import continuation_logprobs, greedy
@@ -242,7 +243,6 @@ def run_items(
             continue
         progress(finished / total, f"prefill of a {group[0].task} document")
         ctx = prepare_context(lm, group[0].document)
-        shared: dict[tuple[int, float | None], tuple[CompressedKV, float]] = {}
         for item in todo:
             keys = plan.keys(lm.name, item)
             prompt = item_prompt_ids(lm, item)
@@ -252,19 +252,15 @@ def run_items(
                 finished += 1
             else:
                 emit(_result(item, ctx, FULL, "", None, full, full, 0.0))
-            for index, ((spec, method, ratio), key) in enumerate(zip(plan.runs, keys[1:])):
+            for (spec, method, ratio), key in zip(plan.runs, keys[1:]):
                 if key in done:
                     finished += 1
                     continue
-                stored, compress_s = shared.get((index, ratio), (None, 0.0))
-                if stored is None:
-                    start = time.perf_counter()
-                    stored = method.compress(Request(ctx, ratio or 1.0, item.question))
-                    compress_s = time.perf_counter() - start
-                    if not method.uses_question():
-                        shared[(index, ratio)] = (stored, compress_s)
-                out = answer_item(lm, stored, item, prompt)
-                emit(_result(item, ctx, spec.name, spec.variant, ratio, out, full, compress_s))
+                # The pipeline's own compression, kept on the context: a method that never reads the
+                # question compresses the document once per ratio, whatever the number of questions.
+                made, _ = compressed(ctx, method, ratio or 1.0, item.question, no_progress, record_importance=False)
+                out = answer_item(lm, made.stored, item, prompt)
+                emit(_result(item, ctx, spec.name, spec.variant, ratio, out, full, made.compress_s))
     return results
 
 

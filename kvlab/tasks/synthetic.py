@@ -26,6 +26,7 @@ import re
 import string
 from typing import Callable, Literal, Sequence
 
+from kvlab import messages
 from kvlab.paths import assets_dir
 from kvlab.tasks.items import TaskError, TaskItem, TokenCounter
 
@@ -87,7 +88,7 @@ def value_noun(shape: ValueShape) -> str:
     TaskError for an unknown shape.
     """
     if shape not in VALUE_SHAPES:
-        raise TaskError(f"unknown needle value shape {shape!r}; choose from: {', '.join(VALUE_SHAPES)}")
+        raise TaskError(messages.unknown("needle value shape", shape, VALUE_SHAPES))
     return shape
 
 
@@ -207,7 +208,7 @@ def _haystack(preamble: str, needles: Sequence[tuple[float, str]], haystack: Hay
     if haystack == "prose":
         # A needle goes between two sentences as one more sentence, as in RULER's essays.
         return lambda n: preamble + "\n\n" + insert_at_depths(prose_units(order, n), needles, sep=" ")
-    raise TaskError(f"unknown haystack {haystack!r}; choose from: {', '.join(HAYSTACKS)}")
+    raise TaskError(messages.unknown("haystack", haystack, HAYSTACKS))
 
 
 def task_label(task: str, haystack: Haystack = "noise", values: ValueShape = "number") -> str:

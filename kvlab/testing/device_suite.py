@@ -13,7 +13,7 @@ steps on a real GPU. The steps cover:
 * ``kvlab bench`` on one item.
 
 The models have random weights and read through a byte-level tokenizer with
-a ChatML template (:func:`kvlab.synthetic.byte_tokenizer`), so any text reads
+a ChatML template (:func:`kvlab.testing.random_models.byte_tokenizer`), so any text reads
 as tokens and nothing is downloaded.
 """
 from __future__ import annotations
@@ -28,11 +28,11 @@ from unittest import mock
 import torch
 
 from kvlab import models
+from kvlab.compression.selection import SELECTION_PRESETS
 from kvlab.contexts import CONTEXTS
 from kvlab.methods import REGISTRY, get_method
-from kvlab.methods.base import SELECTION_PRESETS
 from kvlab.models import LoadedModel
-from kvlab.synthetic import byte_tokenizer, synthetic_lm
+from kvlab.testing.random_models import byte_tokenizer, synthetic_lm
 
 #: Tiny Llama geometry: GQA 2:1, 2 layers, head dim 16; the vocabulary covers the byte tokenizer.
 TINY = dict(

@@ -24,15 +24,16 @@ from huggingface_hub.constants import HF_HUB_OFFLINE
 
 from kvlab import cancel, figures, limits, results
 from kvlab.bounded.policies import BOUNDED
-from kvlab.documents import DocumentError, Example
-from kvlab.lab.inputs import MAX_RATIO, MIN_RATIO
+from kvlab.compression.catalog import all_knobs, query_awareness
+from kvlab.documents import DocumentError
+from kvlab.examples import Example
 from kvlab.lab import examples as bundled_examples
 from kvlab.lab import model_choices, prepare_document
+from kvlab.lab import links
+from kvlab.lab.inputs import MAX_RATIO, MIN_RATIO
 from kvlab.lab.warm import SheetError, WarmItem, read_sheet, warm
 from kvlab.methods import REGISTRY
-from kvlab.methods.catalog import all_knobs, query_awareness
 from kvlab.models import EMBEDDED, EMBEDDED_PACKAGE, LoadedModel, ModelLoadError, get_model
-from kvlab.lab import links
 from kvlab.ui import common
 from kvlab.ui.common import CSS, CompareInputs, DocumentInputs, GenerateInputs
 from kvlab.ui.compare import SWEEP_RATIOS, build_compare_tab
@@ -171,20 +172,20 @@ def wire_links(
             ex.id if ex is not None else keep, doc, suggested, question,
             link.method or keep, keep if link.ratio is None else link.ratio, link.model or keep,
             compare_methods if compare_methods is keep else list(compare_methods), ticked, more,
-            source, generate_methods if generate_methods is keep else list(generate_methods),
+            keep if link.models is None else list(link.models), source, generate_methods if generate_methods is keep else list(generate_methods),
             keep if link.budget is None else link.budget,
         )
 
     demo.load(
         open_link, None,
         [note, tabs, tab, inputs.example, inputs.text, inputs.suggested, inputs.question, inputs.method,
-         inputs.ratio, inputs.model, sweep.methods, sweep.ratios, sweep.more_ratios,
+         inputs.ratio, inputs.model, sweep.methods, sweep.ratios, sweep.more_ratios, sweep.models,
          writing.source, writing.methods, writing.budget],
         api_name=False, queue=False,
     ).then(api_name=False, **inputs.prepare)  # the document the page opens on
 
-    def make_link(tab_, example_id, text, question, method, ratio, model, methods, ticked, more, source, gen_methods,
-                  budget):
+    def make_link(tab_, example_id, text, question, method, ratio, model, methods, ticked, more, compare_models,
+                  source, gen_methods, budget):
         ex = by_id.get(example_id)
         own = ex is None or _example_body(ex) != (text or "").strip()
         ratios = [float(r) for r in ticked or []] + [x for x in (links.number(t) for t in (more or "").split(","))
@@ -196,6 +197,7 @@ def wire_links(
             ratio=float(ratio) if tab_ == "explore" and ratio is not None else None,
             methods=tuple(methods or ()) if tab_ == "compare" else tuple(gen_methods or ()) if tab_ == "generate" else None,
             ratios=tuple(ratios) if tab_ == "compare" else None,
+            models=tuple(compare_models) if tab_ == "compare" and compare_models else None,
             budget=int(budget or 0) if tab_ == "generate" else None,
             source=links.SOURCES[GENERATE_SOURCES.index(source)] if tab_ == "generate" and source in GENERATE_SOURCES else None,
         )
@@ -206,7 +208,7 @@ def wire_links(
     button.click(
         make_link,
         [tab, inputs.example, inputs.text, inputs.question, inputs.method, inputs.ratio, inputs.model,
-         sweep.methods, sweep.ratios, sweep.more_ratios, writing.source, writing.methods, writing.budget],
+         sweep.methods, sweep.ratios, sweep.more_ratios, sweep.models, writing.source, writing.methods, writing.budget],
         [box], api_name=False, queue=False,
     ).then(None, [box], [box], js="(q) => q.startsWith('?') ? window.location.origin + window.location.pathname + q : q")
 
@@ -237,15 +239,17 @@ def prepare(demo: gr.Blocks) -> gr.Blocks:
 
 def warm_first_example(spec: str) -> threading.Thread | None:
     """Prepare the example the page opens on (prefill + the default method's reference queries) in a
-    background thread, so that a visitor's first Run finds it done. None on ZeroGPU (nothing computed
-    outside a GPU slot survives it) or without examples."""
+    background thread, so that a visitor's first Run finds it done. It holds the compute slot at the
+    lowest priority, as warming does: a visitor's computation never shares the CPU with it. None on
+    ZeroGPU (nothing computed outside a GPU slot survives it) or without examples."""
     pool = bundled_examples()
     if common.spaces is not None or not pool:
         return None
 
     def work() -> None:
         try:
-            p = prepare_document(pool[0].text(), None, default_method(), model=spec, question=pool[0].questions[0])
+            with cancel.scope(owner="warming", priority=cancel.BACKGROUND), common.COMPUTE.hold():
+                p = prepare_document(pool[0].text(), None, default_method(), model=spec, question=pool[0].questions[0])
             log.info("first example prepared in %.1f s (%d tokens)", p.wall_s, p.doc_tokens)
         except Exception:  # noqa: BLE001 - a visitor's Run will do it and report any error
             log.exception("preparing the first example failed")

@@ -92,6 +92,7 @@ class CompareInputs:
     methods: gr.CheckboxGroup
     ratios: gr.CheckboxGroup
     more_ratios: gr.Textbox
+    models: gr.CheckboxGroup
 
 
 @dataclass

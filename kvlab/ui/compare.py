@@ -1,10 +1,12 @@
 """The Compare tab: methods x ratios, in two modes.
 
-- One question: a sweep on the Explore tab's document, question and model.
-  Endpoint ``/compare``: (text, file, methods, ratios, more_ratios, question,
-  max_new_tokens, model) -> a status line, the full cache's answer, three
-  line charts against the ratio (attention-output error, mass error, answer
-  log-perplexity), a table, and the results as CSV and JSON files.
+- One question: a sweep on the Explore tab's document, question and model,
+  or on several models (the same document and question on each, each with
+  its own full cache). Endpoint ``/compare``: (text, file, methods, ratios,
+  more_ratios, question, max_new_tokens, model, models) -> a status line,
+  the full cache's answer (each model's), three line charts against the
+  ratio (attention-output error, mass error, answer log-perplexity), a
+  table, and the results as CSV and JSON files.
 - Tasks with known answers: accuracy against the ratio, with the full
   cache's ceiling and no_context's floor. Endpoint ``/tasks``: (task, items,
   length, methods, ratios, more_ratios, model) -> kvlab.ui.tasks' views;
@@ -14,15 +16,15 @@ from __future__ import annotations
 
 import gradio as gr
 
+from kvlab.compression.catalog import aware_tag
 from kvlab.lab import load_results, parse_ratios, run_tasks, write_exports
-from kvlab.lab.tasks import MAX_LIVE_ITEMS, MAX_LIVE_LENGTH, MIN_LENGTH
 from kvlab.lab.inputs import MIN_RATIO, MAX_RATIO
+from kvlab.lab.tasks import MAX_LIVE_ITEMS, MAX_LIVE_LENGTH, MIN_LENGTH
 from kvlab.methods import REGISTRY
-from kvlab.methods.catalog import aware_tag
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
-from kvlab.ui import common
 from kvlab.tasks.datasets import data_dir
 from kvlab.tasks.registry import TASKS
+from kvlab.ui import common
 from kvlab.ui.common import GPU_MAX_S, USER_ERRORS, CompareInputs, DocumentInputs, as_gr_error, checked_model, guarded, on_gpu
 from kvlab.ui.present import COMPARE_COLUMNS, compare_rows, sweep_status, sweep_view
 from kvlab.ui.tasks import build_task_outputs, show
@@ -82,6 +84,11 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs
                 info=f"Comma-separated, from {MIN_RATIO:g} to {MAX_RATIO:g}", elem_id="kvlab-compare-more",
             )
     with gr.Column(visible=True) as question_box:
+        cmp_models = gr.CheckboxGroup(
+            choices=list(inputs.model.choices), value=[], label="Models",
+            info="None ticked: the model chosen above. Several: the same sweep on each, each with its own full cache",
+            elem_id="kvlab-compare-models", visible=len(specs) > 1,
+        )
         with gr.Row():
             cmp_go = gr.Button("Run the sweep", variant="primary", elem_id="kvlab-compare-run", scale=4)
             cmp_stop = gr.Button("Stop", variant="stop", elem_id="kvlab-compare-stop", scale=1)
@@ -116,18 +123,20 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs
         views = build_task_outputs("tasks")
 
     def on_compare(text=None, file=None, methods=None, ratios=None, more_ratios="", question=None,
-                   max_new_tokens=DEFAULT_MAX_NEW_TOKENS, model=None, request: gr.Request = None,
+                   max_new_tokens=DEFAULT_MAX_NEW_TOKENS, model=None, models=None, request: gr.Request = None,
                    progress=gr.Progress()):
         chosen = list(methods or [])
         view = guarded(", ".join(chosen), lambda: sweep_view(
             common.document_input(text, file), None, chosen, parse_ratios(ratios, more_ratios), question,
             max_new_tokens or DEFAULT_MAX_NEW_TOKENS, checked_model(model, specs), progress,
+            models=[checked_model(m, specs) for m in models or []],
         ), owner=common.session_of(request), kind="compare", progress=progress)
         sweep = view.sweep
         csv_path, json_path = write_exports(sweep)
         return (
             sweep_status(sweep) + (f"\n\n**{sweep.stopped}**" if sweep.stopped else ""),
-            f"{sweep.answer_full}  (log-perplexity {sweep.logppl_full:.3f})",
+            "\n".join(f"{c.model + ': ' if len(sweep.ceilings) > 1 else ''}{c.answer_full}  "
+                      f"(log-perplexity {c.logppl_full:.3f})" for c in sweep.ceilings),
             *view.charts,
             {"headers": COMPARE_COLUMNS, "data": compare_rows(sweep)},
             csv_path,
@@ -163,11 +172,12 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs
 
     sweep_run = cmp_go.click(
         on_compare,
-        [inputs.text, inputs.upload, cmp_methods, cmp_ratios, cmp_more, inputs.question, inputs.max_new, inputs.model],
+        [inputs.text, inputs.upload, cmp_methods, cmp_ratios, cmp_more, inputs.question, inputs.max_new, inputs.model,
+         cmp_models],
         [cmp_status, cmp_full, cmp_err, cmp_mass, cmp_ppl, cmp_table, cmp_csv, cmp_json],
         api_name="compare",
         concurrency_limit=common.COMPUTE_ADMITTED,
         concurrency_id="compute",
     )
     cmp_stop.click(None, None, None, cancels=[sweep_run], api_name=False)
-    return CompareInputs(cmp_methods, cmp_ratios, cmp_more)
+    return CompareInputs(cmp_methods, cmp_ratios, cmp_more, cmp_models)

@@ -26,20 +26,21 @@ import time
 import gradio as gr
 
 from kvlab import figures
-from kvlab.documents import DocumentError, Example
+from kvlab.compression.catalog import Knob, aware_tag, method_info, method_label, options_from, presets
+from kvlab.documents import DocumentError
+from kvlab.examples import Example
 from kvlab.lab import InputError, Prepared, needle_test, parse_ratios, prepare_document
 from kvlab.lab.explore import explore_key
-from kvlab.lab.views import with_served_note
 from kvlab.lab.tasks import MAX_DEPTHS
+from kvlab.lab.views import with_served_note
 from kvlab.methods import REGISTRY
-from kvlab.methods.base import method_class
-from kvlab.methods.catalog import Knob, aware_tag, method_info, method_label, options_from, presets
+from kvlab.methods import method_class
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
 from kvlab.ui import common
 from kvlab.ui.common import GPU_MAX_S, USER_ERRORS, DocumentInputs, as_gr_error, checked_model, guarded, on_gpu, served
 from kvlab.ui.knobs import knob_component
-from kvlab.ui.tasks import build_task_outputs, show
 from kvlab.ui.present import INTENSITIES, INTENSITY_DEFAULT, TokenFates, drawn_for, run_view, token_view
+from kvlab.ui.tasks import build_task_outputs, show
 
 RATIO_MIN, RATIO_MAX, RATIO_DEFAULT = 2, 100, 10
 #: The needle test's first settings: methods besides the one chosen, ratios, depths.

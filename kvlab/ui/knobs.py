@@ -1,9 +1,9 @@
-"""Method knobs as widgets: one input per field of a method's Options (kvlab.methods.catalog.Knob)."""
+"""Method knobs as widgets: one input per field of a method's Options (kvlab.compression.catalog.Knob)."""
 from __future__ import annotations
 
 import gradio as gr
 
-from kvlab.methods.catalog import Knob
+from kvlab.compression.catalog import Knob
 
 
 def knob_component(knob: Knob) -> gr.components.Component:

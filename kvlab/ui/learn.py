@@ -1,9 +1,9 @@
-"""The Learn tab: what the lab measures, then every method's own Learn text (kvlab.methods.catalog)."""
+"""The Learn tab: what the lab measures, then every method's own Learn text (kvlab.compression.catalog)."""
 from __future__ import annotations
 
 import gradio as gr
 
-from kvlab.methods.catalog import methods_markdown
+from kvlab.compression.catalog import methods_markdown
 from kvlab.ui.common import LATEX
 
 LEARN_INTRO = """\

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from kvlab import figures
 from kvlab.context import Progress, no_progress
+from kvlab.memo import MISSING, compute_once
 from kvlab.lab import Sweep, TokenFates, compare, explore
 from kvlab.lab.views import RunView, present
+from kvlab.pipeline import RunResult
 from kvlab.ui.common import GPU_MAX_S, GPU_RUN_S, GPU_SWEEP_BASE_S, GPU_SWEEP_POINT_S, on_gpu
 
 #: What shades the token view: (label, value); the value names an entry of TokenFates.levels.
@@ -100,6 +103,7 @@ def draw(view: RunView) -> Drawn:
 DRAWN_KEPT = 64
 _drawn: OrderedDict[str, Drawn] = OrderedDict()
 _drawn_lock = threading.Lock()
+_drawing: dict[str, Future] = {}
 
 
 def drawn_for(digest: str, view: RunView) -> Drawn:
@@ -107,19 +111,22 @@ def drawn_for(digest: str, view: RunView) -> Drawn:
 
     Building a run's plotly figures costs about 0.1 s of the interpreter's one
     lock: thirty pages answered from the result store at once would queue for
-    it. Two pages may draw the same figures at once the first time; both
-    results are the same, and the figures are only read afterwards.
+    it, so pages asking for the same configuration's figures at once share
+    one drawing (kvlab.memo.compute_once). The figures are only read afterwards.
     """
-    with _drawn_lock:
-        if digest in _drawn:
-            _drawn.move_to_end(digest)
-            return _drawn[digest]
-    made = draw(view)
-    with _drawn_lock:
+
+    def find() -> Drawn | object:
+        if digest not in _drawn:
+            return MISSING
+        _drawn.move_to_end(digest)
+        return _drawn[digest]
+
+    def keep(made: Drawn) -> None:
         _drawn[digest] = made
         while len(_drawn) > DRAWN_KEPT:
             _drawn.popitem(last=False)
-    return made
+
+    return compute_once(_drawn_lock, _drawing, digest, find, lambda: draw(view), keep)
 
 
 @on_gpu(duration=GPU_RUN_S)
@@ -149,26 +156,35 @@ class SweepView:
     charts: tuple
 
 
+def run_label(sweep: Sweep, r: RunResult) -> str:
+    """A run's line and row name: its method, and its model on a sweep over several models."""
+    return f"{r.method} · {r.model}" if len(sweep.ceilings) > 1 else r.method
+
+
 def sweep_charts(sweep: Sweep) -> tuple:
-    """(output error, mass error, log-perplexity) against the ratio, one line per method."""
+    """(output error, mass error, log-perplexity) against the ratio, one line per method (and model).
+
+    The full cache's log-perplexity is drawn as a reference on a one-model sweep; on several models each
+    has its own (the status line lists them), so none is drawn."""
     points = [
-        {"method": r.method, "ratio": r.ratio, "output": r.attn_output_rel_err,
+        {"method": run_label(sweep, r), "ratio": r.ratio, "output": r.attn_output_rel_err,
          "mass": r.attn_mass_rel_err, "logppl": r.logppl_compressed}
         for r in sweep.results
     ]
+    one_model = len(sweep.ceilings) <= 1
     return (
         figures.sweep_figure(points, "output", "Attention-output error vs ratio (held-out queries)", "relative error"),
         figures.sweep_figure(points, "mass", "Attention-mass error vs ratio (held-out queries)", "relative error"),
         figures.sweep_figure(
             points, "logppl", "Log-perplexity of the full cache's answer vs ratio", "log-perplexity (nats/token)",
-            reference=sweep.logppl_full, reference_label="full cache",
+            reference=sweep.logppl_full if one_model else None, reference_label="full cache",
         ),
     )
 
 
 def sweep_duration(text, file, methods, ratios, *args, **kwargs) -> int:  # noqa: ANN001 - spaces' signature
-    """The ZeroGPU slot of a sweep: a base plus a share per (method, ratio), capped."""
-    points = max(1, len(methods or []) * len(ratios or []))
+    """The ZeroGPU slot of a sweep: a base plus a share per (method, ratio, model), capped."""
+    points = max(1, len(methods or []) * len(ratios or []) * max(1, len(kwargs.get("models") or [])))
     return int(min(GPU_MAX_S, GPU_SWEEP_BASE_S + GPU_SWEEP_POINT_S * points))
 
 
@@ -182,9 +198,10 @@ def sweep_view(
     max_new_tokens: int,
     model: str | None,
     progress: Progress = no_progress,
+    models: list[str] | None = None,
 ) -> SweepView:
-    """The heavy part of ``/compare``: kvlab.lab.compare and its charts."""
-    sweep = compare(text, file, methods, ratios, question, max_new_tokens, progress, model)
+    """The heavy part of ``/compare``: kvlab.lab.compare (on ``models`` when given, else ``model``) and its charts."""
+    sweep = compare(text, file, methods, ratios, question, max_new_tokens, progress, model, models)
     return SweepView(sweep, sweep_charts(sweep))
 
 
@@ -195,13 +212,19 @@ def sweep_status(sweep: Sweep) -> str:
     prefill = "reused from an earlier run" if sweep.prefill_reused else f"{sweep.prefill_s:.1f} s, done now"
     text = (
         f"**{len(sweep.results)} runs**: {len(methods)} method(s) x {len(ratios)} ratio(s) "
-        f"({', '.join(f'{r:g}x' for r in ratios)}) on {sweep.doc_tokens:,} document tokens with {sweep.model}, "
+        f"({', '.join(f'{r:g}x' for r in ratios)}) on {sweep.doc_tokens:,} document tokens with {sweep.model}"
+        f"{''.join(f' and {c.model}' for c in sweep.ceilings[1:])}, "
         f"in {sweep.wall_s:.1f} s (prefill {prefill}). Full cache's log-perplexity of its own answer: "
         f"{sweep.logppl_full:.3f}."
     )
+    if len(sweep.ceilings) > 1:
+        text += "\n\nEach model's own full cache (its ceiling): " + "; ".join(
+            f"**{c.model}** answers {c.answer_full!r} (log-perplexity {c.logppl_full:.3f}, "
+            f"{c.doc_tokens:,} document tokens)" for c in sweep.ceilings
+        ) + "."
     if sweep.errors:
         text += "\n\n**Failed** (left out of the charts): " + "; ".join(
-            f"{e.method} at {e.ratio:g}x ({e.message})" for e in sweep.errors
+            f"{e.method} at {e.ratio:g}x{f' on {e.model}' if e.model else ''} ({e.message})" for e in sweep.errors
         )
     return text
 
@@ -210,7 +233,7 @@ def compare_rows(sweep: Sweep) -> list[list]:
     """The comparison table's rows (see COMPARE_COLUMNS), one per (method, ratio)."""
     return [
         [
-            r.method,
+            run_label(sweep, r),
             r.ratio,
             "yes" if a else "no",
             round(r.memory_ratio, 2),

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.methods.scoring import BLOCK_ELEMENTS, pool_group
+from kvlab.compression.scoring import BLOCK_ELEMENTS, pool_group
 
 
 def projected_value_norm(values: torch.Tensor, o_weight: torch.Tensor, block_elements: int = BLOCK_ELEMENTS) -> torch.Tensor:

@@ -1,17 +1,10 @@
-"""BeaconKV, in its two readings, sharing one beacon core.
-
-1. ``beaconkv``, as published (Kim, Kim, Shim, Choi, 2026, "BeaconKV: Key-Value
-   Cache Compression Guided by Beacon Queries for Efficient Large Reasoning
-   Model Inference"; details from secondary summaries, the code was not
-   available): KV *eviction* by the beacon scores of kvlab.methods.beacon_core.
-   The template prefix and a recent window are always kept.
-   :func:`kvlab.bounded.beacon.beacon_generate` is the paper's setting: greedy
-   decoding under a token budget, evicting by these scores with the running
-   query history.
-2. ``beaconkv_mixed``, the source article's reading: the tokens the beacons
-   select stay at full precision, the others are stored at 4 or 2 bits (KIVI,
-   :class:`~kvlab.runtime.quantized.QuantSegment`) or evicted; the ratio is a
-   *memory* ratio (bytes stored ~= full bytes / ratio, kvlab.methods.memory_plan).
+"""BeaconKV as published (Kim, Kim, Shim, Choi, 2026, "BeaconKV: Key-Value Cache Compression
+Guided by Beacon Queries for Efficient Large Reasoning Model Inference"; details from secondary
+summaries, the code was not available): KV *eviction* by the beacon scores of
+kvlab.compression.beacon_core. The template prefix and a recent window are always kept.
+:func:`kvlab.bounded.beacon.beacon_generate` is the paper's setting: greedy decoding under a token
+budget, evicting by these scores with the running query history. ``beaconkv_mixed`` is the
+source article's reading, on the same scores.
 
 Beacon sources (``beacon_source``): ``context`` (the model's own query history:
 the document prefill's queries, as published), ``question`` (the question's
@@ -24,23 +17,25 @@ recent part is still the document's last queries.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 
+from kvlab.compression.beacon_core import BeaconBank, BeaconState, max_attention_scores, stack_layers
+from kvlab.compression.interface import Method, document_importance
+from kvlab.compression.memory_plan import TokenSplit, build_layer
+from kvlab.compression.options import MethodError, Options, knob
+from kvlab.compression.paper import Paper
+from kvlab.compression.registry import register
+from kvlab.compression.request import Request
+from kvlab.compression.scoring import per_context
 from kvlab.context import Context
-from kvlab.methods.base import Method, MethodError, Options, Request, document_importance, knob, register
-from kvlab.methods.beacon_core import BeaconBank, BeaconState, max_attention_scores, stack_layers
-from kvlab.methods.memory_plan import TokenSplit, build_layer, context_plan
-from kvlab.methods.scoring import per_context
 from kvlab.queries import question_queries
 from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.rope import row_cos_sin, unrotate
 
 BeaconSource = Literal["context", "question", "instruction"]
-Rest = Literal["evict", "4bit", "2bit"]
 INSTRUCTION = "Answer the question using the document."
-REST_BITS = {"evict": None, "4bit": 4, "2bit": 2}
 
 
 @dataclass(frozen=True)
@@ -58,12 +53,6 @@ class BeaconOptions(Options):
         super().__post_init__()
         if self.n_beacons + self.n_recent < 1:
             raise MethodError("n_beacons + n_recent must be >= 1: the scoring set needs a query")
-
-
-@dataclass(frozen=True)
-class BeaconMixedOptions(BeaconOptions):
-    rest: Rest = knob("4bit", "what happens to the tokens the beacons do not select: evict, 4bit or 2bit (KIVI)")
-    group_size: int = knob(32, "KIVI group size of the quantised rest", low=1)
 
 
 # --------------------------------------------------------------------------- scoring a prepared context
@@ -107,8 +96,8 @@ def beacon_scores(req: Request, opts: BeaconOptions) -> tuple[list[torch.Tensor]
     """
     ctx = req.ctx
     question = req.question if opts.beacon_source == "question" else None
-    key = (f"beaconkv:{opts.beacon_source}:{opts.n_beacons}:{opts.n_recent}:{opts.buffer}:"
-           f"{opts.beacon_instruction if opts.beacon_source == 'instruction' else ''}:{question or ''}")
+    key = ("beaconkv", opts.beacon_source, opts.n_beacons, opts.n_recent, opts.buffer,
+           opts.beacon_instruction if opts.beacon_source == "instruction" else None, question)
 
     def make() -> tuple[list[torch.Tensor], list[list[list[int]]]]:
         state = document_state(ctx, opts, req.question)
@@ -157,9 +146,11 @@ def split_head(score: torch.Tensor, n_fp: int, n_quant: int, window: int) -> Tok
 # --------------------------------------------------------------------------- the methods
 
 
-class _BeaconBase(Method):
-    paper = ("Kim, Kim, Shim, Choi, 2026, BeaconKV: Key-Value Cache Compression Guided by Beacon Queries "
-             "for Efficient Large Reasoning Model Inference (arXiv 2609.04971; details from secondary summaries)")
+class BeaconBase(Method):
+    paper = Paper(
+        "Kim, Kim, Shim, Choi", 2026,
+        "BeaconKV: Key-Value Cache Compression Guided by Beacon Queries for Efficient Large Reasoning Model Inference",
+        arxiv="2609.04971", note="details from secondary summaries")
 
     query_aware_when = "beacon_source=question"
 
@@ -168,7 +159,7 @@ class _BeaconBase(Method):
 
 
 @register
-class BeaconKV(_BeaconBase):
+class BeaconKV(BeaconBase):
     name = "beaconkv"
     summary = ("eviction: score = max attention from the recent and the beacon queries (cosine FPS over the "
                "pre-RoPE query history, re-rotated to now), max over the GQA group; template + recent window kept")
@@ -185,6 +176,8 @@ class BeaconKV(_BeaconBase):
         "is confirmed, but its details here come from **secondary summaries** (its code could not be read), "
         "so treat this as the best available reading."
     )
+    family = "selection"
+    bf16_tolerance = "near_ties"
     Options = BeaconOptions
 
     def scores(self, req: Request) -> list[torch.Tensor]:
@@ -201,44 +194,3 @@ class BeaconKV(_BeaconBase):
         ]
         meta = {"method": self.name, "beacon_source": self.options.beacon_source, "beacon_positions": beacons}
         return CompressedKV(layers, ctx.length, meta=meta, importance=document_importance(req, scores))
-
-
-@register
-class BeaconKVMixed(_BeaconBase):
-    name = "beaconkv_mixed"
-    summary = ("mixed precision: beacon-selected tokens + recent window at full precision, the rest "
-               "quantised (KIVI) or evicted; the ratio is a memory ratio (bytes stored ~ full bytes / ratio)")
-    learn = (
-        "The reading of BeaconKV in this project's source article: the tokens the beacons select (scored as "
-        "in `beaconkv`) and the last `window` tokens stay at full precision; what `rest` says happens to all "
-        "other tokens: stored at 4 or 2 bits (KIVI, groups of `group_size`) or evicted. Here the ratio is a "
-        "**memory** ratio: bytes stored ≈ full bytes / r, counting packed codes, scales and zero points. If "
-        "even the all-quantised document does not fit, no token stays at full precision and the "
-        "lowest-scored are evicted. Like `beaconkv`, its details come from secondary summaries of the paper."
-    )
-    Options = BeaconMixedOptions
-    #: The ratio is met in bytes (tests compare bytes, not token counts).
-    memory_ratio_semantics: ClassVar[str] = "match"
-
-    def compress(self, req: Request) -> CompressedKV:
-        ctx, opts = req.ctx, self.options
-        bits = REST_BITS[opts.rest]
-        plan = context_plan(ctx, req.ratio, bits, opts.group_size)
-        scores, beacons = beacon_scores(req, opts)
-        layers = []
-        for i, s in enumerate(scores):
-            splits = [
-                split_head(s[h], int(plan.n_fp[i, h]), int(plan.n_quant[i, h]), opts.window)
-                for h in range(s.shape[0])
-            ]
-            layers.append(build_layer(ctx, i, splits, bits, opts.group_size))
-        stored = CompressedKV(layers, ctx.length, meta={}, importance=document_importance(req, scores))
-        stored.meta = {
-            "method": self.name,
-            "beacon_source": opts.beacon_source,
-            "rest": opts.rest,
-            "beacon_positions": beacons,
-            **plan.details(ctx.doc_len),
-            "memory_ratio": ctx.full.nbytes / max(1, stored.nbytes),
-        }
-        return stored

@@ -9,7 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.methods.base import EvictionMethod, Options, Request, knob, register
+from kvlab.compression.interface import EvictionMethod
+from kvlab.compression.options import Options, knob
+from kvlab.compression.paper import Paper
+from kvlab.compression.registry import register
+from kvlab.compression.request import Request
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,9 @@ class StreamingLLM(EvictionMethod):
         "most recent ones: $\\text{keep}=\\{1..s\\}\\cup\\{T-(B-s)+1..T\\}$. It looks at positions only, never "
         "at attention, so it is the cheapest method and forgets everything in the middle of the document."
     )
-    paper = "Xiao et al., 2024, Efficient Streaming Language Models with Attention Sinks"
+    paper = Paper("Xiao et al.", 2024, "Efficient Streaming Language Models with Attention Sinks", arxiv="2309.17453")
+    family = "selection"
+    bf16_tolerance = "same_tokens"  # position only
     Options = StreamingOptions
     scores_are_importance = False  # recency is position, not importance
 

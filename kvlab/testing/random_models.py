@@ -6,7 +6,7 @@ script (``python -m benchmarks.gpu_check``) need the shapes of real models
 memory and speed depend on the geometry only.
 
 The tests need the architectures researchers use, as tiny models
-(:func:`random_model`): one per family of :data:`FAMILIES`, each built from
+(:func:`random_model`; tests/conftest.py's ``tiny`` Llama is :func:`tiny_llama`): one per family of :data:`FAMILIES`, each built from
 its own transformers config class so that the family's own modelling code
 runs (Llama 3.1's RoPE scaling, Qwen2's q/k/v biases, Qwen3's and Gemma 3's
 q/k norms, Gemma 3's interleaved sliding and global layers).
@@ -145,10 +145,12 @@ def perturb_constant_init(model: PreTrainedModel, scale: float = 0.1) -> None:
 
 
 def random_weights(
-    family: str, config: dict[str, Any], device: torch.device, dtype: torch.dtype, name: str | None = None
+    family: str, config: dict[str, Any], device: torch.device, dtype: torch.dtype, name: str | None = None,
+    perturb: bool = True,
 ) -> PreTrainedModel:
     """A ``family`` model of ``config`` (its config class's fields) with random weights on ``device``,
-    kvlab's attention switched on; kvlab.models.ModelLoadError, naming ``name``, if kvlab does not support it."""
+    kvlab's attention switched on; kvlab.models.ModelLoadError, naming ``name``, if kvlab does not support it.
+    perturb: :func:`perturb_constant_init` (off: transformers' own initialisation, biases 0 and norms 1)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; choose from: {', '.join(FAMILIES)}")
     spec = FAMILIES[family]
@@ -156,7 +158,8 @@ def random_weights(
     config = copy.deepcopy(config)
     with torch.device(device):
         model = spec.model_class._from_config(spec.config_class(**config), dtype=dtype)
-        perturb_constant_init(model)
+        if perturb:
+            perturb_constant_init(model)
     check_supported(model, name or f"random {family}")
     register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
@@ -179,12 +182,13 @@ def synthetic_lm(
     device: torch.device | None = None,
     dtype: torch.dtype = torch.float32,
     tokenizer: PreTrainedTokenizerFast | None = None,
+    perturb: bool = True,
 ) -> LoadedModel:
     """A seeded random ``family`` model (float32 on the CPU unless told) reading through ``tokenizer``.
 
     config: the family config class's fields. tokenizer: default, a word
     tokenizer of the vocabulary (its special ids are the defaults); another
-    one's eos id is set in the config.
+    one's eos id is set in the config. perturb: as :func:`random_weights`.
     """
     device = device or torch.device("cpu")
     torch.manual_seed(seed)
@@ -192,7 +196,7 @@ def synthetic_lm(
         config, tokenizer = {**SPECIAL_IDS, **config}, word_tokenizer(config["vocab_size"])
     else:
         config = {**SPECIAL_IDS, **config, "eos_token_id": tokenizer.eos_token_id}
-    model = random_weights(family, config, device, dtype, name)
+    model = random_weights(family, config, device, dtype, name, perturb)
     return LoadedModel(name, model, tokenizer, device, dtype)
 
 
@@ -209,3 +213,9 @@ def random_model(
         raise ValueError(f"unknown model family {family!r}; choose from: {', '.join(FAMILIES)}")
     config = {**TINY, **FAMILIES[family].tiny, **(config_overrides or {})}
     return synthetic_lm(config, f"tiny-{family}", seed, family, device, dtype)
+
+
+def tiny_llama(seed: int = 0) -> LoadedModel:
+    """The tests' everyday model, "tiny-llama": :data:`TINY`'s geometry as a plain Llama (default RoPE),
+    transformers' own initialisation (initializer_range 0.02, nothing perturbed), the word tokenizer."""
+    return synthetic_lm({**TINY, "initializer_range": 0.02}, "tiny-llama", seed, perturb=False)

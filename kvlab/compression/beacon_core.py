@@ -6,7 +6,7 @@ continual FPS (a buffer of newer queries that, when full, is re-sampled
 together with the current beacons down to the beacon count). Beacons are
 rotated with the RoPE of the current position; a key's score is the max
 attention it gets over the scoring set (the recent queries + the beacons) and
-over the query heads of its GQA group. The methods (kvlab.methods.beacon) and
+over the query heads of its GQA group. The methods (kvlab.methods.beaconkv, beaconkv_mixed) and
 budgeted generation (kvlab.bounded.beacon) both score keys this way.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvlab.methods.base import MethodError
+from kvlab.compression.options import MethodError
 from kvlab.runtime.attention import attention_weights, expand_kv_heads
 from kvlab.runtime.rope import rotate, unrotate
 

@@ -4,11 +4,15 @@ H2O and KVzip both need "how much attention does each key receive from a
 set of queries" (summed or maxed over the queries), TOVA a single query's
 row of it; the attention itself always comes from kvlab.runtime.attention.
 Scores that do not depend on the ratio are kept per context (``per_context``)
-so that a second ratio does not recompute them.
+so that a second ratio does not recompute them. This is the one memo of scores:
+a method's own scores go there through
+kvlab.compression.interface.EvictionMethod.kept_scores, parts that several
+methods share (KVzip's reconstruction scores, H2O's attention sums) through
+their own function.
 """
 from __future__ import annotations
 
-from typing import Callable, Literal, TypeVar
+from typing import Callable, Hashable, Literal, TypeVar
 
 import torch
 
@@ -73,11 +77,14 @@ def pool_group(scores: torch.Tensor, n_kv_heads: int, how: Literal["mean", "max"
     return grouped.mean(dim=1) if how == "mean" else grouped.amax(dim=1)
 
 
-def per_context(ctx: Context, key: str, make: Callable[[], T], question: str | None = None) -> T:
+def per_context(ctx: Context, key: tuple[Hashable, ...], make: Callable[[], T], question: str | None = None) -> T:
     """``make()`` computed once per context and key (ratio-independent scores), kept in ``ctx.memos``.
 
-    Racing first calls compute it once (kvlab.context.Context.cached); a
-    ``question`` in the key must be passed too, so the memo is forgotten with it.
+    key: the memo's name, then every value the result depends on, e.g.
+    ``("kvzip", n_sink, instruction)``. Racing first calls compute it once
+    (kvlab.context.Context.cached); a ``question`` in the key must be passed
+    too, so the memo is forgotten with it. Nothing downstream changes a
+    memo's tensors in place.
     """
     return ctx.cached("memos", key, make, question)
 

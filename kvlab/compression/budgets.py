@@ -2,7 +2,7 @@
 
 Uniform budgets give every head T / ratio keys. Non-uniform budgets follow a
 per-model profile, measured once by ``python -m kvlab budgets`` (a
-sensitivity sweep, kvlab.sweep) and stored as JSON under assets/budgets/:
+sensitivity sweep, kvlab.compression.compaction_sweep) and stored as JSON under assets/budgets/:
 each head's share of the total, mean 1. Whatever the profile, the total over
 heads stays what the global ratio allows, and no head gets more than
 ``MAX_SHARE`` x or less than 1/``MIN_SHARE_DIV`` of the uniform budget.
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from kvlab.methods.base import MethodError, Request
+from kvlab.compression.options import MethodError
+from kvlab.compression.request import Request
 from kvlab.models import LoadedModel
 from kvlab.paths import assets_dir
 

@@ -1,5 +1,6 @@
 """The registered methods as any front end shows them: knobs, labels, Learn text.
 
+The methods are those registered (importing kvlab.methods registers them all).
 Everything here is read off the method classes (``summary``, ``learn``,
 ``paper``, ``query_aware*``, ``presets``) and their Options dataclasses (each
 field's type, default, help and bounds), so that the app, the command line
@@ -13,7 +14,11 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvlab.methods.base import REGISTRY, SELECTION_LEARN, MethodError, SelectionOptions, allowed, method_class, option_types
+from kvlab.compression.interface import FAMILIES
+from kvlab.compression.options import MethodError, allowed, option_types
+from kvlab.compression.paper import Baseline, Paper
+from kvlab.compression.registry import REGISTRY, method_class, method_presets
+from kvlab.compression.selection import SELECTION_LEARN, SELECTION_PRESETS, SelectionOptions
 
 Awareness = Literal["yes", "no", "options"]
 
@@ -93,10 +98,13 @@ class Knob:
 
 
 def knobs(name: str) -> list[Knob]:
-    """The knobs of method ``name``, in the order of its Options fields."""
+    """The knobs of method ``name``: its own in the order of its Options fields, then the selection
+    wrappers' (:class:`SelectionOptions`, a base class, whose fields dataclasses would list first)."""
     options = method_class(name).Options
     kinds = option_types(options)
-    return [Knob(name, f, kinds[f.name]) for f in dataclasses.fields(options) if f.init]
+    shared = {f.name for f in dataclasses.fields(SelectionOptions)} if issubclass(options, SelectionOptions) else set()
+    fields = [f for f in dataclasses.fields(options) if f.init]
+    return [Knob(name, f, kinds[f.name]) for f in sorted(fields, key=lambda f: f.name in shared)]
 
 
 def method_spec(entry: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
@@ -139,7 +147,7 @@ def options_from(name: str, values: dict[str, Any]) -> dict[str, Any]:
 
 def presets(name: str) -> dict[str, dict[str, Any]]:
     """The method's named configurations (preset name -> option values); {} when it has none."""
-    return {preset: dict(values) for preset, values in method_class(name).presets.items()}
+    return {preset: dict(values) for preset, values in method_presets(method_class(name)).items()}
 
 
 def query_awareness(name: str) -> Awareness:
@@ -174,8 +182,12 @@ def method_info(name: str) -> str:
         "options": f"Query-agnostic with its default knobs; with {cls.query_aware_when} (see Advanced) it is "
         "**query-aware**, i.e. the compression then depends on your question.",
     }[query_awareness(name)]
-    paper = f" Paper: *{cls.paper}*." if cls.paper else ""
-    return f"{aware}{paper}"
+    return f"{aware} {source_line(cls.paper)}".rstrip()
+
+
+def source_line(paper: Paper | Baseline) -> str:
+    """"Paper: *...*." with the citation, or "This is a baseline: ..." for a baseline."""
+    return f"This is {paper}." if isinstance(paper, Baseline) else f"Paper: *{paper}*."
 
 
 def _cell(text: str) -> str:
@@ -203,13 +215,12 @@ def _preset_lines(name: str) -> list[str]:
 def method_markdown(name: str) -> str:
     """One method's full text: heading with its tag, summary, Learn text, paper, presets, knob table."""
     cls = method_class(name)
-    parts = [f"### `{name}`{aware_tag(name)}", f"*{cls.summary}.*"]
+    parts = [f"#### `{name}`{aware_tag(name)}", f"*{cls.summary}.*"]
     if cls.learn:
         parts.append(cls.learn)
     if issubclass(cls.Options, SelectionOptions):
         parts.append(SELECTION_LEARN)
-    if cls.paper:
-        parts.append(f"Paper: *{cls.paper}*.")
+    parts.append(source_line(cls.paper))
     lines = _preset_lines(name)
     if lines:
         parts.append("Presets (`preset`; explicit knobs override them):\n\n" + "\n".join(lines))
@@ -219,9 +230,68 @@ def method_markdown(name: str) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+def by_family() -> dict[str, list[str]]:
+    """The registered methods' names by family: every family of FAMILIES, in its order; names sorted."""
+    groups: dict[str, list[str]] = {family: [] for family in FAMILIES}
+    for name in sorted(REGISTRY):
+        groups[method_class(name).family].append(name)
+    return groups
+
+
 def methods_markdown() -> str:
-    """Every registered method's :func:`method_markdown`, sorted by name."""
-    return "\n".join(method_markdown(name) for name in sorted(REGISTRY))
+    """Every registered method's :func:`method_markdown`, grouped by family (a heading each), sorted by name."""
+    parts = []
+    for family, names in by_family().items():
+        if names:
+            parts.append(f"### {family.capitalize()}\n\n*{FAMILIES[family].capitalize()}.*\n")
+            parts.extend(method_markdown(name) for name in names)
+    return "\n".join(parts)
+
+
+def source_cell(paper: Paper | Baseline) -> str:
+    """The table's link to where a method comes from: ``[authors, year](link)``, or "baseline"."""
+    if isinstance(paper, Baseline):
+        return "baseline"
+    cited = paper.authors if paper.year is None else f"{paper.authors}, {paper.year}"
+    return f"[{_cell(cited)}]({paper.link})"
+
+
+#: Where docs/methods.md holds :func:`methods_table` (the lines between these two are generated).
+TABLE_BEGIN = "<!-- methods table: generated from the catalog (kvlab.compression.catalog.methods_table); do not edit -->"
+TABLE_END = "<!-- end of the methods table -->"
+
+
+def methods_table() -> str:
+    """docs/methods.md's table of the methods: one per family (every family, empty ones said so),
+    a row per method (name and tag, summary, source); a dagger marks the methods that take the
+    selection wrappers' knobs and presets."""
+    lines = []
+    for family, names in by_family().items():
+        lines += [f"**{family.capitalize()}**: {FAMILIES[family]}.", ""]
+        if not names:
+            lines += ["No method of this family yet.", ""]
+            continue
+        lines += ["| method | what it keeps | source |", "| --- | --- | --- |"]
+        for name in names:
+            cls = method_class(name)
+            label = f"`{name}`" + (" †" if issubclass(cls.Options, SelectionOptions) else "")
+            if aware_tag(name):
+                label += " " + aware_tag(name).strip()
+            lines.append(f"| {label} | {_cell(cls.summary)} | {source_cell(cls.paper)} |")
+        lines.append("")
+    wrappers = ", ".join(f"`{preset}`" for preset in SELECTION_PRESETS)
+    lines.append(f"† takes the selection wrappers' knobs and their presets ({wrappers}): `kvlab methods --long`.")
+    return "\n".join(lines)
+
+
+def with_methods_table(doc: str) -> str:
+    """``doc`` (docs/methods.md's text) with the lines between :data:`TABLE_BEGIN` and :data:`TABLE_END`
+    replaced by :func:`methods_table`."""
+    head, begin, rest = doc.partition(TABLE_BEGIN)
+    _, end, tail = rest.partition(TABLE_END)
+    if not begin or not end:
+        raise ValueError("the document has no methods-table markers")
+    return f"{head}{TABLE_BEGIN}\n{methods_table()}\n{TABLE_END}{tail}"
 
 
 def describe(name: str, long: bool = False, width: int = 0) -> str:

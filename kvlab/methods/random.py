@@ -5,7 +5,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.methods.base import EvictionMethod, Options, Request, knob, register
+from kvlab.compression.interface import EvictionMethod
+from kvlab.compression.options import Options, knob
+from kvlab.compression.paper import Baseline
+from kvlab.compression.registry import register
+from kvlab.compression.request import Request
 
 
 @dataclass(frozen=True)
@@ -18,7 +22,9 @@ class RandomEviction(EvictionMethod):
     name = "random"
     summary = "a seeded random subset of the document per head: the floor any scoring rule must beat"
     learn = "A seeded random subset of B tokens per head: the floor any scoring rule has to beat."
-    paper = "a baseline (kvpress's RandomPress)"
+    paper = Baseline("a seeded random subset of the document (kvpress's RandomPress)")
+    family = "baselines"
+    bf16_tolerance = "same_tokens"  # seeded: the same tokens in both dtypes
     Options = RandomOptions
     scores_are_importance = False  # chance, not importance
 

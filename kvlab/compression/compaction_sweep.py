@@ -20,9 +20,9 @@ from typing import Callable
 import torch
 
 from kvlab.cancel import checkpoint
+from kvlab.compression.budgets import cap_shares, profile_path
+from kvlab.compression.compaction import AMOptions, compact_cache
 from kvlab.context import Context
-from kvlab.methods.attention_matching import AMOptions, compact_cache
-from kvlab.methods.budgets import cap_shares, profile_path
 from kvlab.metrics import log_perplexity
 from kvlab.pipeline import Evaluation
 from kvlab.queries import repeat_queries

@@ -1,0 +1,180 @@
+"""The one small interface every compression method implements.
+
+A method turns a prepared context into a stored cache at a ratio. Eviction
+methods only say how much each token matters (score); the shared code keeps
+the top of each head's budget and gathers their keys and values (the
+"score, then top-k, then gather" shape of kvpress).
+"""
+from __future__ import annotations
+
+import functools
+from abc import ABC, abstractmethod
+from typing import Any, Callable, ClassVar, Literal
+
+import torch
+
+from kvlab.compression.options import NoOptions
+from kvlab.compression.paper import Baseline, Paper
+from kvlab.compression.request import Request
+from kvlab.compression.selection import SelectionOptions, keep_tokens, select, top_k_per_head
+from kvlab.context import Context
+from kvlab.runtime.cache import CompressedKV, keep_windows, token_importance
+
+
+#: The map of the field (issue #34): what a method does to the cache. docs/methods.md, the Learn tab
+#: and ``kvlab methods`` group the methods by it, in this order.
+Family = Literal["selection", "merging", "channel", "quantisation", "engine formats", "compaction", "baselines"]
+FAMILIES: dict[str, str] = {
+    "selection": "keep some tokens, drop the rest (a score per token, then each head's top budget)",
+    "merging": "fold the dropped tokens into the kept ones",
+    "channel": "drop key or value channels instead of tokens",
+    "quantisation": "keep every token in fewer bits",
+    "engine formats": "the KV-cache formats serving engines ship",
+    "compaction": "build a smaller cache that behaves like the full one (fitted keys, biases, values)",
+    "baselines": "reference points every method must beat",
+}
+#: How far bf16 may move a method's attention-output error from float32's (tests/test_bf16.py holds
+#: the bounds and their derivation): ``fit`` a least-squares fit absorbs the rounding; ``same_tokens``
+#: bf16 keeps the same tokens (or picks them without near ties); ``code_flips`` 2- to 8-bit codes,
+#: where a value rounded across a code boundary moves a whole step; ``near_ties`` scores within a few
+#: bf16 roundings of each other, so bf16 swaps some kept tokens.
+Bf16Tolerance = Literal["fit", "same_tokens", "code_flips", "near_ties"]
+
+
+class Method(ABC):
+    """A KV-cache compression method. Subclasses set the class attributes and ``compress``."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]  # one line, shown by `python -m kvlab methods` and the app; no default values in prose
+    #: The Learn text (markdown with $...$ formulas): idea and formula. The knob
+    #: table and the paper are rendered from ``Options`` and ``paper``.
+    learn: ClassVar[str] = ""
+    #: Where the method comes from (rendered in the Learn text and docs/methods.md).
+    paper: ClassVar[Paper | Baseline]
+    family: ClassVar[Family]
+    bf16_tolerance: ClassVar[Bf16Tolerance]
+    query_aware: ClassVar[bool] = False  # the compression always depends on the question
+    query_aware_when: ClassVar[str] = ""  # or only with these options, e.g. "query_source=question"
+    fixed_budget: ClassVar[bool] = False  # ignores the ratio (e.g. no context)
+    Options: ClassVar[type] = NoOptions
+    #: Named sets of option values (published configurations); get_method(name, preset=...).
+    presets: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    def __init__(self, options: Any = None):
+        self.options = options if options is not None else self.Options()
+
+    def uses_question(self) -> bool:
+        """Whether this instance (with its options) compresses for the question it is given."""
+        return self.query_aware
+
+    def prepare(self, ctx: Context) -> None:
+        """Do the work that depends on the document alone (e.g. record reference queries) ahead of a run.
+
+        Kept on ``ctx``, so a later ``compress`` finds it done (kvlab.lab.prepare_document
+        calls this as soon as a document is chosen). Nothing by default.
+        """
+
+    @classmethod
+    def prepares(cls) -> bool:
+        """Whether the method has document-only work to do ahead of a run (it overrides :meth:`prepare`).
+
+        The app prepares a method when it is picked only then: for the others a round trip
+        would cost the browser (and, on one machine, the server beside it) time for nothing.
+        """
+        return cls.prepare is not Method.prepare
+
+    @abstractmethod
+    def compress(self, req: Request) -> CompressedKV:
+        """Return the stored cache for ``req.ctx`` at ``req.ratio``."""
+
+
+def document_importance(req: Request, scores: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """``CompressedKV.importance`` from document-token scores, or None unless the request records it.
+
+    scores: per layer [H_kv, T_doc] -> per layer [H_kv, context length], NaN
+    on the template prefix (kept whatever its score).
+    """
+    if not req.record_importance:
+        return None
+    ctx = req.ctx
+    index = torch.arange(ctx.prefix_len, ctx.length, device=ctx.lm.device)
+    return [token_importance(s, index.expand(s.shape[0], -1), ctx.length) for s in scores]
+
+
+def context_scores(req: Request, score_layer: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """Per layer [H_kv, T_doc]: ``score_layer(keys, values)`` of the whole context ([H_kv, N, d] each
+    -> [H_kv, N]; a scorer whose windows or partitions count from the context's first token), cut to
+    the document."""
+    ctx = req.ctx
+    return [score_layer(k, v)[:, ctx.prefix_len :] for k, v in zip(ctx.full.keys, ctx.full.values)]
+
+
+class EvictionMethod(Method):
+    """Score every document token per layer and head; keep each head's top budget."""
+
+    #: Whether the scores mean importance (recorded as ``CompressedKV.importance``);
+    #: not for position or chance (StreamingLLM's recency, random scores).
+    scores_are_importance: ClassVar[bool] = True
+    #: Fewest document tokens a head keeps (0: a head may keep only the template).
+    min_head_budget: ClassVar[int] = 1
+    #: Whether :meth:`kept_scores` keeps :meth:`scores` on the context: true for scores the same at
+    #: every ratio; false for scores that follow the ratio, and for scores that already are a memo of
+    #: parts several methods share (kvlab.compression.scoring.per_context), which are not kept twice.
+    keep_scores: ClassVar[bool] = True
+
+    @abstractmethod
+    def scores(self, req: Request) -> list[torch.Tensor]:
+        """Per layer, [H_kv, T_doc] importance of each document token (higher = keep)."""
+
+    def budgets(self, req: Request) -> torch.Tensor:
+        """[n_layers, H_kv] document tokens kept per head; uniform unless overridden."""
+        return req.budgets()
+
+    def details(self) -> dict:
+        """What the stored cache's meta (the run's JSON details) says besides the method's name."""
+        return {}
+
+    @classmethod
+    def selects(cls) -> bool:
+        """Whether the selection wrappers (:class:`SelectionOptions`) apply: scores that mean importance."""
+        return cls.scores_are_importance
+
+    def kept_scores(self, req: Request) -> list[torch.Tensor]:
+        """:meth:`scores`, computed once per context, options and (for a query-aware instance) question
+        when they do not depend on the ratio, so that a second ratio only re-selects. Kept in
+        ``ctx.memos`` within the context's byte budget; nothing downstream changes them in place."""
+        if not self.keep_scores:
+            return self.scores(req)
+        question = req.question if self.uses_question() else None
+        key = ("scores", self.name, self.options, question)
+        return req.ctx.cached("memos", key, lambda: self.scores(req), question)
+
+    def compress(self, req: Request) -> CompressedKV:
+        scores = self.kept_scores(req)
+        budgets = self.budgets(req).clamp(self.min_head_budget, req.ctx.doc_len)
+        if isinstance(self.options, SelectionOptions):
+            scores, budgets = select(req, scores, budgets, self.options)
+        layers = [
+            keep_tokens(req, i, top_k_per_head(s, budgets[i]), budgets[i])
+            for i, s in enumerate(scores)
+        ]
+        importance = document_importance(req, scores) if self.scores_are_importance else None
+        meta = {"method": self.name, **self.details()}
+        if isinstance(self.options, SelectionOptions):
+            meta.update(budgets=self.options.budgets, granularity=self.options.granularity, critical=self.options.critical)
+        return CompressedKV(layers, req.ctx.length, meta=meta, importance=importance)
+
+
+def keeping_windows(compress: Callable[[Method, Request], CompressedKV]) -> Callable[[Method, Request], CompressedKV]:
+    """``compress`` whose caches of the request's document keep every sliding-window layer as the model
+    does (its window; kvlab.runtime.cache.keep_windows): a method compresses the full-attention layers
+    only. A cache of another text (a summary, the template alone) was read by the model itself, its
+    window layers' keys consecutive tokens that the window mask reads as the model would."""
+
+    @functools.wraps(compress)
+    def compress_full_layers(self: Method, req: Request) -> CompressedKV:
+        stored = compress(self, req)
+        return keep_windows(stored, req.ctx.full) if stored.logical_len == req.ctx.length else stored
+
+    compress_full_layers.keeps_windows = True  # type: ignore[attr-defined]
+    return compress_full_layers

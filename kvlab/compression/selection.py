@@ -1,0 +1,128 @@
+"""How a scoring method's scores become kept tokens: the selection wrappers' knobs
+(:class:`SelectionOptions`, applied by :func:`select`), each head's top-k and the gather.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from kvlab.compression.options import MethodError, Options, knob
+from kvlab.compression.request import Request
+from kvlab.compression.wrappers.adakv import adakv_budgets, safeguard
+from kvlab.compression.wrappers.chunkkv import chunk_ranks
+from kvlab.compression.wrappers.criticalkv import critical_scores, output_projection, projected_value_norm
+from kvlab.runtime.cache import DenseSegment, Segment, gather_tokens, template_segment
+
+
+@dataclass(frozen=True)
+class SelectionOptions(Options):
+    """The knobs every scoring method gets (:class:`EvictionMethod` whose scores mean importance):
+    how its scores become kept tokens. One module each does the maths:
+    kvlab.compression.wrappers (adakv, chunkkv, criticalkv).
+
+    A scoring method's Options extend this class (the method's own knobs are listed first,
+    kvlab.compression.catalog.knobs); :func:`kvlab.compression.registry.register` checks it.
+    """
+
+    budgets: Literal["uniform", "adakv"] = knob(
+        "uniform", "uniform (the method's own per-head budgets) or adakv (a layer's budget shared among its heads by "
+        "their scores, stored ragged)")
+    alpha_safeguard: float = knob(
+        0.2, "adakv: fewest tokens a head keeps, as a share of the mean per-head budget", low=0.0, high=1.0)
+    granularity: Literal["token", "chunk"] = knob(
+        "token", "token, or chunk (ChunkKV: keep whole chunks of consecutive tokens, the same in every head)")
+    chunk_size: int = knob(10, "chunk: tokens per chunk", low=1)
+    critical: bool = knob(
+        False, "CriticalKV: after a first stage by the method's scores, reweight by the value's norm through o_proj")
+    first_stage_ratio: float = knob(
+        0.5, "critical: share of each head's budget chosen by the method's own scores", low=0.0, high=1.0)
+    critical_epsilon: float = knob(1e-4, "critical: added to the scores before the reweighting", low=0.0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # ChunkKV picks chunks by one score shared by the heads: head budgets (AdaKV) and per-head
+        # first-stage picks (CriticalKV) have no meaning there.
+        if self.granularity == "chunk" and self.budgets == "adakv":
+            raise MethodError("budgets=adakv needs granularity=token: ChunkKV keeps the same chunks in every head")
+        if self.granularity == "chunk" and self.critical:
+            raise MethodError("critical=true needs granularity=token: ChunkKV keeps the same chunks in every head")
+
+
+#: Published configurations of any scoring method with one wrapper on (``kvlab bench --preset adakv``).
+SELECTION_PRESETS: dict[str, dict[str, Any]] = {
+    "adakv": {"budgets": "adakv"},
+    "chunkkv": {"granularity": "chunk"},
+    "criticalkv": {"critical": True},
+}
+
+SELECTION_LEARN = (
+    "**Selection wrappers** (knobs shared by every scoring method). `budgets=adakv` (AdaKV): a layer's budget "
+    "is shared among its heads by one top-k over all their scores, each head keeping at least `alpha_safeguard` "
+    "of the mean, and the heads are stored ragged, so the bytes are those of the kept tokens. "
+    "`granularity=chunk` (ChunkKV): chunks of `chunk_size` tokens scored by their mean, "
+    "$\\bar s_c=\\tfrac{1}{|c|}\\sum_{j\\in c}\\sum_h s^{(h)}_j$, whole chunks kept, the same in every head. "
+    "`critical=true` (CriticalKV): each head keeps a `first_stage_ratio` share of its budget by $s_j$, the rest by "
+    "$(s_j+\\epsilon)\\,\\lVert v_j W_o^{(h)}\\rVert_1$, what the value adds to the layer's output."
+)
+
+
+def select(
+    req: Request, scores: list[torch.Tensor], budgets: torch.Tensor, opts: SelectionOptions
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The wrappers applied to a method's scores and budgets: AdaKV's allocation (from the method's
+    scores, as kvpress's CriticalAdaKVPress), then CriticalKV's two stages with those budgets;
+    or ChunkKV's chunks alone.
+
+    scores: per layer [H_kv, T_doc]; budgets: [n_layers, H_kv] -> the same, changed.
+    """
+    ctx = req.ctx
+    if opts.budgets == "adakv":
+        n_heads = budgets.shape[1]
+        budgets = torch.stack([
+            adakv_budgets(s, int(b.sum()), safeguard(int(b.sum()), n_heads, opts.alpha_safeguard))
+            for s, b in zip(scores, budgets)
+        ])
+    if opts.critical:
+        scores = [
+            critical_scores(s, projected_value_norm(ctx.full.values[i][:, ctx.prefix_len :],
+                                                    output_projection(ctx.lm.model, i)),
+                            budgets[i], opts.first_stage_ratio, opts.critical_epsilon)
+            for i, s in enumerate(scores)
+        ]
+    if opts.granularity == "chunk":
+        scores = [chunk_ranks(s, opts.chunk_size) for s in scores]
+    return scores, budgets
+
+
+def keep_tokens(
+    req: Request, layer: int, doc_index: torch.Tensor, lengths: torch.Tensor, fate: str = "kept"
+) -> list[Segment]:
+    """Segments for one layer keeping the template prefix plus chosen document tokens.
+
+    doc_index: [H_kv, L] document-relative token indices, padded past each
+    head's length; lengths: [H_kv].
+    """
+    ctx = req.ctx
+    prefix = ctx.prefix_len
+    keys, values = ctx.full.keys[layer], ctx.full.values[layer]
+    segments: list[Segment] = [template_segment(keys, values, prefix)] if prefix else []
+    index = doc_index.clamp(min=0) + prefix
+    segments.append(DenseSegment.from_padded(
+        gather_tokens(keys, index), gather_tokens(values, index), lengths, index, fate=fate))
+    return segments
+
+
+def top_k_per_head(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Each head's ``lengths[h]`` highest-scoring positions, ascending, padded with -1.
+
+    scores: [H, T]; lengths: [H] -> [H, max(lengths)].
+    """
+    width, sentinel = int(lengths.max()), scores.shape[-1]
+    top = torch.topk(scores.float(), k=width, dim=-1).indices
+    lengths = lengths.to(scores.device)
+    valid = torch.arange(width, device=scores.device).unsqueeze(0) < lengths.unsqueeze(1)
+    # Sort each head's picks into reading order; the sentinel sorts past them.
+    ordered = torch.sort(torch.where(valid, top, sentinel), dim=-1).values
+    return ordered.masked_fill(ordered == sentinel, -1)

@@ -1,0 +1,221 @@
+"""The solvers' batched, padding-aware linear algebra: ridge least squares in primal and dual form.
+
+Every function is a pure function on tensors, batched over a leading dim ``B`` (the heads
+compacted together, e.g. all KV heads of a layer); all maths is float32 whatever the input dtype.
+Shapes: ``B`` heads, ``n`` reference queries, ``T`` original keys, ``t`` compact keys, ``d`` key
+dim, ``dv`` value dim.
+
+Memory: a long document has many kept keys ``t``; no solve holds a ``t x t`` matrix when there
+are fewer reference queries than kept keys (the ``n x n`` dual, :func:`ridge_lstsq_dual`).
+
+Ridge convention: every ``ridge`` argument is *relative*: the added diagonal is
+``ridge * mean(diag(Gram))`` over the real (non-padding) columns. The Gram matrices here range
+from ``n`` (mass features near 1) to ``n / t**2`` (softmax weights), so an absolute lambda would
+be negligible for one and dominant for the other.
+"""
+from __future__ import annotations
+
+from contextvars import ContextVar
+
+import torch
+
+
+# Cholesky retries multiply the ridge by 10 this many times (1e-6 -> 1 relative)
+# before giving up on a batch element; past that the Gram matrix holds
+# non-finite numbers and no ridge will help.
+MAX_RIDGE_RETRIES = 6
+# Refinement steps after each normal-equations solve (see _refine).
+REFINE_STEPS = 2
+# Floor for the ridge scale: an all-zero Gram would otherwise get lambda = 0
+# and never become positive definite however often it is multiplied.
+RIDGE_FLOOR = 1e-30
+
+
+def _ridge_scale(gram: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """Mean diagonal of ``gram`` [B, m, m] over active rows: [B]."""
+    diag = torch.diagonal(gram, dim1=-2, dim2=-1) * active
+    return (diag.sum(-1) / active.sum(-1).clamp_min(1.0)).clamp_min(RIDGE_FLOOR)
+
+
+#: While :func:`compact_block` runs: per head [B], the ridge solves that never factorised
+#: (they solved to 0). A context variable, so concurrent fits never mix their counts.
+FALLBACKS: ContextVar[torch.Tensor | None] = ContextVar("kvlab_solver_fallbacks", default=None)
+
+
+def _record_fallbacks(bad: torch.Tensor) -> None:
+    """Count ``bad`` [B] solves against the heads of the running :func:`compact_block`."""
+    counts = FALLBACKS.get()
+    if counts is not None and counts.shape == bad.shape:
+        counts += bad.to(counts.dtype)
+
+
+def ridge_factor(
+    gram: torch.Tensor,
+    active: torch.Tensor,
+    ridge: float,
+    ridge_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cholesky factor of ``gram + lam I`` on the active rows: ``(chol, ok)``.
+
+    gram: [B, m, m], active: [B, m] float (1 = real row/column, 0 = padding).
+    Padding rows/columns are replaced by the identity, so they solve to
+    exactly 0 without shrinking the system. ``lam = ridge * ridge_scale``,
+    ``ridge_scale`` [B] defaulting to the mean active diagonal. A batch
+    element whose factorisation fails retries with 10x the ridge, up to
+    ``MAX_RIDGE_RETRIES`` times, and only failing elements are refactorised.
+    One that never factorises (non-finite input) gets ``ok = False`` and an
+    identity factor, so it solves to 0 rather than NaNs that would poison
+    the whole cache; it is counted for its head (:attr:`CompactBlock.fallbacks`).
+    """
+    m = gram.shape[-1]
+    base = active_block(gram, active)
+    ridge_scale = (_ridge_scale(base, active) if ridge_scale is None else ridge_scale).clamp_min(RIDGE_FLOOR)
+    lam = ridge * ridge_scale  # [B]
+
+    def assemble(b: torch.Tensor, lam_: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+        # Added on the diagonal in place: an identity times the diagonal would be
+        # two more [B, m, m] temporaries, and m (kept keys) reaches thousands.
+        out = b.clone()
+        out.diagonal(dim1=-2, dim2=-1).add_(lam_.unsqueeze(-1) * act + (1.0 - act))
+        return out
+
+    chol, info = torch.linalg.cholesky_ex(assemble(base, lam, active))
+    bad = info != 0
+    tries = 0
+    while bool(bad.any()) and tries < MAX_RIDGE_RETRIES:
+        tries += 1
+        # max(): a caller's ridge of 0 must still grow on retry
+        lam = torch.where(bad, torch.maximum(lam * 10.0, 1e-6 * ridge_scale), lam)
+        where = bad.nonzero(as_tuple=True)[0]
+        chol_b, info_b = torch.linalg.cholesky_ex(assemble(base[where], lam[where], active[where]))
+        chol[where] = chol_b
+        info[where] = info_b
+        bad = info != 0
+    if bool(bad.any()):
+        chol = torch.where(bad.view(-1, 1, 1), torch.eye(m, dtype=gram.dtype, device=gram.device), chol)
+        _record_fallbacks(bad)
+    return chol, ~bad
+
+
+def active_block(gram: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """``gram`` [B, m, m] with the rows and columns of padding entries (active 0) zeroed; no copy without padding."""
+    if bool((active > 0).all()):
+        return gram
+    return gram * (active.unsqueeze(-1) * active.unsqueeze(-2))
+
+
+def factor_solve(
+    chol: torch.Tensor, ok: torch.Tensor, rhs: torch.Tensor, active: torch.Tensor
+) -> torch.Tensor:
+    """Solve with a factor from :func:`ridge_factor`; rhs [B, m, c] -> [B, m, c]."""
+    mask = active.unsqueeze(-1) * ok.view(-1, 1, 1).to(rhs.dtype)
+    return torch.cholesky_solve(rhs * mask, chol) * mask
+
+
+def _refine(x, residual, pull, solve, steps: int):
+    """Iterative refinement of a normal-equations solution ``x``.
+
+    The Gram matrix is formed in float32, which squares the condition number:
+    on a keep-all mass fit the weights came out ~1e-2 off. Each step solves
+    for a correction from the residual recomputed with the *design* (its
+    own float32 accuracy, not the Gram's) and reuses the factor, so it costs
+    two design products. A step is kept only for heads whose residual
+    norm it reduces, so it can never make a fit worse; with a ridged factor
+    the fixed point moves towards the unridged solution only along
+    well-determined directions, the near-null ones stay damped.
+    """
+    r = residual(x)
+    err = r.square().flatten(1).sum(-1)
+    for _ in range(steps):
+        x_new = x + solve(pull(r))
+        r_new = residual(x_new)
+        err_new = r_new.square().flatten(1).sum(-1)
+        better = err_new < err
+        if not bool(better.any()):
+            break
+        if bool(better.all()):  # the usual case: no [B, ...] selects
+            x, r, err = x_new, r_new, err_new
+            continue
+        x = torch.where(better.view(-1, 1, 1), x_new, x)
+        r = torch.where(better.view(-1, 1, 1), r_new, r)
+        err = torch.where(better, err_new, err)
+    return x
+
+
+def ridge_lstsq(
+    design: torch.Tensor,
+    target: torch.Tensor,
+    active: torch.Tensor,
+    ridge: float,
+    gram: torch.Tensor | None = None,
+    rhs: torch.Tensor | None = None,
+    steps: int = REFINE_STEPS,
+) -> torch.Tensor:
+    """Ridge least squares ``min ||design X - target||`` by normal equations.
+
+    design: [B, n, m] (padding columns already zero), target: [B, n, c],
+    active: [B, m] -> X [B, m, c], refined by :func:`_refine` ``steps`` times. ``gram``
+    and ``rhs`` may be passed when the caller already holds them.
+    """
+    dt = design.transpose(-1, -2)
+    gram = torch.bmm(dt, design) if gram is None else gram
+    rhs = torch.bmm(dt, target) if rhs is None else rhs
+    chol, ok = ridge_factor(gram, active, ridge)
+    solve = lambda b: factor_solve(chol, ok, b, active)  # noqa: E731
+    return _refine(
+        solve(rhs),
+        lambda x: target - torch.bmm(design, x),
+        lambda r: torch.bmm(dt, r),
+        solve,
+        steps,
+    )
+
+
+def ridge_lstsq_dual(
+    design: torch.Tensor,
+    target: torch.Tensor,
+    active: torch.Tensor,
+    ridge: float,
+    kern: torch.Tensor | None = None,
+    steps: int = REFINE_STEPS,
+) -> torch.Tensor:
+    """:func:`ridge_lstsq` through the n x n dual, for designs with fewer rows than columns.
+
+    design: [B, n, m] (padding columns zero), target: [B, n, c], active: [B, m]
+    -> ``X = D^T (D D^T + lam I)^{-1} target`` [B, m, c], the same ridge
+    estimator as the primal (the push-through identity) and the minimum-norm
+    solution as lam -> 0. ``lam = ridge * ||D||_F^2 / m_active``: the primal
+    Gram's mean diagonal, not the dual's own (/ n), so that both forms are one
+    estimator and switching between them is invisible to callers. ``kern``:
+    ``D D^T`` when the caller holds it.
+    """
+    dt = design.transpose(-1, -2)
+    kern = torch.bmm(design, dt) if kern is None else kern  # [B, n, n]
+    fro2 = torch.diagonal(kern, dim1=-2, dim2=-1).sum(-1)
+    rows = torch.ones(design.shape[0], design.shape[1], dtype=design.dtype, device=design.device)
+    chol, ok = ridge_factor(kern, rows, ridge, fro2 / active.sum(-1).clamp_min(1.0))
+    solve = lambda b: factor_solve(chol, ok, b, rows)  # noqa: E731
+    alpha = _refine(
+        solve(target),
+        lambda a: target - torch.bmm(design, torch.bmm(dt, a)),
+        lambda r: r,
+        solve,
+        steps,
+    )
+    return torch.bmm(dt, alpha)
+
+
+def masked_design(m: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(float32 M with padding columns zeroed, active [B, t])`` for a design ``m`` [B, n, t]."""
+    m = m.float()
+    if valid is None or bool(valid.all()):
+        return m, torch.ones(m.shape[0], m.shape[-1], dtype=m.dtype, device=m.device)
+    # padding columns may hold inf/NaN (exp of a -inf bias shift): drop them
+    return torch.where(valid.unsqueeze(-2), m, torch.zeros_like(m)), valid.to(m.dtype)
+
+
+def masked_gram(m: torch.Tensor, z: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """``(M^T M, M^T z, active, masked M)`` for a design ``m`` [B, n, t]."""
+    m, active = masked_design(m, valid)
+    mt = m.transpose(-1, -2)
+    return torch.bmm(mt, m), torch.bmm(mt, z.float().unsqueeze(-1)).squeeze(-1), active, m

@@ -1,0 +1,131 @@
+"""KVzip+ (Jégou & Jeblick, 2026, "KVzap: Fast, Adaptive, and Faithful KV Cache Pruning", arXiv
+2601.07891; kvpress's KVzipPress with
+``kvzip_plus_normalization=True``): KVzip's reconstruction attention weighted by what a key
+adds to the layer's output, relative to the size of the query's own input.
+
+KVzip scores key j by the largest attention a_ij any reconstruction query i pays it. KVzip+
+multiplies each weight by ||v_j W_o^(h)||_2 / ||h_i||: the norm of what the key's value adds
+to the attention output through the head's slice of the output projection, over the norm of
+the query's own attention input h_i (the hidden state after the layer's input norm), so that
+a weight counts by how much it changes the query's residual stream. As kvpress computes it:
+s_j = max_i max_(h in group) a^(h)_ij ||v_j W_o^(h)||_2 / ||h_i||, each softmax over the first
+``n_sink`` context tokens, the document and the reconstruction's own tokens (causal), then
+pruned as KVzip's (``prune``).
+
+The queries and their softmax are KVzip's (kvlab.methods.kvzip, the recorded repeat pass);
+the attention inputs' norms need one more pass over the same tokens, through transformers'
+modules (``output_hidden_states``), kept per context beside it. The differences from kvpress
+are KVzip's (the template prefix kept, the document replayed in one chunk).
+"""
+from __future__ import annotations
+
+import torch
+
+from kvlab.compression.paper import Paper
+from kvlab.compression.registry import register
+from kvlab.compression.request import Request
+from kvlab.compression.scoring import BLOCK_ELEMENTS, per_context, pool_group, protect
+from kvlab.compression.wrappers.criticalkv import output_projection
+from kvlab.context import Context
+from kvlab.methods.kvzip import KVzip, KVzipOptions
+from kvlab.prompts import repeat_tokens
+from kvlab.queries import repeat_pass
+from kvlab.runtime.attention import attention_weights, expand_kv_heads
+from kvlab.runtime.decode import open_session
+from kvlab.runtime.hooks import ForwardContext
+
+
+@torch.inference_mode()
+def attention_input_norms(ctx: Context, instruction: str, chunk_size: int = 2048) -> list[torch.Tensor]:
+    """Per layer [n] float32: ||h_i||, the norm of each reconstruction token's attention input (the
+    residual stream after the layer's input norm), from a pass after the full cache."""
+    lm = ctx.lm
+    ids = repeat_tokens(lm.tokenizer, ctx.tokens.ids[ctx.prefix_len :], instruction).to(lm.device)
+    session = open_session(lm, ctx.full.stored)
+    norms: list[list[torch.Tensor]] = [[] for _ in range(lm.n_layers)]
+    layers = lm.model.get_decoder().layers
+    for start in range(0, ids.numel(), chunk_size):
+        chunk = ids[start : start + chunk_size]
+        positions = torch.arange(session.position, session.position + chunk.numel(), device=lm.device).unsqueeze(0)
+        out = lm.model(input_ids=chunk.unsqueeze(0), position_ids=positions, cache=session.cache, use_cache=True,
+                       logits_to_keep=1, output_hidden_states=True, kvlab=ForwardContext(key_bias=session.key_bias))
+        session.position += chunk.numel()
+        for i, layer in enumerate(layers):  # hidden_states[i]: the residual stream entering layer i
+            norms[i].append(layer.input_layernorm(out.hidden_states[i][0]).float().norm(dim=-1))
+    return [torch.cat(n) for n in norms]
+
+
+def output_norms(values: torch.Tensor, o_weight: torch.Tensor) -> torch.Tensor:
+    """||v_j W_o^(h)||_2 per query head: values [H_kv, T, d], o_proj weight [hidden, H * d] -> [H, T] float32."""
+    n_kv, length, d = values.shape
+    n_heads = o_weight.shape[1] // d
+    w = o_weight.detach().float().view(-1, n_heads, d).transpose(0, 1)  # [H, hidden, d]
+    v = expand_kv_heads(values.float(), n_heads)  # [H, T, d]
+    return torch.stack([(v[h] @ w[h].T).norm(dim=-1) for h in range(n_heads)])
+
+
+def weighted_max(queries: torch.Tensor, keys: torch.Tensor, row: torch.Tensor, scale: float,
+                 block_elements: int = BLOCK_ELEMENTS) -> torch.Tensor:
+    """max_i a_ij / row_i per query head; causal, the queries the last n of the keys' tokens.
+
+    queries [H, n, d], keys [H_kv, T, d], row [n] -> [H, T] float32, in blocks of query rows.
+    """
+    n_heads, n, total = queries.shape[0], queries.shape[1], keys.shape[1]
+    keys = expand_kv_heads(keys.float(), n_heads)
+    out = torch.zeros(n_heads, total, device=keys.device)
+    rows = max(1, block_elements // max(1, n_heads * total))
+    for start in range(0, n, rows):
+        end = min(start + rows, n)
+        visible = total - n + end  # query i of the block sits at key position total - n + i
+        weights = attention_weights(queries[:, start:end].float(), keys[:, :visible], scale=scale, causal=True)
+        weighted = weights / row[start:end].view(1, -1, 1)
+        out[:, :visible] = torch.maximum(out[:, :visible], weighted.amax(dim=1))
+    return out
+
+
+def kvzip_plus_scores(req: Request, opts: KVzipOptions) -> list[torch.Tensor]:
+    """Per layer [H_kv, T_doc]: max over the reconstruction queries and the group of a_ij ||v_j W_o|| / ||h_i||."""
+    ctx = req.ctx
+    sink = min(opts.n_sink, ctx.prefix_len)
+
+    def make() -> list[torch.Tensor]:
+        recon = repeat_pass(ctx, opts.instruction)
+        norms = attention_input_norms(ctx, opts.instruction)
+        out = []
+        for layer, (q, k_own) in enumerate(zip(recon.queries, recon.keys)):
+            keys = ctx.full.keys[layer]
+            if ctx.full.window(layer) is not None:  # as KVzip: a sliding-window layer keeps its window
+                out.append(torch.zeros(keys.shape[0], ctx.doc_len, device=keys.device))
+                continue
+            keys = torch.cat([keys[:, :sink], keys[:, ctx.prefix_len :], k_own], dim=1)
+            weights = weighted_max(q, keys, norms[layer], ctx.lm.geometry[layer].scaling)[:, sink : sink + ctx.doc_len]
+            values = ctx.full.values[layer][:, ctx.prefix_len :]
+            scored = weights * output_norms(values, output_projection(ctx.lm.model, layer))
+            out.append(pool_group(scored, ctx.lm.n_kv_heads, "max"))
+        return out
+
+    scores = per_context(ctx, ("kvzip_plus", opts.n_sink, opts.instruction), make)
+    doc_sinks = max(0, opts.n_sink - ctx.prefix_len)
+    return [protect(s.clone(), slice(0, doc_sinks)) for s in scores]
+
+
+@register
+class KVzipPlus(KVzip):
+    name = "kvzip_plus"
+    summary = "KVzip's reconstruction attention x ||v W_o|| / ||h||: weighted by what a key adds to the output"
+    learn = (
+        "KVzip (`kvzip`) scores a key by the largest attention any query pays it while the model repeats the "
+        "document. KVzip+ counts each weight by how much it moves the query's residual stream: times the norm "
+        "of what the key's value adds through the head's output projection, over the norm of the query's own "
+        "attention input, $$s_j=\\max_{i\\in\\text{repeat}}\\max_{h\\in g}\\,a^{(h)}_{ij}\\,"
+        "\\frac{\\lVert v_jW_o^{(h)}\\rVert_2}{\\lVert h_i\\rVert_2}.$$ The oracle KVzap's surrogates are trained "
+        "to predict (arXiv 2601.07891); pruned as KVzip's (`prune`)."
+    )
+    paper = Paper("Jégou, Jeblick", 2026, "KVzap: Fast, Adaptive, and Faithful KV Cache Pruning", arxiv="2601.07891",
+                  note="KVzip+, the scores KVzap's surrogates are trained to predict")
+    family = "selection"
+    bf16_tolerance = "near_ties"
+    Options = KVzipOptions  # KVzip's own knobs (register adds the wrappers' to them, as to KVzip's)
+
+    def scores(self, req: Request) -> list[torch.Tensor]:
+        return kvzip_plus_scores(req, self.options)

@@ -1,0 +1,96 @@
+"""Leverage scores (Chari & Van Durme, 2025, "Compactor: Calibrated Query-Agnostic KV Cache
+Compression with Approximate Leverage Scores", arXiv 2507.08143; kvpress's LeverageScorePress).
+
+A key that the other keys cannot express is an outlier of the key matrix, and statistical
+leverage measures exactly that: with X the head's pre-RoPE keys centred over the sequence,
+token j's leverage is the j-th diagonal entry of the hat matrix, x_j^T (X^T X)^{-1} x_j.
+Compactor approximates it through a right Gaussian sketch Phi [d, k] (entries N(0, 1/k)):
+Y = X Phi, s_j = y_j^T (Y^T Y + lambda I)^{-1} y_j, clamped at 0, and z-scored over the
+layer (mean and standard deviation over every head and token), as kvpress's press does. The
+ridge lambda = 1e-2 is kvpress's first Cholesky jitter (a 48 x 48 Gram matrix of a few
+thousand tokens is far larger: the ridge only guards a rank-deficient head).
+
+As in kvpress the keys are the whole context's (template prefix included) before RoPE; kvlab
+stores them post-RoPE and rotates them back with the layer's own tables. The sketch is drawn
+from a CPU generator seeded with ``seed`` (one draw per layer, in layer order), so a seed
+means the same scores on every device; kvpress draws it from torch's global generator.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.compression.interface import EvictionMethod
+from kvlab.compression.options import knob
+from kvlab.compression.paper import Paper
+from kvlab.compression.registry import register
+from kvlab.compression.request import Request
+from kvlab.compression.selection import SelectionOptions
+from kvlab.runtime.rope import rope_cos_sin, unrotate
+
+#: Ridge added to the sketched Gram matrix: kvpress's first Cholesky jitter.
+RIDGE = 1e-2
+
+
+@dataclass(frozen=True)
+class LeverageOptions(SelectionOptions):
+    sketch_dimension: int = knob(48, "columns k of the right Gaussian sketch Phi [d, k]", low=1)
+    seed: int = knob(0, "seed of the Gaussian sketch", low=0)
+
+
+def gaussian_sketches(seed: int, n_layers: int, n_kv_heads: int, head_dim: int, k: int) -> list[torch.Tensor]:
+    """Per layer [H_kv, d, k] float32 sketches with N(0, 1/k) entries, on the CPU (moved where used)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n_kv_heads, head_dim, k, generator=gen) / math.sqrt(k) for _ in range(n_layers)]
+
+
+def leverage(keys: torch.Tensor, sketch: torch.Tensor) -> torch.Tensor:
+    """Approximate leverage of each key: [H, N, d] pre-RoPE keys, [H, d, k] sketch -> [H, N] float32."""
+    x = keys.float() - keys.float().mean(dim=1, keepdim=True)
+    y = x @ sketch.to(x.device)  # [H, N, k]
+    gram = y.transpose(1, 2) @ y + RIDGE * torch.eye(y.shape[-1], device=y.device)
+    solved = torch.linalg.solve(gram, y.transpose(1, 2))  # (Y^T Y + lambda I)^{-1} Y^T: [H, k, N]
+    return (y * solved.transpose(1, 2)).sum(dim=-1).clamp_min(0)
+
+
+def z_score(scores: torch.Tensor) -> torch.Tensor:
+    """(s - mean) / std over the whole layer [H, N] (kvpress's normalisation; std floored at 1e-6)."""
+    return (scores - scores.mean()) / scores.std().clamp_min(1e-6)
+
+
+def pre_rope_keys(req: Request, layer: int) -> torch.Tensor:
+    """[H_kv, N, d] float32: the context's keys of ``layer`` rotated back to before RoPE."""
+    ctx = req.ctx
+    cos, sin = rope_cos_sin(ctx.lm, torch.arange(ctx.length, device=ctx.lm.device), layer)
+    return unrotate(ctx.full.keys[layer].float(), cos, sin)
+
+
+def leverage_scores(req: Request, opts: LeverageOptions) -> list[torch.Tensor]:
+    """Per layer [H_kv, T_doc]: z-scored approximate leverage of the context's pre-RoPE keys."""
+    ctx, lm = req.ctx, req.ctx.lm
+    sketches = gaussian_sketches(opts.seed, lm.n_layers, lm.n_kv_heads, lm.head_dim, opts.sketch_dimension)
+    return [z_score(leverage(pre_rope_keys(req, i), sketches[i]))[:, ctx.prefix_len :] for i in range(lm.n_layers)]
+
+
+@register
+class Leverage(EvictionMethod):
+    name = "leverage"
+    summary = "keys the others cannot express: approximate statistical leverage of the pre-RoPE keys (sketched)"
+    learn = (
+        "An outlier of the key matrix carries what no other key carries. With $X$ the head's pre-RoPE keys "
+        "centred over the context and $\\Phi\\in\\mathbb R^{d\\times k}$ a Gaussian sketch ($\\Phi_{ab}\\sim"
+        "\\mathcal N(0,1/k)$, $k$ = `sketch_dimension`), $Y=X\\Phi$ and the score is the leverage "
+        "$$s_j=y_j^\\top\\big(Y^\\top Y+\\lambda I\\big)^{-1}y_j,$$ the diagonal of the hat matrix, z-scored over "
+        "the layer ($\\lambda$ a small ridge, kvpress's first Cholesky jitter). No attention is computed. "
+        "Compactor (arXiv 2507.08143) blends it with non-causal attention (`compactor`)."
+    )
+    paper = Paper("Chari, Van Durme", 2025, "Compactor: Calibrated Query-Agnostic KV Cache Compression with "
+                  "Approximate Leverage Scores", arxiv="2507.08143", note="its leverage half")
+    family = "selection"
+    bf16_tolerance = "near_ties"
+    Options = LeverageOptions
+
+    def scores(self, req: Request) -> list[torch.Tensor]:
+        return leverage_scores(req, self.options)

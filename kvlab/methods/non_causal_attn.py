@@ -1,0 +1,91 @@
+"""Non-causal chunked attention (Chari & Van Durme, 2025, Compactor, arXiv 2507.08143; kvpress's
+NonCausalAttnPress).
+
+A query-agnostic attention score that is not biased towards early tokens: the context is cut
+into chunks of ``chunk_size`` consecutive tokens (counted from the context's first token) and
+inside each chunk every query attends to every key of the chunk, earlier and later alike
+(non-causal). A key's score is the attention it receives from its chunk's queries, summed,
+averaged over the query heads of its GQA group, multiplied by ||v_j|| (what the key would add),
+smoothed by a 3-token average pooling (zero padding counted) and z-scored over the layer.
+
+Deliberate differences from kvpress 0.5.5: the logits carry the layer's own attention scale
+(1/sqrt(d), the model's attention; kvpress's press multiplies q.k unscaled), and a last chunk
+shorter than ``chunk_size`` is its own softmax over its real keys (kvpress pads it with zero
+queries and keys whose padded rows and columns still take part in the softmax and the sums).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvlab.compression.interface import EvictionMethod
+from kvlab.compression.options import knob
+from kvlab.compression.paper import Paper
+from kvlab.compression.registry import register
+from kvlab.compression.request import Request
+from kvlab.compression.scoring import pool_group
+from kvlab.compression.selection import SelectionOptions
+from kvlab.methods.leverage import z_score
+from kvlab.runtime.attention import attention_weights, expand_kv_heads
+
+#: Tokens of the average pooling over the scores (kvpress's kernel_size=3, padding 1).
+POOL = 3
+
+
+@dataclass(frozen=True)
+class NonCausalAttnOptions(SelectionOptions):
+    chunk_size: int = knob(256, "consecutive tokens per chunk; queries attend to every key of their chunk", low=1)
+
+
+def chunk_attention(queries: torch.Tensor, keys: torch.Tensor, chunk_size: int, scale: float) -> torch.Tensor:
+    """Attention each key receives from the queries of its chunk, non-causal, summed over them.
+
+    queries: [H, N, d], keys: [H_kv, N, d] (the same N tokens) -> [H, N] float32.
+    """
+    n_heads, n = queries.shape[0], queries.shape[1]
+    out = torch.empty(n_heads, n, device=keys.device)
+    for start in range(0, n, chunk_size):
+        end = min(start + chunk_size, n)
+        k = expand_kv_heads(keys[:, start:end].float(), n_heads)
+        out[:, start:end] = attention_weights(queries[:, start:end].float(), k, scale=scale).sum(dim=1)
+    return out
+
+
+def non_causal_layer(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, chunk_size: int,
+                     scale: float) -> torch.Tensor:
+    """One layer's scores before the z-score: [H, N, d] queries, [H_kv, N, d] keys and values -> [H_kv, N]."""
+    received = pool_group(chunk_attention(queries, keys, chunk_size, scale), keys.shape[0], "mean")
+    weighted = received * values.float().norm(dim=-1)
+    return F.avg_pool1d(weighted.unsqueeze(1), POOL, stride=1, padding=POOL // 2).squeeze(1)
+
+
+def non_causal_scores(req: Request, chunk_size: int) -> list[torch.Tensor]:
+    """Per layer [H_kv, N]: z-scored non-causal chunked attention x ||v|| over the whole context."""
+    ctx = req.ctx
+    return [
+        z_score(non_causal_layer(q, ctx.full.keys[i], ctx.full.values[i], chunk_size, ctx.lm.geometry[i].scaling))
+        for i, q in enumerate(ctx.queries["context"])
+    ]
+
+
+@register
+class NonCausalAttn(EvictionMethod):
+    name = "non_causal_attn"
+    summary = "attention received inside chunks where every query sees every key (non-causal), x ||v||, z-scored"
+    learn = (
+        "Causal attention favours early tokens: more queries can see them. Here the context is cut into chunks "
+        "of `chunk_size` tokens and inside a chunk $c$ every query attends to every key of $c$: "
+        "$$s_j=\\operatorname{pool}_3\\Big(\\tfrac1{|g|}\\sum_{h\\in g}\\sum_{i\\in c(j)}"
+        "\\operatorname{softmax}_{c}\\big(q^{(h)}_i\\cdot k_\\cdot/\\sqrt d\\big)_j\\;\\lVert v_j\\rVert\\Big),$$ "
+        "z-scored over the layer. The attention half of Compactor (arXiv 2507.08143)."
+    )
+    paper = Paper("Chari, Van Durme", 2025, "Compactor: Calibrated Query-Agnostic KV Cache Compression with "
+                  "Approximate Leverage Scores", arxiv="2507.08143", note="its attention half")
+    family = "selection"
+    bf16_tolerance = "near_ties"
+    Options = NonCausalAttnOptions
+
+    def scores(self, req: Request) -> list[torch.Tensor]:
+        return [s[:, req.ctx.prefix_len :] for s in non_causal_scores(req, self.options.chunk_size)]

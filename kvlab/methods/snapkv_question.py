@@ -1,0 +1,30 @@
+"""SnapKV whose observation window is the user's question (Li et al., 2024): the paper's own setting,
+where the question ends the prompt. The scores are :func:`kvlab.methods.snapkv.snap_scores`'s."""
+from __future__ import annotations
+
+import torch
+
+from kvlab.compression.interface import EvictionMethod
+from kvlab.compression.registry import register
+from kvlab.compression.request import Request
+from kvlab.methods.snapkv import SnapKV, SnapKVOptions, snap_scores
+
+
+@register
+class SnapKVQuestion(EvictionMethod):
+    name = "snapkv_question"
+    summary = "query-aware SnapKV: the window is the user's question (the compression depends on it)"
+    learn = (
+        "SnapKV whose observation window is your question (read after the document): "
+        "$s_j=\\operatorname{pool}\\big(\\tfrac{1}{|W|}\\sum_{i\\in W_{\\text{question}}}a_{ij}\\big)$. This is the "
+        "setting of the SnapKV paper, where the question is at the end of the prompt: excellent for that "
+        "question, but the cache must be rebuilt for every new question. `window` is not used here."
+    )
+    paper = SnapKV.paper
+    family = "selection"
+    bf16_tolerance = "near_ties"  # scored by the question's few tokens alone
+    query_aware = True
+    Options = SnapKVOptions
+
+    def scores(self, req: Request) -> list[torch.Tensor]:
+        return snap_scores(req, self.options.window, self.options.kernel, from_question=True)
