@@ -66,7 +66,7 @@ def online_run(lm, doc_tokens: int, budget: int, new_tokens: int) -> dict:
         "compactions": [vars(c) for c in am.compactions],
         "logppl_unbounded": float(-unbounded.mean()),
         "logppl_online_am": float(-am.logprobs.mean()),
-        "logppl_sliding_window": float(-window.logprobs.mean()),
+        "logppl_streaming_llm": float(-window.logprobs.mean()),
     }
 
 
@@ -197,7 +197,7 @@ def main() -> None:
             f"\nonline: {online['generated_tokens']} tokens after a {online['doc_tokens']}-token document, budget "
             f"{online['budget']} keys/head, {len(online['compactions'])} compactions; log-ppl unbounded "
             f"{online['logppl_unbounded']:.4f}, online AM {online['logppl_online_am']:.4f}, "
-            f"sliding window {online['logppl_sliding_window']:.4f}"
+            f"streaming_llm {online['logppl_streaming_llm']:.4f}"
         )
         checks.append((f"online compactions: {len(online['compactions'])} (>= 6)", len(online["compactions"]) >= 6))
     print()

@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen_source.add_argument("--prompt", default=None, help="the prompt (one user turn)")
     gen_source.add_argument("--doc", default=None, help="a document (.txt, .md or .pdf), then --question")
     gen.add_argument("--question", default=None, help="the question asked after --doc")
-    gen.add_argument("--method", default="all", help="comma-separated: sliding_window, h2o, beaconkv, online_am, or all")
+    gen.add_argument("--method", default="all", help="comma-separated: streaming_llm, h2o, beaconkv, online_am, or all")
     gen.add_argument("--budget", type=int, default=None, help="keys per KV head (default: a quarter of the unbounded length)")
     gen.add_argument("--max-new-tokens", type=int, default=200, help="tokens written at most (default 200, at most 2048)")
     gen.add_argument("--model", default=None, help="as for run")

@@ -109,6 +109,7 @@ def test_the_apps_method_menu_offers_it(folder):
     assert menus and all(NAME in [value for _, value in menu.choices] for menu in menus)
 
 
+@pytest.mark.slow  # a second pytest, twice
 def test_every_per_method_test_runs_it(folder):
     """A fresh pytest, whose only addition is the folder (a plugin does what :func:`add_folder` does
     before the tests are collected), collects the per-method tests with the new method and passes

@@ -41,7 +41,7 @@ def kept_doc(stored, ctx, layer: int, head: int) -> set[int]:
 def test_kept_sets_are_the_top_scores(ctx, name):
     method = get_method(name)
     req = Request(ctx, 4.0)
-    scores, budgets = method.scores(req), method.budgets(req)
+    scores, budgets = method.scores(req), method.head_budgets(req)
     stored = method.compress(req)
     for layer in range(ctx.lm.n_layers):
         for head in range(ctx.lm.n_kv_heads):
@@ -112,7 +112,7 @@ def test_kvzip_scores_match_eager_attention_during_reconstruction(ctx, tiny_eage
 def test_kvzip_global_pruning_is_ragged_with_the_uniform_total(ctx):
     method = get_method("kvzip")
     req = Request(ctx, 4.0)
-    budgets = method.budgets(req)
+    budgets = method.head_budgets(req)
     assert int(budgets.sum()) == req.doc_budget * budgets.numel()
     assert budgets.unique().numel() > 1
     stored = method.compress(req)
@@ -126,7 +126,7 @@ def test_kvzip_global_pruning_is_ragged_with_the_uniform_total(ctx):
         for i in kept_doc(stored, ctx, layer, head)
     }
     assert kept == set(top.tolist())
-    layerwise = get_method("kvzip", prune="layer").budgets(req)
+    layerwise = get_method("kvzip", prune="layer").head_budgets(req)
     assert (layerwise.sum(dim=1) == req.doc_budget * ctx.lm.n_kv_heads).all()
 
 
@@ -138,7 +138,7 @@ def test_pyramid_budgets_decrease_with_depth_and_keep_the_total(ctx):
         assert b.min() >= 1 and b.max() <= length
     assert (pyramid_budgets(30, 50, 200, beta=1) == 50).all()
     req = Request(ctx, 4.0)
-    per_head = get_method("pyramidkv").budgets(req)
+    per_head = get_method("pyramidkv").head_budgets(req)
     assert int(per_head.sum()) == req.doc_budget * per_head.numel()
     assert (per_head[0] > per_head[-1]).all()
 

@@ -28,6 +28,8 @@ from kvlab import cancel, lab, limits, models  # noqa: E402
 from kvlab.ui import common  # noqa: E402
 from kvlab.ui import explore as explore_tab  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a served app: left out of make test-fast
+
 DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(120))
 QUESTION = "w5 w9"
 SPEC = "tiny"
@@ -158,7 +160,7 @@ def test_stop_ends_the_work_at_its_next_step_and_the_server_goes_on(app):
 def test_a_client_that_disconnects_stops_within_one_step(app):
     url, steps, stops = app
     steps.reset(0.05)
-    data = [DOC + " w8 w8", None, SWEEP_METHODS, [], FEW_RATIOS, QUESTION, 4, SPEC]  # its own document, as above
+    data = [DOC + " w8 w8", None, SWEEP_METHODS, [], FEW_RATIOS, QUESTION, 4, SPEC, []]  # its own document, as above; no other models
     with httpx.Client(timeout=60) as http:
         # What a browser tab does: join the queue, then listen to the session's stream.
         config = http.get(f"{url}config").json()

@@ -24,6 +24,8 @@ from kvlab.documents import DocumentError  # noqa: E402
 from kvlab.methods import MethodError  # noqa: E402
 from kvlab.models import ModelLoadError  # noqa: E402
 
+pytestmark = pytest.mark.slow  # hypothesis drives every lab entry point on many inputs: left out of make test-fast
+
 DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(120))
 #: What an entry point may raise on bad input: the lab's error types, whose messages are shown as they are.
 LAB_ERRORS = (lab.InputError, DocumentError, MethodError, ModelLoadError)

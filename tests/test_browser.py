@@ -32,10 +32,10 @@ from kvlab.ui.explore import RATIO_DEFAULT  # noqa: E402
 SCREENSHOT_ENV = "KVLAB_SCREENSHOT"
 RUN_TIMEOUT_MS = 240_000
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.browser, pytest.mark.skipif(
     chromium_path() is None,
     reason="Debian's chromium is not installed (`make browser` or apt-get install chromium)",
-)
+)]
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +205,7 @@ def test_a_bad_link_opens_the_defaults_with_a_note(app_url, page):
     tab_is_open(page, "Generate")
     gen = page.locator("#kvlab-gen-methods")
     expect(gen.locator('input[name="h2o"]')).to_be_checked()
-    expect(gen.locator('input[name="sliding_window"]')).not_to_be_checked()
+    expect(gen.locator('input[name="streaming_llm"]')).not_to_be_checked()
     expect(page.locator("#kvlab-gen-budget input")).to_have_value("0")  # the default budget stays
 
     page.goto(f"{app_url}?tab=nowhere&method=nosuch&ratio=abc", wait_until="domcontentloaded")

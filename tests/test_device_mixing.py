@@ -73,6 +73,7 @@ def fake_lm() -> LoadedModel:
     return LoadedModel(lm.name, lm.model, lm.tokenizer, FAKE_DEVICE, lm.dtype)
 
 
+@pytest.mark.slow  # every method and lab path under the CUDA stand-in: minutes
 @pytest.mark.parametrize("step", steps(), ids=lambda s: s.name)
 def test_every_path_stays_on_the_models_device(fake_lm: LoadedModel, step, monkeypatch: pytest.MonkeyPatch) -> None:
     """No op mixes devices, and nothing copies a layer's keys or values to the CPU."""

@@ -14,6 +14,8 @@ from kvlab.examples import load_examples
 from kvlab.methods import get_method
 from kvlab.pipeline import run
 
+pytestmark = pytest.mark.slow  # the embedded model, and CLI subprocesses: left out of make test-fast
+
 ROOT = Path(__file__).resolve().parents[1]
 JSON_KEYS = {
     "method", "ratio", "model", "doc_tokens", "kept_tokens_mean", "bytes_full", "bytes_compressed",

@@ -12,6 +12,8 @@ from kvlab.examples import load_examples
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS, evaluation
 from kvlab.tasks.scoring import contains_match
 
+pytestmark = pytest.mark.slow  # the embedded model answers every suggested question: left out of make test-fast
+
 EXAMPLES = load_examples()
 
 

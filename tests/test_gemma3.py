@@ -28,8 +28,10 @@ from kvlab.pipeline import run
 from kvlab.prompts import context_tokens, question_tokens, repeat_tokens
 from kvlab.queries import repeat_pass
 from kvlab.runtime.decode import extend, open_session, prefill
-from kvlab.synthetic import random_model
+from kvlab.testing.random_models import random_model
 from test_architectures import assert_keeps_the_windows
+
+pytestmark = pytest.mark.slow  # the real Gemma 3 270M: left out of make test-fast
 
 WINDOW = 512
 STORY = "story.txt"

@@ -47,9 +47,9 @@ def test_with_room_for_everything_every_method_is_plain_greedy(tiny, name):
     assert run.events == []
 
 
-def test_sliding_window_evicts_one_per_step_and_keeps_sinks_and_recent(tiny):
+def test_streaming_llm_evicts_one_per_step_and_keeps_sinks_and_recent(tiny):
     budget, n_new = 24, 30
-    policy, run = _run(tiny, "sliding_window", budget, n_new)
+    policy, run = _run(tiny, "streaming_llm", budget, n_new)
     fed = PROMPT.numel() + n_new - 1  # the last written token is never read back
     assert len(run.events) == fed - budget
     assert all(e.before == budget and e.after == budget - 1 for e in run.events)
@@ -100,8 +100,8 @@ def test_beaconkv_evicts_a_chunk_at_a_time_and_records_its_beacons(tiny):
 
 
 def test_teacher_forcing_scores_the_given_text(tiny):
-    _, free = _run(tiny, "sliding_window", 24, 20)
-    _, forced = _run(tiny, "sliding_window", 24, 20, forced=free.ids)
+    _, free = _run(tiny, "streaming_llm", 24, 20)
+    _, forced = _run(tiny, "streaming_llm", 24, 20, forced=free.ids)
     assert forced.ids == free.ids
     assert forced.logprobs == pytest.approx(free.logprobs, abs=1e-5)
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks import gpu_check
 from kvlab.methods import REGISTRY
+
+pytestmark = pytest.mark.slow  # the GPU script's whole dry run: left out of make test-fast
 
 
 def test_the_dry_run_runs_every_section_and_writes_its_figures(tmp_path: Path) -> None:

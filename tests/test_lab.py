@@ -155,6 +155,7 @@ def test_a_sweep_refuses_bad_input_before_any_work(tiny, monkeypatch):
         lab.compare(DOC, None, ["streaming_llm"], [2.0], "  ")
 
 
+@pytest.mark.slow  # the embedded model
 def test_cli_compare_writes_a_sweep(embedded, tmp_path, capsys):
     doc = tmp_path / "notes.txt"
     doc.write_text("The lighthouse keeper is called Ada Vance. She keeps a red boat named Puffin.\n" * 8)

@@ -38,6 +38,8 @@ from kvlab.queries import question_queries  # noqa: E402
 from kvlab.tasks.scoring import contains_match  # noqa: E402
 from kvlab.ui import common  # noqa: E402
 
+pytestmark = pytest.mark.load  # many concurrent requests against a served app: left out of make test-fast
+
 ARTIFACTS = Path(__file__).parent / "artifacts"
 WORDS = ["heron", "orange", "copper", "violet", "falcon", "pebble", "silver", "tiger"]
 METHODS = ["streaming_llm", "snapkv", "tova", "h2o", "kivi", "streaming_llm", "snapkv", "tova"]

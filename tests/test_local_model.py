@@ -29,6 +29,8 @@ from kvlab.models import EMBEDDED, ModelLoadError, resolve_source  # noqa: E402
 from kvlab.prompts import context_tokens  # noqa: E402
 from test_app import _run  # noqa: E402 - the app tests' /run helper (their document and question)
 
+pytestmark = pytest.mark.slow  # model folders loaded in subprocesses: left out of make test-fast
+
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "kvlab-tiny-qwen3"
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 16

@@ -19,6 +19,8 @@ import pytest
 
 from kvlab.methods import REGISTRY
 
+pytestmark = pytest.mark.slow  # a 15k-token lab run on a random Llama-3.1-8B geometry, in subprocesses: left out of make test-fast
+
 ROOT = Path(__file__).resolve().parents[1]
 # Not a multiple of the prefill's 2,048-token chunks nor of the decode buffers' doubling:
 # a held cache that kept the buffers' spare capacity would show here.

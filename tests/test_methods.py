@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvlab.methods
-from kvlab.compression.budgets import allocate, cap_shares
+from kvlab.compression.budget_profiles import allocate, cap_shares
 from kvlab.compression.compaction import AMOptions, compact_cache, fitting_queries, reference_queries
 from kvlab.compression.interface import FAMILIES, Bf16Tolerance
 from kvlab.compression.paper import Baseline, Paper

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+pytestmark = pytest.mark.slow  # builds a wheel and installs a console script: left out of make test-fast
+
 ROOT = Path(__file__).resolve().parents[1]
 # What pyproject.toml and setup.py read to build kvlab.
 SOURCES = ("pyproject.toml", "setup.py", "README.md", "requirements.txt", "kvlab", "assets")

@@ -35,6 +35,8 @@ gradio_client = pytest.importorskip("gradio_client")
 
 from benchmarks.browser import free_port, serve_process  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the Space's entry point in subprocesses: left out of make test-fast
+
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 300
 RUN_TIMEOUT_S = 300

@@ -417,6 +417,7 @@ def test_report_of_an_empty_folder_exits_2(tmp_path, capsys):
 
 # --- the embedded model -----------------------------------------------------------
 
+@pytest.mark.slow  # the embedded model
 def test_embedded_full_cache_finds_single_needles(embedded):
     """The ceiling the synthetic tasks are designed for: 3 needles at about 2,000 tokens."""
     items = build_items("niah_single", embedded, 3, seed=0, length=2000)

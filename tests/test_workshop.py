@@ -131,6 +131,7 @@ def test_identical_requests_in_flight_compute_once(tmp_path, flight_waiters):
     assert {value for value, _ in got} == {"one answer"}
 
 
+@pytest.mark.slow  # the embedded model
 def test_a_run_key_is_the_file_digest_of_the_model_and_follows_every_input(monkeypatch, embedded):
     text = "The ferry leaves at noon. The ferryman is called Fergus."
     first = explore_key(text, None, "snapkv", 10, "Who is the ferryman?", 48, {}, EMBEDDED)
@@ -299,6 +300,7 @@ def test_the_bundled_workshop_sheet_reads():
     assert (items[0].method, items[0].ratio) == ("attention_matching", 10.0)
 
 
+@pytest.mark.slow  # a program started per setting
 @pytest.mark.parametrize("env, says", [
     ({"KVLAB_QUEUE_SIZE": "abc"}, "KVLAB_QUEUE_SIZE='abc' is not a whole number"),
     ({"KVLAB_COMPUTE_ADMITTED": "0"}, "KVLAB_COMPUTE_ADMITTED='0': use a number >= 1"),
@@ -310,6 +312,7 @@ def test_a_bad_setting_stops_the_program_with_one_line(env, says):
     assert done.returncode == 2 and done.stderr.strip() == f"kvlab: error: {says}"
 
 
+@pytest.mark.slow  # the app's program in a subprocess
 def test_the_app_refuses_a_warm_sheet_that_is_not_there_in_one_line():
     done = subprocess.run([sys.executable, "app.py"], env={**_env(), "KVLAB_WARM": "/nonexistent/sheet.txt"},
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -364,6 +367,7 @@ def _configs() -> tuple[tuple[str, dict], list[tuple[str, dict]]]:
         (f"{m} on {n}", args(n, m)) for n in DOCS for m in ("streaming_llm", "tova")]
 
 
+@pytest.mark.slow  # a served app
 def test_ten_participants_each_get_their_own_answer_and_each_configuration_computes_once(workshop_app):
     from benchmarks.workshop import simulate
     from kvlab.ui import common
@@ -412,6 +416,7 @@ def _length(label: str, link: tuple[str, dict]) -> int:
     return 60 if label == link[0] else int(label.rsplit(" ", 1)[1])
 
 
+@pytest.mark.slow  # a served app
 def test_a_stored_answer_is_served_while_the_slot_is_held_and_others_wait(workshop_app):
     from gradio_client import Client
 

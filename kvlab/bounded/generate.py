@@ -172,7 +172,7 @@ class WindowPolicy(EvictionPolicy):
     Once full, writing evicts exactly one token per step (the oldest after the sinks).
     """
 
-    name = "sliding_window"
+    name = "streaming_llm"
 
     def __init__(self, lm: LoadedModel, budget: int | None = None, stored: CompressedKV | None = None,
                  options: StreamingOptions | None = None):

@@ -11,7 +11,7 @@ from kvlab.models import LoadedModel
 #: name -> (label, one-line summary); "unbounded" is the reference every other one is measured against.
 POLICIES: dict[str, tuple[str, str]] = {
     "unbounded": ("Unbounded", "keeps every key: the reference"),
-    "sliding_window": ("Sliding window (StreamingLLM)", "4 attention sinks + the most recent tokens; evicts one per step"),
+    "streaming_llm": ("StreamingLLM (sinks + a sliding window)", "4 attention sinks + the most recent tokens; evicts one per step"),
     "h2o": ("H2O", "accumulated attention (heavy hitters) + a recent half; evicts one per step"),
     "beaconkv": ("BeaconKV", "scores keys by recent queries + FPS beacons of the history; evicts 16 at a time"),
     "online_am": ("Online Attention Matching", "compacts to half the budget (fitted keys, biases, values) when full"),
@@ -24,7 +24,7 @@ def make_policy(name: str, lm: LoadedModel, budget: int | None, protected: int) 
     ``protected``: the template prefix length, kept by BeaconKV and online Attention Matching."""
     if name == "unbounded":
         return CachePolicy(lm)
-    if name == "sliding_window":
+    if name == "streaming_llm":
         return WindowPolicy(lm, budget)
     if name == "h2o":
         return H2OPolicy(lm, budget)

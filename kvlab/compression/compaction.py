@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 
 from kvlab.cancel import checkpoint
-from kvlab.compression.budgets import allocate
+from kvlab.compression.budget_profiles import allocate
 from kvlab.compression.options import MethodError, Options, knob
 from kvlab.compression.solvers.compact import CompactBlock, compact_block
 from kvlab.context import Context

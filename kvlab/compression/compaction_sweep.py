@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from kvlab.cancel import checkpoint
-from kvlab.compression.budgets import cap_shares, profile_path
+from kvlab.compression.budget_profiles import cap_shares, profile_path
 from kvlab.compression.compaction import AMOptions, compact_cache
 from kvlab.context import Context
 from kvlab.metrics import log_perplexity

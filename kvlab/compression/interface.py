@@ -126,9 +126,9 @@ class EvictionMethod(Method):
     def scores(self, req: Request) -> list[torch.Tensor]:
         """Per layer, [H_kv, T_doc] importance of each document token (higher = keep)."""
 
-    def budgets(self, req: Request) -> torch.Tensor:
+    def head_budgets(self, req: Request) -> torch.Tensor:
         """[n_layers, H_kv] document tokens kept per head; uniform unless overridden."""
-        return req.budgets()
+        return req.uniform_budgets()
 
     def details(self) -> dict:
         """What the stored cache's meta (the run's JSON details) says besides the method's name."""
@@ -151,7 +151,7 @@ class EvictionMethod(Method):
 
     def compress(self, req: Request) -> CompressedKV:
         scores = self.kept_scores(req)
-        budgets = self.budgets(req).clamp(self.min_head_budget, req.ctx.doc_len)
+        budgets = self.head_budgets(req).clamp(self.min_head_budget, req.ctx.doc_len)
         if isinstance(self.options, SelectionOptions):
             scores, budgets = select(req, scores, budgets, self.options)
         layers = [

@@ -42,7 +42,7 @@ class Request:
         """Document tokens kept per KV head on average: T / ratio, at least one."""
         return max(1, round(self.ctx.doc_len / self.ratio))
 
-    def budgets(self) -> torch.Tensor:
+    def uniform_budgets(self) -> torch.Tensor:
         """[n_layers, H_kv] uniform per-head document budgets."""
         lm = self.ctx.lm
         return torch.full((lm.n_layers, lm.n_kv_heads), self.doc_budget, dtype=torch.long, device=lm.device)

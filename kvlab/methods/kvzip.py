@@ -125,8 +125,8 @@ class KVzip(EvictionMethod):
         alone, and together they are most of a compression (the ratio only selects)."""
         self.kept_scores(Request(ctx, 1.0))
 
-    def budgets(self, req: Request) -> torch.Tensor:
-        budgets = req.budgets()
+    def head_budgets(self, req: Request) -> torch.Tensor:
+        budgets = req.uniform_budgets()
         layers = req.ctx.lm.compressed_layers  # a sliding-window layer keeps its window: not in the pool
         if self.options.prune == "head" or not layers:
             return budgets

@@ -79,7 +79,7 @@ class PyramidKV(EvictionMethod):
     bf16_tolerance = "same_tokens"
     Options = PyramidKVOptions
 
-    def budgets(self, req: Request) -> torch.Tensor:
+    def head_budgets(self, req: Request) -> torch.Tensor:
         lm = req.ctx.lm
         # The pyramid runs over the layers a method compresses: a sliding-window layer keeps its window.
         layers = lm.compressed_layers

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,13 +167,21 @@ def as_gr_error(exc: Exception) -> gr.Error:
 T = TypeVar("T")
 
 
+#: Seconds an event must stay not alive before its work stops as GONE: a client's Stop closes its
+#: stream as well as taking the event off the running jobs, in either order; within this the Stop is
+#: seen, and the stop is reported as what it was.
+GONE_GRACE_S = 1.0
+_not_alive_since: OrderedDict[str, float] = OrderedDict()
+
+
 def requester_gone() -> str | None:
     """Why the Gradio event running in this thread must stop (cancel.STOPPED, cancel.GONE), or None.
 
     Gradio runs a handler in a worker thread that it cannot interrupt: Stop
     (``cancels=``, or a client's ``/cancel``) only takes the event off the
     queue's running jobs, and a closed page or client only marks it not
-    alive. The work reads both here at each step. None outside an event.
+    alive (for GONE_GRACE_S first: see there). The work reads both here at
+    each step. None outside an event.
     """
     from gradio.context import LocalContext
 
@@ -183,7 +192,14 @@ def requester_gone() -> str | None:
     for job in list(queue.active_jobs):
         for event in job or []:
             if event._id == event_id:
-                return None if event.alive else cancel.GONE
+                if event.alive:
+                    return None
+                now = time.monotonic()
+                first = _not_alive_since.setdefault(event_id, now)
+                while len(_not_alive_since) > 1024:  # events that ended within their grace: forget the oldest
+                    _not_alive_since.popitem(last=False)
+                return cancel.GONE if now - first >= GONE_GRACE_S else None
+    _not_alive_since.pop(event_id, None)
     return cancel.STOPPED
 
 

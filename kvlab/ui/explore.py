@@ -183,8 +183,11 @@ def build_explore_tab(
         fit_plot = gr.Plot(label="Fitting vs evaluation queries", elem_id="kvlab-fit")
     gr.Markdown("### The document, coloured by token fate, shaded by importance")
     with gr.Row():
-        layer = gr.Slider(0, n_layers - 1, value=n_layers // 2, step=1, label="Layer", elem_id="kvlab-layer")
-        head = gr.Slider(0, n_kv - 1, value=0, step=1, label="KV head", elem_id="kvlab-head")
+        # As index_slider: Gradio refuses a slider with one value (a model with one KV head).
+        layer = gr.Slider(0, max(n_layers - 1, 1), value=n_layers // 2, step=1, interactive=n_layers > 1,
+                          label="Layer", elem_id="kvlab-layer")
+        head = gr.Slider(0, max(n_kv - 1, 1), value=0, step=1, interactive=n_kv > 1, label="KV head",
+                         elem_id="kvlab-head")
         intensity = gr.Radio(
             INTENSITIES, value=INTENSITY_DEFAULT, label="Intensity",
             info="Shade each token by its percentile within the head", elem_id="kvlab-intensity",
@@ -325,8 +328,8 @@ def build_explore_tab(
         yield (
             *view.texts,
             *drawn.figures,
-            gr.Slider(minimum=0, maximum=fates.n_layers - 1, value=layer, step=1),
-            gr.Slider(minimum=0, maximum=fates.n_kv_heads - 1, value=head, step=1),
+            index_slider(fates.n_layers, layer),
+            index_slider(fates.n_kv_heads, head),
             line,
             html,
             fates,
@@ -373,6 +376,12 @@ def build_explore_tab(
     )
     # The page prepares the document it opens on after applying its link (kvlab.ui.app).
     return DocumentInputs(text, upload, question, max_new, model, example, suggested, method, ratio, prepare_args)
+
+
+def index_slider(count: int, value: int) -> gr.Slider:
+    """A slider over 0..count-1 set to ``value``; with one choice (Gemma 3 270M's one KV head) a fixed
+    one, since Gradio refuses a slider whose minimum equals its maximum."""
+    return gr.Slider(minimum=0, maximum=max(count - 1, 1), value=value, step=1, interactive=count > 1)
 
 
 def _example_text(ex: Example | None) -> str:

@@ -74,10 +74,10 @@ def allocate(shares: torch.Tensor, per_head: int, length: int) -> torch.Tensor:
     return budgets
 
 
-def head_budgets(lm: LoadedModel, req: Request, mode: str) -> torch.Tensor:
+def compaction_budgets(lm: LoadedModel, req: Request, mode: str) -> torch.Tensor:
     """[n_layers, H_kv] compact keys per head for ``mode`` (uniform / nonuniform)."""
     if mode == "uniform":
-        return req.budgets()
+        return req.uniform_budgets()
     if mode == "nonuniform":
         # Allocated on the CPU (a small integer problem), used on the model's device.
         return allocate(load_shares(lm), req.doc_budget, req.ctx.doc_len).to(lm.device)
