@@ -59,6 +59,9 @@ def capkv_scores(req: Request, opts: CapKVOptions) -> list[torch.Tensor]:
     stats = ExpectedAttentionOptions(n_future_positions=opts.n_future_positions, n_sink=sink, use_covariance=False)
     out = []
     for layer, q in enumerate(ctx.queries["context"]):
+        if ctx.full.window(layer) is not None:  # a sliding-window layer keeps its window whatever its scores
+            out.append(torch.zeros(lm.n_kv_heads, ctx.doc_len, device=lm.device))
+            continue
         anchor, _ = query_statistics(q, lm, ctx.length, stats, layer)  # [H, d]
         keys = expand_kv_heads(ctx.full.keys[layer][:, sink:], q.shape[0])
         values = expand_kv_heads(ctx.full.values[layer][:, sink:], q.shape[0])

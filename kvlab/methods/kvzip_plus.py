@@ -30,7 +30,7 @@ from kvlab.context import Context
 from kvlab.methods.kvzip import KVzip, KVzipOptions
 from kvlab.prompts import repeat_tokens
 from kvlab.queries import repeat_pass
-from kvlab.runtime.attention import attention_weights, expand_kv_heads
+from kvlab.runtime.attention import attention_logits, future_mask, group_queries, softmax_
 from kvlab.runtime.decode import open_session
 from kvlab.runtime.hooks import ForwardContext
 
@@ -60,8 +60,11 @@ def output_norms(values: torch.Tensor, o_weight: torch.Tensor) -> torch.Tensor:
     n_kv, length, d = values.shape
     n_heads = o_weight.shape[1] // d
     w = o_weight.detach().float().view(-1, n_heads, d).transpose(0, 1)  # [H, hidden, d]
-    v = expand_kv_heads(values.float(), n_heads)  # [H, T, d]
-    return torch.stack([(v[h] @ w[h].T).norm(dim=-1) for h in range(n_heads)])
+    gram = w.transpose(1, 2) @ w  # [H, d, d]: ||v W||^2 = v (W^T W) v^T, with no [T, hidden] product held
+    v = values.float()
+    group = n_heads // n_kv
+    return torch.stack([((v[h // group] @ gram[h]) * v[h // group]).sum(dim=-1).clamp_min(0.0).sqrt()
+                        for h in range(n_heads)])
 
 
 def weighted_max(queries: torch.Tensor, keys: torch.Tensor, row: torch.Tensor, scale: float,
@@ -71,13 +74,19 @@ def weighted_max(queries: torch.Tensor, keys: torch.Tensor, row: torch.Tensor, s
     queries [H, n, d], keys [H_kv, T, d], row [n] -> [H, T] float32, in blocks of query rows.
     """
     n_heads, n, total = queries.shape[0], queries.shape[1], keys.shape[1]
-    keys = expand_kv_heads(keys.float(), n_heads)
+    n_kv = keys.shape[0]
+    group = n_heads // n_kv
+    keys = keys.float()  # not copied per query head: each KV head's group is stacked against its keys
     out = torch.zeros(n_heads, total, device=keys.device)
     rows = max(1, block_elements // max(1, n_heads * total))
     for start in range(0, n, rows):
         end = min(start + rows, n)
         visible = total - n + end  # query i of the block sits at key position total - n + i
-        weights = attention_weights(queries[:, start:end].float(), keys[:, :visible], scale=scale, causal=True)
+        block = group_queries(queries[:, start:end].float(), n_kv)  # [H_kv, group * rows, d]
+        logits = attention_logits(block, keys[:, :visible], scale=scale).view(n_kv, group, end - start, visible)
+        own = logits[..., visible - (end - start):]  # only the block's own keys can lie in a query's future
+        own.masked_fill_(future_mask(end - start, end - start, keys.device), float("-inf"))
+        weights = softmax_(logits).view(n_heads, end - start, visible)
         weighted = weights / row[start:end].view(1, -1, 1)
         out[:, :visible] = torch.maximum(out[:, :visible], weighted.amax(dim=1))
     return out
