@@ -12,9 +12,12 @@ import math
 
 import pytest
 import torch
-from test_scorers import DOC, QUESTION, eager_pass, group_mean, hand_pool, rope_matrices, sharp_llama, theta
 
-from kvlab.context import prepare_context
+# The sharpened tiny Llama, its context and its eager pass: test_scorers' own fixtures (module-scoped here too).
+from test_scorers import (  # noqa: F401 - fixtures
+    QUESTION, ctx, eager, eager_pass, group_mean, hand_pool, rope_matrices, sharp, sharp_eager, theta,
+)
+
 from kvlab.methods import MethodError, Request, get_method
 from kvlab.methods.leverage import RIDGE, gaussian_sketches
 from kvlab.prompts import question_tokens, repeat_tokens
@@ -22,24 +25,6 @@ from kvlab.prompts import question_tokens, repeat_tokens
 EPS32 = 2.0**-23
 
 
-@pytest.fixture(scope="module")
-def sharp():
-    return sharp_llama()
-
-
-@pytest.fixture(scope="module")
-def sharp_eager():
-    return sharp_llama("eager")
-
-
-@pytest.fixture(scope="module")
-def ctx(sharp):
-    return prepare_context(sharp, DOC)
-
-
-@pytest.fixture(scope="module")
-def eager(sharp_eager, ctx):
-    return eager_pass(sharp_eager, ctx.tokens.ids.cpu())
 
 
 def post_rope(x: torch.Tensor, start: int, lm) -> torch.Tensor:

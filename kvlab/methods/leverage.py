@@ -42,8 +42,9 @@ class LeverageOptions(SelectionOptions):
 
 def gaussian_sketches(seed: int, n_layers: int, n_kv_heads: int, head_dim: int, k: int) -> list[torch.Tensor]:
     """Per layer [H_kv, d, k] float32 sketches with N(0, 1/k) entries, on the CPU (moved where used)."""
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(n_kv_heads, head_dim, k, generator=gen) / math.sqrt(k) for _ in range(n_layers)]
+    # Drawn on the CPU on purpose: a seeded CPU generator gives the same sketch on every device.
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randn(n_kv_heads, head_dim, k, generator=gen, device="cpu") / math.sqrt(k) for _ in range(n_layers)]
 
 
 def leverage(keys: torch.Tensor, sketch: torch.Tensor) -> torch.Tensor:
