@@ -48,11 +48,12 @@ def capacity_scores(anchor: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     v = values.float()
     eye = torch.eye(v.shape[-1], device=v.device)
     capacity = eye + torch.einsum("ht,htd,hte->hde", weights + epsilon, v, v)
-    # A is symmetric positive definite by construction (I plus a weighted Gram): a Cholesky solve, in
-    # float64. An LU solve (torch.linalg.solve) failed on Gemma 3's values once in the full suite
-    # ("pivots given to lu_solve"), never alone; the cause was not found.
-    factor, _ = torch.linalg.cholesky_ex(capacity.double())
-    solved = torch.cholesky_solve(v.transpose(1, 2).double(), factor).float()  # A^{-1} v_i: [H, d, T]
+    # A is symmetric positive definite by construction (I plus a weighted Gram): a Cholesky solve, the
+    # small [H, d, d] factor in float64, the [H, d, T] solve in float32 (its memory is the method's peak).
+    # An LU solve (torch.linalg.solve) failed on Gemma 3's values once in the full suite ("pivots given
+    # to lu_solve"), never alone; the cause was not found.
+    factor = torch.linalg.cholesky_ex(capacity.double())[0].float()
+    solved = torch.cholesky_solve(v.transpose(1, 2), factor)  # A^{-1} v_i: [H, d, T]
     return weights * (v * solved.transpose(1, 2)).sum(dim=-1)
 
 
