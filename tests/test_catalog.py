@@ -65,7 +65,7 @@ EDGES = [
     ("h2o", "recent_share", 0.0, -0.01), ("h2o", "recent_share", 1, 1.01),
     ("pyramidkv", "beta", 1, 0.99),
     ("attention_matching", "max_queries", 1, 0), ("attention_matching", "nnls_iters", 0, -1),
-    ("attention_matching", "chunk_size", 0, -1), ("attention_matching", "drop_below", 0.0, 0.01),
+    ("attention_matching", "compaction_chunk", 0, -1), ("attention_matching", "drop_below", 0.0, 0.01),
     ("summarisation", "prompt", "Summarise in {words} words", "Summarise in {n} words"),
 ]
 

@@ -269,7 +269,7 @@ def test_wrappers_are_knobs_of_every_scoring_method_and_in_its_learn_text():
     for name in ["snapkv", "expected_attention", "tova", "kvzip", "h2o", "knorm", "cur"]:
         assert SELECTION_KNOBS <= {k.name for k in knobs(name)}
         assert "AdaKV" in method_markdown(name) and "`adakv`" in method_markdown(name)
-    for name in ["random", "streaming_llm", "attention_matching"]:  # (AM has budgets and chunk_size of its own)
+    for name in ["random", "streaming_llm", "attention_matching"]:  # (AM has budgets of its own)
         assert not {"alpha_safeguard", "granularity", "critical"} & {k.name for k in knobs(name)}
 
 

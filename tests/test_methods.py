@@ -252,7 +252,7 @@ def test_attention_matching_beats_its_own_key_selection(ctx):
 @pytest.mark.parametrize("options", [
     {"key_selection": "omp"},
     {"scoring": "max"},
-    {"chunk_size": 32},
+    {"compaction_chunk": 32},
     {"on_policy": True},
     {"query_source": "context"},
     {"query_source": "random", "max_queries": 64},
@@ -361,7 +361,7 @@ def test_kept_tokens_are_the_most_important(templated, name):
 
 
 def test_attention_matching_with_omp_still_scores_every_document_token(templated):
-    stored = get_method("attention_matching", key_selection="omp", chunk_size=32).compress(
+    stored = get_method("attention_matching", key_selection="omp", compaction_chunk=32).compress(
         Request(templated, 4.0, record_importance=True)
     )
     for imp in stored.importance:

@@ -95,7 +95,7 @@ def test_non_causal_attn_is_chunked_bidirectional_attention_times_vnorm(ctx, eag
     """Chunks of `chunk` tokens from the first (40: 40 + 40 + a last one of 16, its own softmax);
     inside each, softmax(q k / sqrt d) over the chunk's keys, summed over its queries, group mean,
     x ||v||, 3-token mean pooling (zero padding counted), z-scored over the layer."""
-    scores = get_method("non_causal_attn", chunk_size=chunk).scores(Request(ctx, 4.0))
+    scores = get_method("non_causal_attn", attention_chunk=chunk).scores(Request(ctx, 4.0))
     for layer, got in enumerate(scores):
         want = z(hand_non_causal(eager, layer, ctx.lm, chunk))
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
@@ -106,7 +106,7 @@ def test_non_causal_attn_is_chunked_bidirectional_attention_times_vnorm(ctx, eag
 
 @pytest.mark.parametrize(("ratio", "options", "blend"), [
     (4.0, {}, 0.75),  # lambda = 1 - 1/ratio
-    (2.0, {"blend_by_ratio": False, "blending": 2.0, "sink_size_start": 3, "sink_size_end": 5, "chunk_size": 32}, 2.0),
+    (2.0, {"blend_by_ratio": False, "blending": 2.0, "sink_size_start": 3, "sink_size_end": 5, "attention_chunk": 32}, 2.0),
 ])
 def test_compactor_blends_the_two_z_scores_on_the_middle_and_keeps_the_sinks(ctx, eager, ratio, options, blend):
     method = get_method("compactor", sketch_dimension=8, **options)
@@ -115,7 +115,7 @@ def test_compactor_blends_the_two_z_scores_on_the_middle_and_keeps_the_sinks(ctx
     sketches = gaussian_sketches(opts.seed, ctx.lm.n_layers, ctx.lm.n_kv_heads, ctx.lm.head_dim, 8)
     for layer, got in enumerate(method.scores(Request(ctx, ratio))):
         hat, tol = hand_leverage(eager.keys[layer][:, start:end], sketches[layer])
-        want = blend * z(hat) + z(hand_non_causal(eager, layer, ctx.lm, opts.chunk_size, start, end))
+        want = blend * z(hat) + z(hand_non_causal(eager, layer, ctx.lm, opts.attention_chunk, start, end))
         assert torch.isinf(got[:, :start]).all() and torch.isinf(got[:, end:]).all()
         torch.testing.assert_close(got[:, start:end].double(), want, atol=blend * tol + 1e-5, rtol=1e-5)
 
@@ -185,7 +185,7 @@ def test_finch_without_a_question_says_so(ctx):
 
 
 @pytest.mark.parametrize(("name", "options"), [
-    ("leverage", {"sketch_dimension": 0}), ("non_causal_attn", {"chunk_size": 0}), ("capkv", {"tau": -1.0}),
+    ("leverage", {"sketch_dimension": 0}), ("non_causal_attn", {"attention_chunk": 0}), ("capkv", {"tau": -1.0}),
     ("compactor", {"blending": -0.5}),
 ])
 def test_bad_knobs_are_refused_in_one_line(name, options):

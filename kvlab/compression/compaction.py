@@ -84,7 +84,7 @@ class AMOptions(ScoredOptions):
         "uniform", "per-head budgets: uniform, nonuniform from the model's sensitivity sweep (python -m kvlab budgets), "
                    "or document: from this document's reference queries, heads whose attention is concentrated "
                    "keep more and spread heads less, the total unchanged")
-    chunk_size: int = knob(0, "compact the document in chunks of this many tokens (0: one block)", low=0)
+    compaction_chunk: int = knob(0, "compact the document in chunks of this many tokens (0: one block)", low=0)
     on_policy: bool = knob(
         False, "re-extract each layer's queries with the layers before it already compacted (slow: one pass per layer)")
     value_fit: Literal["least_squares", "original"] = knob(
@@ -269,7 +269,7 @@ def compact_blocks(
     score [H_kv, T] within its chunk (``CompactBlock.scores``; scored here only for a chunk kept whole,
     which the solver returns unscored).
     """
-    spans = chunk_spans(block.keys.shape[1], opts.chunk_size)
+    spans = chunk_spans(block.keys.shape[1], opts.compaction_chunk)
     out, offsets, scores = [], [], []
     for (s, e), share in zip(spans, split_budget(budgets, spans, block.keys.shape[1])):
         bias = block.bias[:, s:e]

@@ -34,7 +34,7 @@ from kvlab.methods.non_causal_attn import non_causal_layer
 class CompactorOptions(SelectionOptions):
     sink_size_start: int = knob(8, "first context tokens always kept, outside the scoring", low=0)
     sink_size_end: int = knob(4, "last context tokens always kept, outside the scoring", low=0)
-    chunk_size: int = knob(256, "non-causal attention: tokens per chunk", low=1)
+    attention_chunk: int = knob(256, "non-causal attention: consecutive tokens per chunk; queries attend to every key of their chunk", low=1)
     sketch_dimension: int = knob(48, "leverage: columns of the Gaussian sketch", low=1)
     blend_by_ratio: bool = knob(True, "lambda = the share of document tokens evicted, 1 - 1/ratio (kvpress's default)")
     blending: float = knob(0.35, "lambda, the weight of the leverage z-scores, when blend_by_ratio=false", low=0.0)
@@ -53,11 +53,11 @@ def compactor_parts(req: Request, opts: CompactorOptions) -> list[tuple[torch.Te
         for i, q in enumerate(ctx.queries["context"]):
             lev = leverage(pre_rope_keys(req, i)[:, start:end], sketches[i])
             att = non_causal_layer(q[:, start:end], ctx.full.keys[i][:, start:end], ctx.full.values[i][:, start:end],
-                                   opts.chunk_size, lm.geometry[i].scaling)
+                                   opts.attention_chunk, lm.geometry[i].scaling)
             out.append((z_score(lev), z_score(att)))
         return out
 
-    key = ("compactor", opts.sink_size_start, opts.sink_size_end, opts.chunk_size, opts.sketch_dimension, opts.seed)
+    key = ("compactor", opts.sink_size_start, opts.sink_size_end, opts.attention_chunk, opts.sketch_dimension, opts.seed)
     return per_context(ctx, key, make)
 
 

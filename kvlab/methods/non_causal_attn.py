@@ -2,7 +2,7 @@
 NonCausalAttnPress).
 
 A query-agnostic attention score that is not biased towards early tokens: the context is cut
-into chunks of ``chunk_size`` consecutive tokens (counted from the context's first token) and
+into chunks of ``attention_chunk`` consecutive tokens (kvpress: ``chunk_size``; counted from the first token) and
 inside each chunk every query attends to every key of the chunk, earlier and later alike
 (non-causal). A key's score is the attention it receives from its chunk's queries, summed,
 averaged over the query heads of its GQA group, multiplied by ||v_j|| (what the key would add),
@@ -10,7 +10,7 @@ smoothed by a 3-token average pooling (zero padding counted) and z-scored over t
 
 Deliberate differences from kvpress 0.5.5: the logits carry the layer's own attention scale
 (1/sqrt(d), the model's attention; kvpress's press multiplies q.k unscaled), and a last chunk
-shorter than ``chunk_size`` is its own softmax over its real keys (kvpress pads it with zero
+shorter than ``attention_chunk`` is its own softmax over its real keys (kvpress pads it with zero
 queries and keys whose padded rows and columns still take part in the softmax and the sums).
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ POOL = 3
 
 @dataclass(frozen=True)
 class NonCausalAttnOptions(SelectionOptions):
-    chunk_size: int = knob(256, "consecutive tokens per chunk; queries attend to every key of their chunk", low=1)
+    attention_chunk: int = knob(256, "non-causal attention: consecutive tokens per chunk; queries attend to every key of their chunk", low=1)
 
 
 def chunk_attention(queries: torch.Tensor, keys: torch.Tensor, chunk_size: int, scale: float) -> torch.Tensor:
@@ -76,7 +76,7 @@ class NonCausalAttn(EvictionMethod):
     summary = "attention received inside chunks where every query sees every key (non-causal), x ||v||, z-scored"
     learn = (
         "Causal attention favours early tokens: more queries can see them. Here the context is cut into chunks "
-        "of `chunk_size` tokens and inside a chunk $c$ every query attends to every key of $c$: "
+        "of `attention_chunk` tokens and inside a chunk $c$ every query attends to every key of $c$: "
         "$$s_j=\\operatorname{pool}_3\\Big(\\tfrac1{|g|}\\sum_{h\\in g}\\sum_{i\\in c(j)}"
         "\\operatorname{softmax}_{c}\\big(q^{(h)}_i\\cdot k_\\cdot/\\sqrt d\\big)_j\\;\\lVert v_j\\rVert\\Big),$$ "
         "z-scored over the layer. The attention half of Compactor (arXiv 2507.08143)."
@@ -88,4 +88,4 @@ class NonCausalAttn(EvictionMethod):
     Options = NonCausalAttnOptions
 
     def scores(self, req: Request) -> list[torch.Tensor]:
-        return [s[:, req.ctx.prefix_len :] for s in non_causal_scores(req, self.options.chunk_size)]
+        return [s[:, req.ctx.prefix_len :] for s in non_causal_scores(req, self.options.attention_chunk)]
