@@ -114,3 +114,25 @@ def flight_waiters(monkeypatch: pytest.MonkeyPatch) -> FlightWaiters:
 
     monkeypatch.setattr(memo, "Future", Counted)
     return waiters
+
+
+def method_sections(markdown: str) -> dict[str, tuple[str, str]]:
+    """A methods text (the Learn tab's, ``kvlab methods --long``) read back by its headings.
+
+    Returns, per ``#### `name``` heading, the ``### Family`` heading above it and the section's text
+    up to the next heading of any level; a name heading twice keeps only its last section.
+    """
+    sections: dict[str, tuple[str, str]] = {}
+    family, name, lines = "", None, []
+    for line in markdown.splitlines() + ["### end"]:
+        if line.startswith("#"):
+            if name is not None:
+                sections[name] = (family, "\n".join(lines))
+            name, lines = None, []
+            if line.startswith("#### `"):
+                name = line.split("`")[1]
+            elif line.startswith("### "):
+                family = line[4:].strip()
+        elif name is not None:
+            lines.append(line)
+    return sections

@@ -13,9 +13,12 @@ gradio_client = pytest.importorskip("gradio_client")
 from gradio_client.exceptions import AppError  # noqa: E402
 
 from benchmarks.browser import serve_app  # noqa: E402
+from conftest import method_sections  # noqa: E402
 from kvlab import lab  # noqa: E402
+from kvlab.compression.interface import FAMILIES  # noqa: E402
 from kvlab.compression.catalog import all_knobs  # noqa: E402
 from kvlab.contexts import CONTEXTS  # noqa: E402
+from kvlab.figures.diff import DIFF_COMPRESSED, DIFF_FULL  # noqa: E402
 from kvlab.methods import REGISTRY  # noqa: E402
 from kvlab.models import EMBEDDED, EMBEDDED_LABEL, PACKAGED, installed_packaged  # noqa: E402
 from kvlab.ui import common, default_method, present  # noqa: E402
@@ -121,11 +124,15 @@ def test_ratios_are_parsed_and_checked():
 
 def test_learn_tab_explains_every_method():
     text = learn_markdown()
+    sections = method_sections(text)
+    assert sorted(sections) == sorted(REGISTRY) and text.count("#### `") == len(REGISTRY)  # each method once
     for name, cls in REGISTRY.items():
-        assert f"`{name}`" in text and cls.summary in text
+        family, section = sections[name]
+        assert family == cls.family.capitalize(), name  # under its own family's heading
         assert len(cls.learn) > 80, f"{name} has no Learn text"
-        assert cls.learn in text
-        assert str(cls.paper) in text
+        assert cls.summary in section and cls.learn in section and str(cls.paper) in section, name
+    headings = [line[4:] for line in text.split("## Methods", 1)[1].splitlines() if line.startswith("### ")]
+    assert headings == [f.capitalize() for f in FAMILIES if any(c.family == f for c in REGISTRY.values())]
     # BeaconKV's details come from secondary summaries of the paper; its Learn text must say so.
     assert "secondary summaries" in REGISTRY["beaconkv"].learn
     for plot in ("Attention-output error", "Attention mass, full vs compressed", "Keys per head", "Memory", "Time per stage",
@@ -194,7 +201,11 @@ def test_run_gives_two_answers_and_figures(client, embedded):
     summary, full, compressed, diff, err_plot = out[:5]
     assert full.strip() and compressed.strip()
     assert "at **4x**" in summary
-    assert diff is not None
+    # The word diff holds both answers: shared words plus each side's own spell each answer again.
+    def spelled(side):
+        return "".join(part["token"] for part in diff if part["class_or_confidence"] in (None, side)).split()
+
+    assert spelled(DIFF_FULL) == full.split() and spelled(DIFF_COMPRESSED) == compressed.split()
     assert err_plot and "plot" in str(err_plot)
     counts = out[11]
     assert counts.startswith("Layer 3, KV head 1:") and "template" in counts

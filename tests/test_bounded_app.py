@@ -206,8 +206,10 @@ def test_another_clients_run_starts_within_one_unit_of_a_forty_run_sweep(app, mo
     sweeper, visitor = gradio_client.Client(url, verbose=False), gradio_client.Client(url, verbose=False)
     sweep = sweeper.submit(text=DOC, methods=SWEEP_METHODS, ratios=[], more_ratios=SWEEP_RATIOS, question=QUESTION,
                            max_new_tokens=4, model=SPEC, api_name="/compare")
+    deadline = time.monotonic() + 300  # far above three units' time anywhere; a hang fails instead of waiting
     while len(ends) < 3:  # the sweep is well under way
         assert not sweep.done(), sweep.exception()
+        assert time.monotonic() < deadline, f"the sweep finished {len(ends)} units in 300 s"
         time.sleep(0.01)
     asked = time.monotonic()
     visitor.predict(**explore_args())

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import method_sections
 from kvlab.cli import build_parser, main
 from kvlab.compression import catalog
 from kvlab.compression.interface import FAMILIES
@@ -225,13 +226,14 @@ def test_cli_preset_with_an_override_reaches_the_method():
 def test_methods_long_prints_every_learn_text_and_knob_table(capsys):
     assert main(["methods", "--long"]) == 0
     out = capsys.readouterr().out
+    sections = method_sections(out)
+    assert sorted(sections) == sorted(REGISTRY)
     for name, cls in REGISTRY.items():
-        assert f"#### `{name}`" in out and cls.summary in out
-        if cls.learn:
-            assert cls.learn in out
+        family, section = sections[name]  # each method's own section, under its family
+        assert family == cls.family.capitalize() and cls.summary in section and cls.learn in section, name
         for f in dataclasses.fields(cls.Options):
-            # The row shows the dataclass's own default.
-            assert re.search(rf"\| `{f.name}` \| `{re.escape(repr(f.default))}` \|", out), (name, f.name)
+            # The row shows the dataclass's own default, in this method's section.
+            assert re.search(rf"\| `{f.name}` \| `{re.escape(repr(f.default))}` \|", section), (name, f.name)
     for preset in PUBLISHED:
         assert f"`{preset}`" in out
     # A "|" in a help text is escaped, so every table row keeps its four cells.

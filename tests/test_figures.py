@@ -1,6 +1,7 @@
 """Figure builders on small synthetic data: shapes, titles, heights (no model)."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -132,8 +133,23 @@ def test_fate_segments_joins_runs_and_marks_missing_as_evicted():
 
 def test_fate_colors_cover_unknown_fates():
     colors = figures.fate_colors(["kept", "sketched", "evicted"])
-    assert colors["kept"] == figures.FATE_COLORS["kept"]
-    assert "sketched" in colors and colors["sketched"] != colors["kept"]
+    assert {"kept", "sketched", "evicted"} <= set(colors)
+    assert len(set(colors.values())) == len(colors)  # every fate told apart, a new one included
+    assert figures.fate_colors(["kept"])["kept"] == colors["kept"]  # a fate's colour does not depend on the others
+
+
+def _span_colours(html: str) -> dict[str, set[str]]:
+    """Background colours of the token spans by their title (the fate), as the browser would read them."""
+    out: dict[str, set[str]] = {}
+    for title, style in re.findall(r'<span title="([^"]*)" style="([^"]*)"', html):
+        out.setdefault(title, set()).add((re.findall(r"background-color:(#[0-9a-f]{6})", style) or ["none"])[0])
+    return out
+
+
+def _legend_colours(html: str) -> dict[str, str]:
+    """The legend's chip colour per label."""
+    chips = re.findall(r'<span class="kvlab-chip" style="([^"]*)">([^<]*)</span>', html)
+    return {label: (re.findall(r"background(?:-color)?:(#[0-9a-f]{6})", style) or ["none"])[0] for style, label in chips}
 
 
 def test_word_diff():
@@ -164,8 +180,10 @@ def test_fate_html_shades_by_step_and_says_the_percentile():
     assert "intensity = the method&#x27;s &lt;score&gt;" in html
     assert 'title="kept, percentile 87-100"' in html and 'title="kept, percentile 0-12"' in html
     assert 'title="template"' in html  # no level, no percentile
-    strong, pale = figures.FATE_COLORS["kept"], _shade(figures.FATE_COLORS["kept"], figures.WEAKEST_SHADE)
-    assert f"background-color:{strong}" in html and f"background-color:{pale}" in html
+    # The top step is the fate's own colour (the legend's), the bottom step a paler shade of it.
+    strong = _legend_colours(figures.fate_html([(" a", "kept", None)]))["kept"]
+    assert _span_colours(html)["kept, percentile 87-100"] == {strong}
+    assert _span_colours(html)["kept, percentile 0-12"] == {_shade(strong, figures.WEAKEST_SHADE)}
     # An important evicted token gets a grey background; an unimportant one almost none.
     assert f"background-color:{figures.EVICTED_SHADE};color:#6b7280" in html
     assert _shade("#000000", 0.15) == "#d9d9d9" and _shade("#86efac", 1) == "#86efac"
@@ -185,7 +203,10 @@ def test_token_view_of_a_long_document_stays_small():
 def test_fate_html_escapes_and_colours():
     html = figures.fate_html([("<b>Hi</b>\n", "template", None), (" there", "kept", None), (" gone", "evicted", None)])
     assert "&lt;b&gt;Hi&lt;/b&gt;" in html and "<b>" not in html
-    assert 'title="kept"' in html and figures.FATE_COLORS["kept"] in html
+    spans, legend = _span_colours(html), _legend_colours(html)
+    assert set(spans) == set(legend) == {"template", "kept", "evicted"}
+    assert all(spans[fate] == {legend[fate]} for fate in spans)  # each token coloured as the legend says
+    assert len(set(legend.values())) == 3
     assert "white-space:pre-wrap" in html
     assert html.count('class="kvlab-chip"') == 3
 
@@ -208,7 +229,11 @@ def test_bits_strip_counts_every_token():
     assert figures.bits_strip_html(6, {0: "template", 1: "template"}).count("flex:") == 2
     assert "flex:2 1 0" in figures.bits_strip_html(6, {0: "template", 1: "template"})
     assert [figures.bits_of(f) for f in ("template", "4-bit", "2-bit", figures.EVICTED)] == ["full", 4, 2, 0]
-    assert figures.BIT_COLORS[0] in strip and figures.BIT_COLORS[4] in strip
+    # Each cell has the legend's colour of its token's bits: full, 4, 2, 0 (token 3, evicted), full (a beacon).
+    legend = _legend_colours(strip)
+    cells = re.findall(r'<span style="flex:1 1 0;min-width:0;background:(#[0-9a-f]{6})"></span>', strip)
+    assert cells == [legend[x] for x in ("full precision", "4 bits", "2 bits", "0 bits", "full precision")]
+    assert len(set(legend.values())) == len(legend)
 
 
 def test_divergence_figure_draws_both_caches_and_marks_where_answers_part():

@@ -342,7 +342,6 @@ def test_keep_all_reproduces_attention(selection, with_bias):
     if bias is not None:  # re-compaction carries the old bias into beta
         assert torch.allclose(cb.bias, bias.gather(1, cb.index), atol=1e-3)
     assert set(cb.timings) == {"keys", "bias", "values"}
-    assert all(s >= 0 for s in cb.timings.values())
 
 
 def test_budgets_pad_with_minus_inf_and_match_solo_compaction():
