@@ -41,6 +41,22 @@ if hypothesis_settings is not None:
     hypothesis_settings.load_profile("kvlab")
 
 
+#: The methods a quick run (make test-fast) keeps in every per-method harness: one scoring method and the
+#: compaction at the lab's heart; `make test` runs every method through every harness.
+QUICK_METHODS = frozenset({"snapkv", "attention_matching"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``matrix`` the cases of a harness parametrised over the registry for the other methods."""
+    from kvlab.compression.registry import REGISTRY
+
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        values = spec.params.values() if spec is not None else ()
+        if any(isinstance(v, str) and v in REGISTRY and v not in QUICK_METHODS for v in values):
+            item.add_marker(pytest.mark.matrix)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # gradio's queue still uses pandas options that pandas 4 deprecates; not ours to fix.
     config.addinivalue_line("filterwarnings", "ignore::DeprecationWarning:gradio.queueing")

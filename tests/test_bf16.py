@@ -65,7 +65,7 @@ import torch
 from kvlab.compression import engine_format
 from kvlab.compression.interface import Bf16Tolerance
 from kvlab.context import Context, prepare_context
-from kvlab.methods import REGISTRY, Request, beaconkv_mixed, get_method, kivi, summarisation, summary_am
+from kvlab.methods import REGISTRY, Request, beaconkv_mixed, get_method, kivi, summarisation, summary_am, turboquant
 from kvlab.metrics import head_errors
 from kvlab.models import LoadedModel
 from kvlab.pipeline import evaluation
@@ -125,11 +125,13 @@ PINNED: dict[str, tuple[ModuleType, str]] = {
     "fp8_e4m3": (engine_format, "document_tokens"),
     "fp8_e5m2": (engine_format, "document_tokens"),
     "nvfp4": (engine_format, "document_tokens"),
+    "turboquant": (turboquant, "document_tokens_by_layer"),  # its own plan: the boundary layers cost more per token
 }
 
 
 # Knobs other than the defaults: a summary of 256 tokens is 256 bf16 decode steps (~30 s here).
-OPTIONS: dict[str, dict[str, Any]] = {"summary_am": {"summary_tokens": 40}}
+# TurboQuant keeps its 2 first and 2 last layers unquantised, which on this 2-layer model is all of them.
+OPTIONS: dict[str, dict[str, Any]] = {"summary_am": {"summary_tokens": 40}, "turboquant": {"boundary_skip_layers": 0}}
 
 
 def bf16_twin(lm: LoadedModel) -> LoadedModel:

@@ -126,6 +126,11 @@ class EngineFormat(Method):
         """The format's settings, for the stored cache's meta."""
         return {}
 
+    def fit_tokens(self, ctx: Context, ratio: float) -> int:
+        """Document tokens every KV head stores at ``ratio``: :func:`document_tokens` with
+        :meth:`token_bytes` in every layer (a format whose layers cost differently overrides it)."""
+        return document_tokens(ctx, ratio, self.token_bytes(ctx.lm.head_dim))
+
     def scorer(self) -> EvictionMethod | None:
         """The scoring method that chooses what to evict, or None for the oldest."""
         name = self.options.evict_with
@@ -140,7 +145,7 @@ class EngineFormat(Method):
         if req.ratio == 1.0:
             return CompressedKV([list(layer) for layer in ctx.full.stored.layers], ctx.length,
                                 meta={"method": self.name, "memory_ratio": 1.0})
-        n_doc = document_tokens(ctx, req.ratio, self.token_bytes(ctx.lm.head_dim))
+        n_doc = self.fit_tokens(ctx, req.ratio)
         scorer, importance = self.scorer(), None
         device, n_heads = ctx.lm.device, ctx.lm.n_kv_heads
         lengths = torch.full((n_heads,), n_doc, dtype=torch.long, device=device)

@@ -22,6 +22,7 @@ FATE_COLORS: dict[str, str] = {
     "4-bit": "#fde68a",
     "2-bit": "#f59e0b",
     "compacted": "#fdba74",  # orange: a compact key with a fitted bias and value (Attention Matching)
+    "merged": "#c4b5fd",  # violet: a kept token whose value absorbed evicted ones (the merging family)
     "read": "#a5f3fc",  # cyan: read after the document (online compaction)
     EVICTED: "#e5e7eb",  # grey: dropped
 }

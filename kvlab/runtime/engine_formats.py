@@ -144,7 +144,7 @@ def nvfp4_token_bytes(head_dim: int) -> int:
     return 2 * (head_dim // 2 + head_dim // NVFP4_BLOCK)
 
 
-def _padded_view(
+def padded_view(
     keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, token_index: torch.Tensor
 ) -> PaddedView:
     """Head-major [N, d] keys/values -> the attention view, padding masked with bias -inf."""
@@ -214,7 +214,7 @@ class FP8Segment:
         """Dequantised keys/values for attention (transient: never stored)."""
         keys = fp8_decode(self.keys, self.k_scale, self.dtype)
         values = fp8_decode(self.values, self.v_scale, self.dtype)
-        return _padded_view(keys, values, self.head_lengths, self.token_index)
+        return padded_view(keys, values, self.head_lengths, self.token_index)
 
 
 @dataclass
@@ -276,7 +276,7 @@ class NVFP4Segment:
         """Dequantised keys/values for attention (transient: never stored)."""
         keys = nvfp4_decode(self.key_codes, self.key_block_scales, self.k_global, self.dtype)
         values = nvfp4_decode(self.value_codes, self.value_block_scales, self.v_global, self.dtype)
-        return _padded_view(keys, values, self.head_lengths, self.token_index)
+        return padded_view(keys, values, self.head_lengths, self.token_index)
 
 
 def tokens_that_fit(budget_bytes: float, n_layers: int, n_kv_heads: int, token_bytes: int) -> int:
