@@ -380,6 +380,15 @@ def test_tasks_mode_scores_answers_against_known_ones(client, tmp_path):
     assert accuracy and heatmap and "needles found" in json.dumps(heatmap)
 
 
+def test_tasks_mode_hides_needles_in_prose_when_asked(client):
+    status, task, *_ = client.predict(task="needle_grid", items=1, length=150, methods=[FAST], ratios=[2],
+                                      more_ratios="", haystack="prose", api_name="/tasks")
+    assert "needle_grid on a prose haystack" in status and task["value"] == "needle_grid[prose]"
+    with pytest.raises(AppError, match="has no haystack or needle values to choose"):
+        client.predict(task="copy_codes", items=1, length=150, methods=[FAST], ratios=[2], more_ratios="",
+                       haystack="prose", api_name="/tasks")
+
+
 def test_tasks_mode_loads_a_bench_results_file(client, tiny, tmp_path):
     # Results written by the bench runner (tiny model, in-process) load into the same views.
     from kvlab.tasks.runner import MethodSpec, run_items

@@ -93,8 +93,13 @@ def run_tasks(
     model: str | None = None,
     seed: int = 0,
     progress: Progress = no_progress,
+    haystack: str = "noise",
 ) -> TaskRun:
-    """``n`` items of ``task`` answered from the full cache, no_context and every method at every ratio."""
+    """``n`` items of ``task`` answered from the full cache, no_context and every method at every ratio.
+
+    haystack: the needle tasks' filler (kvlab.tasks.synthetic.HAYSTACKS: a repeated noise line, or prose);
+    another task refuses anything but "noise" (InputError).
+    """
     start = time.perf_counter()
     if task not in TASKS:
         raise InputError(messages.unknown("task", task, TASKS))
@@ -104,11 +109,12 @@ def run_tasks(
     progress(0.0, "loading the model")
     lm = models.get_model(model or None)
     try:
-        items = build_items(task, lm, n, int(seed), length)
+        items = build_items(task, lm, n, int(seed), length, haystack=haystack)  # type: ignore[arg-type]
     except TaskError as exc:
         raise InputError(str(exc)) from exc
     results, stopped = answered(lm, items, methods, ratios, sub_progress(progress, 0.02, 0.98))
-    return TaskRun(results, summarise(results), f"live: {task}, {len(items)} items", time.perf_counter() - start,
+    label = f"{task} on a {haystack} haystack" if TASKS[task].needles else task
+    return TaskRun(results, summarise(results), f"live: {label}, {len(items)} items", time.perf_counter() - start,
                    stopped)
 
 

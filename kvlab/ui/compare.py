@@ -9,7 +9,7 @@
   table, and the results as CSV and JSON files.
 - Tasks with known answers: accuracy against the ratio, with the full
   cache's ceiling and no_context's floor. Endpoint ``/tasks``: (task, items,
-  length, methods, ratios, more_ratios, model) -> kvlab.ui.tasks' views;
+  length, methods, ratios, more_ratios, model, haystack) -> kvlab.ui.tasks' views;
   ``/load_results``: (results*.jsonl files of ``kvlab bench``) -> the same views.
 """
 from __future__ import annotations
@@ -49,9 +49,10 @@ def offered_tasks() -> list[tuple[str, str]]:
 
 
 @on_gpu(duration=GPU_MAX_S)
-def tasks_view(task, n, length, methods, ratios, model, progress=None):  # noqa: ANN001 - a ZeroGPU function
+def tasks_view(task, n, length, methods, ratios, model, progress=None, haystack="noise"):  # noqa: ANN001 - a ZeroGPU function
     """The heavy part of ``/tasks``: kvlab.lab.run_tasks (plain results come back)."""
-    return run_tasks(task, n, methods, ratios, length, model, progress=progress or (lambda f, d: None))
+    return run_tasks(task, n, methods, ratios, length, model, progress=progress or (lambda f, d: None),
+                     haystack=haystack)
 
 
 def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs:
@@ -113,6 +114,10 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs
                               info="Each item is a document of its own: one prefill each", elem_id="kvlab-tasks-items")
             length = gr.Slider(MIN_LENGTH, MAX_LIVE_LENGTH, value=TASK_LENGTH_DEFAULT, step=50,
                                label="Document length (model tokens)", elem_id="kvlab-tasks-length")
+            haystack = gr.Dropdown(
+                [("a repeated noise line (RULER's)", "noise"), ("prose (essays)", "prose")], value="noise",
+                label="Needles hidden in", info="Needle tasks only: among identical lines a needle is easy to keep",
+                elem_id="kvlab-tasks-haystack", scale=1)
         with gr.Row():
             tasks_go = gr.Button("Run the tasks", variant="primary", elem_id="kvlab-tasks-run", scale=4)
             tasks_stop = gr.Button("Stop", variant="stop", elem_id="kvlab-tasks-stop", scale=1)
@@ -149,15 +154,17 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs
     )
 
     def on_tasks(task=TASK_DEFAULT, items=TASK_ITEMS_DEFAULT, length=TASK_LENGTH_DEFAULT, methods=None,
-                 ratios=None, more_ratios="", model=None, request: gr.Request = None, progress=gr.Progress()):
+                 ratios=None, more_ratios="", model=None, haystack="noise", request: gr.Request = None,
+                 progress=gr.Progress()):
         chosen = list(methods or [])
         run = guarded(", ".join(chosen), lambda: tasks_view(
             task, items, length, chosen, parse_ratios(ratios, more_ratios), checked_model(model, specs), progress,
+            haystack or "noise",
         ), owner=common.session_of(request), kind="tasks", progress=progress)
         return show(run)
 
     tasks_run = tasks_go.click(
-        on_tasks, [task, items, length, cmp_methods, cmp_ratios, cmp_more, inputs.model], views.all,
+        on_tasks, [task, items, length, cmp_methods, cmp_ratios, cmp_more, inputs.model, haystack], views.all,
         api_name="tasks", concurrency_limit=common.COMPUTE_ADMITTED, concurrency_id="compute",
     )
     tasks_stop.click(None, None, None, cancels=[tasks_run], api_name=False)
