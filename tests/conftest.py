@@ -1,6 +1,8 @@
 """Shared fixtures: a tiny random Llama built in code, and the embedded model."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 import tempfile
 import threading
@@ -61,6 +63,17 @@ def pytest_configure(config: pytest.Config) -> None:
     # gradio's queue still uses pandas options that pandas 4 deprecates; not ours to fix.
     config.addinivalue_line("filterwarnings", "ignore::DeprecationWarning:gradio.queueing")
     config.addinivalue_line("filterwarnings", "ignore:.*(no_silent_downcasting|copy keyword).*")
+
+
+#: A chat template in the tiny word vocabulary: 2 template tokens before the document, as real models keep a prefix.
+TINY_TEMPLATE = "w60 w61 {% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %} w59{% endif %}"
+
+
+def with_template(lm: LoadedModel) -> LoadedModel:
+    """``lm`` whose tokenizer (a copy: ``lm`` is unchanged) applies :data:`TINY_TEMPLATE`."""
+    tokenizer = copy.deepcopy(lm.tokenizer)
+    tokenizer.chat_template = TINY_TEMPLATE
+    return dataclasses.replace(lm, tokenizer=tokenizer)
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:

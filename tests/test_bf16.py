@@ -62,6 +62,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from conftest import with_template
 from kvlab.compression import engine_format
 from kvlab.compression.interface import Bf16Tolerance
 from kvlab.context import Context, prepare_context
@@ -76,8 +77,6 @@ from kvlab.runtime.decode import extend, open_session
 DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(80))  # 80 tokens: CPU bf16 matmuls are slow
 QUESTION = "w3 w5 w8"
 RATIO = 4.0
-# A chat template, so that every method also keeps a template prefix (2 tokens) as real models do.
-TEMPLATE = "w60 w61 {% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %} w59{% endif %}"
 
 # |err_bf16 - err_fp32| / max(1, err_fp32) allowed per tolerance class; each method declares its class
 # (``bf16_tolerance``, kvlab.compression.interface.Bf16Tolerance, with its reason beside it). The
@@ -158,9 +157,7 @@ class Twins:
 
 @pytest.fixture(scope="module")
 def twins(tiny: LoadedModel) -> Twins:
-    tokenizer = copy.deepcopy(tiny.tokenizer)
-    tokenizer.chat_template = TEMPLATE
-    fp32 = dataclasses.replace(tiny, tokenizer=tokenizer)
+    fp32 = with_template(tiny)  # every method also keeps a template prefix (2 tokens), as with real models
     ctx32, ctx16 = prepare_context(fp32, DOC), prepare_context(bf16_twin(fp32), DOC)
     # Otherwise the test would compare float32 with float32 and pass for nothing.
     assert ctx32.full.keys[0].dtype == torch.float32 and ctx16.full.keys[0].dtype == torch.bfloat16

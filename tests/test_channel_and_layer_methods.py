@@ -2,12 +2,11 @@
 checked against the papers' formulas computed eagerly in float64 here, and hand-worked examples."""
 from __future__ import annotations
 
-import copy
-import dataclasses
 
 import pytest
 import torch
 
+from conftest import with_template
 from kvlab.context import prepare_context
 from kvlab.methods import Request, get_method
 from kvlab.methods.simlayerkv import lazy_budgets, laziness
@@ -21,11 +20,7 @@ DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(96))
 @pytest.fixture(scope="module")
 def templated(tiny):
     """The tiny model (2 layers, 4 query heads over 2 KV heads, head dim 16) with a 2-token chat template."""
-    tokenizer = copy.deepcopy(tiny.tokenizer)
-    tokenizer.chat_template = (
-        "w60 w61 {% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %} w59{% endif %}"
-    )
-    ctx = prepare_context(dataclasses.replace(tiny, tokenizer=tokenizer), DOC)
+    ctx = prepare_context(with_template(tiny), DOC)
     assert ctx.prefix_len == 2 and ctx.doc_len == 96
     return ctx
 

@@ -6,12 +6,11 @@ are checked against a block of 16 numbers worked by hand.
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 
 import pytest
 import torch
 
+from conftest import with_template
 from kvlab.compression.engine_format import K_SCALE_CONSTANT, V_SCALE_CONSTANT
 from kvlab.context import prepare_context
 from kvlab.methods import MethodError, Request, get_method
@@ -22,7 +21,6 @@ from kvlab.runtime.engine_formats import (
 
 DOC = " ".join(f"w{(i * 13) % 58 + 2}" for i in range(90))
 QUESTION = "w3 w5 w8"
-TEMPLATE = "w60 w61 {% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %} w59{% endif %}"
 FP8 = [("fp8_e4m3", torch.float8_e4m3fn, 448.0), ("fp8_e5m2", torch.float8_e5m2, 57344.0)]
 FORMATS = ["fp8_e4m3", "fp8_e5m2", "nvfp4"]
 
@@ -30,9 +28,7 @@ FORMATS = ["fp8_e4m3", "fp8_e5m2", "nvfp4"]
 @pytest.fixture(scope="module")
 def ctx(tiny):
     """The tiny model (float32, head dim 16) with a 2-token chat template, on a 90-token document."""
-    tokenizer = copy.deepcopy(tiny.tokenizer)
-    tokenizer.chat_template = TEMPLATE
-    ctx = prepare_context(dataclasses.replace(tiny, tokenizer=tokenizer), DOC)
+    ctx = prepare_context(with_template(tiny), DOC)
     assert ctx.prefix_len == 2 and ctx.lm.head_dim == 16
     return ctx
 

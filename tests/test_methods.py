@@ -1,7 +1,6 @@
 """Compression methods on a tiny random Llama: budgets, kept sets, invariants."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 import pkgutil
 import typing
@@ -10,6 +9,7 @@ import pytest
 import torch
 
 import kvlab.methods
+from conftest import with_template
 from kvlab.compression.budget_profiles import allocate, cap_shares
 from kvlab.compression.compaction import AMOptions, compact_cache, fitting_queries, reference_queries
 from kvlab.compression.interface import FAMILIES, Bf16Tolerance
@@ -41,11 +41,7 @@ def ctx(tiny):
 @pytest.fixture(scope="module")
 def templated(tiny):
     """The tiny model given a chat template, so that its contexts start with a template prefix."""
-    tokenizer = copy.deepcopy(tiny.tokenizer)
-    tokenizer.chat_template = (
-        "w60 w61 {% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %} w59{% endif %}"
-    )
-    ctx = prepare_context(dataclasses.replace(tiny, tokenizer=tokenizer), DOC)
+    ctx = prepare_context(with_template(tiny), DOC)
     assert ctx.prefix_len == 2
     return ctx
 

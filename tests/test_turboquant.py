@@ -7,14 +7,13 @@ the bytes against vLLM's ``key_packed_size`` + ``value_packed_size`` written out
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 import itertools
 import math
 
 import pytest
 import torch
 
+from conftest import with_template
 from kvlab.context import prepare_context
 from kvlab.methods import MethodError, Request, get_method
 from kvlab.methods.turboquant import (
@@ -33,7 +32,6 @@ from kvlab.runtime.cache import DenseSegment
 from kvlab.runtime.decode import extend, open_session
 
 DOC = " ".join(f"w{(i * 13) % 58 + 2}" for i in range(90))
-TEMPLATE = "w60 w61 {% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %} w59{% endif %}"
 PRESETS = list(TQ_PRESETS)
 #: Lloyd-Max quantisers of N(0, 1), the positive half (Max 1960; Lloyd 1982), to 4 decimals.
 KNOWN = {
@@ -47,9 +45,7 @@ KNOWN = {
 @pytest.fixture(scope="module")
 def ctx(tiny):
     """The tiny model (float32, 2 layers, 2 KV heads, head dim 16) with a 2-token template, 90-token document."""
-    tokenizer = copy.deepcopy(tiny.tokenizer)
-    tokenizer.chat_template = TEMPLATE
-    ctx = prepare_context(dataclasses.replace(tiny, tokenizer=tokenizer), DOC)
+    ctx = prepare_context(with_template(tiny), DOC)
     assert ctx.prefix_len == 2 and ctx.lm.head_dim == 16 and ctx.lm.n_layers == 2
     return ctx
 
