@@ -16,11 +16,13 @@ segment.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from kvlab.runtime.cache import NEG_INF, PaddedView, pack_heads, unpack_heads
+from kvlab.runtime.cache import PaddedView, pack_heads
+from kvlab.runtime.engine_formats import padded_view
 
 #: Storage of a channel index: head dims of today's models fit in 16 bits with room to spare.
 CHANNEL_INDEX_DTYPE = torch.int16
@@ -96,11 +98,5 @@ class ChannelSegment:
 
     def view(self) -> PaddedView:
         """Keys [H, L, d] with the pruned channels zero, values, bias -inf on padding (transient)."""
-        kept = unpack_heads(self.keys, self.head_lengths, 0.0)
-        bias = torch.zeros(self.keys.shape[0], dtype=self.keys.dtype, device=self.keys.device)
-        return PaddedView(
-            keys=scatter_channels(kept, self.channels, self.head_dim),
-            values=unpack_heads(self.values, self.head_lengths, 0.0),
-            bias=unpack_heads(bias, self.head_lengths, NEG_INF),
-            token_index=unpack_heads(self.token_index, self.head_lengths, -1),
-        )
+        view = padded_view(self.keys, self.values, self.head_lengths, self.token_index)
+        return dataclasses.replace(view, keys=scatter_channels(view.keys, self.channels, self.head_dim))
