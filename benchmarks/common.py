@@ -87,8 +87,8 @@ def measure(setting: Setting, label: str, method: Method, ratio: float, eval_que
     fit = stored.meta.get("fit_s")
     if fit:  # Attention Matching: query generation is timed apart
         seconds -= fit.get("queries", 0.0)
-    errors = head_errors(ctx.full.stored, stored, eval_queries, block_start=ctx.prefix_len)
-    whole = head_errors(ctx.full.stored, stored, eval_queries)
+    errors = head_errors(ctx.full.stored, stored, eval_queries, block_start=ctx.prefix_len, lm=ctx.lm)
+    whole = head_errors(ctx.full.stored, stored, eval_queries, lm=ctx.lm)
     logps = [continuation_logprobs(ctx.lm, stored, ev.question_ids, torch.tensor(ev.answer.ids)) for ev in setting.evaluations]
     refs = [torch.tensor(ev.answer.logprobs) for ev in setting.evaluations]
     ppl = [log_perplexity(lp) for lp in logps]

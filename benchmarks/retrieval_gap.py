@@ -197,8 +197,8 @@ def measure(needle: Needle, label: str, spec: MethodSpec, ratio: float) -> Row:
     stored = spec.instantiate().compress(Request(ctx, ratio, needle.item.question))
     compress_s = time.perf_counter() - start
     out = answer_item(ctx.lm, stored, needle.item, needle.prompt)
-    err_cache = head_errors(ctx.full.stored, stored, needle.queries).mean_output
-    err_block = head_errors(ctx.full.stored, stored, needle.queries, block_start=ctx.prefix_len).mean_output
+    err_cache = head_errors(ctx.full.stored, stored, needle.queries, lm=ctx.lm).mean_output
+    err_block = head_errors(ctx.full.stored, stored, needle.queries, block_start=ctx.prefix_len, lm=ctx.lm).mean_output
     heads, attention = needle_kept(needle, stored)
     return Row(label, ratio, needle.item.item_id, out.score >= 1.0, err_cache, err_block, heads, attention, compress_s)
 

@@ -65,7 +65,8 @@ class Scope:
     request's kind (a newer one of the same owner and kind supersedes this one while it
     waits for the slot), priority: VISITOR or BACKGROUND, on_wait(ahead, estimate_s): told
     while it waits for the slot how many requests go first and about how long that takes
-    (None: no estimate yet).
+    (None: no estimate yet). leave(): gives up the slot this request holds for good, when
+    its holder allows it (:func:`may_leave`); :func:`leave_slot` calls it.
     """
 
     limit_s: float | None = None
@@ -75,6 +76,7 @@ class Scope:
     kind: str | None = None
     priority: int = VISITOR
     on_wait: Callable[[int, float | None], None] | None = None
+    leave: Callable[[], None] = lambda: None
     start: float = field(default_factory=time.monotonic)
     waited_s: float = 0.0
     last: str = ""
@@ -163,6 +165,34 @@ def between_units(step: str | None = None) -> None:
     s.units += 1
     s.handover()
     checkpoint()
+
+
+def leave_slot() -> None:
+    """The request's exclusive part is over: the compute slot goes to the next request now, and
+    the rest of this one (its decode steps, batched with others', kvlab.runtime.batching) runs
+    beside it. A no-op outside a scope, or where the slot's holder did not allow it (:func:`may_leave`)."""
+    s = _SCOPE.get()
+    if s is not None:
+        leave, s.leave = s.leave, lambda: None
+        leave()
+
+
+@contextmanager
+def may_leave(slot: Slot) -> Iterator[None]:
+    """Inside, holding ``slot``, the current request may give it up early (:func:`leave_slot`).
+
+    For single runs only: a long job hands the slot over between its units
+    (:func:`between_units`) and must hold it when it does.
+    """
+    s = _SCOPE.get()
+    if s is None:
+        yield
+        return
+    s.leave = slot.release
+    try:
+        yield
+    finally:
+        s.leave = lambda: None
 
 
 def checked(progress: Callable[[float, str], None]) -> Callable[[float, str], None]:

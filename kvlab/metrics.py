@@ -9,10 +9,13 @@ and per-token scores as percentile ranks within a head.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from kvlab.compression.wrappers.key_rerotation import rotation_tables, turn_keys
+from kvlab.models import LoadedModel
 from kvlab.runtime.attention import BlockAttention, attend, attention_weights, group_queries
 from kvlab.runtime.cache import CompressedKV, PaddedView, select_keys
 
@@ -63,6 +66,24 @@ def _block(view: PaddedView, block_start: int) -> PaddedView:
     return select_keys(view, view.token_index >= block_start) if block_start else view
 
 
+def scored_view(stored: CompressedKV, layer: int, lm: LoadedModel | None = None) -> PaddedView:
+    """``stored``'s layer as queries recorded at their original positions meet it in generation.
+
+    A re-rotated cache (``position_shift`` s > 0) is read by queries at t - s,
+    not at the t they were recorded at. RoPE scores depend on the distance
+    only, q(t - s) . k = q(t) . R_s k, so the keys are turned by +s once
+    instead. Any other cache's view is returned as it is. lm: the model whose
+    RoPE turns them, needed only when s > 0.
+    """
+    view = stored.layer_view(layer)
+    if not stored.position_shift:
+        return view
+    if lm is None:
+        raise ValueError("a re-rotated cache (position_shift > 0) is scored with the model's RoPE: pass lm")
+    shift = torch.full((1,), stored.position_shift, device=view.keys.device)
+    return dataclasses.replace(view, keys=turn_keys(view.keys, *rotation_tables(lm, layer, shift)))
+
+
 def reference_attention(
     reference: CompressedKV, queries: list[torch.Tensor], block_start: int = 0
 ) -> list[BlockAttention]:
@@ -84,6 +105,7 @@ def head_errors(
     queries: list[torch.Tensor],
     block_start: int = 0,
     full: list[BlockAttention] | None = None,
+    lm: LoadedModel | None = None,
 ) -> HeadErrors:
     """Per-head errors of ``stored`` against ``reference`` for queries [H, n, d] per layer.
 
@@ -95,12 +117,15 @@ def head_errors(
     position on (e.g. the document without the template prefix that every
     method keeps): the error of the compacted block itself, as the Attention
     Matching paper reports it.
+
+    The queries stand where they were recorded; a re-rotated ``stored`` is
+    met as generation meets it (:func:`scored_view`, with ``lm``'s RoPE).
     """
     full = reference_attention(reference, queries, block_start) if full is None else full
     scales = reference.scales or [None] * reference.n_layers
     outs, masses, ratios = [], [], []
     for layer, q in enumerate(queries):
-        comp = _block(stored.layer_view(layer), block_start)
+        comp = _block(scored_view(stored, layer, lm), block_start)
         out, mass, ratio = block_errors(group_queries(q, comp.keys.shape[0]), full[layer], comp, scales[layer])
         outs.append(out)
         masses.append(mass)

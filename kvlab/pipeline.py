@@ -250,7 +250,7 @@ def answered(
             "memos", ("reference attention", evaluation_key(ev.question, max_new_tokens)),
             lambda: reference_attention(ctx.full.stored, ev.queries), ev.question,
         )
-        errors = head_errors(ctx.full.stored, stored, ev.queries, full=full)
+        errors = head_errors(ctx.full.stored, stored, ev.queries, full=full, lm=ctx.lm)
         return Answered(drafted.generation, answer_s, errors, drafted.draft_logprobs)
 
     return kept(ctx, ("answer", *cache_key, ev.question, max_new_tokens), make, ev.question)

@@ -16,7 +16,9 @@ import torch
 from kvlab.compression.options import NoOptions
 from kvlab.compression.paper import Baseline, Paper
 from kvlab.compression.request import Request
-from kvlab.compression.selection import SelectionOptions, keep_tokens, select, top_k_per_head
+from kvlab.compression.selection import (
+    SelectionOptions, check_rerotation, keep_tokens, rerotate_keys, select, top_k_per_head,
+)
 from kvlab.context import Context
 from kvlab.runtime.cache import CompressedKV, keep_windows, token_importance
 
@@ -150,19 +152,27 @@ class EvictionMethod(Method):
         return req.ctx.cached("memos", key, lambda: self.scores(req), question)
 
     def compress(self, req: Request) -> CompressedKV:
+        wrapped = self.options if isinstance(self.options, SelectionOptions) else None
+        if wrapped is not None and wrapped.rerotate:
+            check_rerotation(req.ctx.lm)  # before the scores: a refusal costs nothing
         scores = self.kept_scores(req)
         budgets = self.head_budgets(req).clamp(self.min_head_budget, req.ctx.doc_len)
-        if isinstance(self.options, SelectionOptions):
-            scores, budgets = select(req, scores, budgets, self.options)
+        if wrapped is not None:
+            scores, budgets = select(req, scores, budgets, wrapped)
         layers = [
             keep_tokens(req, i, top_k_per_head(s, budgets[i]), budgets[i])
             for i, s in enumerate(scores)
         ]
+        shift = 0
+        if wrapped is not None and wrapped.rerotate:
+            layers, after = rerotate_keys(req.ctx.lm, layers)
+            shift = req.ctx.length - after
         importance = document_importance(req, scores) if self.scores_are_importance else None
         meta = {"method": self.name, **self.details()}
-        if isinstance(self.options, SelectionOptions):
-            meta.update(budgets=self.options.budgets, granularity=self.options.granularity, critical=self.options.critical)
-        return CompressedKV(layers, req.ctx.length, meta=meta, importance=importance)
+        if wrapped is not None:
+            meta.update(budgets=wrapped.budgets, granularity=wrapped.granularity, critical=wrapped.critical,
+                        rerotate=wrapped.rerotate)
+        return CompressedKV(layers, req.ctx.length, meta=meta, importance=importance, position_shift=shift)
 
 
 def keeping_windows(compress: Callable[[Method, Request], CompressedKV]) -> Callable[[Method, Request], CompressedKV]:

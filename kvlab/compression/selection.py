@@ -1,8 +1,10 @@
 """How a scoring method's scores become kept tokens: the selection wrappers' knobs
-(:class:`SelectionOptions`, applied by :func:`select`), each head's top-k and the gather.
+(:class:`SelectionOptions`, applied by :func:`select`), each head's top-k and the gather, and
+the kept keys' re-rotation (:func:`rerotate_keys`).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -13,6 +15,8 @@ from kvlab.compression.request import Request
 from kvlab.compression.wrappers.adakv import adakv_budgets, safeguard
 from kvlab.compression.wrappers.chunkkv import chunk_ranks
 from kvlab.compression.wrappers.criticalkv import critical_scores, output_projection, projected_value_norm
+from kvlab.compression.wrappers.key_rerotation import packed_positions, rotation_tables, turn_keys
+from kvlab.models import LoadedModel
 from kvlab.runtime.cache import DenseSegment, Segment, gather_tokens, template_segment
 
 
@@ -20,7 +24,7 @@ from kvlab.runtime.cache import DenseSegment, Segment, gather_tokens, template_s
 class SelectionOptions(Options):
     """The knobs every scoring method gets (:class:`EvictionMethod` whose scores mean importance):
     how its scores become kept tokens. One module each does the maths:
-    kvlab.compression.wrappers (adakv, chunkkv, criticalkv).
+    kvlab.compression.wrappers (adakv, chunkkv, criticalkv, key_rerotation).
 
     A scoring method's Options extend this class (the method's own knobs are listed first,
     kvlab.compression.catalog.knobs); :func:`kvlab.compression.registry.register` checks it.
@@ -39,6 +43,9 @@ class SelectionOptions(Options):
     first_stage_ratio: float = knob(
         0.5, "critical: share of each head's budget chosen by the method's own scores", low=0.0, high=1.0)
     critical_epsilon: float = knob(1e-4, "critical: added to the scores before the reweighting", low=0.0)
+    rerotate: bool = knob(
+        False, "key re-rotation (kvpress's KeyRerotationPress): the kept keys moved to contiguous positions, "
+        "what follows the cache right after them")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -55,6 +62,7 @@ SELECTION_PRESETS: dict[str, dict[str, Any]] = {
     "adakv": {"budgets": "adakv"},
     "chunkkv": {"granularity": "chunk"},
     "criticalkv": {"critical": True},
+    "key_rerotation": {"rerotate": True},
 }
 
 SELECTION_LEARN = (
@@ -64,7 +72,11 @@ SELECTION_LEARN = (
     "`granularity=chunk` (ChunkKV): chunks of `chunk_size` tokens scored by their mean, "
     "$\\bar s_c=\\tfrac{1}{|c|}\\sum_{j\\in c}\\sum_h s^{(h)}_j$, whole chunks kept, the same in every head. "
     "`critical=true` (CriticalKV): each head keeps a `first_stage_ratio` share of its budget by $s_j$, the rest by "
-    "$(s_j+\\epsilon)\\,\\lVert v_j W_o^{(h)}\\rVert_1$, what the value adds to the layer's output."
+    "$(s_j+\\epsilon)\\,\\lVert v_j W_o^{(h)}\\rVert_1$, what the value adds to the layer's output. "
+    "`rerotate=true` (kvpress's KeyRerotationPress, the form of StreamingLLM's and Finch's caches): each kept "
+    "key is turned by RoPE from its position $p_j$ to a new one, $k_j\\leftarrow R_{p'_j-p_j}\\,k_j$, so that "
+    "a head's $n_h$ kept keys sit at $P-n_h,\\dots,P-1$ ($P$: the most keys any head keeps) and the question "
+    "starts at $P$: the positions after the cache become contiguous. Values are untouched."
 )
 
 
@@ -112,6 +124,49 @@ def keep_tokens(
     segments.append(DenseSegment.from_padded(
         gather_tokens(keys, index), gather_tokens(values, index), lengths, index, fate=fate))
     return segments
+
+
+#: RoPE kinds (transformers' rope_type) whose frequencies follow the longest position passed: a turn by a
+#: position difference is not the difference of two positions' turns there (and asking for its tables
+#: at small positions would reset the model's own frequencies).
+UNEVEN_ROPE = ("dynamic", "longrope")
+
+
+def check_rerotation(lm: LoadedModel) -> None:
+    """MethodError unless ``rerotate=true`` can hold for ``lm``: a sliding-window layer keeps its
+    window at the original positions and masks by them, which moved keys would break; and
+    :data:`UNEVEN_ROPE` cannot turn a key by a difference of positions."""
+    windowed = [i for i, g in enumerate(lm.geometry) if g.window is not None]
+    if windowed:
+        raise MethodError(f"rerotate=true needs full-attention layers only; {lm.name} has sliding-window layers "
+                          f"({', '.join(map(str, windowed))}), whose windows count original positions")
+    kinds = getattr(lm.model.model.rotary_emb, "rope_type", None)
+    kinds = set(kinds.values()) if isinstance(kinds, dict) else {kinds}
+    if kinds & set(UNEVEN_ROPE):
+        raise MethodError(f"rerotate=true needs a RoPE whose angle grows evenly with the position; {lm.name}'s "
+                          f"({', '.join(sorted(kinds & set(UNEVEN_ROPE)))}) picks its frequencies by the length read")
+
+
+def rerotate_keys(lm: LoadedModel, layers: list[list[Segment]]) -> tuple[list[list[Segment]], int]:
+    """Every layer's kept keys turned to right-aligned contiguous positions
+    (kvlab.compression.wrappers.key_rerotation); values, token indices and the lists given stay as
+    they are.
+
+    layers: per layer, segments of plain kept keys in reading order (the
+    template first), each key's token index its position -> (the new layers,
+    P: the position of the first token after the cache).
+    """
+    total = int(torch.stack([sum(seg.lengths() for seg in layer) for layer in layers]).max())
+    out = []
+    for i, layer in enumerate(layers):
+        if not all(isinstance(seg, DenseSegment) and bool((seg.token_index >= 0).all()) for seg in layer):
+            raise MethodError("rerotate=true needs segments of kept tokens, each key at its own token's position")
+        new = packed_positions([seg.lengths() for seg in layer], total)
+        out.append([
+            dataclasses.replace(seg, keys=turn_keys(seg.keys, *rotation_tables(lm, i, pos - seg.token_index)))
+            for seg, pos in zip(layer, new)
+        ])
+    return out, total
 
 
 def top_k_per_head(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

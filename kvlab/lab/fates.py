@@ -10,7 +10,8 @@ import torch
 from kvlab.context import Context
 from kvlab.figures import EVICTED
 from kvlab.lab.explore import Explored, token_texts
-from kvlab.metrics import percentile_levels, question_attention
+from kvlab.metrics import percentile_levels, question_attention, scored_view
+from kvlab.models import LoadedModel
 from kvlab.runtime.attention import attention_weights, group_queries
 from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.decode import greedy, greedy_from_draft
@@ -98,7 +99,7 @@ def pieces_spelling(pieces: Sequence[str], text: str, start: int = 0) -> list[in
 
 
 def span_attention(
-    queries: list[torch.Tensor], stored: CompressedKV, positions: torch.Tensor, scales: list[float]
+    queries: list[torch.Tensor], stored: CompressedKV, positions: torch.Tensor, scales: list[float], lm: LoadedModel
 ) -> list[torch.Tensor]:
     """Per layer [H_kv, P]: the share of the queries' attention over ``stored`` that lands on the key
     standing for each of the context positions [P] (0 where the head keeps none).
@@ -106,11 +107,12 @@ def span_attention(
     queries: per layer [H, n, d]; each query's softmax runs over the stored
     keys with their biases (what the compressed cache answers from) at the
     layer's own scaling, averaged over the queries and the KV head's group of
-    query heads, as :func:`kvlab.metrics.question_attention` does for the full cache.
+    query heads, as :func:`kvlab.metrics.question_attention` does for the full cache. A re-rotated
+    cache is met as generation meets it (:func:`kvlab.metrics.scored_view`, with ``lm``'s RoPE).
     """
     out = []
     for layer, q in enumerate(queries):
-        view = stored.layer_view(layer)
+        view = scored_view(stored, layer, lm)
         weights = attention_weights(group_queries(q, view.keys.shape[0]), view.keys, view.bias,
                                     scale=scales[layer]).mean(dim=1)  # [H_kv, L]
         hit = (view.token_index.unsqueeze(-1) == positions.to(view.token_index.device)).float()  # [H_kv, L, P]
@@ -184,8 +186,8 @@ def trace_needle(
     drafted = greedy_from_draft(lm, stored, prompt_ids, full.ids, max_new_tokens)
     queries, scales = capture.per_layer(), [g.scaling for g in lm.geometry]
     positions = torch.tensor(index, device=lm.device)
-    shares_full = span_attention(queries, ctx.full.stored, positions, scales)
-    shares = span_attention(queries, stored, positions, scales)
+    shares_full = span_attention(queries, ctx.full.stored, positions, scales, lm)
+    shares = span_attention(queries, stored, positions, scales, lm)
     fates = []
     for layer in range(stored.n_layers):
         fates.append([[kept.get(i, EVICTED) for i in index]

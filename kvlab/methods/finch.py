@@ -9,9 +9,10 @@ keys, causal), so its weights are multiplied by p_i before they are averaged ove
 (a row spread over more keys is not counted weaker), then over the query heads of each KV
 head's group: s_j = mean_g mean_i p_i a_ij, for the context keys j.
 
-Not here: kvpress's ``chunk_length`` (the document compressed chunk by chunk, each keeping its
-share) and ``rerotate_keys`` (the kept keys moved to consecutive positions; kvlab keeps each
-key at its own position). kvlab never stores the question, so there is no window to keep.
+kvpress's ``rerotate_keys`` (the kept keys moved to consecutive positions) is the selection
+wrappers' ``rerotate=true`` here (preset ``key_rerotation``). Not here: kvpress's ``chunk_length``
+(the document compressed chunk by chunk, each keeping its share). kvlab never stores the
+question, so there is no window to keep.
 """
 from __future__ import annotations
 

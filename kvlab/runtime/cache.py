@@ -225,6 +225,11 @@ class CompressedKV:
     token appended after the cache gets the position it would have had with
     the full cache, however few keys are physically stored.
 
+    position_shift: the next token's position is ``logical_len - position_shift``.
+    0 for every cache but a re-rotated one (``rerotate=true``,
+    kvlab.compression.wrappers.key_rerotation), whose kept keys were moved to
+    contiguous positions ending right before that one.
+
     importance: a diagnostic, filled only when the request asks for it
     (``Request.record_importance``) by methods that score tokens: per layer
     [H_kv, logical_len] float32, the method's own score of each context token
@@ -245,6 +250,7 @@ class CompressedKV:
     meta: dict = field(default_factory=dict)
     importance: list[torch.Tensor] | None = None
     scales: list[float] | None = None
+    position_shift: int = 0
 
     @property
     def n_layers(self) -> int:

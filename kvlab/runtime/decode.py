@@ -2,24 +2,27 @@
 
 Every call works on a fresh working copy of the stored cache, so answering
 never changes it and one compression serves many questions. Positions are
-always passed explicitly and continue from the cache's logical length:
-transformers would otherwise take them from the physical (compressed) length.
+always passed explicitly and continue from the cache's logical length (less
+its position shift, for a cache whose keys were re-rotated): transformers
+would otherwise take them from the physical (compressed) length.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvlab.cancel import checkpoint
+from kvlab.cancel import checkpoint, leave_slot
 from kvlab.models import LoadedModel
 from kvlab.prompts import answer_end_ids
 from kvlab.runtime.cache import CompressedKV, FullKV
 from kvlab.runtime.hooks import ForwardContext, QueryCapture
-from kvlab.runtime.lean import lean_forward, lean_model
+from kvlab.runtime.batching import batcher
+from kvlab.runtime.lean import LeanItem, lean_forward, lean_model
 
 
 class GrowingLayer(DynamicLayer):
@@ -123,10 +126,11 @@ def open_session(lm: LoadedModel, stored: CompressedKV | None = None, every_key:
                      keep if windowed else None)
         for v, keep, windowed in zip(views, keeps, plain)
     ]
+    position = stored.logical_len - stored.position_shift
     if stored.is_plain():
-        return Session(_working_cache(layers), None, stored.logical_len)
+        return Session(_working_cache(layers), None, position)
     bias = [None if windowed else v.bias.to(lm.device) for v, windowed in zip(views, plain)]
-    return Session(_working_cache(layers), bias, stored.logical_len)
+    return Session(_working_cache(layers), bias, position)
 
 
 @torch.inference_mode()
@@ -246,6 +250,30 @@ def greedy(
     return greedy_loop(lm, first, feed, max_new_tokens, stop_token_ids(lm))
 
 
+@contextmanager
+def batched_passes(lm: LoadedModel, session: Session) -> Iterator[Callable[[torch.Tensor, int], torch.Tensor]]:
+    """run(ids [n], logits_to_keep) -> float32 logits [keep, V], as :func:`extend` gives them, with each
+    pass run batched with the passes of other threads' sessions (kvlab.runtime.batching) while inside.
+
+    A model the lean pass does not run goes through :func:`extend`, alone.
+    """
+    lean = lean_model(lm.model)
+    if lean is None:
+        yield lambda ids, keep: extend(lm, session, ids, logits_to_keep=keep)
+        return
+    passes = batcher(lean)
+
+    @torch.inference_mode()
+    def run(ids: torch.Tensor, keep: int) -> torch.Tensor:
+        positions = torch.arange(session.position, session.position + ids.numel(), device=lm.device)
+        logits = passes.step(LeanItem(session.cache, ids.to(lm.device), positions, session.key_bias, None, keep))
+        session.position += ids.numel()
+        return logits.float()
+
+    with passes.joined():
+        yield run
+
+
 def greedy_loop(
     lm: LoadedModel,
     logits: torch.Tensor,
@@ -313,15 +341,19 @@ def greedy_from_draft(
     """
     m = min(len(draft_ids), max_new_tokens)
     draft = torch.tensor(draft_ids[:m], dtype=torch.long, device="cpu")  # token ids, as the prompt's
+    # The cache is made: the compute slot goes to the next request, and this answer's passes run
+    # batched with those of the other requests answering meanwhile.
+    leave_slot()
     session = open_session(lm, stored)
-    logits = extend(lm, session, torch.cat([prompt_ids, draft]), logits_to_keep=m + 1)  # [m + 1, V]
-    logp = torch.log_softmax(logits, dim=-1)
-    draft_logprobs = logp[:m].gather(1, draft.to(logp.device).unsqueeze(1)).squeeze(1)
-    picks = logp[:m].argmax(dim=-1).cpu()
-    accepted = int((picks == draft).long().cumprod(0).sum())
-    rewind(session, m - accepted)
-    feed = lambda token: extend(lm, session, token, logits_to_keep=1)[-1]  # noqa: E731
-    rest = greedy_loop(lm, logits[accepted], feed, max_new_tokens - accepted, stop_token_ids(lm))
+    with batched_passes(lm, session) as run:
+        logits = run(torch.cat([prompt_ids, draft]), m + 1)  # [m + 1, V]
+        logp = torch.log_softmax(logits, dim=-1)
+        draft_logprobs = logp[:m].gather(1, draft.to(logp.device).unsqueeze(1)).squeeze(1)
+        picks = logp[:m].argmax(dim=-1).cpu()
+        accepted = int((picks == draft).long().cumprod(0).sum())
+        rewind(session, m - accepted)
+        rest = greedy_loop(lm, logits[accepted], lambda token: run(token, 1)[-1], max_new_tokens - accepted,
+                           stop_token_ids(lm))
     ids = draft_ids[:accepted] + rest.ids
     logprobs = draft_logprobs[:accepted].tolist() + rest.logprobs
     text = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()

@@ -23,8 +23,10 @@ gets ``None`` from :func:`lean_model` and runs through transformers.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -174,6 +176,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+@dataclass
+class LeanItem:
+    """One sequence of a :func:`lean_forward_many` pass: its own cache, tokens and positions.
+
+    cache: a transformers DynamicCache whose ``layers[i].update(k, v)``
+    appends [1, H_kv, n, d] and returns the whole layer (layers are added
+    from ``layer_class_to_replicate`` while the cache is empty); ids: [n];
+    positions: [n] on the model's device; key_bias and capture as in
+    :class:`kvlab.runtime.hooks.ForwardContext`; logits_to_keep: the last rows
+    whose logits it returns (0: all).
+    """
+
+    cache: Any
+    ids: torch.Tensor
+    positions: torch.Tensor
+    key_bias: list[torch.Tensor] | None = None
+    capture: Any = None
+    logits_to_keep: int = 0
+
+
 def lean_forward(
     lean: LeanModel,
     cache,
@@ -185,29 +207,46 @@ def lean_forward(
 ) -> torch.Tensor:
     """The model over ``ids`` [n] at ``positions`` [1, n], appending to ``cache``; logits [keep, V].
 
-    cache: a transformers DynamicCache whose ``layers[i].update(k, v)``
-    appends [1, H_kv, n, d] and returns the whole layer (layers are added
-    from ``layer_class_to_replicate`` while the cache is empty); key_bias and capture as in
-    :class:`kvlab.runtime.hooks.ForwardContext`. logits_to_keep = 0 keeps all.
+    One sequence of :func:`lean_forward_many` (see :class:`LeanItem` for the arguments).
     """
-    n, heads, kv_heads, d = ids.numel(), lean.n_heads, lean.n_kv_heads, lean.head_dim
-    x = lean.embed(ids)  # [n, D]
-    cos, sin = lean.rotary(x.unsqueeze(0), positions)  # [1, n, d] each
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return lean_forward_many(lean, [LeanItem(cache, ids, positions[0], key_bias, capture, logits_to_keep)])[0]
+
+
+def lean_forward_many(lean: LeanModel, items: list[LeanItem]) -> list[torch.Tensor]:
+    """The model over several sequences at once, each appending to its own cache; per item logits [keep, V].
+
+    Every projection and MLP runs once over all the items' rows (N = the sum
+    of their lengths): a decode step reads the weights once for all its
+    sequences instead of once each, which is what a step costs on a CPU.
+    Attention is each item's own, over its own cache and biases.
+    """
+    heads, kv_heads, d = lean.n_heads, lean.n_kv_heads, lean.head_dim
+    lengths = [item.ids.numel() for item in items]
+    rows = [slice(start, start + n) for start, n in zip(itertools.accumulate([0] + lengths), lengths)]
+    x = lean.embed(torch.cat([item.ids for item in items]))  # [N, D]
+    cos, sin = lean.rotary(x.unsqueeze(0), torch.cat([item.positions for item in items]).unsqueeze(0))  # [1, N, d]
+    cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [N, 1, d]: the same for every head
     sizes = [(heads + kv_heads) * d, kv_heads * d]
     for i, w in enumerate(lean.layers):
-        qkv = F.linear(rms_norm(x, w.attn_norm, lean.eps), w.qkv, w.qkv_bias)
-        qk, v = (t.view(n, -1, d).transpose(0, 1).unsqueeze(0) for t in qkv.split(sizes, dim=-1))
+        qk, v = F.linear(rms_norm(x, w.attn_norm, lean.eps), w.qkv, w.qkv_bias).split(sizes, dim=-1)
         # Queries and keys rotated together: the same arithmetic in one set of operations instead of two.
-        q, k = rotate(qk, cos, sin).split([heads, kv_heads], dim=1)
-        if i == len(cache.layers):  # an empty cache grows its layers on first use, as transformers' does
-            cache.layers.append(cache.layer_class_to_replicate())
-        keys, values = cache.layers[i].update(k, v)
-        if capture is not None:
-            capture.record(i, q)
-        out = causal_attention(q, keys, values, None if key_bias is None else key_bias[i], w.scaling, w.window)
-        x = x + F.linear(out[0].transpose(0, 1).reshape(n, heads * d), w.o)
+        qk = rotate(qk.view(-1, heads + kv_heads, d), cos, sin)  # [N, H + H_kv, d]
+        v = v.view(-1, kv_heads, d)
+        outs = []
+        for item, r in zip(items, rows):
+            q, k = (t.transpose(0, 1).unsqueeze(0) for t in qk[r].split([heads, kv_heads], dim=1))  # [1, H(_kv), n, d]
+            cache = item.cache
+            if i == len(cache.layers):  # an empty cache grows its layers on first use, as transformers' does
+                cache.layers.append(cache.layer_class_to_replicate())
+            keys, values = cache.layers[i].update(k, v[r].transpose(0, 1).unsqueeze(0))
+            if item.capture is not None:
+                item.capture.record(i, q.contiguous())  # a copy of the queries alone, not of the whole pass
+            bias = None if item.key_bias is None else item.key_bias[i]
+            out = causal_attention(q, keys, values, bias, w.scaling, w.window)  # [1, H, n, d]
+            outs.append(out[0].transpose(0, 1).reshape(-1, heads * d))
+        x = x + F.linear(outs[0] if len(outs) == 1 else torch.cat(outs), w.o)
         gate, up = F.linear(rms_norm(x, w.mlp_norm, lean.eps), w.gate_up).split(lean.intermediate, dim=-1)
         x = x + F.linear(F.silu(gate) * up, w.down)
-    x = rms_norm(x[-logits_to_keep:] if logits_to_keep else x, lean.final_norm, lean.eps)
-    return lean.lm_head(x)
+    kept = [x[r][-item.logits_to_keep:] if item.logits_to_keep else x[r] for item, r in zip(items, rows)]
+    logits = lean.lm_head(rms_norm(kept[0] if len(kept) == 1 else torch.cat(kept), lean.final_norm, lean.eps))
+    return list(logits.split([k.shape[0] for k in kept]))

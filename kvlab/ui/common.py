@@ -291,7 +291,9 @@ def served(
     """
 
     def compute() -> T:
-        with COMPUTE.hold():
+        # A run leaves the slot once its answer decodes step by step (batched with the other runs
+        # decoding then): the next page's compression starts meanwhile.
+        with COMPUTE.hold(), cancel.may_leave(COMPUTE):
             return work()
 
     def shared() -> None:
