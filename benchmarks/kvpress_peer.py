@@ -85,6 +85,11 @@ own code), the attention scale 1/sqrt(d) of the non-causal attention (kvpress mu
 unscaled) and Compactor's blending 1 - 1/ratio (kvpress: its own compression_ratio); kvpress's
 padded last chunk of the non-causal attention is left as it is (kvlab's last chunk is its own
 softmax over its real keys). Native is each press as shipped. Results: docs/benchmarks.md.
+
+Key re-rotation (issue 34): snapkv+key_rerotation <-> KeyRerotationPress(SnapKVPress), aligned
+only (natively kvpress keeps other tokens, so other keys are turned by other amounts). Besides the
+kept sets, each side records its re-rotated keys through one fixed random projection
+(``projection``), and the compare step prints their largest difference over the largest value.
 """
 from __future__ import annotations
 
@@ -106,6 +111,7 @@ METHODS = [
     "streaming_llm", "snapkv", "tova", "expected_attention", "h2o", "kvzip", "knorm", "keydiff", "lagkv", "cur",
     "snapkv+adakv", "expected_attention+adakv", "snapkv+criticalkv", "expected_attention+criticalkv", "snapkv+chunkkv",
     "observed_attention", "leverage", "non_causal_attn", "compactor", "capkv", "finch", "kvzip_plus",
+    "snapkv+key_rerotation",
 ]
 KVLAB_OPTIONS = {"h2o": {"recent_share": 0.0}, "kvzip": {"prune": "global"}, "kvzip_plus": {"prune": "global"}}
 #: The question of the query-aware pairs (finch), the story's first example question.
@@ -114,6 +120,21 @@ QUESTION = "Who was the ferryman?"
 SKETCH_SEED, SKETCH_DIMENSION = 0, 48
 #: kvlab's defaults of the wrappers (kvlab.compression.selection.SelectionOptions), which kvpress's must match.
 ALPHA_SAFEGUARD, FIRST_STAGE_RATIO, CHUNK_SIZE = 0.2, 0.5, 10
+#: Re-rotated keys are compared through a fixed random projection to PROJECTED columns (numpy's
+#: generator, the same on both sides): whole caches of keys would make JSON files of tens of MB.
+PROJECTION_SEED, PROJECTED = 0, 4
+
+
+def projection(head_dim: int):
+    """[head_dim, PROJECTED] float64 numpy array, the same draw on both sides."""
+    import numpy as np
+
+    return np.random.default_rng(PROJECTION_SEED).standard_normal((head_dim, PROJECTED))
+
+
+def projected(keys) -> list[list[float]]:
+    """One head's keys [n, d] (a torch tensor, in position order) -> [n][PROJECTED] plain floats."""
+    return (keys.double().numpy() @ projection(keys.shape[-1])).tolist()
 
 
 def split(method: str) -> tuple[str, str | None]:
@@ -158,6 +179,11 @@ def run_kvlab(ratios: list[float], methods: list[str], doc: Path) -> dict:
                 for layer in range(lm.n_layers)
             ]
             out["results"][key(method, ratio)] = {"kept": kept}
+            if preset == "key_rerotation":  # the turned keys too, in position order (template first)
+                views = [stored.layer_view(layer) for layer in range(lm.n_layers)]
+                out["results"][key(method, ratio)]["keys"] = [
+                    [projected(v.keys[h][v.token_index[h] >= 0]) for h in range(lm.n_kv_heads)] for v in views
+                ]
             out["bytes"][key(method, ratio)] = stored.nbytes
             out["seconds"][key(method, ratio)] = time.perf_counter() - start
             print(f"kvlab {key(method, ratio)}: {out['seconds'][key(method, ratio)]:.1f}s", file=sys.stderr)
@@ -265,11 +291,14 @@ def run_kvpress(ratios: list[float], methods: list[str], doc: Path) -> dict:
            "prefix_len": prefix, "results": {}, "seconds": {}, "bytes": {},
            "question_ids": question_layout(tokenizer, QUESTION).tolist()}
 
-    def record(name: str, positions: list[list[list[int]]], seconds: float, stored_bytes: int | None = None) -> None:
+    def record(name: str, positions: list[list[list[int]]], seconds: float, stored_bytes: int | None = None,
+               keys: list | None = None) -> None:
         out["results"][name] = {
             "kept": [[[p - prefix for p in head if p >= prefix] for head in layer] for layer in positions],
             "prefix_dropped": [[prefix - sum(p < prefix for p in head) for head in layer] for layer in positions],
         }
+        if keys is not None:
+            out["results"][name]["keys"] = keys
         out["seconds"][name] = seconds
         out["bytes"][name] = stored_bytes
         print(f"kvpress {name}: {seconds:.1f}s", file=sys.stderr)
@@ -290,6 +319,11 @@ def run_kvpress(ratios: list[float], methods: list[str], doc: Path) -> dict:
                 if method == "finch":
                     positions = run_finch(model, ids, torch.tensor(out["question_ids"]), prefix, budget, mode)
                     record(key(method, ratio, mode), positions, time.perf_counter() - start)
+                    continue
+                if method.endswith("+key_rerotation"):
+                    if mode == "aligned":  # natively kvpress spends budget on the template: other keys, other turns
+                        positions, keys = rerotated(kvpress, model, ids, method, cr, prefix, full_keys)
+                        record(key(method, ratio, mode), positions, time.perf_counter() - start, keys=keys)
                     continue
                 press, masks = make_press(kvpress, method, cr, prefix, budget, mode, model, 1 - 1 / ratio)
                 if method in ("h2o", "observed_attention"):  # ObservedAttentionPress reads the weights: eager only
@@ -333,6 +367,17 @@ def make_press(kvpress, method: str, cr: float, prefix: int, budget: int, mode: 
         first = FIRST_STAGE_RATIO if mode == "native" else (prefix + int(FIRST_STAGE_RATIO * budget) + 0.5) / (kept + 0.5)
         return kvpress.CriticalKVPress(press=inner, first_stage_ratio=first), False
     return kvpress.ChunkKVPress(press=inner, chunk_length=CHUNK_SIZE), False
+
+
+def rerotated(kvpress, model, ids, method: str, cr: float, prefix: int, full_keys):
+    """KeyRerotationPress over the aligned scorer: (the kept positions, found by the scorer alone, and the
+    projected re-rotated keys of every layer and head, in position order)."""
+    name, _ = split(method)
+    scorer = {"snapkv": kvpress.SnapKVPress, "expected_attention": kvpress.ExpectedAttentionPress}[name]
+    kept = kept_positions(prefill(model, ids, protect_prefix(scorer, prefix)(compression_ratio=cr)), full_keys)
+    cache = prefill(model, ids, kvpress.KeyRerotationPress(press=protect_prefix(scorer, prefix)(compression_ratio=cr)))
+    keys = [[projected(layer.keys[0, h]) for h in range(layer.keys.shape[1])] for layer in cache.layers]
+    return kept, keys
 
 
 def kvlab_sketches(model) -> list:
@@ -481,7 +526,16 @@ def compare(ours: dict, theirs: dict) -> list[dict]:
                     recall.append(len(a & b) / len(a) if a else 1.0)
                     jaccard.append(len(a & b) / len(a | b))
         dropped = [d for layer in res.get("prefix_dropped", []) for d in layer]
+        turned = None
+        if "keys" in res and "keys" in ours["results"][base]:
+            # The largest difference of the projected re-rotated keys, against the largest projected key.
+            pairs = [(a, b) for la, lb in zip(ours["results"][base]["keys"], res["keys"]) for ha, hb in zip(la, lb)
+                     for ra, rb in zip(ha, hb) for a, b in zip(ra, rb)]
+            same_lengths = all(len(ha) == len(hb) for la, lb in zip(ours["results"][base]["keys"], res["keys"])
+                               for ha, hb in zip(la, lb))
+            turned = (max(abs(a - b) for a, b in pairs) / max(abs(a) for a, _ in pairs)) if same_lengths else float("inf")
         rows.append({
+            "keys_max_rel_diff": turned,
             "pair": name, "heads": heads, "identical_heads": same,
             "overlap_mean": sum(recall) / len(recall), "overlap_min": min(recall),
             "jaccard_mean": sum(jaccard) / len(jaccard), "jaccard_min": min(jaccard),
@@ -514,6 +568,8 @@ def print_rows(rows: list[dict]) -> None:
         print(f"{r['pair']:<34} {r['overlap_mean']:>14.4f} {r['overlap_min']:>6.3f} {r['jaccard_mean']:>12.4f} "
               f"{r['jaccard_min']:>6.3f} {r['identical_heads']:>7}/{r['heads']:<7} {r['overlap_all']:>9.4f} "
               f"{r['prefix_dropped_mean']:>14.1f} {kib(r['bytes_ours']):>9} {kib(r['bytes_theirs']):>10}")
+        if r["keys_max_rel_diff"] is not None:
+            print(f"{'':<34} re-rotated keys (projected): largest difference / largest value {r['keys_max_rel_diff']:.2e}")
 
 
 def main(argv: list[str] | None = None) -> int:
