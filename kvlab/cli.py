@@ -22,6 +22,7 @@ import typing
 from typing import Any, Callable, Sequence
 
 from kvlab.compression.catalog import Knob, all_knobs, describe, methods_markdown, presets
+from kvlab.compression.selection import SELECTION_PRESETS
 from kvlab.methods import REGISTRY, MethodError, get_method
 
 
@@ -145,6 +146,8 @@ def cmd_methods(args: argparse.Namespace) -> int:
     width = max(map(len, REGISTRY))
     for name in sorted(REGISTRY):
         print(describe(name, width=width))
+    print(f"\nSelection wrappers, knobs of every scoring method, each a preset ({', '.join(SELECTION_PRESETS)}): "
+          "kvlab methods --long")
     return 0
 
 

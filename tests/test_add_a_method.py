@@ -62,7 +62,7 @@ def test_the_example_registers_under_its_file_name(folder):
 
 def test_kvlab_methods_lists_it(folder, capsys):
     assert main(["methods"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line]
     assert any(line.split()[0] == NAME and REGISTRY[NAME].summary in line for line in lines)
     assert main(["methods", "--long"]) == 0
     assert f"#### `{NAME}`" in capsys.readouterr().out

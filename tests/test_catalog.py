@@ -243,8 +243,13 @@ def test_methods_long_prints_every_learn_text_and_knob_table(capsys):
 
 def test_methods_lists_one_line_each_with_the_shared_tag(capsys):
     assert main(["methods"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == len(REGISTRY)
+    *lines, blank, wrappers = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(REGISTRY) and not blank
+    # The last line names the wrappers' presets: each one a preset every scoring method takes.
+    named = re.search(r"\(([^)]*)\)", wrappers).group(1).split(", ")
+    assert "key_rerotation" in named and "adakv" in named
+    for preset in named:
+        assert get_method("snapkv", preset=preset).options != get_method("snapkv").options
     by_name = {line.split()[0]: line for line in lines}
     assert by_name["snapkv_question"].endswith("[query-aware]")
     assert by_name["attention_matching"].endswith("[query-aware with query_source=question]")
