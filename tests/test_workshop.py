@@ -300,6 +300,27 @@ def test_the_bundled_workshop_sheet_reads():
     assert (items[0].method, items[0].ratio) == ("attention_matching", 10.0)
 
 
+def test_a_started_server_stores_the_pages_first_run_before_anyone_clicks(tiny, tmp_path, monkeypatch):
+    """The page opens on its first example, question, method and ratio: the start-up preparation leaves
+    that Run's result in the store, under the key the page's Run computes for those widgets' values."""
+    from kvlab.examples import Example
+    from kvlab.lab import warm as warming
+    from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
+    from kvlab.ui import app, explore
+
+    path = tmp_path / "tiny.txt"
+    path.write_text(DOCS[60])
+    pool = [Example("tiny", "Tiny", "story", path, (QUESTIONS,), ("w5",), (("w5",),))]
+    monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
+    monkeypatch.setattr(app, "bundled_examples", lambda: pool)
+    monkeypatch.setattr(warming, "examples", lambda: pool)
+    page_run = explore_key(DOCS[60], None, app.default_method(), explore.RATIO_DEFAULT, QUESTIONS,
+                           DEFAULT_MAX_NEW_TOKENS, {}, None)
+    assert results.store().get(page_run) is MISSING
+    app.warm_first_example(None).join(timeout=300)
+    assert results.store().get(page_run) is not MISSING
+
+
 @pytest.mark.slow  # a program started per setting
 @pytest.mark.parametrize("env, says", [
     ({"KVLAB_QUEUE_SIZE": "abc"}, "KVLAB_QUEUE_SIZE='abc' is not a whole number"),

@@ -37,7 +37,7 @@ from kvlab.models import EMBEDDED, EMBEDDED_PACKAGE, LoadedModel, ModelLoadError
 from kvlab.ui import common
 from kvlab.ui.common import CSS, CompareInputs, DocumentInputs, GenerateInputs
 from kvlab.ui.compare import SWEEP_RATIOS, build_compare_tab
-from kvlab.ui.explore import RATIO_MAX, RATIO_MIN, build_explore_tab
+from kvlab.ui.explore import RATIO_DEFAULT, RATIO_MAX, RATIO_MIN, build_explore_tab
 from kvlab.ui.generate import SOURCES as GENERATE_SOURCES
 from kvlab.ui.generate import build_generate_tab
 from kvlab.ui.learn import build_learn_tab
@@ -237,20 +237,33 @@ def prepare(demo: gr.Blocks) -> gr.Blocks:
     return demo.queue(default_concurrency_limit=1, max_size=QUEUE_SIZE)
 
 
+def first_run(spec: str, pool: list[Example]) -> WarmItem:
+    """The configuration a visitor's first Run computes when they change nothing: the page's first
+    example and its first question, the default method and ratio, the default model."""
+    return WarmItem(0, pool[0].id, pool[0].questions[0], default_method(), (), float(RATIO_DEFAULT), spec)
+
+
 def warm_first_example(spec: str) -> threading.Thread | None:
     """Prepare the example the page opens on (prefill + the default method's reference queries) in a
-    background thread, so that a visitor's first Run finds it done. It holds the compute slot at the
-    lowest priority, as warming does: a visitor's computation never shares the CPU with it. None on
-    ZeroGPU (nothing computed outside a GPU slot survives it) or without examples."""
+    background thread, then compute the page's own first Run of it (:func:`first_run`) into the result
+    store, so that a visitor's first Run is answered from the store at once (a workshop's handed-out
+    link is often just that). Both at the compute slot's lowest priority, as warming: a visitor's
+    computation goes first. None on ZeroGPU (nothing computed outside a GPU slot survives it) or
+    without examples."""
     pool = bundled_examples()
     if common.spaces is not None or not pool:
         return None
 
     def work() -> None:
         try:
-            with cancel.scope(owner="warming", priority=cancel.BACKGROUND), common.COMPUTE.hold():
-                p = prepare_document(pool[0].text(), None, default_method(), model=spec, question=pool[0].questions[0])
-            log.info("first example prepared in %.1f s (%d tokens)", p.wall_s, p.doc_tokens)
+            with cancel.scope(owner="warming", priority=cancel.BACKGROUND):
+                with common.COMPUTE.hold():
+                    p = prepare_document(pool[0].text(), None, default_method(), model=spec,
+                                         question=pool[0].questions[0])
+                log.info("first example prepared in %.1f s (%d tokens)", p.wall_s, p.doc_tokens)
+                (done,) = warm([first_run(spec, pool)], results.store(), hold=common.COMPUTE.hold)
+            log.info("the page's first run (%s): %s in %.1f s%s", done.item.label, done.outcome, done.seconds,
+                     f": {done.error}" if done.error else "")
         except Exception:  # noqa: BLE001 - a visitor's Run will do it and report any error
             log.exception("preparing the first example failed")
 
