@@ -73,6 +73,7 @@ def by_hand_positions(stored) -> tuple[list[list[torch.Tensor]], int]:
     ("knorm", {"budgets": "adakv"}),  # ragged heads
     ("pyramidkv", {}),  # a budget per layer
     ("knorm", {"granularity": "chunk"}),
+    ("streaming_llm", {}),  # its own knob: the paper's positions within the cache
 ])
 def test_rerotated_keys_are_the_pre_rope_keys_at_contiguous_right_aligned_positions(ctx, eager, name, options):
     stored = get_method(name, rerotate=True, **options).compress(Request(ctx, 4.0))

@@ -153,7 +153,9 @@ class EvictionMethod(Method):
 
     def compress(self, req: Request) -> CompressedKV:
         wrapped = self.options if isinstance(self.options, SelectionOptions) else None
-        if wrapped is not None and wrapped.rerotate:
+        # The selection wrappers' knob, or a method's own of that name (StreamingLLM's positions in the cache).
+        rerotate = bool(getattr(self.options, "rerotate", False))
+        if rerotate:
             check_rerotation(req.ctx.lm)  # before the scores: a refusal costs nothing
         scores = self.kept_scores(req)
         budgets = self.head_budgets(req).clamp(self.min_head_budget, req.ctx.doc_len)
@@ -164,14 +166,14 @@ class EvictionMethod(Method):
             for i, s in enumerate(scores)
         ]
         shift = 0
-        if wrapped is not None and wrapped.rerotate:
+        if rerotate:
             layers, after = rerotate_keys(req.ctx.lm, layers)
             shift = req.ctx.length - after
         importance = document_importance(req, scores) if self.scores_are_importance else None
         meta = {"method": self.name, **self.details()}
         if wrapped is not None:
-            meta.update(budgets=wrapped.budgets, granularity=wrapped.granularity, critical=wrapped.critical,
-                        rerotate=wrapped.rerotate)
+            meta.update(budgets=wrapped.budgets, granularity=wrapped.granularity, critical=wrapped.critical)
+        meta.update(rerotate=rerotate)
         return CompressedKV(layers, req.ctx.length, meta=meta, importance=importance, position_shift=shift)
 
 

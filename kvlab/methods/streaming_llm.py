@@ -19,6 +19,9 @@ from kvlab.compression.request import Request
 @dataclass(frozen=True)
 class StreamingOptions(Options):
     n_sink: int = knob(4, "attention-sink tokens kept at the start of the context", low=0)
+    rerotate: bool = knob(
+        False, "the paper's positions: the kept keys turned to their places in the cache, what follows right "
+        "after them (kvpress: KeyRerotationPress over StreamingLLMPress); false keeps each key at its token's")
 
 
 @register
@@ -28,12 +31,15 @@ class StreamingLLM(EvictionMethod):
     learn = (
         "Keeps the first `n_sink` tokens (\"attention sinks\", which soak up attention in every layer) and the "
         "most recent ones: $\\text{keep}=\\{1..s\\}\\cup\\{T-(B-s)+1..T\\}$. It looks at positions only, never "
-        "at attention, so it is the cheapest method and forgets everything in the middle of the document."
+        "at attention, so it is the cheapest method and forgets everything in the middle of the document. "
+        "The paper gives positions within the cache, not in the text: `rerotate=true` (preset `paper`) turns the "
+        "kept keys to $0..B-1$ and the question follows at $B$."
     )
     paper = Paper("Xiao et al.", 2024, "Efficient Streaming Language Models with Attention Sinks", arxiv="2309.17453")
     family = "selection"
     bf16_tolerance = "same_tokens"  # position only
     Options = StreamingOptions
+    presets = {"paper": {"rerotate": True}}  # positions within the cache (section 3.2); kvpress issue #158
     scores_are_importance = False  # recency is position, not importance
 
     def scores(self, req: Request) -> list[torch.Tensor]:
