@@ -209,7 +209,8 @@ def test_defaults_are_the_basic_highest_attn_configuration_and_knobs_override_pr
     assert get_method("attention_matching").options == get_method("attention_matching", preset="AM-HighestAttnKeys-basic").options
     options = get_method("attention_matching", preset="AM-OMP-fast", keys_per_iter=8).options
     assert options.keys_per_iter == 8 and options.refit_every == 2 and options.on_policy is True
-    assert catalog.presets("streaming_llm") == {}  # (scoring methods have the selection presets)
+    assert catalog.presets("random") == {}  # (scoring methods have the selection presets)
+    assert catalog.presets("streaming_llm") == {"paper": {"rerotate": True}}  # its positions within the cache
     with pytest.raises(MethodError, match="no preset"):
         get_method("snapkv", preset="AM-OMP")
 
