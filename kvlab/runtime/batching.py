@@ -1,14 +1,14 @@
-"""Decode steps of concurrent requests run as one batched pass (continuous batching, as serving engines do).
+"""The passes of concurrent answers run as one batched pass (continuous batching, as serving engines do).
 
 A decode step of a small model on a CPU costs what reading its weights costs
-(SmolLM2-135M: about 0.5 GB of float32 per token, some 50 ms on two cores),
+(SmolLM2-135M: about 0.5 GB of float32 per token, some 60 ms on two cores),
 whatever the few hundred keys of a compressed cache add. Several requests
-decoding at once (a workshop's participants, each with their own method and
-ratio) can share that read: :class:`StepBatcher` gathers the one-token steps
-that sessions submit from their own threads and runs them as one
-:func:`kvlab.runtime.lean.lean_forward_many` pass, each sequence attending to
-its own cache. A lone session's step runs at once, so the library and the
-CLI decode as before.
+answering at once (a workshop's participants, each with their own method and
+ratio) can share that read: :class:`StepBatcher` gathers the passes that
+sessions submit from their own threads (a token, or a prompt and a draft) and
+runs them as one :func:`kvlab.runtime.lean.lean_forward_many` pass, each
+sequence attending to its own cache. A lone session's pass runs at once, so
+the library and the CLI decode as before.
 
 Batching changes which kernels compute a row (a matrix product instead of a
 matrix-vector one), so logits may differ in the last bits from a lone step's:
