@@ -124,6 +124,7 @@ PINNED: dict[str, tuple[ModuleType, str]] = {
     "fp8_e4m3": (engine_format, "document_tokens"),
     "fp8_e5m2": (engine_format, "document_tokens"),
     "nvfp4": (engine_format, "document_tokens"),
+    "fp4_e2m1": (engine_format, "document_tokens"),
     "turboquant": (turboquant, "document_tokens_by_layer"),  # its own plan: the boundary layers cost more per token
 }
 

@@ -1,8 +1,8 @@
-"""The serving engines' KV formats (fp8_e4m3, fp8_e5m2, nvfp4): their rounding, scales, bytes and ratio.
+"""The serving engines' KV formats (fp8_e4m3, fp8_e5m2, nvfp4, fp4_e2m1): their rounding, scales, bytes and ratio.
 
 The FP8 codes are checked against torch's own float8 casts, done here element by element with the
-saturation written out (vLLM's conversion saturates; torch's e5m2 cast does not). The NVFP4 codes
-are checked against a block of 16 numbers worked by hand.
+saturation written out (vLLM's conversion saturates; torch's e5m2 cast does not). The NVFP4 and
+SGLang's KVFP4 codes are checked against blocks of 16 numbers worked by hand.
 """
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ from kvlab.context import prepare_context
 from kvlab.methods import MethodError, Request, get_method
 from kvlab.runtime.decode import extend, open_session
 from kvlab.runtime.engine_formats import (
-    FP8Segment, NVFP4Segment, e2m1_decode, e2m1_encode, fp8_decode, fp8_encode, nvfp4_decode, nvfp4_encode,
+    FP8Segment, FP4Segment, e2m1_decode, e2m1_encode, fp8_decode, fp8_encode, kvfp4_decode, kvfp4_encode,
+    nvfp4_decode, nvfp4_encode,
 )
 
 DOC = " ".join(f"w{(i * 13) % 58 + 2}" for i in range(90))
 QUESTION = "w3 w5 w8"
 FP8 = [("fp8_e4m3", torch.float8_e4m3fn, 448.0), ("fp8_e5m2", torch.float8_e5m2, 57344.0)]
-FORMATS = ["fp8_e4m3", "fp8_e5m2", "nvfp4"]
+FORMATS = ["fp8_e4m3", "fp8_e5m2", "nvfp4", "fp4_e2m1"]
 
 
 @pytest.fixture(scope="module")
@@ -163,13 +164,50 @@ def test_nvfp4_method_uses_the_documented_global_scale(ctx):
     stored = get_method("nvfp4").compress(Request(ctx, 2.0))
     for layer, (k, v) in enumerate(zip(ctx.full.keys, ctx.full.values)):
         (seg,) = stored.layers[layer]
-        assert isinstance(seg, NVFP4Segment) and seg.fate == "4-bit"
+        assert isinstance(seg, FP4Segment) and seg.fate == "4-bit"
         assert float(seg.k_global) == pytest.approx(float(k.abs().max()) / (6 * 448), rel=1e-6)
         assert float(seg.v_global) == pytest.approx(float(v.abs().max()) / (6 * 448), rel=1e-6)
         # Recomputed here from the head-major tokens: the same codes and scales.
         codes, scales = nvfp4_encode(k.reshape(-1, k.shape[-1]), seg.k_global)
         assert torch.equal(codes, seg.key_codes)
         assert torch.equal(scales.view(torch.uint8), seg.key_block_scales.view(torch.uint8))
+
+
+#: A KVFP4 block worked by hand (SGLang's kvfp4_tensor.py): amax 5, so 5 / 6 < 1 and the scale is
+#: 2^0 (byte 127). Each code counts the midpoints 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 reached: the
+#: ties (the first seven, and their negatives) go to the larger magnitude, where NVFP4's round to
+#: nearest even would send 0.25, 1.25, 2.5 and 5 down.
+KV_BLOCK = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -1.25, -2.5, -5.0, 0.2, 0.3, 4.4, 0.0, 1.0]
+KV_CODES = [0x1, 0x2, 0x3, 0x4, 0x5, 0x6, 0x7, 0x9, 0xB, 0xD, 0xF, 0x0, 0x1, 0x6, 0x0, 0x2]
+KV_VALUES = [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.5, -1.5, -3.0, -6.0, 0.0, 0.5, 4.0, 0.0, 1.0]
+
+
+def test_kvfp4_rounds_a_hand_worked_block_with_power_of_two_scales():
+    """Row 1 is row 0 times 4: amax 20, 20 / 6 = 3.3, the scale 2^2 (byte 129), the same codes. Row 2
+    is zeros: amax / 6 is clamped to 1e-10, 2^-33 (byte 94), codes 0."""
+    x = torch.tensor([KV_BLOCK, [4 * b for b in KV_BLOCK], [0.0] * 16])
+    codes, exponents = kvfp4_encode(x)
+    assert exponents.dtype == torch.uint8 and exponents.flatten().tolist() == [127, 129, 94]
+    pairs = [KV_CODES[i] | KV_CODES[i + 1] << 4 for i in range(0, 16, 2)]  # the first of two in the low nibble
+    assert codes.tolist() == pairs + pairs + [0] * 8
+    back = kvfp4_decode(codes, exponents, torch.float32)
+    assert back.tolist() == [KV_VALUES, [4 * v for v in KV_VALUES], [0.0] * 16]
+
+
+def test_kvfp4_a_block_whose_amax_is_six_times_a_power_of_two_keeps_it_exactly():
+    x = torch.tensor([[12.0, -12.0, 6.0] + [0.0] * 13])  # 12 / 6 = 2: scale 2^1, 12 -> code 6.0
+    codes, exponents = kvfp4_encode(x)
+    assert exponents.tolist() == [[128]]
+    assert kvfp4_decode(codes, exponents, torch.float32)[0, :3].tolist() == [12.0, -12.0, 6.0]
+
+
+def test_fp4_e2m1_method_stores_the_recipes_codes_of_every_token(ctx):
+    stored = get_method("fp4_e2m1").compress(Request(ctx, 2.0))
+    for layer, k in enumerate(ctx.full.keys):
+        (seg,) = stored.layers[layer]
+        assert isinstance(seg, FP4Segment) and seg.k_global is None and seg.fate == "4-bit"
+        codes, exponents = kvfp4_encode(k.reshape(-1, k.shape[-1]))  # the head-major tokens
+        assert torch.equal(codes, seg.key_codes) and torch.equal(exponents, seg.key_block_scales)
 
 
 # --- bytes ---------------------------------------------------------------------------------------
@@ -183,18 +221,23 @@ def test_bytes_of_a_small_cache_by_hand():
     fp8 = FP8Segment.quantize(keys, values, lengths, index, torch.float8_e4m3fn, one, one)
     # A byte per element (2 x 2 x 5 x 16 = 320), two float32 scales (8).
     assert fp8.breakdown() == {"fp8 codes": 320, "per-tensor scales": 8} and fp8.nbytes == 328
-    nvfp4 = NVFP4Segment.quantize(keys, values, lengths, index, one, one)
+    nvfp4 = FP4Segment.quantize(keys, values, lengths, index, one, one)
     # Half a byte per element (160), one e4m3 scale per 16 elements (2 x 2 x 5 = 20), two float32 (8).
     assert nvfp4.breakdown() == {"e2m1 codes": 160, "e4m3 block scales": 20, "global scales": 8}
     assert nvfp4.nbytes == 188
+    kvfp4 = FP4Segment.quantize(keys, values, lengths, index)
+    # The same codes and one exponent byte per 16 elements; no global scale.
+    assert kvfp4.breakdown() == {"e2m1 codes": 160, "e8m0 block exponents": 20} and kvfp4.nbytes == 180
 
 
-@pytest.mark.parametrize(("name", "token_bytes"), [("fp8_e4m3", 32), ("fp8_e5m2", 32), ("nvfp4", 18)])
-def test_a_stored_cache_counts_codes_and_scales_only(ctx, name, token_bytes):
+@pytest.mark.parametrize(("name", "token_bytes", "layer_bytes"),
+                         [("fp8_e4m3", 32, 8), ("fp8_e5m2", 32, 8), ("nvfp4", 18, 8), ("fp4_e2m1", 18, 0)])
+def test_a_stored_cache_counts_codes_and_scales_only(ctx, name, token_bytes, layer_bytes):
     stored = get_method(name).compress(Request(ctx, 2.0))
     lm = ctx.lm
-    # Per layer: every token of every KV head (d = 16: 32 bytes in fp8, 8 + 1 + 8 + 1 in nvfp4), 8 bytes of scales.
-    assert stored.nbytes == lm.n_layers * (lm.n_kv_heads * ctx.length * token_bytes + 8)
+    # Per layer: every token of every KV head (d = 16: 32 bytes in fp8, 8 + 1 + 8 + 1 in nvfp4 and
+    # fp4_e2m1), then the layer's per-tensor scales (8 bytes; fp4_e2m1 has none).
+    assert stored.nbytes == lm.n_layers * (lm.n_kv_heads * ctx.length * token_bytes + layer_bytes)
     assert stored.meta["memory_ratio"] == pytest.approx(ctx.full.nbytes / stored.nbytes)
     assert stored.nbytes <= ctx.full.nbytes / 2
 

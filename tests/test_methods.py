@@ -29,7 +29,7 @@ QUESTION = "w3 w5 w8"
 
 # Methods without a per-token score of importance: they record none.
 UNSCORED = {"kivi", "no_context", "random", "streaming_llm", "summarisation", "summary_am",
-            "fp8_e4m3", "fp8_e5m2", "nvfp4", "turboquant",  # the engine formats evict the oldest tokens by default, as KIVI
+            "fp8_e4m3", "fp8_e5m2", "nvfp4", "fp4_e2m1", "turboquant",  # the engine formats evict the oldest tokens by default, as KIVI
             "simlayerkv"}  # within a layer its scores are positions (initial + recent), as StreamingLLM's
 
 

@@ -53,7 +53,12 @@ FP8_SCALE_LEARN = (
     "`--calculate-kv-scales`, $s_K=\\max|K|/200$ and $s_V=\\max|V|/100$ per layer from the first forward pass "
     "(here the document's prefill; vLLM's `K_SCALE_CONSTANT` and `V_SCALE_CONSTANT`, not the format's largest "
     "value); `checkpoint` is what a calibrated checkpoint ships, $s=\\max|x|/x_{\\max}$ (llm-compressor), "
-    "calibrated on the document itself."
+    "calibrated on the document itself. SGLang's `--kv-cache-dtype fp8_e4m3` and `fp8_e5m2` store the same "
+    "codes with the same per-tensor scales (1.0 unless the checkpoint or `--quantization-param-path` gives "
+    "them): its memory pool's `set_kv_buffer` (`python/sglang/srt/mem_cache/memory_pool.py`) divides by "
+    "`k_scale` and `v_scale`, then casts with torch, without a clamp of its own: the same codes for e4m3, "
+    "whose torch cast saturates at 448, but for e5m2 a value past 57344 is stored as infinity there, where "
+    "vLLM and kvlab store 57344."
 )
 
 EVICT_LEARN = (
@@ -93,11 +98,12 @@ class FP8Options(Options):
         check_evict_with(self.evict_with)
 
 
-def document_tokens(ctx: Context, ratio: float, token_bytes: int) -> int:
+def document_tokens(ctx: Context, ratio: float, token_bytes: int, layer_scales: int = 2) -> int:
     """Document tokens every KV head stores so that the cache, template included, takes at most
-    full bytes / ratio (token_bytes: one token of one head in the format, keys and values)."""
+    full bytes / ratio (token_bytes: one token of one head in the format, keys and values;
+    layer_scales: the float32 per-tensor scales each layer stores besides)."""
     lm = ctx.lm
-    fits = tokens_that_fit(ctx.full.nbytes / ratio, lm.n_layers, lm.n_kv_heads, token_bytes)
+    fits = tokens_that_fit(ctx.full.nbytes / ratio, lm.n_layers, lm.n_kv_heads, token_bytes, layer_scales)
     n_doc = min(ctx.doc_len, fits - ctx.prefix_len)
     if n_doc < 1:
         raise MethodError(f"ratio {ratio:g} leaves no room for one document token beside the template in this format")
@@ -110,6 +116,8 @@ class EngineFormat(Method):
 
     #: The ratio is an upper bound on memory, not a token count (see the module docstring).
     memory_ratio_semantics: ClassVar[str] = "at_most"
+    #: float32 per-tensor scales each layer stores besides its tokens (the keys' and the values').
+    layer_scales: ClassVar[int] = 2
     query_aware_when = "evict_with=snapkv_question"
 
     @abstractmethod
@@ -129,7 +137,7 @@ class EngineFormat(Method):
     def fit_tokens(self, ctx: Context, ratio: float) -> int:
         """Document tokens every KV head stores at ``ratio``: :func:`document_tokens` with
         :meth:`token_bytes` in every layer (a format whose layers cost differently overrides it)."""
-        return document_tokens(ctx, ratio, self.token_bytes(ctx.lm.head_dim))
+        return document_tokens(ctx, ratio, self.token_bytes(ctx.lm.head_dim), self.layer_scales)
 
     def scorer(self) -> EvictionMethod | None:
         """The scoring method that chooses what to evict, or None for the oldest."""

@@ -1,6 +1,6 @@
 """TensorRT-LLM's NVFP4 KV cache: e2m1 codes, an e4m3 scale per block of 16, a float32 global scale.
 
-Storage: :class:`~kvlab.runtime.engine_formats.NVFP4Segment`. The recipe is TensorRT-LLM's
+Storage: :class:`~kvlab.runtime.engine_formats.FP4Segment`. The recipe is TensorRT-LLM's
 ``cvt_warp_fp16_to_fp4`` (``cpp/tensorrt_llm/kernels/quantization.cuh``; read through copies of
 that kernel in the code index, since the TensorRT-LLM snapshot was too large to fetch here): with
 ``SFScaleVal`` the inverse of the global scale ``g``, a block's scale is
@@ -32,7 +32,7 @@ from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.context import Context
 from kvlab.runtime.cache import CompressedKV, Segment
-from kvlab.runtime.engine_formats import NVFP4_BLOCK, NVFP4Segment, nvfp4_global_scale, nvfp4_token_bytes
+from kvlab.runtime.engine_formats import NVFP4_BLOCK, FP4Segment, fp4_token_bytes, nvfp4_global_scale
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class NVFP4(EngineFormat):
     Options = NVFP4Options
 
     def token_bytes(self, head_dim: int) -> int:
-        return nvfp4_token_bytes(head_dim)
+        return fp4_token_bytes(head_dim)
 
     def details(self) -> dict:
         return {"format": "nvfp4"}
@@ -87,4 +87,4 @@ class NVFP4(EngineFormat):
               lengths: torch.Tensor, index: torch.Tensor) -> Segment:
         k_global = nvfp4_global_scale(ctx.full.keys[layer])
         v_global = nvfp4_global_scale(ctx.full.values[layer])
-        return NVFP4Segment.quantize(keys, values, lengths, index, k_global, v_global)
+        return FP4Segment.quantize(keys, values, lengths, index, k_global, v_global)

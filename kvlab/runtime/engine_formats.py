@@ -1,4 +1,5 @@
-"""The KV-cache formats serving engines ship, as stored segments: FP8 (vLLM) and NVFP4 (TensorRT-LLM).
+"""The KV-cache formats serving engines ship, as stored segments: FP8 (vLLM, SGLang), NVFP4 (TensorRT-LLM)
+and KVFP4 (SGLang).
 
 Shapes: ``N`` stored tokens of all KV heads, head-major (as
 :class:`~kvlab.runtime.cache.DenseSegment` packs them), ``d`` the head dim.
@@ -24,6 +25,14 @@ and the elements are rounded (nearest, ties to even, saturating at 6) from
 ``x / (s g)``; a block whose scale is 0 stores zeros. Dequantised:
 ``code * s * g``.
 
+**KVFP4** (SGLang's ``--kv-cache-dtype fp4_e2m1``, ``FP4MXBlock16KVQuantizeUtil`` in
+``python/sglang/srt/layers/quantization/kvfp4_tensor.py``): MXFP4's microscaling with blocks of 16
+elements (the OCP spec says 32). A block's scale is a power of two, stored as its exponent plus 127
+in one byte (e8m0): ``e = ceil(log2(max(amax_block / 6, 1e-10)))``. The elements of ``x / 2^e`` get
+the e2m1 code that counts the midpoints (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) they reach, so a tie
+goes to the larger magnitude, not to the even code. There is no global scale. Dequantised:
+``code * 2^e``.
+
 What a segment counts as stored (``nbytes``): the codes and the scales,
 nothing else; the token index is bookkeeping for the figures, as for every
 segment.
@@ -41,8 +50,11 @@ from kvlab.runtime.cache import NEG_INF, PaddedView, pack_heads, unpack_heads
 FP8_DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 #: Bytes of one float32 per-tensor scale (vLLM's k_scale / v_scale, NVFP4's global scales).
 SCALE_BYTES = 4
-#: NVFP4's block: elements along the head dim that share one e4m3 scale.
+#: NVFP4's block: elements along the head dim that share one e4m3 scale; SGLang's KVFP4 uses the same
+#: 16 for its power-of-two scales.
 NVFP4_BLOCK = 16
+#: The bias of KVFP4's stored exponents (e8m0: 2^(byte - 127)), and its smallest block amax / 6.
+E8M0_BIAS, KVFP4_TINY = 127, 1e-10
 E2M1_MAX = 6.0
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 #: The e2m1 magnitudes by code (bits 0-2 of a nibble; bit 3 is the sign).
@@ -66,16 +78,17 @@ def fp8_decode(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return (codes.float() * scale).to(dtype)
 
 
-def e2m1_encode(y: torch.Tensor) -> torch.Tensor:
-    """y: float [...] -> uint8 nibbles [...]: the nearest e2m1 value (ties to the even code,
-    magnitudes past 6 saturate to 6); sign in bit 3, magnitude code in bits 0-2."""
+def e2m1_encode(y: torch.Tensor, ties: str = "even") -> torch.Tensor:
+    """y: float [...] -> uint8 nibbles [...]: the nearest e2m1 value (magnitudes past 6 saturate to
+    6); sign in bit 3, magnitude code in bits 0-2. ties: "even" (TensorRT-LLM's round to nearest
+    even) or "up" (SGLang's KVFP4: a magnitude on a midpoint takes the larger value)."""
     magnitude = y.float().abs()
     code = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
-    # The code is the number of midpoints below the magnitude. A tie (the magnitude on a midpoint)
-    # counts when the code above it is even: the midpoints after odd codes (0.75, 1.75, 3.5).
+    # The code is the number of midpoints below the magnitude. With ties to even, a magnitude on a
+    # midpoint counts it when the code above is even: the midpoints after odd codes (0.75, 1.75, 3.5).
     for i, (low, high) in enumerate(zip(E2M1_MAGNITUDES, E2M1_MAGNITUDES[1:])):
         midpoint = (low + high) / 2
-        code += (magnitude >= midpoint) if i % 2 else (magnitude > midpoint)
+        code += (magnitude >= midpoint) if i % 2 or ties == "up" else (magnitude > midpoint)
     return (torch.signbit(y).to(torch.uint8) << 3) | code
 
 
@@ -133,13 +146,31 @@ def nvfp4_decode(
     return (values * (block_scale.float() * global_scale).unsqueeze(-1)).flatten(-2).to(dtype)
 
 
+def kvfp4_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [..., d] with d a multiple of 16 -> (packed e2m1 codes uint8 [numel / 2] (:func:`pack_nibbles`),
+    block exponents uint8 [..., d / 16], each 127 + e for the block's scale 2^e)."""
+    if x.shape[-1] % NVFP4_BLOCK:
+        raise ValueError(f"KVFP4 needs a head dim that is a multiple of {NVFP4_BLOCK}, got {x.shape[-1]}")
+    blocks = x.float().unflatten(-1, (-1, NVFP4_BLOCK))  # [..., d / 16, 16]
+    exponent = torch.ceil(torch.log2((blocks.abs().amax(dim=-1) / E2M1_MAX).clamp(min=KVFP4_TINY)))
+    codes = e2m1_encode(blocks / torch.exp2(exponent).unsqueeze(-1), ties="up")
+    return pack_nibbles(codes), (exponent + E8M0_BIAS).to(torch.uint8)
+
+
+def kvfp4_decode(codes: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(packed codes, block exponents [..., d / 16]) as from :func:`kvfp4_encode` -> ``dtype`` [..., d]
+    (computed in float32)."""
+    values = unpack_e2m1(codes).view(*exponents.shape, NVFP4_BLOCK)
+    return (values * torch.exp2(exponents.float() - E8M0_BIAS).unsqueeze(-1)).flatten(-2).to(dtype)
+
+
 def fp8_token_bytes(head_dim: int) -> int:
     """Bytes one token of one KV head costs in FP8: a byte per key and per value element."""
     return 2 * head_dim
 
 
-def nvfp4_token_bytes(head_dim: int) -> int:
-    """Bytes one token of one KV head costs in NVFP4 (keys and values): half a byte per element and
+def fp4_token_bytes(head_dim: int) -> int:
+    """Bytes one token of one KV head costs in NVFP4 or KVFP4 (keys and values): half a byte per element and
     one e4m3 scale per block (head dims are whole blocks, so a token's codes fill whole bytes)."""
     return 2 * (head_dim // 2 + head_dim // NVFP4_BLOCK)
 
@@ -218,20 +249,21 @@ class FP8Segment:
 
 
 @dataclass
-class NVFP4Segment:
-    """Tokens of every KV head of one layer in NVFP4 (see the module docstring).
+class FP4Segment:
+    """Tokens of every KV head of one layer in an FP4 format (see the module docstring): NVFP4 or KVFP4.
 
     key_codes/value_codes: uint8 [N * d / 2] packed e2m1 codes of the head-major [N, d] tensors;
-    key_block_scales/value_block_scales: float8_e4m3fn [N, d / 16]; k_global/v_global: float32,
-    0-dim; head_lengths: [H]; token_index: [N]; dtype: what :meth:`view` dequantises to.
+    key_block_scales/value_block_scales: [N, d / 16], float8_e4m3fn (NVFP4) or uint8 exponents (KVFP4);
+    k_global/v_global: float32, 0-dim (NVFP4's), None for KVFP4; head_lengths: [H]; token_index: [N];
+    dtype: what :meth:`view` dequantises to.
     """
 
     key_codes: torch.Tensor
     value_codes: torch.Tensor
     key_block_scales: torch.Tensor
     value_block_scales: torch.Tensor
-    k_global: torch.Tensor
-    v_global: torch.Tensor
+    k_global: torch.Tensor | None
+    v_global: torch.Tensor | None
     head_lengths: torch.Tensor
     token_index: torch.Tensor
     dtype: torch.dtype
@@ -244,15 +276,22 @@ class NVFP4Segment:
         values: torch.Tensor,
         lengths: torch.Tensor,
         token_index: torch.Tensor,
-        k_global: torch.Tensor,
-        v_global: torch.Tensor,
-    ) -> "NVFP4Segment":
-        """keys/values [H, L, d] padded per head past ``lengths`` [H]; token_index [H, L]."""
+        k_global: torch.Tensor | None = None,
+        v_global: torch.Tensor | None = None,
+    ) -> "FP4Segment":
+        """keys/values [H, L, d] padded per head past ``lengths`` [H]; token_index [H, L]; the global
+        scales for NVFP4, None for KVFP4."""
         lengths = lengths.to(keys.device, torch.long)
-        key_codes, key_scales = nvfp4_encode(pack_heads(keys, lengths), k_global)
-        value_codes, value_scales = nvfp4_encode(pack_heads(values, lengths), v_global)
+
+        def encode(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            packed = pack_heads(x, lengths)
+            return kvfp4_encode(packed) if scale is None else nvfp4_encode(packed, scale)
+
+        key_codes, key_scales = encode(keys, k_global)
+        value_codes, value_scales = encode(values, v_global)
         return cls(
-            key_codes, value_codes, key_scales, value_scales, k_global.float(), v_global.float(),
+            key_codes, value_codes, key_scales, value_scales,
+            None if k_global is None else k_global.float(), None if v_global is None else v_global.float(),
             head_lengths=lengths,
             token_index=pack_heads(token_index.to(keys.device), lengths),
             dtype=keys.dtype,
@@ -263,24 +302,34 @@ class NVFP4Segment:
         return sum(self.breakdown().values())
 
     def breakdown(self) -> dict[str, int]:
+        scales = self.key_block_scales.nbytes + self.value_block_scales.nbytes
+        if self.k_global is None:
+            return {"e2m1 codes": self.key_codes.nbytes + self.value_codes.nbytes, "e8m0 block exponents": scales}
         return {
             "e2m1 codes": self.key_codes.nbytes + self.value_codes.nbytes,
-            "e4m3 block scales": self.key_block_scales.nbytes + self.value_block_scales.nbytes,
+            "e4m3 block scales": scales,
             "global scales": self.k_global.nbytes + self.v_global.nbytes,
         }
 
     def lengths(self) -> torch.Tensor:
         return self.head_lengths
 
+    def _decode(self, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor | None) -> torch.Tensor:
+        if global_scale is None:
+            return kvfp4_decode(codes, scales, self.dtype)
+        return nvfp4_decode(codes, scales, global_scale, self.dtype)
+
     def view(self) -> PaddedView:
         """Dequantised keys/values for attention (transient: never stored)."""
-        keys = nvfp4_decode(self.key_codes, self.key_block_scales, self.k_global, self.dtype)
-        values = nvfp4_decode(self.value_codes, self.value_block_scales, self.v_global, self.dtype)
+        keys = self._decode(self.key_codes, self.key_block_scales, self.k_global)
+        values = self._decode(self.value_codes, self.value_block_scales, self.v_global)
         return padded_view(keys, values, self.head_lengths, self.token_index)
 
 
-def tokens_that_fit(budget_bytes: float, n_layers: int, n_kv_heads: int, token_bytes: int) -> int:
+def tokens_that_fit(
+    budget_bytes: float, n_layers: int, n_kv_heads: int, token_bytes: int, layer_scales: int = 2
+) -> int:
     """Tokens every KV head of every layer can store in a format within ``budget_bytes``, after the
-    layers' two float32 per-tensor scales (``token_bytes``: one token of one head, keys and values)."""
-    room = budget_bytes - n_layers * 2 * SCALE_BYTES
+    layers' ``layer_scales`` float32 per-tensor scales (``token_bytes``: one token of one head, keys and values)."""
+    room = budget_bytes - n_layers * layer_scales * SCALE_BYTES
     return max(0, math.floor(room / (n_layers * n_kv_heads * token_bytes)))
