@@ -41,7 +41,9 @@ from kvlab.compression.request import Request
 from kvlab.compression.selection import top_k_per_head
 from kvlab.context import Context
 from kvlab.runtime.cache import CompressedKV, Segment, gather_tokens
-from kvlab.runtime.engine_formats import FP8_DTYPES, FP8Segment, fp8_max, fp8_token_bytes, tokens_that_fit
+from kvlab.runtime.engine_formats import (
+    FP8_DTYPES, NVFP4_BLOCK, FP8Segment, fp4_token_bytes, fp8_max, fp8_token_bytes, tokens_that_fit,
+)
 
 #: ``evict_with``'s value for KIVI's rule: the oldest document tokens go first.
 OLDEST = "oldest"
@@ -209,3 +211,20 @@ class FP8Format(EngineFormat):
         k_scale = fp8_scale(ctx.full.keys[layer], convention, dtype, K_SCALE_CONSTANT)
         v_scale = fp8_scale(ctx.full.values[layer], convention, dtype, V_SCALE_CONSTANT)
         return FP8Segment.quantize(keys, values, lengths, index, dtype, k_scale, v_scale)
+
+
+class FP4Format(EngineFormat):
+    """An FP4 format (NVFP4, SGLang's KVFP4): half a byte per element plus a scale byte per block of 16
+    head-dim channels, so the head dim must be whole blocks."""
+
+    def token_bytes(self, head_dim: int) -> int:
+        return fp4_token_bytes(head_dim)
+
+    def details(self) -> dict:
+        return {"format": self.name}
+
+    def compress(self, req: Request) -> CompressedKV:
+        head_dim = req.ctx.lm.head_dim
+        if head_dim % NVFP4_BLOCK:
+            raise MethodError(f"{self.name} needs a head dim that is a multiple of {NVFP4_BLOCK}; this model's is {head_dim}")
+        return super().compress(req)

@@ -23,14 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.compression.engine_format import EVICT_LEARN, EngineFormat, check_evict_with, evict_with_knob
-from kvlab.compression.options import MethodError, Options
+from kvlab.compression.engine_format import EVICT_LEARN, FP4Format, check_evict_with, evict_with_knob
+from kvlab.compression.options import Options
 from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
-from kvlab.compression.request import Request
 from kvlab.context import Context
-from kvlab.runtime.cache import CompressedKV, Segment
-from kvlab.runtime.engine_formats import NVFP4_BLOCK, FP4Segment, fp4_token_bytes
+from kvlab.runtime.cache import Segment
+from kvlab.runtime.engine_formats import FP4Segment
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,7 @@ class KVFP4Options(Options):
 
 
 @register
-class KVFP4(EngineFormat):
+class KVFP4(FP4Format):
     name = "fp4_e2m1"
     summary = ("SGLang's FP4 KV cache (--kv-cache-dtype fp4_e2m1): e2m1 codes with a power-of-two scale per block "
                "of 16 head-dim channels, made on the fly; the ratio only caps the memory (evicting the oldest or "
@@ -69,18 +68,6 @@ class KVFP4(EngineFormat):
     bf16_tolerance = "code_flips"  # e2m1 codes flip like NVFP4's
     Options = KVFP4Options
     layer_scales = 0  # no per-tensor scales: every byte beside the template goes to tokens
-
-    def token_bytes(self, head_dim: int) -> int:
-        return fp4_token_bytes(head_dim)
-
-    def details(self) -> dict:
-        return {"format": "fp4_e2m1"}
-
-    def compress(self, req: Request) -> CompressedKV:
-        head_dim = req.ctx.lm.head_dim
-        if head_dim % NVFP4_BLOCK:
-            raise MethodError(f"fp4_e2m1 needs a head dim that is a multiple of {NVFP4_BLOCK}; this model's is {head_dim}")
-        return super().compress(req)
 
     def store(self, ctx: Context, layer: int, keys: torch.Tensor, values: torch.Tensor,
               lengths: torch.Tensor, index: torch.Tensor) -> Segment:

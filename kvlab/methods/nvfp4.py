@@ -25,14 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.compression.engine_format import EVICT_LEARN, EngineFormat, check_evict_with, evict_with_knob
-from kvlab.compression.options import MethodError, Options
+from kvlab.compression.engine_format import EVICT_LEARN, FP4Format, check_evict_with, evict_with_knob
+from kvlab.compression.options import Options
 from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
-from kvlab.compression.request import Request
 from kvlab.context import Context
-from kvlab.runtime.cache import CompressedKV, Segment
-from kvlab.runtime.engine_formats import NVFP4_BLOCK, FP4Segment, fp4_token_bytes, nvfp4_global_scale
+from kvlab.runtime.cache import Segment
+from kvlab.runtime.engine_formats import FP4Segment, nvfp4_global_scale
 
 
 @dataclass(frozen=True)
@@ -45,7 +44,7 @@ class NVFP4Options(Options):
 
 
 @register
-class NVFP4(EngineFormat):
+class NVFP4(FP4Format):
     name = "nvfp4"
     summary = ("TensorRT-LLM's NVFP4 KV cache: e2m1 codes with an e4m3 scale per block of head-dim channels and a "
                "float32 global scale per layer; the ratio only caps the memory (evicting the oldest or a scorer's "
@@ -70,18 +69,6 @@ class NVFP4(EngineFormat):
     family = "engine formats"
     bf16_tolerance = "code_flips"  # e2m1 codes flip like KIVI's 4-bit ones
     Options = NVFP4Options
-
-    def token_bytes(self, head_dim: int) -> int:
-        return fp4_token_bytes(head_dim)
-
-    def details(self) -> dict:
-        return {"format": "nvfp4"}
-
-    def compress(self, req: Request) -> CompressedKV:
-        head_dim = req.ctx.lm.head_dim
-        if head_dim % NVFP4_BLOCK:
-            raise MethodError(f"nvfp4 needs a head dim that is a multiple of {NVFP4_BLOCK}; this model's is {head_dim}")
-        return super().compress(req)
 
     def store(self, ctx: Context, layer: int, keys: torch.Tensor, values: torch.Tensor,
               lengths: torch.Tensor, index: torch.Tensor) -> Segment:
