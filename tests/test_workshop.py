@@ -494,3 +494,48 @@ def test_pages_drawing_one_configuration_at_once_share_one_drawing(monkeypatch):
         t.join(30)
     assert drawings == ["its view"] and got == [("figures of", "its view")] * 8
     assert present.drawn_for("another configuration", "view 2") == ("figures of", "view 2") and len(drawings) == 2
+
+
+def test_a_served_figure_is_what_gradio_sends_for_the_plotly_figure():
+    import gradio as gr
+
+    from kvlab import figures
+    from kvlab.ui.present import plotted
+
+    fig = figures.memory_figure(1000, 250, {"keys": 125, "values": 125})
+    # gr.Plot's own postprocess of the figure, and of the figure serialised once in advance: the same.
+    assert gr.Plot().postprocess(plotted(fig)) == gr.Plot().postprocess(fig)
+
+
+def test_a_token_view_is_made_once_per_configuration_layer_head_and_intensity(monkeypatch):
+    from kvlab.ui import present
+
+    made = []
+    monkeypatch.setattr(present, "token_view", lambda view, layer, head, intensity: made.append(
+        (view, layer, head, intensity)) or (f"line {layer}/{head}", f"html of {view}"))
+    for _ in range(3):
+        assert present.token_view_for("config A", "fates A", 2, 1, "score") == ("line 2/1", "html of fates A")
+    assert present.token_view_for("config A", "fates A", 3, 1, "score") == ("line 3/1", "html of fates A")
+    assert present.token_view_for("config B", "fates B", 2, 1, "score") == ("line 2/1", "html of fates B")
+    assert made == [("fates A", 2, 1, "score"), ("fates A", 3, 1, "score"), ("fates B", 2, 1, "score")]
+
+
+@pytest.mark.slow  # a served app
+def test_a_configuration_drawn_already_comes_in_one_message_with_the_same_page(workshop_app):
+    from gradio_client import Client
+
+    url, _ = workshop_app
+    (_, args), _ = _configs()
+    args = {**args, "question": "w31 w4"}  # a configuration no other test asks for
+
+    def page() -> list:
+        job = Client(url, verbose=False).submit(api_name="/run", **args)
+        job.result(timeout=120)
+        return job.outputs()
+
+    first, again = page(), page()
+    # The first page: the answers, then the figures and the token view once drawn; a later page of the
+    # same configuration: everything at once, the same figures and token view.
+    assert len(first) == 2 and len(again) == 1
+    assert "Served from the result store" in again[0][0] and "Served from" not in first[-1][0]
+    assert again[0][1:] == first[-1][1:]

@@ -39,7 +39,9 @@ from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
 from kvlab.ui import common
 from kvlab.ui.common import GPU_MAX_S, USER_ERRORS, DocumentInputs, as_gr_error, checked_model, guarded, on_gpu, served
 from kvlab.ui.knobs import knob_component
-from kvlab.ui.present import INTENSITIES, INTENSITY_DEFAULT, TokenFates, drawn_for, run_view, token_view
+from kvlab.ui.present import (
+    INTENSITIES, INTENSITY_DEFAULT, TokenFates, drawn_for, is_drawn, run_view, token_view, token_view_for,
+)
 from kvlab.ui.tasks import build_task_outputs, show
 
 RATIO_MIN, RATIO_MAX, RATIO_DEFAULT = 2, 100, 10
@@ -143,10 +145,11 @@ def build_explore_tab(
                                 choices=[CUSTOM, *presets(name)], value=CUSTOM, label="Published configuration",
                                 info="Sets the knobs below to a configuration of the paper", elem_id=f"kvlab-preset-{name}",
                             )
-                        for pair in range(0, len(knobs[name]), 2):
-                            with gr.Row():
-                                for knob in knobs[name][pair : pair + 2]:
-                                    knob_inputs[knob.key] = knob_component(knob)
+                        # One wrapping row for all of a method's knobs: a row (and its form) per pair of knobs
+                        # made the page's config some 300 components larger, which every page open copies.
+                        with gr.Row():
+                            for knob in knobs[name]:
+                                knob_inputs[knob.key] = knob_component(knob)
                     groups.append(group)
             with gr.Row():
                 run_btn = gr.Button("Run", variant="primary", elem_id="kvlab-run", scale=4)
@@ -317,14 +320,17 @@ def build_explore_tab(
             inputs["options"], inputs["model"], progress,
         ), owner=common.session_of(request), kind="run", progress=progress)
         view = with_served_note(stored, how)
-        # The answers and the summary first; the figures and the token view follow as they are drawn
-        # (on the CPU, outside the compute slot, which the next visitor's run can take meanwhile).
-        yield (*view.texts, *[gr.skip()] * (len(run_outputs) - len(view.texts) - 2), *view.answer_marks)
-        drawn = drawn_for(inputs["key"].digest, stored)
+        digest = inputs["key"].digest
+        if not is_drawn(digest):
+            # The answers and the summary first; the figures and the token view follow as they are drawn
+            # (on the CPU, outside the compute slot, which the next visitor's run can take meanwhile).
+            # Figures drawn already come in the same message: one update of the page instead of two.
+            yield (*view.texts, *[gr.skip()] * (len(run_outputs) - len(view.texts) - 2), *view.answer_marks)
+        drawn = drawn_for(digest, stored)
         fates = view.fates
         layer = min(max(int(layer or 0), 0), fates.n_layers - 1)
         head = min(max(int(head or 0), 0), fates.n_kv_heads - 1)
-        line, html = token_view(fates, layer, head, intensity)
+        line, html = token_view_for(digest, fates, layer, head, intensity)
         yield (
             *view.texts,
             *drawn.figures,

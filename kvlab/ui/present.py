@@ -11,7 +11,9 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Hashable, TypeVar
+
+from gradio.components.plot import PlotData
 
 from kvlab import figures
 from kvlab.context import Progress, no_progress
@@ -29,6 +31,8 @@ INTENSITY_NOTES = {
     "score": "the method's own score of the token",
     "question": "the attention the question and the answer pay the token in the full cache",
 }
+
+T = TypeVar("T")
 
 COMPARE_COLUMNS = [
     "method", "ratio", "query-aware", "memory ratio", "output error", "mass error",
@@ -65,7 +69,7 @@ def token_view(
 
 @dataclass
 class Drawn:
-    """The figures of one run.
+    """The figures of one run, serialised as gr.Plot sends them (:func:`plotted`).
 
     figures: error, mass, kept, memory and time; fit: Attention Matching's
     bias histogram and fitting vs evaluation error (None for other methods);
@@ -77,33 +81,74 @@ class Drawn:
     divergence: object
 
 
+def plotted(figure: Any) -> PlotData:
+    """A plotly figure as the JSON gr.Plot sends for it (its postprocess passes PlotData through): a
+    configuration served to thirty pages is serialised once, not once a page (plotly's ``to_json``
+    validates the whole figure again each time)."""
+    return PlotData(type="plotly", plot=figure.to_json())
+
+
 def draw(view: RunView) -> Drawn:
-    """The figures of a run (plotly, on the CPU: no model or compute slot needed)."""
+    """The figures of a run (plotly, on the CPU: no model or compute slot needed), serialised."""
     r = view.result
     fit = None
     if view.fitted_biases is not None:
         fit = (
-            figures.bias_histogram(view.fitted_biases),
-            figures.fit_vs_eval_figure(r.details["train_attn_output_rel_err"], r.per_head["attn_output_rel_err"]),
+            plotted(figures.bias_histogram(view.fitted_biases)),
+            plotted(figures.fit_vs_eval_figure(r.details["train_attn_output_rel_err"],
+                                               r.per_head["attn_output_rel_err"])),
         )
     return Drawn(
-        (
+        tuple(plotted(f) for f in (
             figures.error_heatmap(r.per_head),
             figures.mass_heatmap(r.per_head),
             figures.kept_heatmap(r.per_head),
             figures.memory_figure(r.bytes_full, r.bytes_compressed, r.memory_breakdown),
             figures.time_figure(view.timings, view.notes, total=view.wall_s),
-        ),
+        )),
         fit,
-        figures.divergence_figure(r.answer_tokens, r.answer_logprobs_full, r.answer_logprobs_compressed, r.first_divergence),
+        plotted(figures.divergence_figure(r.answer_tokens, r.answer_logprobs_full, r.answer_logprobs_compressed,
+                                          r.first_divergence)),
     )
 
 
-#: Drawn figures kept per configuration (kvlab.results.RunKey.digest), most recently used.
+class Recent:
+    """Values kept per key, the ``size`` most recently used, each made once however many pages race
+    for it (kvlab.memo.compute_once). Thread-safe."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._kept: OrderedDict[Hashable, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._making: dict[Hashable, Future] = {}
+
+    def get(self, key: Hashable, make: Callable[[], T]) -> T:
+        """The value kept for ``key``, else ``make()``'s (kept, the least recently used dropped)."""
+
+        def find() -> Any:
+            if key not in self._kept:
+                return MISSING
+            self._kept.move_to_end(key)
+            return self._kept[key]
+
+        def keep(made: T) -> None:
+            self._kept[key] = made
+            while len(self._kept) > self.size:
+                self._kept.popitem(last=False)
+
+        return compute_once(self._lock, self._making, key, find, make, keep)
+
+    def has(self, key: Hashable) -> bool:
+        """Whether a value is kept for ``key`` now (:meth:`get` would return it at once)."""
+        with self._lock:
+            return key in self._kept
+
+
+#: Drawn figures (Drawn) and token views ((counts line, HTML)) kept per configuration
+#: (kvlab.results.RunKey.digest), the most recently used.
 DRAWN_KEPT = 64
-_drawn: OrderedDict[str, Drawn] = OrderedDict()
-_drawn_lock = threading.Lock()
-_drawing: dict[str, Future] = {}
+_drawn = Recent(DRAWN_KEPT)
+_token_views = Recent(DRAWN_KEPT)
 
 
 def drawn_for(digest: str, view: RunView) -> Drawn:
@@ -112,21 +157,20 @@ def drawn_for(digest: str, view: RunView) -> Drawn:
     Building a run's plotly figures costs about 0.1 s of the interpreter's one
     lock: thirty pages answered from the result store at once would queue for
     it, so pages asking for the same configuration's figures at once share
-    one drawing (kvlab.memo.compute_once). The figures are only read afterwards.
+    one drawing. The figures are only read afterwards.
     """
+    return _drawn.get(digest, lambda: draw(view))
 
-    def find() -> Drawn | object:
-        if digest not in _drawn:
-            return MISSING
-        _drawn.move_to_end(digest)
-        return _drawn[digest]
 
-    def keep(made: Drawn) -> None:
-        _drawn[digest] = made
-        while len(_drawn) > DRAWN_KEPT:
-            _drawn.popitem(last=False)
+def is_drawn(digest: str) -> bool:
+    """Whether the configuration's figures are kept drawn (:func:`drawn_for` returns them at once)."""
+    return _drawn.has(digest)
 
-    return compute_once(_drawn_lock, _drawing, digest, find, lambda: draw(view), keep)
+
+def token_view_for(digest: str, view: TokenFates, layer: int, head: int, intensity: str) -> tuple[str, str]:
+    """:func:`token_view` of a run's configuration, made once per layer, head and intensity while kept
+    (its HTML, about 0.03 s of the interpreter per page served otherwise)."""
+    return _token_views.get((digest, layer, head, intensity), lambda: token_view(view, layer, head, intensity))
 
 
 @on_gpu(duration=GPU_RUN_S)
