@@ -12,7 +12,7 @@ import torch
 
 from kvlab import limits
 from kvlab.context import Context, Progress, no_progress, prepare_context
-from kvlab.memo import MISSING, compute_once
+from kvlab.memo import compute_once, recently_used
 from kvlab.models import LoadedModel, on_unload, pick_device
 
 
@@ -84,18 +84,13 @@ class ContextStore:
         key = self.key(lm, text)
         budget = self.budget  # sized outside the lock: it may ask the GPU
 
-        def find() -> object:
-            if key not in self._items:
-                return MISSING
-            self._items.move_to_end(key)
-            return self._items[key]
-
         def keep(ctx: Context) -> None:
             ctx.budget, ctx.on_grow = budget, lambda: self.grew(key)
             self._items[key] = ctx
             self._trim()
 
-        return compute_once(self._lock, self._flights, key, find, lambda: prepare_context(lm, text, progress), keep)
+        return compute_once(self._lock, self._flights, key, lambda: recently_used(self._items, key),
+                            lambda: prepare_context(lm, text, progress), keep)
 
     def grew(self, key: tuple[int, str]) -> None:
         """A context grew while in use: it becomes the most recently used, and the others go if need be."""

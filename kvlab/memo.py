@@ -10,6 +10,7 @@ import dataclasses
 import threading
 import time
 from concurrent import futures
+from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Callable, Hashable, TypeVar
 
@@ -21,6 +22,15 @@ T = TypeVar("T")
 
 #: What a ``find`` returns when nothing is kept for the key.
 MISSING = object()
+
+
+def recently_used(kept: OrderedDict[Hashable, T], key: Hashable) -> T | object:
+    """``kept[key]``, moved to the most recently used end, or ``MISSING`` (a ``find`` for
+    :func:`compute_once` over a least-recently-used dict; under the caller's lock)."""
+    if key not in kept:
+        return MISSING
+    kept.move_to_end(key)
+    return kept[key]
 
 
 def compute_once(

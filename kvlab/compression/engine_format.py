@@ -213,9 +213,22 @@ class FP8Format(EngineFormat):
         return FP8Segment.quantize(keys, values, lengths, index, dtype, k_scale, v_scale)
 
 
+@dataclass(frozen=True)
+class FP4Options(Options):
+    """The FP4 formats' one knob: nothing to calibrate, only what goes when the format alone is too big."""
+
+    evict_with: str = evict_with_knob()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_evict_with(self.evict_with)
+
+
 class FP4Format(EngineFormat):
     """An FP4 format (NVFP4, SGLang's KVFP4): half a byte per element plus a scale byte per block of 16
     head-dim channels, so the head dim must be whole blocks."""
+
+    Options = FP4Options
 
     def token_bytes(self, head_dim: int) -> int:
         return fp4_token_bytes(head_dim)

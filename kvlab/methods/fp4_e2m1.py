@@ -19,26 +19,14 @@ document tokens are evicted (``evict_with``) until it fits.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from kvlab.compression.engine_format import EVICT_LEARN, FP4Format, check_evict_with, evict_with_knob
-from kvlab.compression.options import Options
+from kvlab.compression.engine_format import EVICT_LEARN, FP4Format
 from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.context import Context
 from kvlab.runtime.cache import Segment
 from kvlab.runtime.engine_formats import FP4Segment
-
-
-@dataclass(frozen=True)
-class KVFP4Options(Options):
-    evict_with: str = evict_with_knob()
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_evict_with(self.evict_with)
 
 
 @register
@@ -66,7 +54,6 @@ class KVFP4(FP4Format):
         url="https://github.com/sgl-project/sglang/blob/main/docs/advanced_features/quantized_kv_cache.md")
     family = "engine formats"
     bf16_tolerance = "code_flips"  # e2m1 codes flip like NVFP4's
-    Options = KVFP4Options
     layer_scales = 0  # no per-tensor scales: every byte beside the template goes to tokens
 
     def store(self, ctx: Context, layer: int, keys: torch.Tensor, values: torch.Tensor,

@@ -21,26 +21,14 @@ tokens are evicted (``evict_with``) until it fits.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from kvlab.compression.engine_format import EVICT_LEARN, FP4Format, check_evict_with, evict_with_knob
-from kvlab.compression.options import Options
+from kvlab.compression.engine_format import EVICT_LEARN, FP4Format
 from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.context import Context
 from kvlab.runtime.cache import Segment
 from kvlab.runtime.engine_formats import FP4Segment, nvfp4_global_scale
-
-
-@dataclass(frozen=True)
-class NVFP4Options(Options):
-    evict_with: str = evict_with_knob()
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_evict_with(self.evict_with)
 
 
 @register
@@ -68,7 +56,6 @@ class NVFP4(FP4Format):
         url="https://github.com/NVIDIA/TensorRT-LLM")
     family = "engine formats"
     bf16_tolerance = "code_flips"  # e2m1 codes flip like KIVI's 4-bit ones
-    Options = NVFP4Options
 
     def store(self, ctx: Context, layer: int, keys: torch.Tensor, values: torch.Tensor,
               lengths: torch.Tensor, index: torch.Tensor) -> Segment:

@@ -17,7 +17,7 @@ from gradio.components.plot import PlotData
 
 from kvlab import figures
 from kvlab.context import Progress, no_progress
-from kvlab.memo import MISSING, compute_once
+from kvlab.memo import compute_once, recently_used
 from kvlab.lab import Sweep, TokenFates, compare, explore
 from kvlab.lab.views import RunView, present
 from kvlab.pipeline import RunResult
@@ -125,18 +125,12 @@ class Recent:
     def get(self, key: Hashable, make: Callable[[], T]) -> T:
         """The value kept for ``key``, else ``make()``'s (kept, the least recently used dropped)."""
 
-        def find() -> Any:
-            if key not in self._kept:
-                return MISSING
-            self._kept.move_to_end(key)
-            return self._kept[key]
-
         def keep(made: T) -> None:
             self._kept[key] = made
             while len(self._kept) > self.size:
                 self._kept.popitem(last=False)
 
-        return compute_once(self._lock, self._making, key, find, make, keep)
+        return compute_once(self._lock, self._making, key, lambda: recently_used(self._kept, key), make, keep)
 
     def has(self, key: Hashable) -> bool:
         """Whether a value is kept for ``key`` now (:meth:`get` would return it at once)."""
