@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from concurrent import futures
 from collections import OrderedDict
+from concurrent import futures
 from concurrent.futures import Future
 from typing import Callable, Hashable, TypeVar
 
