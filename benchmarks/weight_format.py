@@ -113,8 +113,13 @@ def fp16_step(weight: torch.Tensor) -> Step:
 
 
 def bf16_step(weight: torch.Tensor) -> Step:
-    """bfloat16 weights and activations (oneDNN's packed weights for one row)."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), 1)
+    """bfloat16 weights and activations (oneDNN's packed weights for one row; on a CPU whose oneDNN has
+    no bf16 path, without AVX-512 or AVX-NE-CONVERT, PyTorch's own bf16 matmul: the same rounding, slower)."""
+    w16 = weight.to(torch.bfloat16)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w16, 1)
+    except RuntimeError:
+        return lambda x: torch.nn.functional.linear(x.to(torch.bfloat16), w16).float()
     return lambda x: torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "").float()
 
 

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import sys
 import typing
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from kvlab.compression.catalog import Knob, all_knobs, describe, methods_markdown, presets
@@ -113,12 +114,20 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--models", default=None,
                          help="comma-separated models, the same sweep on each (each its own full cache), e.g. embedded,gemma3-270m")
     compare.add_argument("--max-new-tokens", type=int, default=48, help="answer length cap (default 48)")
-    sweep = sub.add_parser("budgets", help="sensitivity sweep -> non-uniform Attention Matching budgets for a model")
+    compare.add_argument("--budgets", default=None,
+                         help="a third axis, head budgets: comma-separated from uniform, profile (the model's), "
+                              "document (the document's own), global (one ranking across heads and layers); each "
+                              "method with a budgets knob runs once per value")
+    sweep = sub.add_parser("budgets", help="sensitivity sweep -> a model's head-budget profile (Attention Matching's "
+                                           "default budgets, budgets=nonuniform)")
     sweep.add_argument("--model", default=None, help="as for run")
     sweep.add_argument("--doc", default=None, help="document (default: the bundled story, with its questions)")
     sweep.add_argument("--question", action="append", default=None, help="a question (repeatable; default: the example's)")
     sweep.add_argument("--ratio", type=float, default=20.0, help="baseline compression ratio of every head (default 20)")
     sweep.add_argument("--boost", type=float, default=4.0, help="budget multiplier of the head under test (default 4)")
+    sweep.add_argument("--out", default=None, metavar="DIR",
+                       help="folder for the profile (default: KVLAB_BUDGETS_DIR or ~/.cache/kvlab/budgets, where the "
+                            "lab looks first)")
     gen = sub.add_parser("generate", help="write after a prompt with every bounded-cache method (or those named)")
     gen_source = gen.add_mutually_exclusive_group(required=True)
     gen_source.add_argument("--prompt", default=None, help="the prompt (one user turn)")
@@ -180,18 +189,22 @@ def cmd_compare(args: argparse.Namespace) -> int:
         models = None if args.models is None else [m.strip() for m in args.models.split(",") if m.strip()]
         if models is not None and not models:
             raise lab.InputError("--models names no model (comma-separated, e.g. embedded,gemma3-270m)")
+        budgets = [b.strip() for b in (args.budgets or "").split(",") if b.strip()]
         sweep = lab.compare(None, args.doc, methods, ratios, args.question, args.max_new_tokens,
-                            _stderr_progress, args.model, models)
+                            _stderr_progress, args.model, models, budgets)
     except lab.InputError as exc:
         raise UsageError(str(exc)) from exc
     csv_path, json_path = lab.write_exports(sweep, args.out, stem="compare")
     several = len(sweep.ceilings) > 1
-    print(f"{'model':<34} " * several + f"{'method':<20} {'ratio':>6} {'memory':>7} {'out err':>8} {'log-ppl':>8}  answer")
+    width = max([20] + [len(lab.sweep_label(sweep, r)) for r in sweep.results] + [len(e.method) for e in sweep.errors])
+    print(f"{'model':<34} " * several + f"{'method':<{width}} {'ratio':>6} {'memory':>7} {'out err':>8} {'weighted':>8} "
+          f"{'log-ppl':>8}  answer")
     for r in sweep.results:
-        print(f"{r.model[:34]:<34} " * several + f"{r.method:<20} {r.ratio:>6g} {r.memory_ratio:>6.1f}x "
-              f"{r.attn_output_rel_err:>8.4f} {r.logppl_compressed:>8.3f}  {r.answer_compressed[:60]!r}")
+        print(f"{r.model[:34]:<34} " * several + f"{lab.sweep_label(sweep, r):<{width}} {r.ratio:>6g} "
+              f"{r.memory_ratio:>6.1f}x {r.attn_output_rel_err:>8.4f} {r.attn_output_rel_err_weighted:>8.4f} "
+              f"{r.logppl_compressed:>8.3f}  {r.answer_compressed[:60]!r}")
     for e in sweep.errors:
-        print(f"{e.model[:34]:<34} " * several + f"{e.method:<20} {e.ratio:>6g}  failed: {e.message}")
+        print(f"{e.model[:34]:<34} " * several + f"{e.method:<{width}} {e.ratio:>6g}  failed: {e.message}")
     for c in sweep.ceilings:
         print(f"full cache's answer{f' ({c.model})' if several else ''}: {c.answer_full!r} (log-ppl {c.logppl_full:.3f})")
     print(f"{sweep.wall_s:.1f} s")
@@ -248,7 +261,7 @@ def cmd_budgets(args: argparse.Namespace) -> int:
     ctx = CONTEXTS.get(lm, text, _stderr_progress)
     evaluations = [evaluation(ctx, q, 24) for q in questions]
     sweep = sensitivity_sweep(ctx, evaluations, args.ratio, args.boost, progress=_stderr_progress)
-    path = save_profile(ctx, sweep, args.ratio, args.boost, doc)
+    path = save_profile(ctx, sweep, args.ratio, args.boost, doc, None if args.out is None else Path(args.out))
     print(f"baseline loss {sweep.loss_base:.4f}; shares min {sweep.shares.min():.2f}, max {sweep.shares.max():.2f}; "
           f"{sweep.seconds:.0f}s; written to {path}")
     return 0
@@ -285,6 +298,8 @@ def _print_summary(r: Any) -> None:
     print(f"model           {r.model}")
     print(f"method          {r.method} at {r.ratio:g}x  ({r.doc_tokens} document tokens, {r.kept_tokens_mean:.1f} kept per head)")
     print(f"memory          {r.bytes_full:,} B full -> {r.bytes_compressed:,} B compressed ({r.memory_ratio:.2f}x)")
+    if "budgets_source" in r.details:
+        print(f"budgets         {r.details['budgets']}: {r.details['budgets_source']}")
     if "compressed_layers" in r.details:  # a hybrid model: the ratio is met in its full-attention layers
         d = r.details
         print(f"  full layers   {d['compressed_layers_bytes_full']:,} B -> {d['compressed_layers_bytes_compressed']:,} B "

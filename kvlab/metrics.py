@@ -2,7 +2,9 @@
 
 Per layer and KV head, on held-out queries: the attention-output relative
 error ||y_c - y|| / ||y|| and the attention-mass relative error
-|exp(LSE_c - LSE) - 1| of the cached block, both averaged over queries; and
+|exp(LSE_c - LSE) - 1| of the cached block, both averaged over queries; each
+head's share of its layer's attention output (:func:`output_shares`), which
+weighs the output errors by what each head contributes; and
 downstream, the log-perplexity of the full cache's own answer. Also, for the
 app's token view, how much attention those queries pay each cached token,
 and per-token scores as percentile ranks within a head.
@@ -16,7 +18,7 @@ import torch
 
 from kvlab.compression.wrappers.key_rerotation import rotation_tables, turn_keys
 from kvlab.models import LoadedModel
-from kvlab.runtime.attention import BlockAttention, attend, attention_weights, group_queries
+from kvlab.runtime.attention import BlockAttention, attend, attention_weights, group_queries, output_projection
 from kvlab.runtime.cache import CompressedKV, PaddedView, select_keys
 
 
@@ -131,6 +133,38 @@ def head_errors(
         masses.append(mass)
         ratios.append(ratio)
     return HeadErrors(torch.stack(outs).cpu(), torch.stack(masses).cpu(), torch.stack(ratios).cpu())
+
+
+def output_shares(lm: LoadedModel, full: list[BlockAttention]) -> torch.Tensor:
+    """[n_layers, H_kv] each KV head's share of its layer's attention output, on the CPU.
+
+    full: per layer the full cache's attention of the held-out queries
+    (:func:`reference_attention`, output [H_kv, g*n, dv]: the g query heads of
+    each KV head's group in turn). A query head's contribution is what it adds
+    to the residual stream, ``||y_h W_o^(h)||`` (o_proj's columns of that head),
+    averaged over the queries; a KV head's is its group's sum, and its share is
+    that over the layer's total (each layer's shares sum to 1). A head whose
+    output the layer hardly uses gets a small share however large its own error.
+    """
+    rows = []
+    for layer, att in enumerate(full):
+        h_kv, gn, dv = att.output.shape
+        weight = output_projection(lm.model, layer).detach()
+        n_heads = weight.shape[1] // dv
+        n = gn // (n_heads // h_kv)
+        y = att.output.float().reshape(n_heads, n, dv)  # query head h = k * g + j reads KV head k
+        w = weight.float().view(-1, n_heads, dv).permute(1, 2, 0)  # [H, dv, hidden]
+        norms = torch.bmm(y, w.to(y.device)).norm(dim=-1).mean(dim=-1)  # [H]
+        per_kv = norms.view(h_kv, -1).sum(dim=-1)
+        rows.append(per_kv / per_kv.sum().clamp_min(torch.finfo(per_kv.dtype).tiny))
+    return torch.stack(rows).cpu()
+
+
+def weighted_output_error(errors: HeadErrors, shares: torch.Tensor) -> float:
+    """The output error weighted by each head's share of its layer's output: per layer
+    ``sum_h share_h err_h``, averaged over the layers (as :attr:`HeadErrors.mean_output` averages
+    over layers x heads). shares: [n_layers, H_kv], each row summing to 1."""
+    return float((errors.output * shares).sum(dim=-1).mean()) if shares.numel() else 0.0
 
 
 def log_perplexity(logprobs: torch.Tensor) -> float:

@@ -27,9 +27,22 @@ def models_dir(environ: typing.Mapping[str, str] | None = None) -> Path:
 
     ``KVLAB_MODELS_DIR`` when set, else ``$XDG_CACHE_HOME/kvlab/models``, else ``~/.cache/kvlab/models``.
     """
+    return user_cache_dir("models", "KVLAB_MODELS_DIR", environ)
+
+
+def budgets_dir(environ: typing.Mapping[str, str] | None = None) -> Path:
+    """Where ``kvlab budgets`` keeps the head-budget profiles it measures (kvlab.compression.budget_profiles).
+
+    ``KVLAB_BUDGETS_DIR`` when set, else ``$XDG_CACHE_HOME/kvlab/budgets``, else ``~/.cache/kvlab/budgets``.
+    """
+    return user_cache_dir("budgets", "KVLAB_BUDGETS_DIR", environ)
+
+
+def user_cache_dir(name: str, variable: str, environ: typing.Mapping[str, str] | None = None) -> Path:
+    """``$variable`` when set, else ``$XDG_CACHE_HOME/kvlab/<name>``, else ``~/.cache/kvlab/<name>``."""
     env = os.environ if environ is None else environ
-    raw = (env.get("KVLAB_MODELS_DIR") or "").strip()
+    raw = (env.get(variable) or "").strip()
     if raw:
         return Path(raw).expanduser()
     cache = (env.get("XDG_CACHE_HOME") or "").strip()
-    return (Path(cache) if cache else Path.home() / ".cache") / "kvlab" / "models"
+    return (Path(cache) if cache else Path.home() / ".cache") / "kvlab" / name

@@ -14,7 +14,9 @@ import torch
 from kvlab.compression.interface import Method
 from kvlab.compression.request import Request
 from kvlab.context import Context, Progress, no_progress
-from kvlab.metrics import HeadErrors, head_errors, log_perplexity, reference_attention
+from kvlab.metrics import (
+    HeadErrors, head_errors, log_perplexity, output_shares, reference_attention, weighted_output_error,
+)
 from kvlab.prompts import question_tokens
 from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.decode import Generation, greedy, greedy_from_draft
@@ -103,6 +105,9 @@ class RunResult:
     answer_logprobs_full: list[float] = field(default_factory=list)
     answer_logprobs_compressed: list[float] = field(default_factory=list)
     first_divergence: int | None = None
+    # The output error weighted by each head's share of its layer's output (metrics.output_shares;
+    # per_head["output_share"]): per layer sum_h share_h err_h, averaged over the layers.
+    attn_output_rel_err_weighted: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -204,6 +209,7 @@ class Answered:
     answer_s: float
     errors: HeadErrors
     logprobs: torch.Tensor
+    shares: torch.Tensor  # [n_layers, H_kv] each head's share of its layer's output (metrics.output_shares)
 
 
 def settings_key(method: Method, ratio: float, question: str, record_importance: bool) -> tuple:
@@ -234,6 +240,13 @@ def compressed(
     return kept(ctx, key, make, question if method.uses_question() else None)
 
 
+def reference_and_shares(ctx: Context, queries: list[torch.Tensor]) -> tuple[list, torch.Tensor]:
+    """The full cache's side of a question's errors: its attention of the held-out queries and each
+    head's share of its layer's output (the same for every cache compared on this question)."""
+    full = reference_attention(ctx.full.stored, queries)
+    return full, output_shares(ctx.lm, full)
+
+
 def answered(
     ctx: Context, cache_key: tuple, stored: CompressedKV, ev: Evaluation, max_new_tokens: int
 ) -> tuple[Answered, bool]:
@@ -246,12 +259,12 @@ def answered(
         drafted = greedy_from_draft(ctx.lm, stored, ev.question_ids, ev.answer.ids, max_new_tokens)
         answer_s = time.perf_counter() - start
         # The full cache's side of the errors is the same for every cache compared on this question.
-        full = ctx.cached(
+        full, shares = ctx.cached(
             "memos", ("reference attention", evaluation_key(ev.question, max_new_tokens)),
-            lambda: reference_attention(ctx.full.stored, ev.queries), ev.question,
+            lambda: reference_and_shares(ctx, ev.queries), ev.question,
         )
         errors = head_errors(ctx.full.stored, stored, ev.queries, full=full, lm=ctx.lm)
-        return Answered(drafted.generation, answer_s, errors, drafted.draft_logprobs)
+        return Answered(drafted.generation, answer_s, errors, drafted.draft_logprobs, shares)
 
     return kept(ctx, ("answer", *cache_key, ev.question, max_new_tokens), make, ev.question)
 
@@ -307,12 +320,14 @@ def run(
             "attn_mass_rel_err": errors.mass.tolist(),
             "attn_mass_ratio": errors.mass_ratio.tolist(),
             "kept_tokens": kept.tolist(),
+            "output_share": got.shares.tolist(),
         },
         details={**{k: v for k, v in stored.meta.items() if k != "method"}, **window_details(ctx, stored, errors)},
         answer_tokens=[ctx.lm.tokenizer.decode([t]) for t in ev.answer.ids],
         answer_logprobs_full=list(ev.answer.logprobs),
         answer_logprobs_compressed=logprobs.tolist(),
         first_divergence=first_divergence(ev.answer.ids, answer.ids),
+        attn_output_rel_err_weighted=weighted_output_error(errors, got.shares),
     )
     progress(1.0, "done")
     return Run(result, stored, ctx, ev, compression_reused, answer_reused)

@@ -31,9 +31,11 @@ from kvlab.testing.random_models import TINY, word_tokenizer
 
 @pytest.fixture(autouse=True)
 def result_store(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test its own empty result store (kvlab.results): a run another test stored must never answer it."""
+    """Every test its own empty result store (kvlab.results): a run another test stored must never answer it;
+    and its own empty folder of measured head-budget profiles (the shipped ones stay)."""
     monkeypatch.setenv("KVLAB_STORE_DIR", str(tmp_path / "result-store"))
     monkeypatch.setattr(results, "_store", None)
+    monkeypatch.setenv("KVLAB_BUDGETS_DIR", str(tmp_path / "budgets"))
 
 
 if hypothesis_settings is not None:

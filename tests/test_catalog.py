@@ -109,8 +109,8 @@ def test_odd_kernels_average_each_token_with_its_neighbours(tiny):
     (["--method", "snapkv", "--preset", "AM-OMP"], "snapkv has no preset"),
     # One --budgets flag serves Attention Matching's choices and the selection wrappers'.
     (["--method", "snapkv", "--budgets", "adakv", "--granularity", "chunk"], "budgets=adakv needs granularity=token"),
-    (["--method", "attention_matching", "--budgets", "adakv"], "budgets must be one of uniform, nonuniform"),
-    (["--method", "knorm", "--budgets", "nonuniform"], "budgets must be one of uniform, adakv"),
+    (["--method", "attention_matching", "--budgets", "adakv"], "budgets must be one of auto, uniform, nonuniform"),
+    (["--method", "knorm", "--budgets", "document"], "budgets must be one of uniform, adakv, nonuniform, global"),
 ])
 def test_cli_refuses_bad_option_values_with_exit_2_and_one_line(tmp_path, capsys, argv, fragment):
     doc = tmp_path / "doc.txt"

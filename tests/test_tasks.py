@@ -67,7 +67,9 @@ from kvlab.prompts import context_tokens
 from kvlab.tasks import datasets, registry, synthetic
 from kvlab.tasks.items import TaskError, TaskItem, token_counter
 from kvlab.tasks.registry import build_items
-from kvlab.tasks.runner import FLOOR, FULL, MethodSpec, SummaryRow, TaskResult, answer_item, item_prompt_ids, run_items, summarise
+from kvlab.tasks.runner import (
+    FLOOR, FULL, MethodSpec, SummaryRow, TaskResult, answer_item, item_prompt_ids, run_items, summarise, wilson_interval,
+)
 from kvlab.tasks.store import ResultWriter, Shard, read_results
 from kvlab.tasks.report import needle_heatmap, table_markdown, write_report
 
@@ -428,21 +430,42 @@ def test_embedded_full_cache_finds_single_needles(embedded):
 
 
 def test_markdown_table_puts_ceiling_and_floor_in_every_ratio_column():
-    def row(method, ratio, accuracy, n=4, note=""):
-        return SummaryRow("niah_single", method, "", ratio, n, accuracy, accuracy, 1.0, None, None, None, note)
+    def row(method, ratio, accuracy, n=4, note="", exact=None, interval=(0.1, 0.9)):
+        return SummaryRow("niah_single", method, "", ratio, n, accuracy, accuracy if exact is None else exact, 1.0,
+                          None, None, None, note, *interval)
 
     rows = [row(FULL, None, 1.0), row(FLOOR, None, 0.0), row("kvzip", 2.0, 0.75), row("kvzip", 10.0, 0.5, n=2)]
     assert table_markdown(rows).splitlines() == [
         "**niah_single**", "",
         "| method | 2x | 10x |", "|---|---|---|",
-        "| full | 1.00 (4) | 1.00 (4) |",
-        "| no_context | 0.00 (4) | 0.00 (4) |",
-        "| kvzip | 0.75 (4) | 0.50 (2) |",
+        "| full | 4/4 [0.10, 0.90] | 4/4 [0.10, 0.90] |",
+        "| no_context | 0/4 [0.10, 0.90] | 0/4 [0.10, 0.90] |",
+        "| kvzip | 3/4 [0.10, 0.90] | 1/2 [0.10, 0.90] |",
     ]
     # A run of the ceiling and the floor alone (--methods "") has no ratio: one column.
     assert table_markdown(rows[:2]).splitlines()[2:] == [
-        "| method | accuracy |", "|---|---|", "| full | 1.00 (4) |", "| no_context | 0.00 (4) |",
+        "| method | accuracy |", "|---|---|", "| full | 4/4 [0.10, 0.90] |", "| no_context | 0/4 [0.10, 0.90] |",
     ]
+    # Partial scores (all values of a multi-value needle) are no count of right items.
+    assert "| kvzip | 0.62 (4) [0.10, 0.90] |" in table_markdown([row("kvzip", 2.0, 0.625, exact=0.5)])
+
+
+@pytest.mark.parametrize("right, n, low, high", [
+    # Published values of the Wilson score interval at 95 % (e.g. Newcombe 1998, Table I; Brown, Cai and
+    # DasGupta 2001): 0/10, 5/10, 10/10, and 81/263 from Newcombe's worked example.
+    (0, 10, 0.0, 0.2775), (5, 10, 0.2366, 0.7634), (10, 10, 0.7225, 1.0), (81, 263, 0.2553, 0.3662),
+])
+def test_wilson_interval_matches_published_values(right, n, low, high):
+    got = wilson_interval(right, n)
+    assert got == pytest.approx((low, high), abs=5e-5)
+
+
+def test_summary_rows_carry_the_wilson_interval_of_their_items():
+    results = [TaskResult("niah_single", f"i{i}", "kvzip", "", 2.0, "m", float(i < 5), i < 5, i < 5, 0.0, "", "",
+                          True, None, None, None, 100, 0.0, 0.0) for i in range(10)]
+    row = summarise(results)[0]
+    assert (row.n, row.accuracy) == (10, 0.5)
+    assert (row.accuracy_low, row.accuracy_high) == pytest.approx((0.2366, 0.7634), abs=5e-5)
 
 
 def test_needle_heatmap_of_one_task_ignores_the_others_at_the_same_depth():

@@ -1,16 +1,29 @@
-"""Per-head budgets: how many compact keys each KV head gets.
+"""Per-head budgets: how many document keys each KV head keeps, and where that number came from.
 
-Uniform budgets give every head T / ratio keys. Non-uniform budgets follow a
-per-model profile, measured once by ``python -m kvlab budgets`` (a
-sensitivity sweep, kvlab.compression.compaction_sweep) and stored as JSON under assets/budgets/:
-each head's share of the total, mean 1. Whatever the profile, the total over
-heads stays what the global ratio allows, and no head gets more than
-``MAX_SHARE`` x or less than 1/``MIN_SHARE_DIV`` of the uniform budget.
+A ratio r asks for T / r keys per KV head *on average*. Every allocation here keeps the total at
+exactly that times the heads of the layers a method compresses (equal bytes, whatever the
+allocation: what a head capped at the document's T keys cannot use goes to the others), and no
+head keeps more than T keys or fewer than one. The allocations (the ``budgets`` knob of Attention
+Matching and of every scoring method, :data:`BUDGET_SOURCES`):
+
+- ``uniform``: T / r keys each;
+- ``nonuniform``: the model's profile, each head's share of the total measured once by
+  ``kvlab budgets`` (a sensitivity sweep, kvlab.compression.compaction_sweep), shipped for the
+  offline models under assets/budgets/ and kept for any other model in the user's cache
+  (:func:`kvlab.paths.budgets_dir`), capped to [1/``MIN_SHARE_DIV``, ``MAX_SHARE``] x uniform as
+  the published profiles are;
+- the document's own: a share per head from this document's scores (Attention Matching's
+  ``document``; AdaKV's ``adakv``, within each layer);
+- ``global``: one ranking of every head's scores across heads and layers, each head keeping its
+  best key first (KVzip's pruning; the Attention Matching code's global RMS budgets);
+- ``auto`` (Attention Matching's default, the paper's recipe): the model's profile where it has
+  one, else uniform, and the run says so.
 """
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,67 +31,208 @@ import torch
 from kvlab.compression.options import MethodError
 from kvlab.compression.request import Request
 from kvlab.models import LoadedModel
-from kvlab.paths import assets_dir
+from kvlab.paths import assets_dir, budgets_dir
 
+#: The profiles shipped with kvlab (one per offline model).
 BUDGET_DIR = assets_dir() / "budgets"
 MAX_SHARE = 9.0
 MIN_SHARE_DIV = 7.0
 
+#: What each allocation's budgets follow, in words (the page's "Keys per head" and the docs).
+BUDGET_SOURCES = {
+    "uniform": "the same budget for every head",
+    "nonuniform": "the model's profile (per-head sensitivity, measured once by kvlab budgets)",
+    "document": "this document's reference queries (how concentrated each head's attention is)",
+    "adakv": "this document's scores, shared among the heads of each layer (AdaKV)",
+    "global": "one ranking of the method's scores across every head and layer",
+}
 
-def profile_path(model_name: str) -> Path:
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", model_name).strip("-").lower()
-    return BUDGET_DIR / f"{slug}.json"
+
+#: The budgets axis of a sweep (Compare, ``kvlab compare --budgets``): each value as the ``budgets``
+#: knob of the methods that have one. "document" is each family's own reading of the document:
+#: Attention Matching's ``document``, a scoring method's AdaKV.
+BUDGET_AXIS: dict[str, tuple[str, ...]] = {
+    "uniform": ("uniform",),
+    "profile": ("nonuniform",),
+    "document": ("document", "adakv"),
+    "global": ("global",),
+}
 
 
-def load_shares(lm: LoadedModel) -> torch.Tensor:
-    """[n_layers, H_kv] budget shares (mean 1) of this model's sensitivity profile."""
-    path = profile_path(lm.name)
-    if not path.is_file():
+def axis_knob(choices: tuple[str, ...], value: str) -> str | None:
+    """The ``budgets`` knob value that the axis ``value`` stands for among a method's ``choices``
+    (None: the method has no such allocation). KeyError for a value not on the axis."""
+    return next((v for v in BUDGET_AXIS[value] if v in choices), None)
+
+
+@dataclass(frozen=True)
+class HeadBudgets:
+    """Document keys per head and where they come from.
+
+    budgets: [n_layers, H_kv] long, on the model's device (a sliding-window
+    layer's row is unused: it keeps its window); mode: the allocation used
+    (a key of :data:`BUDGET_SOURCES`); source: one line naming what the
+    numbers follow (a profile's file, or why the budgets are uniform).
+    """
+
+    budgets: torch.Tensor
+    mode: str
+    source: str
+
+    def meta(self) -> dict[str, str]:
+        """What a stored cache's meta (the run's details and ``--json``) says of its budgets."""
+        return {"budgets": self.mode, "budgets_source": self.source}
+
+
+def profile_name(model_name: str) -> str:
+    """The file name of ``model_name``'s profile: the name in lower case, runs of other characters as one hyphen."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", model_name).strip("-").lower() + ".json"
+
+
+def profile_path(model_name: str, folder: Path | None = None) -> Path:
+    """Where ``kvlab budgets`` writes ``model_name``'s profile: ``folder``, else the user's budgets folder."""
+    return (budgets_dir() if folder is None else folder) / profile_name(model_name)
+
+
+def find_profile(model_name: str) -> Path | None:
+    """``model_name``'s profile: one the user measured (:func:`kvlab.paths.budgets_dir`) first, then the
+    shipped one, or None."""
+    for folder in (budgets_dir(), BUDGET_DIR):
+        path = folder / profile_name(model_name)
+        if path.is_file():
+            return path
+    return None
+
+
+def load_profile(lm: LoadedModel) -> tuple[torch.Tensor, str]:
+    """(shares [n_layers, H_kv] float64 on the CPU, mean 1 over the compressed layers; one line naming the
+    profile). MethodError when the model has none, or it cannot be read or has another shape."""
+    path = find_profile(lm.name)
+    if path is None:
         raise MethodError(
-            f"no non-uniform budget profile for {lm.name} ({path.name}); "
-            "make one with `python -m kvlab budgets` or use budgets=uniform"
+            f"no head-budget profile for {lm.name}; measure one with `kvlab budgets --model {lm.name}` "
+            "or use budgets=uniform"
         )
-    shares = torch.tensor(json.loads(path.read_text())["shares"], dtype=torch.float64, device="cpu")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        shares = torch.tensor(data["shares"], dtype=torch.float64, device="cpu")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise MethodError(f"could not read the head-budget profile {path}: {exc}") from exc
     if shares.shape != (lm.n_layers, lm.n_kv_heads):
         raise MethodError(f"{path.name} has shape {tuple(shares.shape)}, expected {(lm.n_layers, lm.n_kv_heads)}")
-    return shares
+    where = "shipped" if path.parent == BUDGET_DIR else str(path.parent)
+    measured = f", measured on {data['document']}" if data.get("document") else ""
+    return shares, f"the model's profile {path.name} ({where}{measured})"
 
 
-def cap_shares(shares: torch.Tensor, lo: float = 1 / MIN_SHARE_DIV, hi: float = MAX_SHARE, rounds: int = 50) -> torch.Tensor:
-    """Clip shares into [lo, hi] while keeping their mean at 1 (water-filling)."""
-    s = shares.clamp_min(0).double()
+def cap_shares(shares: torch.Tensor, lo: float = 1 / MIN_SHARE_DIV, hi: float = MAX_SHARE) -> torch.Tensor:
+    """Shares clipped into [lo, hi] with their mean at 1: ``clamp(c * s, lo, hi)`` for the scale c that
+    makes the mean 1 (water-filling: what a capped share gives up goes to the others in proportion to
+    their shares, and a share raised to the floor takes more only once the others are full). A zero or
+    negative share counts as a millionth of the mean. Needs lo <= 1 <= hi; float64, on the CPU."""
+    s = shares.double().clamp_min(0)
     s = s / s.mean() if s.sum() > 0 else torch.ones_like(s)
-    for _ in range(rounds):
-        clipped = s.clamp(lo, hi)
-        free = (clipped > lo) & (clipped < hi)
-        excess = s.numel() - clipped.sum()
-        if abs(float(excess)) < 1e-9 or not bool(free.any()):
-            return clipped
-        s = torch.where(free, clipped + excess * clipped / clipped[free].sum(), clipped)
-    return s.clamp(lo, hi)
+    s = s.clamp_min(1e-6)
+    n = s.numel()
+
+    def total(c: float) -> float:
+        return float((s * c).clamp(lo, hi).sum())
+
+    # Bracket the scale, then bisect: total(c) grows with c from n*lo to n*hi.
+    low, high = 1.0, 1.0
+    while total(low) > n:
+        low /= 2
+    while total(high) < n:
+        high *= 2
+    for _ in range(100):
+        mid = (low + high) / 2
+        low, high = (mid, high) if total(mid) < n else (low, mid)
+    return (s * high).clamp(lo, hi)
 
 
 def allocate(shares: torch.Tensor, per_head: int, length: int) -> torch.Tensor:
-    """Integer budgets [L, H] with total ``per_head * L * H`` following ``shares``, each in [1, length]."""
+    """Integer budgets following ``shares`` (any shape), each in [1, length], summing to exactly
+    ``min(per_head, length) * shares.numel()``.
+
+    The shares are capped to [1/``MIN_SHARE_DIV``, ``MAX_SHARE``] x the mean and, on top, to what a
+    head can hold (``length`` keys) and to at least one key (:func:`cap_shares`), so what a capped head
+    cannot use goes to the others. Rounding hands the remainder to the largest fractional parts.
+    """
+    per_head = max(1, min(per_head, length))
     total = per_head * shares.numel()
-    raw = cap_shares(shares) * per_head
-    budgets = raw.floor().long().clamp(1, length)
-    # Hand out what rounding left over to the largest remainders.
-    left = int(total - budgets.sum())
-    if left > 0:
-        room = (budgets < length)
-        order = torch.argsort(torch.where(room, raw - raw.floor(), -1.0).flatten(), descending=True)
-        flat = budgets.flatten()
-        flat[order[:left]] += 1
-        budgets = flat.view_as(budgets).clamp(1, length)
-    return budgets
+    raw = cap_shares(shares, lo=max(1 / MIN_SHARE_DIV, 1 / per_head), hi=min(MAX_SHARE, length / per_head)) * per_head
+    flat = raw.flatten().floor().long().clamp(1, length)
+    frac = (raw - raw.floor()).flatten()
+    # The capped shares sum to the total up to float rounding: at most a few keys to hand out or take back.
+    while (left := total - int(flat.sum())) != 0:
+        can = flat < length if left > 0 else flat > 1
+        order = torch.argsort(torch.where(can, frac, -1.0 if left > 0 else 2.0), descending=left > 0)
+        step = order[: min(abs(left), int(can.sum()))]
+        flat[step] += 1 if left > 0 else -1
+    return flat.view(raw.shape)
 
 
-def compaction_budgets(lm: LoadedModel, req: Request, mode: str) -> torch.Tensor:
-    """[n_layers, H_kv] compact keys per head for ``mode`` (uniform / nonuniform)."""
-    if mode == "uniform":
-        return req.uniform_budgets()
-    if mode == "nonuniform":
-        # Allocated on the CPU (a small integer problem), used on the model's device.
-        return allocate(load_shares(lm), req.doc_budget, req.ctx.doc_len).to(lm.device)
-    raise MethodError(f"budgets must be uniform or nonuniform, got {mode!r}")
+def spread(lm: LoadedModel, shares: torch.Tensor, per_head: int, length: int) -> torch.Tensor:
+    """[n_layers, H_kv] budgets from per-head ``shares`` (the same shape), allocated among the layers a
+    method compresses only (a sliding-window layer keeps its window; its row stays ``per_head``).
+    A small integer plan, computed on the CPU and used on the model's device."""
+    layers = lm.compressed_layers
+    budgets = torch.full(tuple(shares.shape), max(1, min(per_head, length)), dtype=torch.long, device="cpu")
+    if layers:
+        budgets[layers] = allocate(shares[layers], per_head, length)
+    return budgets.to(lm.device)
+
+
+def uniform(req: Request, source: str = BUDGET_SOURCES["uniform"]) -> HeadBudgets:
+    """Every head T / r keys."""
+    return HeadBudgets(req.uniform_budgets(), "uniform", source)
+
+
+def from_profile(req: Request) -> HeadBudgets:
+    """The model's profile (``budgets=nonuniform``); MethodError when it has none."""
+    shares, source = load_profile(req.ctx.lm)
+    return HeadBudgets(spread(req.ctx.lm, shares, req.doc_budget, req.ctx.doc_len), "nonuniform", source)
+
+
+def pooled_budgets(scores: list[torch.Tensor], per_head: int, floor: int = 1) -> torch.Tensor:
+    """[n_layers, H_kv] how many of each head's keys are kept when every head keeps its best ``floor``
+    and the rest of the ``n_layers * H_kv * per_head`` keys are the top scores of every head and layer
+    together.
+
+    scores: per layer [H_kv, T] on the model's device; per_head at most T, floor at most per_head.
+    """
+    stacked = torch.stack(scores).float()  # [L, H, T]
+    n_layers, n_heads, length = stacked.shape
+    flat = stacked.flatten(0, 1)  # [L * H, T]
+    total = n_layers * n_heads * per_head
+    counts = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
+    if floor > 0:
+        # The floor apart (not by raising scores to +inf, which a scorer's own +inf would tie with).
+        best = torch.topk(flat, floor, dim=-1).indices
+        flat = flat.scatter(-1, best, float("-inf"))
+        counts += floor
+        total -= floor * flat.shape[0]
+    picked = torch.topk(flat.flatten(), total).indices
+    counts += torch.bincount(picked // length, minlength=flat.shape[0])
+    return counts.view(n_layers, n_heads)
+
+
+def global_ranking(req: Request, scores: list[torch.Tensor]) -> HeadBudgets:
+    """``budgets=global``: one ranking of ``scores`` (per layer [H_kv, T_doc]) over every head of the
+    compressed layers, each head keeping at least its best key; the total that of uniform budgets."""
+    ctx = req.ctx
+    budgets = req.uniform_budgets()
+    layers = ctx.lm.compressed_layers
+    if layers:
+        budgets[layers] = pooled_budgets([scores[i] for i in layers], min(req.doc_budget, ctx.doc_len)).to(budgets.device)
+    return HeadBudgets(budgets, "global", BUDGET_SOURCES["global"])
+
+
+def resolve(lm: LoadedModel, asked: str) -> tuple[str, str | None]:
+    """The allocation ``asked`` stands for on ``lm``: ``auto`` is ``nonuniform`` where the model has a
+    profile, else ``uniform`` with the reason (the second item; None otherwise)."""
+    if asked != "auto":
+        return asked, None
+    if find_profile(lm.name) is not None:
+        return "nonuniform", None
+    return "uniform", f"uniform budgets: no profile for {lm.name} (measure one with `kvlab budgets --model {lm.name}`)"

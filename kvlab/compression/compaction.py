@@ -13,8 +13,11 @@ from typing import Literal
 import torch
 
 from kvlab.cancel import checkpoint
-from kvlab.compression.budget_profiles import allocate
+from kvlab.compression.budget_profiles import (
+    BUDGET_SOURCES, HeadBudgets, from_profile, global_ranking, resolve, spread, uniform,
+)
 from kvlab.compression.options import MethodError, Options, knob
+from kvlab.compression.request import Request
 from kvlab.compression.solvers.compact import CompactBlock, compact_block
 from kvlab.context import Context
 from kvlab.kernels import dispatch as kernels
@@ -80,10 +83,12 @@ class AMOptions(ScoredOptions):
     drop_below: float = knob(-7.0, "OMP: drop and replace keys whose beta falls below this", high=0.0)
     nnls_iters: int = knob(2, "projected-gradient steps of the bounded bias fit", low=0)
     ridge: float = knob(1e-6, "ridge of the value and bias least squares, relative to the Gram's mean diagonal", low=0.0)
-    budgets: Literal["uniform", "nonuniform", "document"] = knob(
-        "uniform", "per-head budgets: uniform, nonuniform from the model's sensitivity sweep (python -m kvlab budgets), "
-                   "or document: from this document's reference queries, heads whose attention is concentrated "
-                   "keep more and spread heads less, the total unchanged")
+    budgets: Literal["auto", "uniform", "nonuniform", "document", "global"] = knob(
+        "auto", "per-head budgets, the total always T/r per head on average: auto (the paper's recipe: the model's "
+                "profile where it has one, else uniform, said), uniform, nonuniform (the model's profile from its "
+                "sensitivity sweep, kvlab budgets), document (this document's reference queries: heads whose "
+                "attention is concentrated keep more) or global (one ranking of the reference queries' attention "
+                "across every head and layer)")
     compaction_chunk: int = knob(0, "compact the document in chunks of this many tokens (0: one block)", low=0)
     on_policy: bool = knob(
         False, "re-extract each layer's queries with the layers before it already compacted (slow: one pass per layer)")
@@ -107,8 +112,8 @@ class AMOptions(ScoredOptions):
         if self.exact_share > 0 and self.key_selection in ("omp", "kvzip_union"):
             raise MethodError("exact_share needs key_selection=highest_attn or kvzip (the compact keys are the best "
                               "remaining keys by one score)")
-        if self.budgets == "document" and self.on_policy:
-            raise MethodError("budgets=document reads the reference queries before the fit: not on-policy")
+        if self.budgets in ("document", "global") and self.on_policy:
+            raise MethodError(f"budgets={self.budgets} reads the reference queries before the fit: not on-policy")
         if self.value_fit == "original" and self.value_anchor > 0:
             raise MethodError("value_anchor needs value_fit=least_squares (value_fit=original fits no values)")
         if self.self_study_weight > 0 and (self.query_source == "self_study" or self.on_policy):
@@ -179,15 +184,47 @@ def concentration(q: torch.Tensor, keys: torch.Tensor, scale: float | None = Non
 def document_budgets(ctx: Context, queries: list[torch.Tensor], opts: QueryOptions, per_head: int) -> torch.Tensor:
     """budgets=document: [n_layers, H_kv] compact keys per head from this document's reference queries
     (per layer [H, n, d]): each head's share of the total in proportion to its :func:`concentration`, then
-    capped and rounded as the model profiles' shares are (kvlab budgets' ``allocate``), so that the total
-    stays ``per_head`` x n_layers x H_kv. The shares are a small plan made on the CPU, the budgets used on
-    the model's device."""
-    rows = []
+    capped and rounded as the model profiles' shares are (kvlab.compression.budget_profiles.allocate), so
+    that the total stays ``per_head`` x the compressed layers' heads. The shares are a small plan made on
+    the CPU, the budgets used on the model's device."""
+    rows = torch.ones(ctx.lm.n_layers, ctx.lm.n_kv_heads, dtype=torch.float64, device="cpu")
+    for layer in ctx.lm.compressed_layers:
+        keys = ctx.full.keys[layer][:, ctx.prefix_len :]
+        grouped = fitting_queries(queries[layer], keys.shape[0], opts).to(keys.device)
+        rows[layer] = concentration(grouped, keys, ctx.lm.geometry[layer].scaling).cpu().double()
+    return spread(ctx.lm, rows, per_head, ctx.doc_len)
+
+
+def attention_scores(ctx: Context, queries: list[torch.Tensor], opts: ScoredOptions) -> list[torch.Tensor]:
+    """Per layer [H_kv, T_doc] each document key's HighestAttnKeys score (``scoring``) under the fitting
+    queries (per layer [H, n, d]): attention probabilities, comparable across heads and layers. A
+    sliding-window layer (not compacted) scores 0."""
+    out = []
     for layer, q in enumerate(queries):
         keys = ctx.full.keys[layer][:, ctx.prefix_len :]
+        if layer not in ctx.lm.compressed_layers:
+            out.append(torch.zeros(keys.shape[:2], device=keys.device))
+            continue
         grouped = fitting_queries(q, keys.shape[0], opts).to(keys.device)
-        rows.append(concentration(grouped, keys, ctx.lm.geometry[layer].scaling).cpu())
-    return allocate(torch.stack(rows).double(), per_head, ctx.doc_len).to(ctx.lm.device)
+        out.append(kernels.key_scores(grouped, keys, None, scale=ctx.lm.geometry[layer].scaling, scoring=opts.scoring))
+    return out
+
+
+def am_budgets(req: Request, opts: AMOptions, queries: list[torch.Tensor] | None = None) -> HeadBudgets:
+    """The compact keys per head for ``opts.budgets`` (kvlab.compression.budget_profiles): ``auto`` the
+    model's profile where it has one, else uniform with the reason; ``document`` and ``global`` read
+    the reference ``queries`` (per layer [H, n, d]; MethodError without them: not on-policy)."""
+    mode, why = resolve(req.ctx.lm, opts.budgets)
+    if mode == "uniform":
+        return uniform(req, why or BUDGET_SOURCES["uniform"])
+    if mode == "nonuniform":
+        return from_profile(req)
+    if queries is None:
+        raise MethodError(f"budgets={mode} reads the reference queries before the fit: not on-policy")
+    if mode == "document":
+        return HeadBudgets(document_budgets(req.ctx, queries, opts, req.doc_budget), "document",
+                           BUDGET_SOURCES["document"])
+    return global_ranking(req, attention_scores(req.ctx, queries, opts))
 
 
 @dataclass
@@ -234,6 +271,131 @@ def solve(job: BlockJob, opts: AMOptions) -> CompactBlock:
     )
 
 
+#: Heads solved together differ in budget by at most this factor (the largest pads the others): a
+#: head's solve costs about n t^2, so padding costs at most this squared on the smallest.
+BUCKET_SPREAD = 1.05
+
+
+def job_heads(job: BlockJob) -> list[BlockJob]:
+    """One BlockJob per head of ``job`` (views, no copies): the unit :func:`solve_ragged` regroups."""
+    def row(x: torch.Tensor | None, h: int) -> torch.Tensor | None:
+        return None if x is None else x[h : h + 1]
+
+    return [BlockJob(row(job.queries, h), row(job.keys, h), row(job.values, h), row(job.bias, h), job.budgets[h : h + 1],
+                     row(job.key_scores, h), row(job.weights, h), job.scale, row(job.exact_scores, h))
+            for h in range(job.keys.shape[0])]
+
+
+def stack_jobs(heads: list[BlockJob]) -> BlockJob:
+    """The heads' jobs as one batch (they share shapes, scale and which inputs they have)."""
+    def cat(xs: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return None if xs[0] is None else torch.cat(xs)
+
+    return BlockJob(cat([j.queries for j in heads]), cat([j.keys for j in heads]), cat([j.values for j in heads]),
+                    cat([j.bias for j in heads]), cat([j.budgets for j in heads]), cat([j.key_scores for j in heads]),
+                    cat([j.weights for j in heads]), heads[0].scale, cat([j.exact_scores for j in heads]))
+
+
+def shape_key(job: BlockJob) -> tuple:
+    """What heads must share to be solved in one batch."""
+    return (tuple(job.queries.shape[1:]), tuple(job.keys.shape[1:]), tuple(job.values.shape[1:]), job.scale,
+            job.bias is None, job.key_scores is None, job.weights is None, job.exact_scores is None)
+
+
+def buckets(heads: list[BlockJob], max_heads: int) -> list[list[int]]:
+    """Indices of ``heads`` in batches to solve together: heads that keep every key apart (their solve
+    is the block itself), the rest sorted by budget, at most ``max_heads`` a batch and its largest
+    budget at most :data:`BUCKET_SPREAD` x its smallest."""
+    def valid(j: BlockJob) -> int:
+        return j.keys.shape[1] if j.bias is None else int(torch.isfinite(j.bias).sum())
+
+    whole = [i for i, j in enumerate(heads) if int(j.budgets[0]) >= valid(j)]
+    rest = sorted((i for i in range(len(heads)) if i not in set(whole)), key=lambda i: int(heads[i].budgets[0]))
+    out: list[list[int]] = [whole] if whole else []
+    for i in rest:
+        t = max(1, int(heads[i].budgets[0]))
+        if out and out[-1] is not whole and out[-1]:
+            first = max(1, int(heads[out[-1][0]].budgets[0]))
+            if t <= BUCKET_SPREAD * first and len(out[-1]) < max_heads:
+                out[-1].append(i)
+                continue
+        out.append([i])
+    return out
+
+
+def pad_slots(x: torch.Tensor, width: int, fill: float) -> torch.Tensor:
+    """``x`` [B, t, ...] padded with ``fill`` along the slots to ``width``."""
+    extra = width - x.shape[1]
+    if extra <= 0:
+        return x
+    return torch.cat([x, x.new_full((x.shape[0], extra, *x.shape[2:]), fill)], dim=1)
+
+
+def gather_heads(parts: list[tuple[CompactBlock, int, int]]) -> CompactBlock:
+    """One layer's CompactBlock from its heads' rows of solved batches: (batch, row, heads in the batch),
+    in head order; slots padded to the widest (bias -inf, index -1), each batch's timings shared
+    evenly by its heads."""
+    width = max(b.keys.shape[1] for b, _, _ in parts)
+
+    def rows(get, fill: float) -> torch.Tensor:
+        return torch.cat([pad_slots(get(b)[r : r + 1], width, fill) for b, r, _ in parts])
+
+    def optional(name: str) -> torch.Tensor | None:
+        # A head kept whole has no counts or errors (None): zeros, as its solve would report.
+        values = [getattr(b, name) for b, _, _ in parts]
+        known = next((v for v in values if v is not None), None)
+        if known is None:
+            return None
+        return torch.cat([torch.zeros_like(known[:1]) if v is None else v[r : r + 1]
+                          for v, (_, r, _) in zip(values, parts)])
+
+    exact = None
+    if any(b.exact is not None for b, _, _ in parts):
+        exact = torch.cat([pad_slots(torch.zeros_like(b.index[r : r + 1], dtype=torch.bool) if b.exact is None
+                                     else b.exact[r : r + 1], width, False) for b, r, _ in parts])
+    scores = None
+    if all(b.scores is not None for b, _, _ in parts):
+        scores = torch.cat([b.scores[r : r + 1] for b, r, _ in parts])
+    return CompactBlock(
+        keys=rows(lambda b: b.keys, 0.0), values=rows(lambda b: b.values, 0.0),
+        bias=rows(lambda b: b.bias, float("-inf")), index=rows(lambda b: b.index, -1),
+        lengths=torch.cat([b.lengths[r : r + 1] for b, r, _ in parts]),
+        timings={k: sum(b.timings.get(k, 0.0) / n for b, _, n in parts) for k in ("keys", "bias", "values")},
+        scores=scores, fallbacks=optional("fallbacks"), nonfinite=optional("nonfinite"),
+        train_output=optional("train_output"), train_mass=optional("train_mass"), exact=exact,
+    )
+
+
+def solve_ragged(jobs: list[BlockJob], opts: AMOptions) -> list[CompactBlock]:
+    """:func:`solve` of many batches of heads (e.g. every layer's), regrouped so that heads of like
+    budgets are solved together: a head is never padded to a much larger budget than its own
+    (:func:`buckets`), and a head keeping every key costs nothing. Returns one CompactBlock per job,
+    its heads in order, with the same content as solving the job alone.
+
+    A batch holds at most as many heads as the widest job (a layer's KV heads): its memory stays
+    what one layer's solve holds, and the key scores' query chunks (sized by the heads x keys they
+    hold, :func:`kvlab.compression.solvers.scores.streamed_mass`) stay as large.
+    """
+    heads = [(j, h, one) for j, job in enumerate(jobs) for h, one in enumerate(job_heads(job))]
+    max_heads = max(job.keys.shape[0] for job in jobs)
+    groups: dict[tuple, list[int]] = {}
+    for i, (_, _, one) in enumerate(heads):
+        groups.setdefault(shape_key(one), []).append(i)
+    placed: dict[int, tuple[CompactBlock, int, int]] = {}
+    for members in groups.values():
+        for batch in buckets([heads[i][2] for i in members], max_heads):
+            chosen = [members[k] for k in batch]
+            solved = solve(stack_jobs([heads[i][2] for i in chosen]), opts)
+            for row, i in enumerate(chosen):
+                placed[i] = (solved, row, len(chosen))
+    out, start = [], 0
+    for job in jobs:
+        n = job.keys.shape[0]
+        out.append(gather_heads([placed[i] for i in range(start, start + n)]))
+        start += n
+    return out
+
+
 def chunk_spans(length: int, chunk_size: int) -> list[tuple[int, int]]:
     """[start, end) spans covering ``length`` tokens in chunks (one span when chunk_size <= 0)."""
     if chunk_size <= 0 or chunk_size >= length:
@@ -253,38 +415,42 @@ def split_budget(budgets: torch.Tensor, spans: list[tuple[int, int]], total: int
     return shares
 
 
-def compact_blocks(
-    block: PaddedView, queries: torch.Tensor, budgets: torch.Tensor, opts: AMOptions, score: bool = False,
+def block_jobs(
+    block: PaddedView, queries: torch.Tensor, budgets: torch.Tensor, opts: AMOptions,
     key_scores: torch.Tensor | None = None, weights: torch.Tensor | None = None, scale: float | None = None,
     exact_scores: torch.Tensor | None = None,
-) -> tuple[list[CompactBlock], list[torch.Tensor], torch.Tensor | None]:
-    """Compact one layer's block (all heads at once), chunk by chunk.
+) -> tuple[list[BlockJob], list[torch.Tensor]]:
+    """One layer's block (all heads) as the solves it takes, chunk by chunk (``compaction_chunk``), and
+    each chunk's token offset.
 
     block: keys/values [H_kv, T, d], bias [H_kv, T]; queries: [H_kv, n, d];
     budgets: [H_kv]; key_scores: [H_kv, T] what to rank the keys by instead of
     the queries' attention (None: HighestAttnKeys or OMP); weights: [H_kv, n] each
     query's weight in the fit (None: 1); scale: the layer's factor on q.k; exact_scores: [H_kv, T]
-    what to rank the exact keys by (exact_share; None: the selection's own scores). Returns each
-    chunk's CompactBlock and its token offset, and with ``score`` each key's
-    score [H_kv, T] within its chunk (``CompactBlock.scores``; scored here only for a chunk kept whole,
-    which the solver returns unscored).
+    what to rank the exact keys by (exact_share; None: the selection's own scores).
     """
     spans = chunk_spans(block.keys.shape[1], opts.compaction_chunk)
-    out, offsets, scores = [], [], []
+    jobs, offsets = [], []
     for (s, e), share in zip(spans, split_budget(budgets, spans, block.keys.shape[1])):
         bias = block.bias[:, s:e]
-        job = BlockJob(queries, block.keys[:, s:e], block.values[:, s:e], None if bool((bias == 0).all()) else bias, share,
-                       None if key_scores is None else key_scores[:, s:e], weights, scale,
-                       None if exact_scores is None else exact_scores[:, s:e])
-        out.append(solve(job, opts))
+        jobs.append(BlockJob(queries, block.keys[:, s:e], block.values[:, s:e], None if bool((bias == 0).all()) else bias,
+                             share, None if key_scores is None else key_scores[:, s:e], weights, scale,
+                             None if exact_scores is None else exact_scores[:, s:e]))
         offsets.append(torch.tensor(s, device=block.keys.device))
-        if score:
-            block_scores = out[-1].scores
-            if block_scores is None:
-                block_scores = job.key_scores if job.key_scores is not None else kernels.key_scores(
-                    job.queries, job.keys, job.bias, scale=scale, scoring=opts.scoring)
-            scores.append(block_scores)
-    return out, offsets, torch.cat(scores, dim=1) if score else None
+    return jobs, offsets
+
+
+def block_scores(jobs: list[BlockJob], solved: list[CompactBlock], opts: AMOptions) -> torch.Tensor:
+    """[H_kv, T] each key's score within its chunk (``CompactBlock.scores``; scored here for a chunk
+    kept whole, which the solver returns unscored)."""
+    scores = []
+    for job, block in zip(jobs, solved):
+        got = block.scores
+        if got is None:
+            got = job.key_scores if job.key_scores is not None else kernels.key_scores(
+                job.queries, job.keys, job.bias, scale=job.scale, scoring=opts.scoring)
+        scores.append(got)
+    return torch.cat(scores, dim=1)
 
 
 def to_segments(blocks: list[CompactBlock], offsets: list[torch.Tensor], token_index: torch.Tensor) -> list[DenseSegment]:
@@ -359,6 +525,84 @@ class LayerFit:
     nonfinite: list[int] = field(default_factory=list)  # [H_kv] non-finite results replaced (CompactBlock.nonfinite)
 
 
+@dataclass
+class LayerWork:
+    """One layer of a stored cache prepared for Attention Matching: its solves and what finishing needs.
+
+    view: the layer as attention sees it; keep: [H_kv, L] the template's slots (left as they are);
+    block: the document block, left-packed; grouped: [H_kv, n, d] the fitting queries;
+    jobs, offsets: the block's solves, one per chunk, and their token offsets.
+    """
+
+    view: PaddedView
+    keep: torch.Tensor
+    block: PaddedView
+    grouped: torch.Tensor
+    jobs: list[BlockJob]
+    offsets: list[torch.Tensor]
+    scale: float | None
+
+
+def layer_work(
+    view: PaddedView, q: torch.Tensor, budgets: torch.Tensor, opts: AMOptions, protected: int,
+    key_scores: torch.Tensor | None = None, extra: torch.Tensor | None = None,
+    scale: float | None = None, exact_scores: torch.Tensor | None = None,
+) -> LayerWork:
+    """Prepare one layer of a stored cache (see :func:`compact_layer` for the arguments)."""
+    checkpoint()
+    keep = (view.token_index < protected) & (view.token_index >= 0)
+    grouped, weights = mixed_queries(q, extra, view.keys.shape[0], opts)
+    block = select_keys(view, ~keep & torch.isfinite(view.bias))
+    for scored in (key_scores, exact_scores):
+        if scored is not None and scored.shape != block.keys.shape[:2]:
+            raise MethodError("KVzip's scores are the full document's: they cannot re-compact a compacted cache")
+    device = block.keys.device
+    jobs, offsets = block_jobs(
+        block, grouped.to(device), budgets, opts,
+        key_scores=None if key_scores is None else key_scores.to(device),
+        weights=None if weights is None else weights.to(device), scale=scale,
+        exact_scores=None if exact_scores is None else exact_scores.to(device),
+    )
+    return LayerWork(view, keep, block, grouped, jobs, offsets, scale)
+
+
+def solve_layers(work: list[LayerWork], opts: AMOptions) -> list[list[CompactBlock]]:
+    """Every layer's solves, per layer in chunk order: the heads of all the layers' solves regrouped
+    by budget (:func:`solve_ragged`), so that ragged budgets are solved batched, not padded."""
+    jobs = [job for w in work for job in w.jobs]
+    solved = solve_ragged(jobs, opts) if jobs else []
+    out, start = [], 0
+    for w in work:
+        out.append(solved[start : start + len(w.jobs)])
+        start += len(w.jobs)
+    return out
+
+
+def finish_layer(
+    work: LayerWork, blocks: list[CompactBlock], opts: AMOptions, protected: int, importance_len: int | None,
+) -> LayerFit:
+    """The layer's stored segments and what the fit measured, from its solved blocks."""
+    timings = {k: sum(b.timings.get(k, 0.0) for b in blocks) for k in ("keys", "bias", "values")}
+    stored = to_segments(blocks, work.offsets, work.block.token_index)
+    out_err, mass_err = train_errors(work.grouped, work.block, concat_views([seg.view() for seg in stored]), blocks,
+                                     scale=work.scale)
+    segments: list[Segment] = list(stored)
+    if protected:
+        # The template's keys, left-packed in reading order; their bias is 0 (never fitted).
+        kept = select_keys(work.view, work.keep)
+        segments.insert(0, template_segment(kept.keys, kept.values, protected))
+    importance = None
+    if importance_len is not None:
+        scores = block_scores(work.jobs, blocks, opts)
+        importance = token_importance(scores, work.block.token_index, importance_len)
+    n_heads = work.block.keys.shape[0]
+    fallbacks, nonfinite = (
+        [sum(int(getattr(b, part)[h]) for b in blocks if getattr(b, part) is not None) for h in range(n_heads)]
+        for part in ("fallbacks", "nonfinite")
+    )
+    return LayerFit(segments, timings, work.grouped.shape[1], out_err, mass_err, importance, fallbacks, nonfinite)
+
+
 def compact_layer(
     view: PaddedView, q: torch.Tensor, budgets: torch.Tensor, opts: AMOptions, protected: int,
     importance_len: int | None = None, key_scores: torch.Tensor | None = None, extra: torch.Tensor | None = None,
@@ -376,33 +620,8 @@ def compact_layer(
     (self_study_weight, :func:`mixed_queries`); scale: the layer's factor on q.k (None: 1/sqrt(d));
     exact_scores: [H_kv, T_doc] what to rank the exact keys by (exact_keys=kvzip), a full cache's block only.
     """
-    checkpoint()
-    keep = (view.token_index < protected) & (view.token_index >= 0)
-    grouped, weights = mixed_queries(q, extra, view.keys.shape[0], opts)
-    block = select_keys(view, ~keep & torch.isfinite(view.bias))
-    for scored in (key_scores, exact_scores):
-        if scored is not None and scored.shape != block.keys.shape[:2]:
-            raise MethodError("KVzip's scores are the full document's: they cannot re-compact a compacted cache")
-    blocks, offsets, scores = compact_blocks(
-        block, grouped.to(block.keys.device), budgets, opts, score=importance_len is not None,
-        key_scores=None if key_scores is None else key_scores.to(block.keys.device),
-        weights=None if weights is None else weights.to(block.keys.device), scale=scale,
-        exact_scores=None if exact_scores is None else exact_scores.to(block.keys.device),
-    )
-    timings = {k: sum(b.timings.get(k, 0.0) for b in blocks) for k in ("keys", "bias", "values")}
-    stored = to_segments(blocks, offsets, block.token_index)
-    out_err, mass_err = train_errors(grouped, block, concat_views([seg.view() for seg in stored]), blocks, scale=scale)
-    segments: list[Segment] = list(stored)
-    if protected:
-        # The template's keys, left-packed in reading order; their bias is 0 (never fitted).
-        kept = select_keys(view, keep)
-        segments.insert(0, template_segment(kept.keys, kept.values, protected))
-    importance = None if scores is None else token_importance(scores, block.token_index, importance_len)
-    fallbacks, nonfinite = (
-        [sum(int(getattr(b, part)[h]) for b in blocks if getattr(b, part) is not None) for h in range(len(budgets))]
-        for part in ("fallbacks", "nonfinite")
-    )
-    return LayerFit(segments, timings, grouped.shape[1], out_err, mass_err, importance, fallbacks, nonfinite)
+    work = layer_work(view, q, budgets, opts, protected, key_scores, extra, scale, exact_scores)
+    return finish_layer(work, solve_layers([work], opts)[0], opts, protected, importance_len)
 
 
 def diagnostics(fits: list[LayerFit]) -> dict:
@@ -463,11 +682,18 @@ def compact_cache(
     """
     length = reference.logical_len if record_importance else None
     scales = reference.scales or [None] * reference.n_layers
-    fits = [
-        window_fit(reference.layers[i], q.shape[1], length) if is_window(reference.layers[i]) else
-        compact_layer(reference.layer_view(i), q, budgets[i], opts, protected, length,
+    fitted = [i for i in range(reference.n_layers) if not is_window(reference.layers[i])]
+    work = {
+        i: layer_work(reference.layer_view(i), queries[i], budgets[i], opts, protected,
                       None if key_scores is None else key_scores[i], None if extra is None else extra[i], scales[i],
                       None if exact_scores is None else exact_scores[i])
+        for i in fitted
+    }
+    # Every layer's heads solved together, regrouped by budget (ragged budgets batched, not padded).
+    solved = dict(zip(fitted, solve_layers([work[i] for i in fitted], opts)))
+    fits = [
+        finish_layer(work[i], solved[i], opts, protected, length) if i in work else
+        window_fit(reference.layers[i], q.shape[1], length)
         for i, q in enumerate(queries)
     ]
     return fitted_cache(fits, reference.logical_len)

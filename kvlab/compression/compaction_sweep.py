@@ -8,12 +8,16 @@ baseline, and the log-perplexity of the full cache's own answers to a few
 questions is measured. A head's sensitivity is how much its boost lowers
 that loss. Budget shares follow the sensitivities (a smooth version of the
 published greedy donor -> receiver exchange), capped per head, and are
-written to assets/budgets/<model>.json for ``budgets=nonuniform``.
+written to the user's budgets folder (kvlab.paths.budgets_dir; ``--out``
+elsewhere: the shipped profiles are in assets/budgets/) for ``budgets=nonuniform``
+and Attention Matching's default. Only the layers a method compresses are swept: a
+sliding-window layer keeps its window (share 1, never used).
 """
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable
 
@@ -98,18 +102,25 @@ def sensitivity_sweep(
     boosted = compact_cache(ctx.full.stored, queries, torch.full(shape, high, device=lm.device), opts, ctx.prefix_len)
     loss_base = answer_loss(ctx, base, evaluations)
     sens = torch.zeros(shape, device="cpu")  # Python floats, written one head at a time
-    for layer in range(lm.n_layers):
+    layers = lm.compressed_layers
+    for done, layer in enumerate(layers, 1):
         for head in range(lm.n_kv_heads):
             checkpoint(f"sensitivity sweep: layer {layer + 1}, head {head + 1}")
             sens[layer, head] = loss_base - answer_loss(ctx, swap_head(base, boosted, layer, head), evaluations)
-        progress((layer + 1) / lm.n_layers, f"sensitivity sweep: layer {layer + 1}/{lm.n_layers}")
+        elapsed = time.perf_counter() - start
+        progress(done / len(layers), f"sensitivity sweep: layer {layer + 1} ({done}/{len(layers)}), {elapsed:.0f}s, "
+                                     f"about {elapsed / done * (len(layers) - done):.0f}s left")
     # A boost that does not help (or hurts, within noise) earns the floor share.
-    shares = cap_shares(sens.clamp_min(0) + 1e-3 * float(sens.clamp_min(0).mean() + 1e-9))
+    gain = sens[layers].clamp_min(0)
+    shares = torch.ones(shape, dtype=torch.float64, device="cpu")
+    shares[layers] = cap_shares(gain + 1e-3 * float(gain.mean() + 1e-9))
     return SensitivitySweep(loss_base, sens, shares, time.perf_counter() - start)
 
 
-def save_profile(ctx: Context, sweep: SensitivitySweep, ratio: float, boost: float, doc: str) -> str:
-    path = profile_path(ctx.lm.name)
+def save_profile(ctx: Context, sweep: SensitivitySweep, ratio: float, boost: float, doc: str,
+                 folder: Path | None = None) -> str:
+    """Write the sweep as ``ctx.lm``'s profile into ``folder`` (default: the user's budgets folder)."""
+    path = profile_path(ctx.lm.name, folder)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
         "model": ctx.lm.name,

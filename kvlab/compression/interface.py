@@ -13,6 +13,7 @@ from typing import Any, Callable, ClassVar, Literal
 
 import torch
 
+from kvlab.compression.budget_profiles import BUDGET_SOURCES, HeadBudgets
 from kvlab.compression.options import NoOptions
 from kvlab.compression.paper import Baseline, Paper
 from kvlab.compression.request import Request
@@ -132,6 +133,11 @@ class EvictionMethod(Method):
         """[n_layers, H_kv] document tokens kept per head; uniform unless overridden."""
         return req.uniform_budgets()
 
+    def allocation(self) -> tuple[str, str] | None:
+        """A method whose :meth:`head_budgets` are its own allocation: (its name, one line on what the
+        budgets follow), which the ``budgets`` knob must not replace; None for uniform budgets."""
+        return None
+
     def details(self) -> dict:
         """What the stored cache's meta (the run's JSON details) says besides the method's name."""
         return {}
@@ -158,9 +164,11 @@ class EvictionMethod(Method):
         if rerotate:
             check_rerotation(req.ctx.lm)  # before the scores: a refusal costs nothing
         scores = self.kept_scores(req)
-        budgets = self.head_budgets(req).clamp(self.min_head_budget, req.ctx.doc_len)
+        mode, source = self.allocation() or ("uniform", BUDGET_SOURCES["uniform"])
+        head = HeadBudgets(self.head_budgets(req).clamp(self.min_head_budget, req.ctx.doc_len), mode, source)
         if wrapped is not None:
-            scores, budgets = select(req, scores, budgets, wrapped)
+            scores, head = select(req, scores, head, wrapped)
+        budgets = head.budgets
         layers = [
             keep_tokens(req, i, top_k_per_head(s, budgets[i]), budgets[i])
             for i, s in enumerate(scores)
@@ -170,9 +178,9 @@ class EvictionMethod(Method):
             layers, after = rerotate_keys(req.ctx.lm, layers)
             shift = req.ctx.length - after
         importance = document_importance(req, scores) if self.scores_are_importance else None
-        meta = {"method": self.name, **self.details()}
+        meta = {"method": self.name, **self.details(), **head.meta()}
         if wrapped is not None:
-            meta.update(budgets=wrapped.budgets, granularity=wrapped.granularity, critical=wrapped.critical)
+            meta.update(granularity=wrapped.granularity, critical=wrapped.critical)
         meta.update(rerotate=rerotate)
         return CompressedKV(layers, req.ctx.length, meta=meta, importance=importance, position_shift=shift)
 

@@ -10,13 +10,15 @@ from typing import Any, Literal
 
 import torch
 
+from kvlab.compression.budget_profiles import BUDGET_SOURCES, HeadBudgets, from_profile, global_ranking
 from kvlab.compression.options import MethodError, Options, knob
 from kvlab.compression.request import Request
 from kvlab.compression.wrappers.adakv import adakv_budgets, safeguard
 from kvlab.compression.wrappers.chunkkv import chunk_ranks
-from kvlab.compression.wrappers.criticalkv import critical_scores, output_projection, projected_value_norm
+from kvlab.compression.wrappers.criticalkv import critical_scores, projected_value_norm
 from kvlab.compression.wrappers.key_rerotation import packed_positions, rotation_tables, turn_keys
 from kvlab.models import LoadedModel
+from kvlab.runtime.attention import output_projection
 from kvlab.runtime.cache import DenseSegment, Segment, gather_tokens, template_segment
 
 
@@ -30,9 +32,10 @@ class SelectionOptions(Options):
     kvlab.compression.catalog.knobs); :func:`kvlab.compression.registry.register` checks it.
     """
 
-    budgets: Literal["uniform", "adakv"] = knob(
-        "uniform", "uniform (the method's own per-head budgets) or adakv (a layer's budget shared among its heads by "
-        "their scores, stored ragged)")
+    budgets: Literal["uniform", "adakv", "nonuniform", "global"] = knob(
+        "uniform", "uniform (the method's own per-head budgets), adakv (a layer's budget shared among its heads by "
+        "their scores), nonuniform (the model's head-budget profile, as Attention Matching's) or global (one "
+        "ranking of the scores across every head and layer, as KVzip's); the last three stored ragged")
     alpha_safeguard: float = knob(
         0.2, "adakv: fewest tokens a head keeps, as a share of the mean per-head budget", low=0.0, high=1.0)
     granularity: Literal["token", "chunk"] = knob(
@@ -51,8 +54,9 @@ class SelectionOptions(Options):
         super().__post_init__()
         # ChunkKV picks chunks by one score shared by the heads: head budgets (AdaKV) and per-head
         # first-stage picks (CriticalKV) have no meaning there.
-        if self.granularity == "chunk" and self.budgets == "adakv":
-            raise MethodError("budgets=adakv needs granularity=token: ChunkKV keeps the same chunks in every head")
+        if self.granularity == "chunk" and self.budgets != "uniform":
+            raise MethodError(f"budgets={self.budgets} needs granularity=token: ChunkKV keeps the same chunks in "
+                              "every head")
         if self.granularity == "chunk" and self.critical:
             raise MethodError("critical=true needs granularity=token: ChunkKV keeps the same chunks in every head")
 
@@ -66,9 +70,12 @@ SELECTION_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 SELECTION_LEARN = (
-    "**Selection wrappers** (knobs shared by every scoring method). `budgets=adakv` (AdaKV): a layer's budget "
+    "**Selection wrappers** (knobs shared by every scoring method). `budgets` says where the budget goes, the "
+    "total always T/r keys per head on average: `adakv` (AdaKV): a layer's budget "
     "is shared among its heads by one top-k over all their scores, each head keeping at least `alpha_safeguard` "
-    "of the mean, and the heads are stored ragged, so the bytes are those of the kept tokens. "
+    "of the mean; `nonuniform`: the model's head-budget profile, the same one Attention Matching uses; "
+    "`global`: one top-k over every head's scores in every layer (KVzip's pruning), each head keeping at least "
+    "its best token. The heads are stored ragged, so the bytes are those of the kept tokens. "
     "`granularity=chunk` (ChunkKV): chunks of `chunk_size` tokens scored by their mean, "
     "$\\bar s_c=\\tfrac{1}{|c|}\\sum_{j\\in c}\\sum_h s^{(h)}_j$, whole chunks kept, the same in every head. "
     "`critical=true` (CriticalKV): each head keeps a `first_stage_ratio` share of its budget by $s_j$, the rest by "
@@ -81,21 +88,30 @@ SELECTION_LEARN = (
 
 
 def select(
-    req: Request, scores: list[torch.Tensor], budgets: torch.Tensor, opts: SelectionOptions
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The wrappers applied to a method's scores and budgets: AdaKV's allocation (from the method's
-    scores, as kvpress's CriticalAdaKVPress), then CriticalKV's two stages with those budgets;
-    or ChunkKV's chunks alone.
+    req: Request, scores: list[torch.Tensor], own: HeadBudgets, opts: SelectionOptions
+) -> tuple[list[torch.Tensor], HeadBudgets]:
+    """The wrappers applied to a method's scores and budgets: the allocation (AdaKV's from the method's
+    scores, as kvpress's CriticalAdaKVPress; the model's profile; the global ranking), then
+    CriticalKV's two stages with those budgets; or ChunkKV's chunks alone.
 
-    scores: per layer [H_kv, T_doc]; budgets: [n_layers, H_kv] -> the same, changed.
+    scores: per layer [H_kv, T_doc]; own: the method's own budgets ([n_layers, H_kv]) -> the scores
+    and budgets, changed. MethodError when ``budgets`` would replace an allocation the method makes
+    itself (``own.mode`` not uniform: PyramidKV's pyramid, KVzip's pruning).
     """
     ctx = req.ctx
-    if opts.budgets == "adakv":
-        n_heads = budgets.shape[1]
-        budgets = torch.stack([
+    head = own
+    if opts.budgets in ("nonuniform", "global"):
+        if own.mode != "uniform":
+            raise MethodError(f"budgets={opts.budgets} would replace the method's own allocation ({own.source}); "
+                              "use budgets=uniform or adakv with it")
+        head = from_profile(req) if opts.budgets == "nonuniform" else global_ranking(req, scores)
+    elif opts.budgets == "adakv":
+        n_heads = own.budgets.shape[1]
+        head = HeadBudgets(torch.stack([
             adakv_budgets(s, int(b.sum()), safeguard(int(b.sum()), n_heads, opts.alpha_safeguard))
-            for s, b in zip(scores, budgets)
-        ])
+            for s, b in zip(scores, own.budgets)
+        ]), "adakv", BUDGET_SOURCES["adakv"] + ("" if own.mode == "uniform" else f", from {own.source}"))
+    budgets = head.budgets
     if opts.critical:
         scores = [
             critical_scores(s, projected_value_norm(ctx.full.values[i][:, ctx.prefix_len :],
@@ -105,7 +121,7 @@ def select(
         ]
     if opts.granularity == "chunk":
         scores = [chunk_ranks(s, opts.chunk_size) for s in scores]
-    return scores, budgets
+    return scores, head
 
 
 def keep_tokens(

@@ -128,11 +128,11 @@ def mass_heatmap(per_head: Mapping[str, Sequence[Sequence[float]]]) -> go.Figure
     return fig
 
 
-def kept_heatmap(per_head: Mapping[str, Sequence[Sequence[float]]]) -> go.Figure:
-    """Stored keys per layer and KV head (template prefix included)."""
-    return head_heatmap(
-        per_head["kept_tokens"], "Keys stored per head", "keys", colorscale="Greens", fmt=".0f"
-    )
+def kept_heatmap(per_head: Mapping[str, Sequence[Sequence[float]]], budgets: str = "") -> go.Figure:
+    """Stored keys per layer and KV head (template prefix included); ``budgets``: where the per-head
+    budgets came from, one line under the title ("" for none)."""
+    title = "Keys stored per head" + (f"<br><sup>budgets: {budgets}</sup>" if budgets else "")
+    return head_heatmap(per_head["kept_tokens"], title, "keys", colorscale="Greens", fmt=".0f")
 
 
 # --------------------------------------------------------------------------- bars

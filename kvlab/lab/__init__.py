@@ -12,7 +12,7 @@ The app (kvlab.ui), the CLI (kvlab.cli) and the benchmarks call these:
   with known answers (a small live set, a needle in the user's document, a bench's results);
 - the input checks of :mod:`kvlab.lab.inputs` (their errors are fit to show as is).
 """
-from kvlab.lab.compare import MAX_SWEEP_POINTS, Sweep, SweepError, compare
+from kvlab.lab.compare import MAX_SWEEP_POINTS, Sweep, SweepError, compare, sweep_label
 from kvlab.lab.explore import Explored, explore, prepared_context, sub_progress, token_texts
 from kvlab.lab.exports import EXPORT_FIELDS, export_dir, sweep_json, sweep_records, write_exports
 from kvlab.lab.fates import TokenFates
@@ -36,5 +36,5 @@ __all__ = [
     "TokenFates", "load_results", "needle_test", "run_tasks",
     "check_answer_length", "check_question", "compare", "document_text", "examples", "expected_answer",
     "explore", "export_dir", "model_choices", "parse_ratios", "prepare_document", "prepared_context",
-    "sub_progress", "sweep_json", "sweep_records", "token_texts", "write_exports",
+    "sub_progress", "sweep_json", "sweep_label", "sweep_records", "token_texts", "write_exports",
 ]

@@ -7,6 +7,8 @@ import typing
 from dataclasses import dataclass, field
 
 from kvlab import cancel
+from kvlab.compression.budget_profiles import BUDGET_AXIS, axis_knob
+from kvlab.compression.options import option_types
 from kvlab.context import Progress, no_progress
 from kvlab.lab.explore import prepared_context, sub_progress
 from kvlab import limits
@@ -75,6 +77,36 @@ class Sweep:
     wall_s: float = 0.0
     stopped: str = ""
     ceilings: list[Ceiling] = field(default_factory=list)
+    budgets: list[str] = field(default_factory=list)  # the budgets axis (BUDGET_AXIS values); empty: none
+
+
+def sweep_label(sweep: "Sweep", r: RunResult) -> str:
+    """A run's line and row name: its method, with the head budgets it used on a sweep with a budgets
+    axis, and its model on a sweep over several models."""
+    name = f"{r.method} [budgets={r.details['budgets']}]" if sweep.budgets and "budgets" in r.details else r.method
+    return f"{name} · {r.model}" if len(sweep.ceilings) > 1 else name
+
+
+def method_label(method: Method, axis: bool) -> str:
+    """A sweep's name for a method run: its name, and on a budgets axis the ``budgets`` it ran with."""
+    budgets = getattr(method.options, "budgets", None)
+    return f"{method.name} [budgets={budgets}]" if axis and budgets is not None else method.name
+
+
+def budget_variants(names: list[str], axis: typing.Sequence[str]) -> list[Method]:
+    """Each method once per value of the budgets ``axis`` (kvlab.compression.budget_profiles.BUDGET_AXIS)
+    it has, with that ``budgets`` knob; a method without the knob, or with none of the values, runs once
+    with its defaults. No axis: each method with its defaults. InputError for a value not on the axis."""
+    unknown = [v for v in axis if v not in BUDGET_AXIS]
+    if unknown:
+        raise InputError(f"unknown head budgets {', '.join(unknown)}; choose from {', '.join(BUDGET_AXIS)}")
+    out: list[Method] = []
+    for name in names:
+        plain = get_method(name)
+        choices = typing.get_args(option_types(type(plain.options)).get("budgets"))
+        knobs = list(dict.fromkeys(k for v in axis if (k := axis_knob(choices, v)) is not None))
+        out += [get_method(name, budgets=k) for k in knobs] or [plain]
+    return out
 
 
 def compare(
@@ -87,8 +119,12 @@ def compare(
     progress: Progress = no_progress,
     model: str | None = None,
     models: typing.Sequence[str] | None = None,
+    budgets: typing.Sequence[str] = (),
 ) -> Sweep:
     """Every method in ``methods`` (default knobs) at every ratio, on one document and question.
+
+    budgets: a third axis, head budgets (:func:`budget_variants`): each method that has a ``budgets``
+    knob runs once per value, labelled with it (:func:`method_label`).
 
     models: model specs to run the same sweep on, one after another (the same
     document and question; each model its own prefill and full-cache answer,
@@ -104,14 +140,15 @@ def compare(
     start = time.perf_counter()
     methods, ratios = check_sweep(methods, ratios)
     specs: list[str | None] = list(dict.fromkeys(s.strip() for s in models or [] if s.strip())) or [model or None]
-    points = len(methods) * len(ratios) * len(specs)
+    axis = list(dict.fromkeys(budgets))
+    chosen = budget_variants(methods, axis)
+    points = len(chosen) * len(ratios) * len(specs)
     if points > MAX_SWEEP_POINTS:
         raise InputError(f"{points} runs is too many for one sweep: pick at most {MAX_SWEEP_POINTS} "
-                         "(methods x ratios x models)")
+                         "(methods x head budgets x ratios x models)")
     question = check_question(question)
     max_new_tokens = check_answer_length(max_new_tokens)
     document = document_text(text, file)
-    chosen = [get_method(name) for name in methods]
     errors: list[SweepError] = []
     results, aware, ceilings = [], [], []
     plan = [(spec, m, r) for spec in specs for m in chosen for r in ratios]
@@ -124,7 +161,8 @@ def compare(
         ctx, prefilled = prepared_context(lm, document, sub_progress(progress, base + 0.02 * share, 0.16 * share))
         first: RunResult | None = None
         for method_obj, ratio in ((m, r) for s, m, r in plan[done:] if s == spec):
-            label = f"{method_obj.name} at {ratio:g}x ({done + 1}/{points}){f' on {lm.name}' if len(specs) > 1 else ''}: "
+            name = method_label(method_obj, bool(axis))
+            label = f"{name} at {ratio:g}x ({done + 1}/{points}){f' on {lm.name}' if len(specs) > 1 else ''}: "
             at = base + share * (0.2 + 0.8 * (done - k * len(chosen) * len(ratios)) / (len(chosen) * len(ratios)))
             point_progress = sub_progress(progress, at, 0.8 * share / (len(chosen) * len(ratios)), label)
             try:
@@ -139,7 +177,7 @@ def compare(
             except Exception as exc:  # noqa: BLE001 - one failing point must not lose the sweep
                 if not isinstance(exc, (MethodError, ValueError)):
                     log.exception("sweep point failed (%s at %gx)", method_obj.name, ratio)
-                errors.append(SweepError(method_obj.name, float(ratio), f"{type(exc).__name__}: {exc}",
+                errors.append(SweepError(name, float(ratio), f"{type(exc).__name__}: {exc}",
                                          lm.name if len(specs) > 1 else ""))
             else:
                 results.append(res)
@@ -161,7 +199,7 @@ def compare(
         model=top.model, question=question, doc_tokens=top.doc_tokens, context_tokens=top.context_tokens,
         answer_full=top.answer_full, logppl_full=top.logppl_full, prefill_s=top.prefill_s,
         prefill_reused=top.prefill_reused, results=results, query_aware=aware, errors=errors,
-        wall_s=time.perf_counter() - start, stopped=stopped, ceilings=ceilings,
+        wall_s=time.perf_counter() - start, stopped=stopped, ceilings=ceilings, budgets=axis,
     )
 
 

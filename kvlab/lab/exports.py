@@ -15,7 +15,8 @@ from kvlab.lab.compare import Sweep
 #: The CSV export's columns: RunResult fields (plus the method's query-awareness).
 EXPORT_FIELDS = [
     "model", "question", "method", "ratio", "query_aware", "doc_tokens", "context_tokens", "kept_tokens_mean",
-    "bytes_full", "bytes_compressed", "memory_ratio", "attn_output_rel_err", "attn_mass_rel_err",
+    "bytes_full", "bytes_compressed", "memory_ratio", "attn_output_rel_err", "attn_output_rel_err_weighted",
+    "attn_mass_rel_err", "budgets",
     "logppl_full", "logppl_compressed", "prefill_s", "compress_s", "answer_full_s", "answer_compressed_s",
     "answer_full", "answer_compressed",
 ]
@@ -27,7 +28,7 @@ def sweep_records(sweep: Sweep) -> list[dict[str, Any]]:
     """One flat record per run (the CSV rows): EXPORT_FIELDS of each RunResult."""
     out = []
     for r, aware in zip(sweep.results, sweep.query_aware):
-        row = {**r.to_dict(), "query_aware": aware}
+        row = {**r.to_dict(), "query_aware": aware, "budgets": r.details.get("budgets", "")}
         out.append({k: row[k] for k in EXPORT_FIELDS})
     return out
 

@@ -43,7 +43,8 @@ def summary_markdown(ex: Explored) -> str:
     return (
         f"**{r.method}**{' (query-aware: compressed for this question)' if ex.query_aware else ''} at **{r.ratio:g}x** on {r.doc_tokens:,} document tokens "
         f"(+ {prefix} chat-template tokens, always kept) with {r.model}: "
-        f"{r.kept_tokens_mean:.1f} keys stored per head on average. {verdict}{expected}\n\n"
+        f"{r.kept_tokens_mean:.1f} keys stored per head on average"
+        f"{budgets_note(r)}. {verdict}{expected}\n\n"
         "| | full cache | compressed cache |\n|---|---|---|\n"
         f"| memory{' (whole cache)' if 'compressed_layers' in r.details else ''} | {figures.human_bytes(r.bytes_full)} "
         f"| {figures.human_bytes(r.bytes_compressed)} ({r.memory_ratio:.1f}x smaller) |\n"
@@ -52,12 +53,20 @@ def summary_markdown(ex: Explored) -> str:
         f"| {r.answer_compressed_s:.2f} s{' (cached)' if ex.run.answer_reused else ''} |\n"
         f"| log-perplexity of the full cache's answer | {r.logppl_full:.3f} | {r.logppl_compressed:.3f} |\n\n"
         f"Attention error on held-out queries (mean over layers x KV heads): "
-        f"output {r.attn_output_rel_err:.3f}, mass {r.attn_mass_rel_err:.3f}. "
+        f"output {r.attn_output_rel_err:.3f} ({r.attn_output_rel_err_weighted:.3f} weighted by each head's share "
+        f"of its layer's output), mass {r.attn_mass_rel_err:.3f}. "
         f"{prefill} Compression {r.compress_s:.2f} s"
         f"{' (reused: same method, options and ratio as an earlier run)' if ex.run.compression_reused else ''}; "
         f"this run took {ex.wall_s:.1f} s in all."
         + (f"\n\n**{r.numerics_warning}**" if r.numerics_warning else "")
     )
+
+
+def budgets_note(r: RunResult) -> str:
+    """Where the run's per-head budgets came from (", budgets: nonuniform, the model's profile ..."), or ""."""
+    if "budgets_source" not in r.details:
+        return ""
+    return f"; head budgets **{r.details['budgets']}**: {r.details['budgets_source']}"
 
 
 def hybrid_memory_row(r: RunResult) -> str:

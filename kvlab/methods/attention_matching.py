@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 
-from kvlab.compression.budget_profiles import compaction_budgets
 from kvlab.compression.compaction import (
-    AMOptions, LayerFit, QuerySourced, compact_cache, compact_layer, document_budgets, fitted_cache, is_window,
+    AMOptions, LayerFit, QuerySourced, am_budgets, compact_cache, compact_layer, fitted_cache, is_window,
     reference_queries, source_tokens, window_fit,
 )
 from kvlab.compression.interface import Method
@@ -117,8 +116,6 @@ class AttentionMatching(QuerySourced, Method):
 
     def compress(self, req: Request) -> CompressedKV:
         ctx, opts = req.ctx, self.options
-        # budgets=document starts from the uniform budgets and moves keys between heads once the queries are read.
-        budgets = compaction_budgets(ctx.lm, req, "uniform" if opts.budgets == "document" else opts.budgets)
         req.progress(0.3, f"reference queries: {opts.query_source}")
         start = time.perf_counter()
         # KVzip's scores need the reconstruction pass: timed with the queries.
@@ -128,21 +125,22 @@ class AttentionMatching(QuerySourced, Method):
         exact_scores = scores if exact_kvzip else None
         if opts.on_policy:
             scores_s = time.perf_counter() - start
-            stored, queries_s = self._on_policy(req, budgets, key_scores, exact_scores)
+            head = am_budgets(req, opts)
+            stored, queries_s = self._on_policy(req, head.budgets, key_scores, exact_scores)
             queries_s += scores_s
         else:
             queries = reference_queries(ctx, opts, req.question)
             extra = self_study_queries(ctx, opts.self_study_tokens) if opts.self_study_weight > 0 else None
-            if opts.budgets == "document":
-                budgets = document_budgets(ctx, queries, opts, req.doc_budget)
+            head = am_budgets(req, opts, queries)
             queries_s = time.perf_counter() - start
             req.progress(0.4, "fitting keys, biases and values")
-            stored = compact_cache(ctx.full.stored, queries, budgets, opts, ctx.prefix_len, req.record_importance,
+            stored = compact_cache(ctx.full.stored, queries, head.budgets, opts, ctx.prefix_len, req.record_importance,
                                    key_scores, extra, exact_scores)
         stored.meta = {
             "method": self.name,
             "query_source": opts.query_source,
             "key_selection": opts.key_selection,
+            **head.meta(),
             **stored.meta,
             "fit_s": {"queries": queries_s, **stored.meta["fit_s"]},
         }

@@ -29,6 +29,7 @@ from typing import Literal
 
 import torch
 
+from kvlab.compression.budget_profiles import pooled_budgets
 from kvlab.compression.interface import EvictionMethod
 from kvlab.compression.options import knob
 from kvlab.compression.paper import Paper
@@ -36,6 +37,7 @@ from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.compression.scoring import per_context, pool_group, protect, received_attention
 from kvlab.compression.selection import SelectionOptions
+from kvlab.compression.wrappers.adakv import adakv_budgets
 from kvlab.context import Context
 from kvlab.prompts import REPEAT_INSTRUCTION
 from kvlab.queries import repeat_pass
@@ -76,22 +78,6 @@ def kvzip_scores(req: Request, opts: KVzipOptions) -> list[torch.Tensor]:
     return per_context(ctx, ("kvzip", opts.n_sink, opts.instruction), make)
 
 
-def pooled_budgets(scores: list[torch.Tensor], per_head: int, scope: Literal["global", "layer"]) -> torch.Tensor:
-    """[n_layers, H_kv] how many of each head's tokens are in the top scores of the pool.
-
-    scope global: one top-(L * H * per_head) over all layers and heads; layer:
-    a top-(H * per_head) within each layer. Heads may get 0 (kvlab keeps the
-    template prefix, so no head is ever empty).
-    """
-    stacked = torch.stack(scores).float()  # [L, H, T]
-    n_layers, n_heads, length = stacked.shape
-    if scope == "global":
-        top = torch.topk(stacked.flatten(), n_layers * n_heads * per_head).indices
-        return torch.bincount(top // length, minlength=n_layers * n_heads).view(n_layers, n_heads)
-    top = torch.topk(stacked.flatten(1), n_heads * per_head, dim=1).indices  # [L, H * per_head]
-    return torch.stack([torch.bincount(t // length, minlength=n_heads) for t in top])
-
-
 @register
 class KVzip(EvictionMethod):
     name = "kvzip"
@@ -130,10 +116,21 @@ class KVzip(EvictionMethod):
         layers = req.ctx.lm.compressed_layers  # a sliding-window layer keeps its window: not in the pool
         if self.options.prune == "head" or not layers:
             return budgets
-        scores = self.kept_scores(req)
+        scores = [self.kept_scores(req)[i] for i in layers]
         per_head = min(req.doc_budget, req.ctx.doc_len)
-        budgets[layers] = pooled_budgets([scores[i] for i in layers], per_head, self.options.prune).to(budgets.device)
+        # No floor: the pooled top-k alone decides (kvpress's), a head may keep no document token.
+        if self.options.prune == "global":
+            budgets[layers] = pooled_budgets(scores, per_head, floor=0).to(budgets.device)
+        else:
+            n_heads = budgets.shape[1]
+            budgets[layers] = torch.stack([adakv_budgets(s, n_heads * per_head, 0) for s in scores]).to(budgets.device)
         return budgets
+
+    def allocation(self) -> tuple[str, str] | None:
+        if self.options.prune == "head":
+            return None
+        across = "every head and layer" if self.options.prune == "global" else "the heads of each layer"
+        return self.options.prune, f"KVzip's pruning: one ranking of its scores across {across} (prune={self.options.prune})"
 
     def details(self) -> dict:
         return {"prune": self.options.prune}

@@ -25,12 +25,11 @@ from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.compression.scoring import BLOCK_ELEMENTS, per_context, pool_group, protect
-from kvlab.compression.wrappers.criticalkv import output_projection
 from kvlab.context import Context
 from kvlab.methods.kvzip import KVzip, KVzipOptions
 from kvlab.prompts import repeat_tokens
 from kvlab.queries import repeat_pass
-from kvlab.runtime.attention import attention_logits, future_mask, group_queries, softmax_
+from kvlab.runtime.attention import attention_logits, future_mask, group_queries, output_projection, softmax_
 from kvlab.runtime.decode import open_session
 from kvlab.runtime.hooks import ForwardContext
 

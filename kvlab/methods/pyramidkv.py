@@ -88,6 +88,9 @@ class PyramidKV(EvictionMethod):
             per_layer[layers] = pyramid_budgets(len(layers), req.doc_budget, req.ctx.doc_len, self.options.beta)
         return per_layer.unsqueeze(1).expand(-1, lm.n_kv_heads).to(lm.device)
 
+    def allocation(self) -> tuple[str, str]:
+        return "pyramid", f"PyramidKV's layer budgets, shrinking with depth (beta={self.options.beta:g})"
+
     def scores(self, req: Request) -> list[torch.Tensor]:
         window = min(self.options.window, req.ctx.doc_len)
         out = []

@@ -168,6 +168,9 @@ class SimLayerKV(EvictionMethod):
         budgets = torch.tensor(self.plan(req).budgets, dtype=torch.long, device="cpu")
         return budgets.unsqueeze(1).expand(-1, lm.n_kv_heads).to(lm.device)
 
+    def allocation(self) -> tuple[str, str]:
+        return "lazy layers", "SimLayerKV's layer budgets: lazy layers keep their sinks and recent tokens"
+
     def scores(self, req: Request) -> list[torch.Tensor]:
         # Within a lazy layer: the sinks, then recency (streaming_llm's scores with n_sink = n_initial).
         return get_method("streaming_llm", n_sink=self.options.n_initial).scores(req)

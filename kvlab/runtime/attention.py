@@ -300,3 +300,8 @@ def _past_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         w_new = torch.exp(lse_new - top).unsqueeze(-1)
         out[:, heads] = ((w_past * out_past.float() + w_new * out_new.float()) / (w_past + w_new)).to(q.dtype)
     return out
+
+
+def output_projection(model: torch.nn.Module, layer: int) -> torch.Tensor:
+    """The weight [hidden, H * d] of ``layer``'s attention output projection (o_proj), where the model keeps it."""
+    return model.get_decoder().layers[layer].self_attn.o_proj.weight

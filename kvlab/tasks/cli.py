@@ -4,6 +4,7 @@
         --ratios 2,5,10 --limit 10 --seed 0 --out runs/bench [--shard 1/4] [--preset AM-OMP]
     python -m kvlab bench --tasks examples --methods attention_matching:self_study_weight=4 --out runs/am
     python -m kvlab bench --tasks niah_single --haystack prose --needle-values code --out runs/prose
+    python -m kvlab bench --tasks niah_single --haystack books --needle-values mixed --limit 24 --out runs/books
     python -m kvlab bench --report runs/bench      # rebuild the CSV and HTML from the JSONL alone
 
 Results go to OUT/results*.jsonl, one line per (task, item, method, ratio,
@@ -42,10 +43,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic items and shuffles (default 0)")
     p.add_argument("--length", type=int, default=DEFAULT_LENGTH, help=f"synthetic document length in model tokens (default {DEFAULT_LENGTH})")
     p.add_argument("--haystack", choices=HAYSTACKS, default="noise",
-                   help="the needle tasks' filler: noise (one repeated line, RULER's noise; default) or prose "
-                   "(the bundled essay text, where the needle is not the only sentence unlike the rest)")
+                   help="the needle tasks' filler: noise (one repeated line, RULER's noise; default), prose "
+                   "(the bundled essay text, written with no digits or names) or books (public-domain books from "
+                   "$KVLAB_DATA/prose, their own numbers, dates and names the distractors)")
     p.add_argument("--needle-values", choices=VALUE_SHAPES, default="number",
-                   help="the needles' values: number (7 digits; default), code (4821-violet) or name (a person's)")
+                   help="the needles' values: number (7 digits; default), code (4821-violet), name (a person's) "
+                   "or mixed (the three in turn, item by item)")
     p.add_argument("--model", default=None, help="embedded (default), a .gguf file, a local directory or a hub id; also KVLAB_MODEL")
     p.add_argument("--out", default=None, help="results folder (JSONL, results.csv, summary.csv, report.html)")
     p.add_argument("--shard", default=None, help="K/N: run only items i with i %% N == K-1 (its own JSONL file)")

@@ -95,7 +95,8 @@ def write_csv(path: Path, records: Sequence[dict]) -> None:
         writer.writerows(records)
 
 
-_TABLE_COLUMNS = ("task", "method", "ratio", "n", "accuracy", "exact", "agreement", "f1", "gold_logprob", "accuracy_norm", "note")
+_TABLE_COLUMNS = ("task", "method", "ratio", "n", "accuracy", "accuracy_low", "accuracy_high", "exact", "agreement", "f1",
+                  "gold_logprob", "accuracy_norm", "note")
 
 
 def _cell(value: object) -> str:
@@ -117,7 +118,9 @@ def table_html(rows: Sequence[SummaryRow]) -> str:
 
 
 def table_markdown(rows: Sequence[SummaryRow]) -> str:
-    """Per task, a Markdown grid: one line per method, one column per ratio, cells "accuracy (n)".
+    """Per task, a Markdown grid: one line per method, one column per ratio, cells "right/n [low, high]"
+    (the items answered right and the accuracy's Wilson 95 % interval; "accuracy (n) [low, high]"
+    for partial scores).
 
     The full cache (the ceiling) and no_context (the floor) come first, with their
     score in every column; a task whose ceiling is below 60 % carries the note.
@@ -138,10 +141,19 @@ def table_markdown(rows: Sequence[SummaryRow]) -> str:
         for label, by_ratio in cells.items():
             fixed = by_ratio.get(None)  # the full cache and no_context ignore the ratio
             row = [fixed or by_ratio.get(x) for x in columns]
-            out.append(f"| {label} | " + " | ".join(
-                "-" if r is None else f"{r.accuracy:.2f} ({r.n})" for r in row) + " |")
+            out.append(f"| {label} | " + " | ".join("-" if r is None else markdown_cell(r) for r in row) + " |")
         out.append("")
     return "\n".join(out)
+
+
+def markdown_cell(row: SummaryRow) -> str:
+    """One cell of :func:`table_markdown`: "20/24 [.63, .93]", or "0.83 (24) [.63, .93]" when the
+    scores are partial (the accuracy is not a count of right items)."""
+    interval = f"[{row.accuracy_low:.2f}, {row.accuracy_high:.2f}]"
+    count = row.accuracy * row.n
+    if abs(count - round(count)) < 1e-9 and abs(row.exact - row.accuracy) < 1e-9:
+        return f"{round(count)}/{row.n} {interval}"
+    return f"{row.accuracy:.2f} ({row.n}) {interval}"
 
 
 def report_html(results: Sequence[TaskResult], title: str = "kvlab bench") -> str:

@@ -286,9 +286,26 @@ class SummaryRow:
     gold_logprob: float | None
     accuracy_norm: float | None
     note: str = ""
+    # The Wilson score interval (95 %) of the accuracy over the n items.
+    accuracy_low: float = 0.0
+    accuracy_high: float = 1.0
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def wilson_interval(successes: float, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The Wilson score interval of a proportion ``successes / n`` (95 % by default): (low, high).
+
+    Unlike the normal approximation it stays within [0, 1] and is not empty at 0/n or n/n. A
+    fractional ``successes`` (a mean of partial scores) is taken as the proportion it gives.
+    """
+    if n <= 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 LOW_CEILING = 0.6
@@ -315,6 +332,7 @@ def summarise(results: Iterable[TaskResult]) -> list[SummaryRow]:
         groups.setdefault((r.task, r.method, r.preset, r.ratio), []).append(r)
     rows = []
     for (task, method, preset, ratio), rs in groups.items():
+        low, high = wilson_interval(sum(r.score for r in rs), len(rs))
         rows.append(SummaryRow(
             task, method, preset, ratio, len(rs),
             accuracy=_mean([r.score for r in rs]),
@@ -323,6 +341,7 @@ def summarise(results: Iterable[TaskResult]) -> list[SummaryRow]:
             f1=_mean([r.f1 for r in rs]) if rs[0].gold_logprob is not None else None,
             gold_logprob=_mean([r.gold_logprob for r in rs]),
             accuracy_norm=_mean([None if r.correct_norm is None else float(r.correct_norm) for r in rs]),
+            accuracy_low=low, accuracy_high=high,
         ))
     ceilings = {row.task: row.accuracy for row in rows if row.method == FULL}
     for row in rows:

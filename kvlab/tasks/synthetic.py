@@ -12,8 +12,14 @@ The needle tasks take two further choices. ``haystack="prose"`` fills with
 the project's own essay text (assets/haystack/prose.txt) instead of the one
 repeated noise line: in noise the needle is the only sentence unlike the
 rest, which flatters methods that keep whatever stands out (RULER has an
-essay haystack for the same reason). ``values`` picks the needle's shape:
-7-digit numbers, word-number codes ("4821-violet") or people's names.
+essay haystack for the same reason). That essay text was written for the
+project with no digits and no names, so a needle's value is still the only
+one of its kind: ``haystack="books"`` fills with real public-domain books
+(the evaluation data's ``prose/`` folder, :func:`book_paragraphs`), whose own
+numbers, dates and names are the distractors, each item a passage of its
+own from a book of its own (the books in turn). ``values`` picks the
+needle's shape: 7-digit numbers, word-number codes ("4821-violet"),
+people's names, or ``mixed``: the three in turn, item by item.
 
 Each generator sizes its filler so that the document is at most ``length``
 model tokens (RULER's binary search over the haystack size).
@@ -24,10 +30,12 @@ import functools
 import random
 import re
 import string
+from pathlib import Path
 from typing import Callable, Literal, Sequence
 
 from kvlab import messages
 from kvlab.paths import assets_dir
+from kvlab.tasks.datasets import data_dir
 from kvlab.tasks.items import TaskError, TaskItem, TokenCounter
 
 #: The noise line repeated as filler (RULER's "noise" haystack, our sentences).
@@ -45,11 +53,12 @@ _NOUNS = (
 )
 
 #: What fills the document around the needles.
-Haystack = Literal["noise", "prose"]
-HAYSTACKS: tuple[Haystack, ...] = ("noise", "prose")
-#: The shape of a needle's value.
-ValueShape = Literal["number", "code", "name"]
-VALUE_SHAPES: tuple[ValueShape, ...] = ("number", "code", "name")
+Haystack = Literal["noise", "prose", "books"]
+HAYSTACKS: tuple[Haystack, ...] = ("noise", "prose", "books")
+#: The shape of a needle's value (``mixed``: the other three in turn, item by item).
+ValueShape = Literal["number", "code", "name", "mixed"]
+VALUE_SHAPES: tuple[ValueShape, ...] = ("number", "code", "name", "mixed")
+MIXED_SHAPES: tuple[ValueShape, ...] = ("number", "code", "name")
 
 #: The word half of a code; the prose filler may use these words, never with digits.
 _CODE_WORDS = (
@@ -85,11 +94,19 @@ def needle_sentence(key: str, value: str, one_of: bool = False, shape: ValueShap
 def value_noun(shape: ValueShape) -> str:
     """The word a value of ``shape`` takes in the needle, question and answer prefix: the shape's own name.
 
-    TaskError for an unknown shape.
+    TaskError for an unknown shape (``mixed`` names no one value: :func:`item_shape` first).
     """
-    if shape not in VALUE_SHAPES:
+    if shape not in MIXED_SHAPES:
         raise TaskError(messages.unknown("needle value shape", shape, VALUE_SHAPES))
     return shape
+
+
+def item_shape(values: ValueShape, index: int) -> ValueShape:
+    """The value shape of item ``index``: ``values`` itself, or for ``mixed`` number, code, name in turn."""
+    if values == "mixed":
+        return MIXED_SHAPES[index % len(MIXED_SHAPES)]
+    value_noun(values)  # refuses an unknown shape
+    return values
 
 
 def _number(rng: random.Random) -> str:
@@ -194,6 +211,61 @@ def prose_units(order: Sequence[int], n: int) -> list[str]:
     return units[:n]
 
 
+#: Where the books haystack reads its books: the evaluation data's folder of public-domain texts.
+BOOKS_FOLDER = "prose"
+#: A book's paragraph enters the haystack when it is prose: at least this many characters, not
+#: indented (verse, tables of contents and title pages are).
+MIN_BOOK_PARAGRAPH = 120
+
+
+def books_dir() -> Path:
+    """The folder of public-domain books (``$KVLAB_DATA/prose``, kvlab.tasks.datasets.data_dir)."""
+    return data_dir() / BOOKS_FOLDER
+
+
+@functools.cache
+def book_paragraphs(folder: Path) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(book file name, its prose paragraphs, each on one line) for every ``*.txt`` in ``folder``, by name.
+
+    TaskError when the folder holds no book (the books haystack is evaluation data, not part of
+    the product: set KVLAB_DATA to the folder holding ``prose/``).
+    """
+    books = []
+    for path in sorted(folder.glob("*.txt")) if folder.is_dir() else []:
+        blocks = path.read_text(encoding="utf-8").split("\n\n")
+        prose = tuple(
+            " ".join(block.split()) for block in blocks
+            if len(" ".join(block.split())) >= MIN_BOOK_PARAGRAPH
+            and not any(line.startswith("    ") for line in block.strip("\n").splitlines())
+        )
+        if prose:
+            books.append((path.name, prose))
+    if not books:
+        raise TaskError(f"the books haystack needs public-domain books in {folder} "
+                        f"(set KVLAB_DATA to the folder holding {BOOKS_FOLDER}/)")
+    return tuple(books)
+
+
+def book_units(book: int, start: int, n: int) -> list[str]:
+    """The first ``n`` sentences of book ``book``'s prose paragraphs from paragraph ``start`` on,
+    wrapping to the book's start; a paragraph's last sentence ends in a blank line."""
+    paragraphs = book_paragraphs(books_dir())[book][1]
+    units: list[str] = []
+    pos = start
+    while len(units) < n:
+        units += split_units(paragraphs[pos % len(paragraphs)] + "\n\n")
+        pos += 1
+    return units[:n]
+
+
+def _book_passage(task: str, seed: int, index: int) -> tuple[int, int]:
+    """Item ``index``'s book (the books in turn) and a seeded first paragraph, from its own generator."""
+    books = book_paragraphs(books_dir())
+    book = index % len(books)
+    rng = random.Random(f"{task}:{seed}:books:{index}")
+    return book, rng.randrange(len(books[book][1]))
+
+
 def _filler_order(task: str, seed: int, index: int) -> list[int]:
     """A seeded paragraph order per item, from its own generator so the needles' draws stay those of noise."""
     rng = random.Random(f"{task}:{seed}:prose:{index}")
@@ -202,12 +274,16 @@ def _filler_order(task: str, seed: int, index: int) -> list[int]:
 
 def _haystack(preamble: str, needles: Sequence[tuple[float, str]], haystack: Haystack = "noise",
               order: Sequence[int] = ()) -> Callable[[int], str]:
-    """``build(n)`` for :func:`fit_filler`: n noise lines, or n prose sentences read in ``order``, around the needles."""
+    """``build(n)`` for :func:`fit_filler`: n noise lines, n prose sentences read in ``order``, or n
+    sentences of a book from a paragraph on (``order`` = (book, first paragraph)), around the needles."""
     if haystack == "noise":
         return lambda n: preamble + "\n" + insert_at_depths([NOISE + "\n"] * n, needles)
+    # A needle goes between two sentences as one more sentence, as in RULER's essays.
     if haystack == "prose":
-        # A needle goes between two sentences as one more sentence, as in RULER's essays.
         return lambda n: preamble + "\n\n" + insert_at_depths(prose_units(order, n), needles, sep=" ")
+    if haystack == "books":
+        book, start = order
+        return lambda n: preamble + "\n\n" + insert_at_depths(book_units(book, start, n), needles, sep=" ")
     raise TaskError(messages.unknown("haystack", haystack, HAYSTACKS))
 
 
@@ -228,7 +304,11 @@ def _item_id(task: str, length: int, seed: int, index: int) -> str:
 def _needle_doc(task: str, count: TokenCounter, length: int, seed: int, index: int, preamble: str,
                 needles: Sequence[tuple[float, str]], haystack: Haystack) -> str:
     """The document of item ``index``: ``needles`` in the longest filler that fits ``length`` tokens."""
-    order = _filler_order(task, seed, index) if haystack == "prose" else ()
+    order: Sequence[int] = ()
+    if haystack == "prose":
+        order = _filler_order(task, seed, index)
+    elif haystack == "books":
+        order = _book_passage(task, seed, index)
     return fit_filler(_haystack(preamble, needles, haystack, order), count, length)
 
 
@@ -240,14 +320,15 @@ def niah_single(count: TokenCounter, n: int, seed: int, length: int, depths: Seq
     """
     task = "niah_single" if depths is None else "needle_grid"
     label = task_label(task, haystack, values)
-    noun = value_noun(values)
     rng = random.Random(f"{task}:{seed}")
     items = []
     for i in range(n):
-        key, value = _keys(rng, 1)[0], needle_values(rng, values, 1)[0]
+        shape = item_shape(values, i)
+        noun = value_noun(shape)
+        key, value = _keys(rng, 1)[0], needle_values(rng, shape, 1)[0]
         depth = rng.choice(RULER_DEPTHS) if depths is None else depths[i % len(depths)]
         preamble = f"A special magic {noun} is hidden in the text below. Remember it: you will be asked for it afterwards."
-        needle = needle_sentence(key, value, shape=values)
+        needle = needle_sentence(key, value, shape=shape)
         doc = _needle_doc(task, count, length, seed, i, preamble, [(depth, needle)], haystack)
         items.append(TaskItem(
             label, _item_id(label, length, seed, i), doc,
@@ -268,17 +349,18 @@ def niah_multikey(count: TokenCounter, n: int, seed: int, length: int, n_keys: i
                   haystack: Haystack = "noise", values: ValueShape = "number") -> list[TaskItem]:
     """``n_keys`` needles with different keys (RULER's multikey_1: 4); ask for one key's value."""
     label = task_label("niah_multikey", haystack, values)
-    noun = value_noun(values)
     rng = random.Random(f"niah_multikey:{seed}")
     items = []
     for i in range(n):
+        shape = item_shape(values, i)
+        noun = value_noun(shape)
         keys = _keys(rng, n_keys)
-        vals = needle_values(rng, values, n_keys)
+        vals = needle_values(rng, shape, n_keys)
         depths = rng.sample(RULER_DEPTHS, n_keys)
         asked = rng.randrange(n_keys)
         preamble = (f"Special magic {noun}s for several keys are hidden in the text below. "
                     "Remember them: you will be asked for one of them afterwards.")
-        needles = [(d, needle_sentence(k, v, shape=values)) for d, k, v in zip(depths, keys, vals)]
+        needles = [(d, needle_sentence(k, v, shape=shape)) for d, k, v in zip(depths, keys, vals)]
         doc = _needle_doc("niah_multikey", count, length, seed, i, preamble, needles, haystack)
         key = keys[asked]
         items.append(TaskItem(
@@ -294,16 +376,17 @@ def niah_multivalue(count: TokenCounter, n: int, seed: int, length: int, n_value
                     haystack: Haystack = "noise", values: ValueShape = "number") -> list[TaskItem]:
     """One key with ``n_values`` values (RULER's multivalue: 4); all must come back."""
     label = task_label("niah_multivalue", haystack, values)
-    noun = value_noun(values)
     rng = random.Random(f"niah_multivalue:{seed}")
     items = []
     for i in range(n):
+        shape = item_shape(values, i)
+        noun = value_noun(shape)
         key = _keys(rng, 1)[0]
-        vals = needle_values(rng, values, n_values)
+        vals = needle_values(rng, shape, n_values)
         depths = rng.sample(RULER_DEPTHS, n_values)
         preamble = (f"Several special magic {noun}s are hidden in the text below. "
                     "Remember all of them: you will be asked for them afterwards.")
-        needles = [(d, needle_sentence(key, v, one_of=True, shape=values)) for d, v in zip(depths, vals)]
+        needles = [(d, needle_sentence(key, v, one_of=True, shape=shape)) for d, v in zip(depths, vals)]
         doc = _needle_doc("niah_multivalue", count, length, seed, i, preamble, needles, haystack)
         items.append(TaskItem(
             label, _item_id(label, length, seed, i), doc,

@@ -149,6 +149,32 @@ def _compare(lm: LoadedModel, workdir: Path) -> None:
     sweep_charts(sweep)
 
 
+def _budgets(lm: LoadedModel, workdir: Path) -> None:
+    """Every head-budget allocation: a profile written for ``lm`` (shares that cap some heads at the
+    document's length at 2x), Attention Matching's default finding it, a scorer following it, and
+    the document's own and the global ranking, through a Compare sweep's budgets axis."""
+    import json
+    import os
+
+    from kvlab.compression.budget_profiles import profile_name
+    from kvlab.lab import compare
+
+    shares = [[float(1 + 8 * ((layer + head) % 2)) for head in range(lm.n_kv_heads)] for layer in range(lm.n_layers)]
+    (workdir / profile_name(lm.name)).write_text(json.dumps({"model": lm.name, "shares": shares}))
+    before = os.environ.get("KVLAB_BUDGETS_DIR")
+    os.environ["KVLAB_BUDGETS_DIR"] = str(workdir)
+    try:
+        sweep = compare(DOCUMENT, None, ["snapkv", "attention_matching"], [2.0, 8.0], QUESTION, max_new_tokens=4,
+                        budgets=["profile", "document", "global"])
+    finally:
+        if before is None:
+            os.environ.pop("KVLAB_BUDGETS_DIR")
+        else:
+            os.environ["KVLAB_BUDGETS_DIR"] = before
+    if sweep.errors or {r.details["budgets"] for r in sweep.results} != {"nonuniform", "adakv", "document", "global"}:
+        raise AssertionError(f"budget allocations failed or missing: {sweep.errors}")
+
+
 def _needle_test(lm: LoadedModel, workdir: Path) -> None:
     from kvlab.lab import needle_test
 
@@ -173,6 +199,7 @@ def _bench(lm: LoadedModel, workdir: Path) -> None:
 LAB_STEPS = [
     Step("lab.explore", _explore),
     Step("lab.compare", _compare),
+    Step("head budgets (profile, document, global)", _budgets),
     Step("lab.needle_test", _needle_test),
     Step("lab.generate", _generate),
     Step("kvlab bench (one item)", _bench),

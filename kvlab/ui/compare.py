@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gradio as gr
 
+from kvlab.compression.budget_profiles import BUDGET_AXIS
 from kvlab.compression.catalog import aware_tag
 from kvlab.lab import load_results, parse_ratios, run_tasks, write_exports
 from kvlab.lab.inputs import MIN_RATIO, MAX_RATIO
@@ -32,6 +33,11 @@ from kvlab.ui.tasks import build_task_outputs, show
 #: Ratios offered, and those ticked at first.
 SWEEP_RATIOS = (2, 5, 10, 20, 50)
 SWEEP_DEFAULT_RATIOS = (5, 10, 20, 50)
+#: The head-budgets axis as the page names it (kvlab.compression.budget_profiles.BUDGET_AXIS).
+BUDGET_AXIS_LABELS = {
+    "uniform": "uniform", "profile": "the model's profile", "document": "the document's own",
+    "global": "one ranking across heads and layers",
+}
 #: Methods ticked at first (those registered).
 SWEEP_DEFAULT_METHODS = ("attention_matching", "snapkv", "streaming_llm")
 #: The live task set a visitor starts with: needles at several depths of ~1,000-token documents.
@@ -84,6 +90,11 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs
                 label="More ratios", placeholder="e.g. 3, 8, 100", lines=1,
                 info=f"Comma-separated, from {MIN_RATIO:g} to {MAX_RATIO:g}", elem_id="kvlab-compare-more",
             )
+            cmp_budgets = gr.CheckboxGroup(
+                choices=[(BUDGET_AXIS_LABELS[v], v) for v in BUDGET_AXIS], value=[], label="Head budgets",
+                info="None ticked: each method's default. Ticked: each method with a budgets knob once per value, "
+                     "at the same bytes", elem_id="kvlab-compare-budgets",
+            )
     with gr.Column(visible=True) as question_box:
         cmp_models = gr.CheckboxGroup(
             choices=list(inputs.model.choices), value=[], label="Models",
@@ -101,7 +112,7 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs
             cmp_ppl = gr.Plot(label="Log-perplexity vs ratio", elem_id="kvlab-compare-ppl")
         cmp_table = gr.Dataframe(
             headers=COMPARE_COLUMNS, label="Results", interactive=False, wrap=True,
-            column_widths=["13%", "6%", "7%", "8%", "8%", "8%", "9%", "8%", "33%"], elem_id="kvlab-compare-table",
+            column_widths=["13%", "5%", "6%", "7%", "7%", "8%", "7%", "8%", "7%", "32%"], elem_id="kvlab-compare-table",
         )
         with gr.Row():
             cmp_csv = gr.File(label="Results as CSV", interactive=False, height=90, elem_id="kvlab-compare-csv")
@@ -128,13 +139,13 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs
         views = build_task_outputs("tasks")
 
     def on_compare(text=None, file=None, methods=None, ratios=None, more_ratios="", question=None,
-                   max_new_tokens=DEFAULT_MAX_NEW_TOKENS, model=None, models=None, request: gr.Request = None,
-                   progress=gr.Progress()):
+                   max_new_tokens=DEFAULT_MAX_NEW_TOKENS, model=None, models=None, budgets=None,
+                   request: gr.Request = None, progress=gr.Progress()):
         chosen = list(methods or [])
         view = guarded(", ".join(chosen), lambda: sweep_view(
             common.document_input(text, file), None, chosen, parse_ratios(ratios, more_ratios), question,
             max_new_tokens or DEFAULT_MAX_NEW_TOKENS, checked_model(model, specs), progress,
-            models=[checked_model(m, specs) for m in models or []],
+            models=[checked_model(m, specs) for m in models or []], budgets=list(budgets or []),
         ), owner=common.session_of(request), kind="compare", progress=progress)
         sweep = view.sweep
         csv_path, json_path = write_exports(sweep)
@@ -180,7 +191,7 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs
     sweep_run = cmp_go.click(
         on_compare,
         [inputs.text, inputs.upload, cmp_methods, cmp_ratios, cmp_more, inputs.question, inputs.max_new, inputs.model,
-         cmp_models],
+         cmp_models, cmp_budgets],
         [cmp_status, cmp_full, cmp_err, cmp_mass, cmp_ppl, cmp_table, cmp_csv, cmp_json],
         api_name="compare",
         concurrency_limit=common.COMPUTE_ADMITTED,

@@ -18,7 +18,7 @@ from gradio.components.plot import PlotData
 from kvlab import figures
 from kvlab.context import Progress, no_progress
 from kvlab.memo import compute_once, recently_used
-from kvlab.lab import Sweep, TokenFates, compare, explore
+from kvlab.lab import Sweep, TokenFates, compare, explore, sweep_label
 from kvlab.lab.views import RunView, present
 from kvlab.pipeline import RunResult
 from kvlab.ui.common import GPU_MAX_S, GPU_RUN_S, GPU_SWEEP_BASE_S, GPU_SWEEP_POINT_S, on_gpu
@@ -35,7 +35,7 @@ INTENSITY_NOTES = {
 T = TypeVar("T")
 
 COMPARE_COLUMNS = [
-    "method", "ratio", "query-aware", "memory ratio", "output error", "mass error",
+    "method", "ratio", "query-aware", "memory ratio", "output error", "output error (weighted)", "mass error",
     "log-ppl (full answer)", "compression s", "answer (compressed cache)",
 ]
 
@@ -102,7 +102,8 @@ def draw(view: RunView) -> Drawn:
         tuple(plotted(f) for f in (
             figures.error_heatmap(r.per_head),
             figures.mass_heatmap(r.per_head),
-            figures.kept_heatmap(r.per_head),
+            figures.kept_heatmap(r.per_head, f"{r.details['budgets']}, {r.details['budgets_source']}"
+                                 if "budgets_source" in r.details else ""),
             figures.memory_figure(r.bytes_full, r.bytes_compressed, r.memory_breakdown),
             figures.time_figure(view.timings, view.notes, total=view.wall_s),
         )),
@@ -194,18 +195,13 @@ class SweepView:
     charts: tuple
 
 
-def run_label(sweep: Sweep, r: RunResult) -> str:
-    """A run's line and row name: its method, and its model on a sweep over several models."""
-    return f"{r.method} · {r.model}" if len(sweep.ceilings) > 1 else r.method
-
-
 def sweep_charts(sweep: Sweep) -> tuple:
     """(output error, mass error, log-perplexity) against the ratio, one line per method (and model).
 
     The full cache's log-perplexity is drawn as a reference on a one-model sweep; on several models each
     has its own (the status line lists them), so none is drawn."""
     points = [
-        {"method": run_label(sweep, r), "ratio": r.ratio, "output": r.attn_output_rel_err,
+        {"method": sweep_label(sweep, r), "ratio": r.ratio, "output": r.attn_output_rel_err,
          "mass": r.attn_mass_rel_err, "logppl": r.logppl_compressed}
         for r in sweep.results
     ]
@@ -237,9 +233,11 @@ def sweep_view(
     model: str | None,
     progress: Progress = no_progress,
     models: list[str] | None = None,
+    budgets: list[str] | None = None,
 ) -> SweepView:
-    """The heavy part of ``/compare``: kvlab.lab.compare (on ``models`` when given, else ``model``) and its charts."""
-    sweep = compare(text, file, methods, ratios, question, max_new_tokens, progress, model, models)
+    """The heavy part of ``/compare``: kvlab.lab.compare (on ``models`` when given, else ``model``; each
+    method once per head-budgets value of ``budgets``) and its charts."""
+    sweep = compare(text, file, methods, ratios, question, max_new_tokens, progress, model, models, budgets or ())
     return SweepView(sweep, sweep_charts(sweep))
 
 
@@ -271,11 +269,12 @@ def compare_rows(sweep: Sweep) -> list[list]:
     """The comparison table's rows (see COMPARE_COLUMNS), one per (method, ratio)."""
     return [
         [
-            run_label(sweep, r),
+            sweep_label(sweep, r),
             r.ratio,
             "yes" if a else "no",
             round(r.memory_ratio, 2),
             round(r.attn_output_rel_err, 4),
+            round(r.attn_output_rel_err_weighted, 4),
             round(r.attn_mass_rel_err, 4),
             round(r.logppl_compressed, 3),
             round(r.compress_s, 2),

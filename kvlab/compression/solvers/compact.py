@@ -304,8 +304,9 @@ def compact_block(
         ck = k.gather(1, safe.unsqueeze(-1).expand(B, t, d)) * slot_valid.unsqueeze(-1).to(k.dtype)
         own = v.gather(1, safe.unsqueeze(-1).expand(B, t, v.shape[-1])) * slot_valid.unsqueeze(-1).to(v.dtype)
         logits = attention_logits(q, ck, beta, scale)
-        x = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)  # a head with no real slot: all -inf
         lse_c = torch.logsumexp(logits, dim=-1)  # for the residuals
+        # The softmax, in place; a head with no real slot (all -inf) or a non-finite key gives NaN: 0.
+        x = logits.sub_(lse_c.unsqueeze(-1)).exp_().nan_to_num_(nan=0.0)
         del logits
         if value_fit == "original":
             cv = own.float()

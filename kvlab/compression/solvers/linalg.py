@@ -31,6 +31,26 @@ REFINE_STEPS = 2
 RIDGE_FLOOR = 1e-30
 
 
+#: Columns per block of :func:`gram_matrix`'s products.
+GRAM_BLOCK = 128
+
+
+def gram_matrix(design: torch.Tensor) -> torch.Tensor:
+    """``design^T design`` [B, m, m] of a design [B, n, m]: the upper triangle by blocks of
+    :data:`GRAM_BLOCK` columns, mirrored below. Half the products of one ``bmm``, and on a CPU the
+    narrow blocks stay in cache: about 2x faster from a few hundred columns (kept keys) on."""
+    m = design.shape[-1]
+    if m <= 2 * GRAM_BLOCK:
+        return torch.bmm(design.mT, design)
+    out = design.new_empty(design.shape[0], m, m)
+    for a in range(0, m, GRAM_BLOCK):
+        b = min(m, a + GRAM_BLOCK)
+        rows = torch.bmm(design[:, :, a:b].mT, design[:, :, a:])  # [B, b - a, m - a]
+        out[:, a:b, a:] = rows
+        out[:, b:, a:b] = rows[:, :, b - a :].mT
+    return out
+
+
 def _ridge_scale(gram: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
     """Mean diagonal of ``gram`` [B, m, m] over active rows: [B]."""
     diag = torch.diagonal(gram, dim1=-2, dim2=-1) * active
@@ -73,13 +93,20 @@ def ridge_factor(
     lam = ridge * ridge_scale  # [B]
 
     def assemble(b: torch.Tensor, lam_: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
-        # Added on the diagonal in place: an identity times the diagonal would be
-        # two more [B, m, m] temporaries, and m (kept keys) reaches thousands.
         out = b.clone()
         out.diagonal(dim1=-2, dim2=-1).add_(lam_.unsqueeze(-1) * act + (1.0 - act))
         return out
 
-    chol, info = torch.linalg.cholesky_ex(assemble(base, lam, active))
+    # The first try factors ``base`` with the ridge added to its diagonal in place and the diagonal
+    # restored after: a copy of a [B, m, m] Gram costs as much as its factorisation when m (kept keys)
+    # reaches thousands, and the caller may still need the Gram (the bias fit's gradient steps).
+    diag = base.diagonal(dim1=-2, dim2=-1)
+    saved = diag.clone()
+    diag.add_(lam.unsqueeze(-1) * active + (1.0 - active))
+    try:
+        chol, info = torch.linalg.cholesky_ex(base)
+    finally:
+        diag.copy_(saved)
     bad = info != 0
     tries = 0
     while bool(bad.any()) and tries < MAX_RIDGE_RETRIES:
@@ -109,7 +136,10 @@ def factor_solve(
 ) -> torch.Tensor:
     """Solve with a factor from :func:`ridge_factor`; rhs [B, m, c] -> [B, m, c]."""
     mask = active.unsqueeze(-1) * ok.view(-1, 1, 1).to(rhs.dtype)
-    return torch.cholesky_solve(rhs * mask, chol) * mask
+    # Two triangular solves: cholesky_solve copies the factor to another layout first, which costs
+    # more than the solves themselves for a large factor.
+    half = torch.linalg.solve_triangular(chol, rhs * mask, upper=False)
+    return torch.linalg.solve_triangular(chol.mT, half, upper=True) * mask
 
 
 def _refine(x, residual, pull, solve, steps: int):
@@ -158,7 +188,7 @@ def ridge_lstsq(
     and ``rhs`` may be passed when the caller already holds them.
     """
     dt = design.transpose(-1, -2)
-    gram = torch.bmm(dt, design) if gram is None else gram
+    gram = gram_matrix(design) if gram is None else gram
     rhs = torch.bmm(dt, target) if rhs is None else rhs
     chol, ok = ridge_factor(gram, active, ridge)
     solve = lambda b: factor_solve(chol, ok, b, active)  # noqa: E731
@@ -190,7 +220,7 @@ def ridge_lstsq_dual(
     ``D D^T`` when the caller holds it.
     """
     dt = design.transpose(-1, -2)
-    kern = torch.bmm(design, dt) if kern is None else kern  # [B, n, n]
+    kern = gram_matrix(dt) if kern is None else kern  # [B, n, n]
     fro2 = torch.diagonal(kern, dim1=-2, dim2=-1).sum(-1)
     rows = torch.ones(design.shape[0], design.shape[1], dtype=design.dtype, device=design.device)
     chol, ok = ridge_factor(kern, rows, ridge, fro2 / active.sum(-1).clamp_min(1.0))
@@ -218,4 +248,4 @@ def masked_gram(m: torch.Tensor, z: torch.Tensor, valid: torch.Tensor | None) ->
     """``(M^T M, M^T z, active, masked M)`` for a design ``m`` [B, n, t]."""
     m, active = masked_design(m, valid)
     mt = m.transpose(-1, -2)
-    return torch.bmm(mt, m), torch.bmm(mt, z.float().unsqueeze(-1)).squeeze(-1), active, m
+    return gram_matrix(m), torch.bmm(mt, z.float().unsqueeze(-1)).squeeze(-1), active, m

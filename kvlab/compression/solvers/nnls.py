@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from kvlab.compression.solvers.linalg import (
-    RIDGE_FLOOR, active_block, factor_solve, masked_design, masked_gram, ridge_factor, ridge_lstsq, ridge_lstsq_dual,
+    RIDGE_FLOOR, active_block, factor_solve, gram_matrix, masked_design, masked_gram, ridge_factor, ridge_lstsq, ridge_lstsq_dual,
 )
 def _top_eig(gram: torch.Tensor, active: torch.Tensor, steps: int = 10) -> torch.Tensor:
     """Largest eigenvalue of PSD ``gram`` [B, m, m] by power iteration: [B].
@@ -102,7 +102,7 @@ def _box_nnls_dual(m: torch.Tensor, z: torch.Tensor, active: torch.Tensor, lo: f
     keys, which grows with the document.
     """
     mt = m.transpose(-1, -2)
-    kern = torch.bmm(m, mt)  # [B, n, n]
+    kern = gram_matrix(mt)  # [B, n, n]
     w = ridge_lstsq_dual(m, z.unsqueeze(-1), active, ridge, kern).squeeze(-1)
     rows = torch.ones(m.shape[0], m.shape[1], dtype=m.dtype, device=m.device)
     return _box_steps(

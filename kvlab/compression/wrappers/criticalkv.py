@@ -64,8 +64,3 @@ def critical_scores(
         mine = torch.arange(width, device=scores.device).unsqueeze(0) < first.unsqueeze(1)
         out.scatter_(-1, top, torch.where(mine, float("inf"), out.gather(-1, top)))
     return out
-
-
-def output_projection(model: torch.nn.Module, layer: int) -> torch.Tensor:
-    """The weight [hidden, H * d] of ``layer``'s attention output projection (o_proj), where the model keeps it."""
-    return model.get_decoder().layers[layer].self_attn.o_proj.weight

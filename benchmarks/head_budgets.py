@@ -1,0 +1,54 @@
+"""Attention Matching's head budgets at equal bytes: the model's profile (the default) against uniform.
+
+    python -m benchmarks.head_budgets                      # the story, 2x 5x 10x, the embedded model
+    python -m benchmarks.head_budgets --model gemma3-270m --ratios 2 5 10 20 --repeats 5
+
+For each ratio, in one process, on one prepared document (its reference queries recorded first, so
+both runs time the fit alone): the compression time of ``budgets=uniform`` and of the default
+(the model's profile where it has one), each the best of ``--repeats`` runs taken in turn, their
+ratio, and the memory ratio of each stored cache (the same bytes: what a head capped at the
+document's length cannot use goes to the others). The non-uniform heads are solved batched by
+budget (kvlab.compression.compaction.solve_ragged), never padded to the largest.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from kvlab.context import prepare_context
+from kvlab.examples import load_examples
+from kvlab.methods import Request, get_method
+from kvlab.models import get_model
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="embedded (default) or any model kvlab loads")
+    p.add_argument("--ratios", type=float, nargs="+", default=[2.0, 5.0, 10.0])
+    p.add_argument("--repeats", type=int, default=3, help="runs of each, taken in turn; the best is reported")
+    args = p.parse_args(argv)
+    lm = get_model(args.model)
+    story = next(e for e in load_examples() if e.kind == "story")
+    ctx = prepare_context(lm, story.text())
+    methods = {"uniform": get_method("attention_matching", budgets="uniform"),
+               "default": get_method("attention_matching")}
+    methods["uniform"].prepare(ctx)  # the repeat pass's queries, shared by both
+    print(f"model {lm.name}; {story.path.name}, {ctx.doc_len} document tokens; best of {args.repeats}")
+    print(f"{'ratio':>5} {'uniform s':>9} {'default s':>9} {'time x':>6} {'mem uniform':>11} {'mem default':>11}  "
+          "default budgets")
+    for ratio in args.ratios:
+        best = {name: float("inf") for name in methods}
+        stored = {}
+        for _ in range(args.repeats):
+            for name, method in methods.items():
+                start = time.perf_counter()
+                stored[name] = method.compress(Request(ctx, ratio))
+                best[name] = min(best[name], time.perf_counter() - start)
+        memory = {name: ctx.full.nbytes / s.nbytes for name, s in stored.items()}
+        print(f"{ratio:>5g} {best['uniform']:>9.2f} {best['default']:>9.2f} {best['default'] / best['uniform']:>6.2f} "
+              f"{memory['uniform']:>11.3f} {memory['default']:>11.3f}  {stored['default'].meta['budgets']}: "
+              f"{stored['default'].meta['budgets_source']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
