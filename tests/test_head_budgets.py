@@ -233,10 +233,9 @@ def test_output_shares_are_each_heads_part_of_its_layers_output_by_hand(ctx):
     got = output_shares(ctx.lm, full)
     H, H_kv = ctx.lm.model.config.num_attention_heads, ctx.lm.n_kv_heads
     for layer, q in enumerate(ev.queries):
-        q = q.detach()
-        keys, values = ctx.full.keys[layer].detach().double(), ctx.full.values[layer].detach().double()
+        keys, values = ctx.full.keys[layer].double(), ctx.full.values[layer].double()
         d = keys.shape[-1]
-        w = ctx.lm.model.model.layers[layer].self_attn.o_proj.weight.double()
+        w = ctx.lm.model.model.layers[layer].self_attn.o_proj.weight.detach().double()
         per_kv = [0.0] * H_kv
         for h in range(H):
             kv = h // (H // H_kv)
