@@ -58,7 +58,7 @@ def test_a_sweep_over_two_models_measures_each_against_its_own_full_cache(two_mo
 def test_models_count_toward_the_sweep_limit_before_any_work(monkeypatch):
     monkeypatch.setattr(models, "get_model", lambda spec=None: pytest.fail("loaded a model"))
     per_model = lab.MAX_SWEEP_POINTS // 2 + 1  # within the limit on one model, over it on two
-    with pytest.raises(lab.InputError, match="methods x ratios x models"):
+    with pytest.raises(lab.InputError, match="methods x head budgets x ratios x models"):
         lab.compare(DOC, None, ["streaming_llm"], [float(r) for r in range(2, 2 + per_model)], QUESTION,
                     models=["a", "b"])
 

@@ -104,6 +104,16 @@ def find_profile(model_name: str) -> Path | None:
     return None
 
 
+def shipped_profiles() -> dict[str, list[list[float]]]:
+    """The profiles shipped with kvlab: each model's name (as its profile states it) -> its shares
+    [n_layers][H_kv] (what the Learn tab draws; no model is loaded)."""
+    out = {}
+    for path in sorted(BUDGET_DIR.glob("*.json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        out[data.get("model", path.stem)] = data["shares"]
+    return out
+
+
 def load_profile(lm: LoadedModel) -> tuple[torch.Tensor, str]:
     """(shares [n_layers, H_kv] float64 on the CPU, mean 1 over the compressed layers; one line naming the
     profile). MethodError when the model has none, or it cannot be read or has another shape."""

@@ -19,6 +19,7 @@ from kvlab.figures.plots import (
     MASS_RATIO_LIMIT,
     METHOD_COLORS,
     bias_histogram,
+    budget_profile_figure,
     error_heatmap,
     fit_vs_eval_figure,
     head_heatmap,
@@ -49,7 +50,7 @@ from kvlab.figures.tokens import (
 __all__ = [
     "BIT_COLORS", "DIFF_COLORS", "DIFF_COMPRESSED", "DIFF_FULL", "EVICTED", "EVICTED_SHADE", "FATE_COLORS",
     "FIGURE_HEIGHT", "LEVEL_STEPS", "MASS_RATIO_LIMIT", "METHOD_COLORS", "WEAKEST_SHADE",
-    "answers_agree", "bias_histogram", "histogram_bins", "divergence_figure", "bits_of", "bits_strip_html", "error_heatmap", "fate_colors",
+    "answers_agree", "bias_histogram", "budget_profile_figure", "histogram_bins", "divergence_figure", "bits_of", "bits_strip_html", "error_heatmap", "fate_colors",
     "fate_counts", "fate_html", "fate_segments", "fit_vs_eval_figure", "head_heatmap", "human_bytes",
     "kept_heatmap", "level_step", "mass_heatmap", "memory_figure", "sweep_figure", "time_figure", "word_diff",
     "beacon_figure", "cache_size_figure", "logprob_figure", "texts_html", "needle_figure", "needle_table",

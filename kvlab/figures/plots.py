@@ -135,6 +135,15 @@ def kept_heatmap(per_head: Mapping[str, Sequence[Sequence[float]]], budgets: str
     return head_heatmap(per_head["kept_tokens"], title, "keys", colorscale="Greens", fmt=".0f")
 
 
+def budget_profile_figure(shares: Sequence[Sequence[float]], model: str) -> go.Figure:
+    """A model's head-budget profile: each KV head's budget as a multiple of the uniform one
+    (``shares[layer][head]``, mean 1; kvlab.compression.budget_profiles)."""
+    return head_heatmap(
+        shares, f"Where the budget goes: {model}'s profile (x the uniform budget)", "x uniform",
+        colorscale="Viridis", fmt=".2f",
+    )
+
+
 # --------------------------------------------------------------------------- bars
 
 
