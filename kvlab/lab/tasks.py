@@ -97,8 +97,8 @@ def run_tasks(
 ) -> TaskRun:
     """``n`` items of ``task`` answered from the full cache, no_context and every method at every ratio.
 
-    haystack: the needle tasks' filler (kvlab.tasks.synthetic.HAYSTACKS: a repeated noise line, or prose);
-    another task refuses anything but "noise" (InputError).
+    haystack: the needle tasks' filler (kvlab.tasks.synthetic.HAYSTACKS: a repeated noise line, prose
+    written for kvlab, or public-domain books); another task refuses anything but "noise" (InputError).
     """
     start = time.perf_counter()
     if task not in TASKS:

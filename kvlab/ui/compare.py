@@ -25,6 +25,7 @@ from kvlab.methods import REGISTRY
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
 from kvlab.tasks.datasets import data_dir
 from kvlab.tasks.registry import TASKS
+from kvlab.tasks.synthetic import books_dir
 from kvlab.ui import common
 from kvlab.ui.common import GPU_MAX_S, USER_ERRORS, CompareInputs, DocumentInputs, as_gr_error, checked_model, guarded, on_gpu
 from kvlab.ui.present import COMPARE_COLUMNS, compare_rows, sweep_status, sweep_view
@@ -44,6 +45,15 @@ SWEEP_DEFAULT_METHODS = ("attention_matching", "snapkv", "streaming_llm")
 TASK_DEFAULT, TASK_ITEMS_DEFAULT, TASK_LENGTH_DEFAULT = "needle_grid", 5, 1000
 #: Tasks that read the evaluation data (kvlab.tasks.datasets.data_dir), offered only where it is present.
 DATA_TASKS = {"quality": "quality_examples.json", "hotpotqa": "hotpotqa_distractor_dev_sample100.json"}
+
+
+def offered_haystacks() -> list[tuple[str, str]]:
+    """(label, name) of the needle tasks' haystacks this server can build: the public-domain books
+    only where the evaluation data holds them (kvlab.tasks.synthetic.books_dir)."""
+    offered = [("a repeated noise line (RULER's)", "noise"), ("prose written for kvlab (no digits, no names)", "prose")]
+    if any(books_dir().glob("*.txt")):
+        offered.append(("public-domain books (their own numbers and names)", "books"))
+    return offered
 
 
 def offered_tasks() -> list[tuple[str, str]]:
@@ -126,9 +136,9 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs
             length = gr.Slider(MIN_LENGTH, MAX_LIVE_LENGTH, value=TASK_LENGTH_DEFAULT, step=50,
                                label="Document length (model tokens)", elem_id="kvlab-tasks-length")
             haystack = gr.Dropdown(
-                [("a repeated noise line (RULER's)", "noise"), ("prose (essays)", "prose")], value="noise",
-                label="Needles hidden in", info="Needle tasks only: among identical lines a needle is easy to keep",
-                elem_id="kvlab-tasks-haystack", scale=1)
+                offered_haystacks(), value="noise", label="Needles hidden in",
+                info="Needle tasks only: among identical lines a needle is easy to keep; real books hold numbers "
+                     "and names of their own", elem_id="kvlab-tasks-haystack", scale=1)
         with gr.Row():
             tasks_go = gr.Button("Run the tasks", variant="primary", elem_id="kvlab-tasks-run", scale=4)
             tasks_stop = gr.Button("Stop", variant="stop", elem_id="kvlab-tasks-stop", scale=1)
