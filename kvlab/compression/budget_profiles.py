@@ -106,11 +106,14 @@ def find_profile(model_name: str) -> Path | None:
 
 def shipped_profiles() -> dict[str, list[list[float]]]:
     """The profiles shipped with kvlab: each model's name (as its profile states it) -> its shares
-    [n_layers][H_kv] (what the Learn tab draws; no model is loaded)."""
+    [n_layers][H_kv], NaN in the layers no method compresses (sliding-window layers, when the profile
+    lists ``compressed_layers``): what the Learn tab draws, without loading a model."""
     out = {}
     for path in sorted(BUDGET_DIR.glob("*.json")):
         data = json.loads(path.read_text(encoding="utf-8"))
-        out[data.get("model", path.stem)] = data["shares"]
+        layers = set(data.get("compressed_layers", range(len(data["shares"]))))
+        out[data.get("model", path.stem)] = [row if i in layers else [float("nan")] * len(row)
+                                             for i, row in enumerate(data["shares"])]
     return out
 
 

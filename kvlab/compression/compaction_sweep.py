@@ -129,6 +129,7 @@ def save_profile(ctx: Context, sweep: SensitivitySweep, ratio: float, boost: flo
         "baseline_ratio": ratio,
         "boost": boost,
         "loss_base": sweep.loss_base,
+        "compressed_layers": ctx.lm.compressed_layers,
         "sensitivity": [[round(x, 6) for x in row] for row in sweep.sensitivity.tolist()],
         "shares": [[round(x, 6) for x in row] for row in sweep.shares.tolist()],
         "seconds": round(sweep.seconds, 1),

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import gradio as gr
 
+from kvlab import figures
+from kvlab.compression.budget_profiles import BUDGETS_LEARN, shipped_profiles
 from kvlab.compression.catalog import methods_markdown
 from kvlab.ui.common import LATEX
 
@@ -69,10 +71,18 @@ second. The default prompt is a copy task (a list of codes to copy back), scored
 
 
 def learn_markdown() -> str:
-    """The tab's text: the lab's measures (LEARN_INTRO), then every registered method."""
-    return LEARN_INTRO + "\n" + methods_markdown()
+    """The tab's text: the lab's measures (LEARN_INTRO), where the budget goes (BUDGETS_LEARN), then every
+    registered method."""
+    return LEARN_INTRO.removesuffix("## Methods\n") + BUDGETS_LEARN + "\n## Methods\n\n" + methods_markdown()
 
 
 def build_learn_tab() -> None:
-    """The Learn tab's content (inside an open ``gr.Tab``)."""
-    gr.Markdown(learn_markdown(), latex_delimiters=LATEX, elem_id="kvlab-learn")
+    """The Learn tab's content (inside an open ``gr.Tab``): the text, with the shipped profiles drawn
+    under "Where the budget goes"."""
+    intro, methods = learn_markdown().split("\n## Methods\n", 1)
+    gr.Markdown(intro, latex_delimiters=LATEX, elem_id="kvlab-learn")
+    profiles = shipped_profiles()
+    with gr.Row():
+        for i, (model, shares) in enumerate(profiles.items()):
+            gr.Plot(figures.budget_profile_figure(shares, model), show_label=False, elem_id=f"kvlab-learn-budgets-{i}")
+    gr.Markdown("## Methods\n" + methods, latex_delimiters=LATEX, elem_id="kvlab-learn-methods")
