@@ -65,6 +65,44 @@ def axis_knob(choices: tuple[str, ...], value: str) -> str | None:
     return next((v for v in BUDGET_AXIS[value] if v in choices), None)
 
 
+#: The Learn tab's section on head budgets (the figures it cites: docs/head-budgets.md).
+BUDGETS_LEARN = """
+## Where the budget goes
+A ratio r fixes the *total*: T/r keys per KV head **on average**. How that total is shared among the heads is \
+a choice of its own, the `budgets` knob, and every allocation here stores the same bytes: what a head cannot \
+use (it holds at most the document's T keys) goes to the others.
+
+- **uniform**: every head T/r keys. The simplest, and what most methods' papers run.
+- **the model's profile** (`nonuniform`): each head's share measured once per model by a *sensitivity sweep* \
+(`kvlab budgets --model M`): every head is compacted at a low budget, then one head at a time gets four times \
+more, and the fall in the log-perplexity of the full cache's own answers is that head's sensitivity. Shares \
+follow the sensitivities, between 1/7 and 9 times the uniform budget, as in the Attention Matching paper's \
+published profiles. The figures below are the two profiles kvlab ships: a few heads in the middle layers take \
+most of the budget.
+- **the document's own**: a share per head from this document's scores (Attention Matching's `document`: how \
+concentrated each head's attention is; AdaKV for a scoring method, within each layer).
+- **global**: one ranking of the scores of every head in every layer, each head keeping at least its best \
+key: the form of KVzip's pruning.
+
+Attention Matching's default is the paper's recipe: the model's profile where it has one (both offline \
+models do), else uniform, and a run says which (the summary, "Keys per head", `--json`'s `budgets_source`).
+
+**Why it decides retrieval.** A fact the question needs is read by a few heads. Uniform budgets give those \
+heads as little as every other head, so at 5x the needle's tokens must win a place among the 20% their \
+head keeps, while heads that only attend to the sinks or the last few tokens keep keys nobody reads. Budgets \
+that follow the heads' roles keep the facts at the same bytes: on real public-domain books \
+(docs/head-budgets.md) the same Attention Matching fit goes from losing almost every needle to keeping most of \
+them, and KVzip's own scores lose them once every head gets the same budget.
+
+**Two attention errors.** The *output error* of the summary is the mean over layers and heads of each head's \
+relative error; the *weighted* one weights each head by its share of its layer's attention output \
+($\\lVert y_h W_o^{(h)}\\rVert$, what the head adds to the residual stream). They disagree when the budget \
+moves: starving a head the layer hardly uses raises its error, and the plain mean counts that as much as an \
+error in a head that carries the layer; the weighted error counts it by what the head contributes. Neither is \
+accuracy: when an error and the answers disagree, the answers are what the user asked about.
+"""
+
+
 @dataclass(frozen=True)
 class HeadBudgets:
     """Document keys per head and where they come from.
