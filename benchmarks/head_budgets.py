@@ -9,6 +9,10 @@ both runs time the fit alone): the compression time of ``budgets=uniform`` and o
 ratio, and the memory ratio of each stored cache (the same bytes: what a head capped at the
 document's length cannot use goes to the others). The non-uniform heads are solved batched by
 budget (kvlab.compression.compaction.solve_ragged), never padded to the largest.
+
+Then, for the story's questions, each cache's attention-output error on the held-out queries, the
+plain mean over layers x heads and the mean weighted by each head's share of its layer's output
+(kvlab.metrics.output_shares), beside whether its answer holds the example's expected answer.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ from kvlab.context import prepare_context
 from kvlab.examples import load_examples
 from kvlab.methods import Request, get_method
 from kvlab.models import get_model
+from kvlab.pipeline import run
+from kvlab.tasks.scoring import contains_match
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,6 +54,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{ratio:>5g} {best['uniform']:>9.2f} {best['default']:>9.2f} {best['default'] / best['uniform']:>6.2f} "
               f"{memory['uniform']:>11.3f} {memory['default']:>11.3f}  {stored['default'].meta['budgets']}: "
               f"{stored['default'].meta['budgets_source']}", flush=True)
+    print(f"\n{'ratio':>5} {'budgets':>10} {'mean err':>8} {'weighted':>8}  right (of {len(story.questions)} questions)")
+    for ratio in args.ratios:
+        for name, method in methods.items():
+            results = [run(ctx, method, ratio, q).result for q in story.questions]
+            right = sum(contains_match(r.answer_compressed, list(a)) for r, a in zip(results, story.aliases))
+            mean = sum(r.attn_output_rel_err for r in results) / len(results)
+            weighted = sum(r.attn_output_rel_err_weighted for r in results) / len(results)
+            print(f"{ratio:>5g} {results[0].details['budgets']:>10} {mean:>8.4f} {weighted:>8.4f}  {right}", flush=True)
 
 
 if __name__ == "__main__":
