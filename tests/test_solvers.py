@@ -611,3 +611,26 @@ def test_the_run_names_the_heads_whose_fit_fell_back():
     assert line == ("Warning: a solve fell back to zeros in 1 head(s): layer 1 head 1; "
                     "non-finite values were replaced in 1 head(s): layer 0 head 0.")
     assert RunResult.numerics_warning.fget(SimpleNamespace(details={"solver_fallbacks": [[0]]})) is None
+
+
+def test_blocked_gram_and_its_lower_triangle_solve_as_the_plain_product():
+    """Past 2 x GRAM_BLOCK columns the Gram is formed by blocks (lower triangle, mirrored unless only the
+    factorisation reads it): equal to ``D^T D``, and the ridge solve equals float64 least squares
+    within float32's normal-equations error (n eps cond(D)^2 of the solution)."""
+    from kvlab.compression.solvers.linalg import GRAM_BLOCK, gram_matrix, ridge_lstsq
+
+    g = _gen(11)
+    m = 2 * GRAM_BLOCK + 37
+    d = torch.randn(2, 3 * m, m, generator=g)
+    y = torch.randn(2, 3 * m, 5, generator=g)
+    plain = d.double().mT @ d.double()
+    # A float32 dot product of n terms is within n eps sum |a_i b_i| of the exact one.
+    bound = d.shape[1] * torch.finfo(torch.float32).eps * float((d.abs().double().mT @ d.abs().double()).max())
+    torch.testing.assert_close(gram_matrix(d).double(), plain, rtol=0, atol=bound)
+    lower = gram_matrix(d, lower_only=True)
+    assert torch.equal(lower.tril(), gram_matrix(d).tril())
+    assert not bool(lower[:, :GRAM_BLOCK, 2 * GRAM_BLOCK :].any())  # above the diagonal blocks: never filled
+    x = ridge_lstsq(d, y, torch.ones(2, m), 1e-12)
+    ref = torch.linalg.lstsq(d.double(), y.double()).solution
+    cond = float(torch.linalg.cond(d.double()).max())
+    assert float((x.double() - ref).abs().max()) <= 3 * m * torch.finfo(torch.float32).eps * cond**2 * float(ref.abs().max())

@@ -37,8 +37,8 @@ def attention_logits(
     # fewer over the largest tensor here (exact for d = 64: the scale is a power of two).
     logits = torch.matmul(q.float() * scale, k.float().transpose(-1, -2), out=out)
     if bias is not None:
-        bias = bias.float().unsqueeze(-2)
-        logits = logits.add_(bias) if out is not None else logits + bias
+        # In place: the matmul's result is this function's own (or the caller's ``out``).
+        logits = logits.add_(bias.float().unsqueeze(-2))
     return logits
 
 

@@ -35,19 +35,21 @@ RIDGE_FLOOR = 1e-30
 GRAM_BLOCK = 128
 
 
-def gram_matrix(design: torch.Tensor) -> torch.Tensor:
-    """``design^T design`` [B, m, m] of a design [B, n, m]: the upper triangle by blocks of
-    :data:`GRAM_BLOCK` columns, mirrored below. Half the products of one ``bmm``, and on a CPU the
-    narrow blocks stay in cache: about 2x faster from a few hundred columns (kept keys) on."""
+def gram_matrix(design: torch.Tensor, lower_only: bool = False) -> torch.Tensor:
+    """``design^T design`` [B, m, m] of a design [B, n, m], by blocks of :data:`GRAM_BLOCK` columns:
+    the lower triangle (half the products of one ``bmm``, and on a CPU the narrow blocks stay in
+    cache: about 2x faster from a few hundred columns, kept keys, on), mirrored above unless
+    ``lower_only`` (zeros above the diagonal blocks: a Cholesky factorisation reads the lower triangle)."""
     m = design.shape[-1]
     if m <= 2 * GRAM_BLOCK:
         return torch.bmm(design.mT, design)
-    out = design.new_empty(design.shape[0], m, m)
+    out = design.new_zeros(design.shape[0], m, m) if lower_only else design.new_empty(design.shape[0], m, m)
     for a in range(0, m, GRAM_BLOCK):
         b = min(m, a + GRAM_BLOCK)
-        rows = torch.bmm(design[:, :, a:b].mT, design[:, :, a:])  # [B, b - a, m - a]
-        out[:, a:b, a:] = rows
-        out[:, b:, a:b] = rows[:, :, b - a :].mT
+        rows = torch.bmm(design[:, :, a:b].mT, design[:, :, :b])  # [B, b - a, b]: block row a:b, left of b
+        out[:, a:b, :b] = rows
+        if not lower_only:
+            out[:, :a, a:b] = rows[:, :, :a].mT
     return out
 
 
@@ -77,7 +79,7 @@ def ridge_factor(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cholesky factor of ``gram + lam I`` on the active rows: ``(chol, ok)``.
 
-    gram: [B, m, m], active: [B, m] float (1 = real row/column, 0 = padding).
+    gram: [B, m, m] (only its lower triangle is read), active: [B, m] float (1 = real row/column, 0 = padding).
     Padding rows/columns are replaced by the identity, so they solve to
     exactly 0 without shrinking the system. ``lam = ridge * ridge_scale``,
     ``ridge_scale`` [B] defaulting to the mean active diagonal. A batch
@@ -188,7 +190,7 @@ def ridge_lstsq(
     and ``rhs`` may be passed when the caller already holds them.
     """
     dt = design.transpose(-1, -2)
-    gram = gram_matrix(design) if gram is None else gram
+    gram = gram_matrix(design, lower_only=True) if gram is None else gram  # only factorised here
     rhs = torch.bmm(dt, target) if rhs is None else rhs
     chol, ok = ridge_factor(gram, active, ridge)
     solve = lambda b: factor_solve(chol, ok, b, active)  # noqa: E731
@@ -241,7 +243,7 @@ def masked_design(m: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Te
     if valid is None or bool(valid.all()):
         return m, torch.ones(m.shape[0], m.shape[-1], dtype=m.dtype, device=m.device)
     # padding columns may hold inf/NaN (exp of a -inf bias shift): drop them
-    return torch.where(valid.unsqueeze(-2), m, torch.zeros_like(m)), valid.to(m.dtype)
+    return m.masked_fill(~valid.unsqueeze(-2), 0.0), valid.to(m.dtype)
 
 
 def masked_gram(m: torch.Tensor, z: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, ...]:

@@ -41,7 +41,7 @@ def fit_values(
     B, n, t = x.shape
     if valid is not None:
         if not bool(valid.all()):
-            x = torch.where(valid.unsqueeze(-2), x, torch.zeros_like(x))
+            x = x.masked_fill(~valid.unsqueeze(-2), 0.0)
         t_real = int(valid.sum(-1).max()) if valid.numel() else 0
     else:
         t_real = t
