@@ -160,7 +160,7 @@ def test_stop_ends_the_work_at_its_next_step_and_the_server_goes_on(app):
 def test_a_client_that_disconnects_stops_within_one_step(app):
     url, steps, stops = app
     steps.reset(0.05)
-    data = [DOC + " w8 w8", None, SWEEP_METHODS, [], FEW_RATIOS, QUESTION, 4, SPEC, []]  # its own document, as above; no other models
+    data = [DOC + " w8 w8", None, SWEEP_METHODS, [], FEW_RATIOS, QUESTION, 4, SPEC, [], []]  # its own document, as above; no other models, no budgets axis
     with httpx.Client(timeout=60) as http:
         # What a browser tab does: join the queue, then listen to the session's stream.
         config = http.get(f"{url}config").json()
