@@ -22,6 +22,7 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from kvlab.compression.budget_profiles import budgets_text
 from kvlab.compression.catalog import Knob, all_knobs, describe, methods_markdown, presets
 from kvlab.compression.selection import SELECTION_PRESETS
 from kvlab.methods import REGISTRY, MethodError, get_method
@@ -298,8 +299,8 @@ def _print_summary(r: Any) -> None:
     print(f"model           {r.model}")
     print(f"method          {r.method} at {r.ratio:g}x  ({r.doc_tokens} document tokens, {r.kept_tokens_mean:.1f} kept per head)")
     print(f"memory          {r.bytes_full:,} B full -> {r.bytes_compressed:,} B compressed ({r.memory_ratio:.2f}x)")
-    if "budgets_source" in r.details:
-        print(f"budgets         {r.details['budgets']}: {r.details['budgets_source']}")
+    if budgets := budgets_text(r.details):
+        print(f"budgets         {budgets}")
     if "compressed_layers" in r.details:  # a hybrid model: the ratio is met in its full-attention layers
         d = r.details
         print(f"  full layers   {d['compressed_layers_bytes_full']:,} B -> {d['compressed_layers_bytes_compressed']:,} B "

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from kvlab.compression.budget_profiles import BUDGET_DIR, allocate, cap_shares, find_profile, profile_name
+from kvlab.compression.budget_profiles import BUDGET_DIR, allocate, budgets_text, cap_shares, find_profile, profile_name
 from kvlab.compression.compaction import AMOptions, BlockJob, compact_cache, solve_ragged
 from kvlab.compression.compaction_sweep import save_profile, sensitivity_sweep
 from kvlab.compression.options import MethodError
@@ -101,6 +101,11 @@ def test_a_model_without_a_profile_runs_uniform_and_says_why(ctx):
     assert "kvlab budgets" in stored.meta["budgets_source"]
     with pytest.raises(MethodError, match="no head-budget profile"):
         get_method("attention_matching", budgets="nonuniform").compress(Request(ctx, 4.0))
+    # What the run's summary, the page and `kvlab run` print: the reason once, not "uniform: uniform ...".
+    assert budgets_text(stored.meta) == stored.meta["budgets_source"]
+    profiled = {"budgets": "nonuniform", "budgets_source": "the model's profile m.json"}
+    assert budgets_text(profiled) == "nonuniform: the model's profile m.json"
+    assert budgets_text({"kept": 3}) is None
 
 
 def test_a_measured_profile_is_kept_and_used(ctx, tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ import html
 from dataclasses import dataclass
 
 from kvlab import figures
+from kvlab.compression.budget_profiles import budgets_text
 from kvlab.lab.explore import Explored
 from kvlab.lab.fates import TokenFates
 from kvlab.pipeline import RunResult
@@ -63,10 +64,9 @@ def summary_markdown(ex: Explored) -> str:
 
 
 def budgets_note(r: RunResult) -> str:
-    """Where the run's per-head budgets came from (", budgets: nonuniform, the model's profile ..."), or ""."""
-    if "budgets_source" not in r.details:
-        return ""
-    return f"; head budgets **{r.details['budgets']}**: {r.details['budgets_source']}"
+    """Where the run's per-head budgets came from ("; head budgets nonuniform: the model's profile ..."), or ""."""
+    budgets = budgets_text(r.details)
+    return f"; head budgets {budgets}" if budgets else ""
 
 
 def hybrid_memory_row(r: RunResult) -> str:

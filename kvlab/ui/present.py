@@ -16,6 +16,7 @@ from typing import Any, Callable, Hashable, TypeVar
 from gradio.components.plot import PlotData
 
 from kvlab import figures
+from kvlab.compression.budget_profiles import budgets_text
 from kvlab.context import Progress, no_progress
 from kvlab.memo import compute_once, recently_used
 from kvlab.lab import Sweep, TokenFates, compare, explore, sweep_label
@@ -102,8 +103,7 @@ def draw(view: RunView) -> Drawn:
         tuple(plotted(f) for f in (
             figures.error_heatmap(r.per_head),
             figures.mass_heatmap(r.per_head),
-            figures.kept_heatmap(r.per_head, f"{r.details['budgets']}, {r.details['budgets_source']}"
-                                 if "budgets_source" in r.details else ""),
+            figures.kept_heatmap(r.per_head, budgets_text(r.details) or ""),
             figures.memory_figure(r.bytes_full, r.bytes_compressed, r.memory_breakdown),
             figures.time_figure(view.timings, view.notes, total=view.wall_s),
         )),
