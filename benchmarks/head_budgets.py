@@ -8,7 +8,7 @@ both runs time the fit alone): the compression time of ``budgets=uniform`` and o
 (the model's profile where it has one), each the best and the median of ``--repeats`` runs taken in
 turn (this machine's times wander by 20-30 % between identical runs), their ratios, and the memory ratio of each stored cache (the same bytes: what a head capped at the
 document's length cannot use goes to the others). The non-uniform heads are solved batched by
-budget (kvlab.compression.compaction.solve_ragged), never padded to the largest.
+budget (kvlab.compression.block_solve.solve_ragged), never padded to the largest.
 
 Then, for the story's questions, each cache's attention-output error on the held-out queries, the
 plain mean over layers x heads and the mean weighted by each head's share of its layer's output

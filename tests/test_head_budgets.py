@@ -12,8 +12,9 @@ import math
 import pytest
 import torch
 
+from kvlab.compression.block_solve import BlockJob, solve_ragged
 from kvlab.compression.budget_profiles import BUDGET_DIR, allocate, budgets_text, cap_shares, find_profile, profile_name
-from kvlab.compression.compaction import AMOptions, BlockJob, compact_cache, solve_ragged
+from kvlab.compression.compaction import AMOptions, compact_cache
 from kvlab.compression.compaction_sweep import save_profile, sensitivity_sweep
 from kvlab.compression.options import MethodError
 from kvlab.compression.request import Request
