@@ -7,6 +7,7 @@ batched, never padded to the largest budget. ``opts`` is Attention Matching's op
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from kvlab.compression.options import Options
@@ -96,7 +97,8 @@ def buckets(heads: list[BlockJob], max_heads: int) -> list[list[int]]:
         return j.keys.shape[1] if j.bias is None else int(torch.isfinite(j.bias).sum())
 
     whole = [i for i, j in enumerate(heads) if int(j.budgets[0]) >= valid(j)]
-    rest = sorted((i for i in range(len(heads)) if i not in set(whole)), key=lambda i: int(heads[i].budgets[0]))
+    kept_whole = set(whole)
+    rest = sorted((i for i in range(len(heads)) if i not in kept_whole), key=lambda i: int(heads[i].budgets[0]))
     out: list[list[int]] = [whole] if whole else []
     for i in rest:
         t = max(1, int(heads[i].budgets[0]))
