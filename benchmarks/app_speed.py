@@ -40,7 +40,14 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchmarks.browser import (  # noqa: E402
-    browser_cpu_s, chromium_page, mark_outputs, pick_method, serve_app, since_click, time_breakdown, wait_for_answers,
+    browser_cpu_s,
+    chromium_page,
+    mark_outputs,
+    pick_method,
+    serve_app,
+    since_click,
+    time_breakdown,
+    wait_for_answers,
     wait_for_run,
 )
 

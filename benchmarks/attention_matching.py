@@ -23,11 +23,19 @@ import time
 
 import torch
 
-from benchmarks.common import Measured, first_tokens, full_first_nll, full_logppl, measure, quality_setting, quality_story
+from benchmarks.common import (
+    Measured,
+    first_tokens,
+    full_first_nll,
+    full_logppl,
+    measure,
+    quality_setting,
+    quality_story,
+)
+from kvlab.bounded.online import bounded_logprobs, window_compactor
 from kvlab.context import prepare_context
 from kvlab.methods import get_method
 from kvlab.models import get_model
-from kvlab.bounded.online import bounded_logprobs, window_compactor
 from kvlab.prompts import question_tokens
 from kvlab.queries import repeat_queries
 from kvlab.runtime.decode import continuation_logprobs, greedy

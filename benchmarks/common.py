@@ -15,10 +15,10 @@ import torch
 from kvlab.context import Context, prepare_context
 from kvlab.methods import Method, Request
 from kvlab.metrics import head_errors, log_perplexity
-from kvlab.models import LoadedModel
 from kvlab.pipeline import Evaluation, evaluation
 from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.decode import continuation_logprobs
+from kvlab.runtime.model import LoadedModel
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

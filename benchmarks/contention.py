@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         torch.set_num_threads(threads)
     base = statistics.median(times[(duties[0], counts[0])])
-    print(f"\n| competitor (one core's share) | " + " | ".join(f"{n} thread{'s' if n > 1 else ''}" for n in counts) + " |")
+    print("\n| competitor (one core's share) | " + " | ".join(f"{n} thread{'s' if n > 1 else ''}" for n in counts) + " |")
     print("|---|" + "---|" * len(counts))
     for duty in duties:
         cells = [f"{statistics.median(times[(duty, n)]):.2f} s ({statistics.median(times[(duty, n)]) / base:.2f}x)"

@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from kvlab.tasks.copying import codes_for_tokens, copy_prompt, make_codes
 from kvlab.lab.generate import generate, generation_record
+from kvlab.tasks.copying import codes_for_tokens, copy_prompt, make_codes
 
 
 def screenshot(path: str, new_tokens: int, budget: int | None) -> None:

@@ -43,10 +43,10 @@ import torch
 from transformers import PreTrainedModel
 
 from kvlab.compression.solvers.scores import score_keys
-from kvlab.kernels import dispatch as kernels
 from kvlab.kernels import bench, reference
+from kvlab.kernels import dispatch as kernels
 from kvlab.methods import REGISTRY
-from kvlab.models import LoadedModel, pick_device
+from kvlab.models import pick_device
 from kvlab.runtime.decode import GrowingLayer, _working_cache
 from kvlab.runtime.hooks import ForwardContext
 from kvlab.runtime.quant import quantize_keys, quantize_values

@@ -159,7 +159,6 @@ def run_kvlab(ratios: list[float], methods: list[str], doc: Path) -> dict:
     from kvlab.context import prepare_context
     from kvlab.methods import Request, get_method
     from kvlab.models import get_model
-
     from kvlab.prompts import question_tokens
 
     lm = get_model()
@@ -272,9 +271,8 @@ def protect_prefix(press_cls, prefix_len: int):
 
 
 def run_kvpress(ratios: list[float], methods: list[str], doc: Path) -> dict:
-    import torch
-
     import kvpress
+    import torch
     from kvpress.presses import kvzip_press
 
     model, tokenizer = load_gguf()
@@ -403,7 +401,6 @@ def compactor_family(kvpress, method: str, cr: float, prefix: int, mode: str, mo
     import math
 
     import torch
-
     from kvpress.presses.leverage_press import LeverageScorePress
     from kvpress.presses.non_causal_attention_press import NonCausalAttnPress
 
@@ -446,7 +443,6 @@ def run_finch(model, ids, question, prefix: int, budget: int, mode: str) -> list
     vocabulary stays as it is; rerotate_keys=False so that kept keys match the full cache's); the
     positions kept in the context, the window's own left out (kvlab never stores the question)."""
     import torch
-
     from kvpress import FinchPress
 
     full_ids = torch.cat([ids, question])

@@ -42,8 +42,7 @@ import torch
 
 from kvlab import pipeline
 from kvlab.context import Context, prepare_context
-from kvlab.methods import REGISTRY, get_method
-from kvlab.methods import Request
+from kvlab.methods import REGISTRY, Request, get_method
 from kvlab.testing.random_models import synthetic_lm
 
 T = TypeVar("T")

@@ -79,11 +79,11 @@ def needle_span(document: str, value: str) -> str:
 def trace(args: argparse.Namespace) -> dict:
     """The ``--item`` mode's trace, as plain data (NeedleTrace.to_dict plus the item's identity).
     ValueError (TaskError, MethodError) for a task, method, knob value or item that does not exist."""
+    from kvlab.bench_command import method_specs
     from kvlab.context import prepare_context
     from kvlab.lab.fates import trace_needle
     from kvlab.methods import Request
     from kvlab.models import get_model
-    from kvlab.tasks.cli import method_specs
     from kvlab.tasks.registry import build_items
     from kvlab.tasks.runner import item_prompt_ids
 

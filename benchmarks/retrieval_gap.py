@@ -52,10 +52,11 @@ from kvlab.lab.explore import token_texts
 from kvlab.lab.fates import pieces_spelling
 from kvlab.methods import Request
 from kvlab.metrics import head_errors, question_attention
-from kvlab.models import LoadedModel, get_model
+from kvlab.models import get_model
 from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.decode import greedy
 from kvlab.runtime.hooks import QueryCapture
+from kvlab.runtime.model import LoadedModel
 from kvlab.tasks.items import TaskItem
 from kvlab.tasks.registry import build_items
 from kvlab.tasks.runner import MethodSpec, answer_item, item_prompt_ids

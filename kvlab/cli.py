@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("sheet", help="a file of Explore links or METHOD RATIO EXAMPLE [QUESTION] lines (docs/workshop.md)")
     warm.add_argument("--model", default=None, help="the model of lines that name none (default: the lab's default)")
     add_method_options(run)
-    from kvlab.tasks.cli import add_parser as add_bench_parser
+    from kvlab.bench_command import add_parser as add_bench_parser
 
     add_bench_parser(sub)
     return parser
@@ -245,9 +245,9 @@ def cmd_budgets(args: argparse.Namespace) -> int:
     from kvlab.contexts import CONTEXTS
     from kvlab.documents import read_document
     from kvlab.examples import load_examples
+    from kvlab.lab.budget_sweep import save_profile, sensitivity_sweep
     from kvlab.models import get_model
     from kvlab.pipeline import evaluation
-    from kvlab.compression.compaction_sweep import save_profile, sensitivity_sweep
 
     if args.ratio < 2 or args.boost <= 1:
         raise UsageError("--ratio must be >= 2 and --boost > 1")
@@ -318,12 +318,12 @@ def _print_summary(r: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     from kvlab.documents import DocumentError
     from kvlab.lab.inputs import InputError
-    from kvlab.models import ModelLoadError
+    from kvlab.runtime.model import ModelLoadError
     from kvlab.tasks.items import TaskError
 
     try:
         args = build_parser().parse_args(argv)
-        from kvlab.tasks.cli import cmd_bench
+        from kvlab.bench_command import cmd_bench
 
         commands = {
             "methods": cmd_methods, "run": cmd_run, "compare": cmd_compare, "budgets": cmd_budgets,

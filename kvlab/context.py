@@ -25,11 +25,11 @@ from typing import Callable, Hashable, TypeVar
 from kvlab import cancel, limits
 from kvlab.documents import DocumentError
 from kvlab.memo import MISSING, compute_once, held_bytes
-from kvlab.models import LoadedModel
 from kvlab.prompts import ContextTokens, context_tokens
 from kvlab.runtime.cache import FullKV
 from kvlab.runtime.decode import prefill
 from kvlab.runtime.hooks import QueryCapture
+from kvlab.runtime.model import LoadedModel
 
 T = TypeVar("T")
 Progress = Callable[[float, str], None]

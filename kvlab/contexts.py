@@ -13,7 +13,8 @@ import torch
 from kvlab import limits
 from kvlab.context import Context, Progress, no_progress, prepare_context
 from kvlab.memo import compute_once, recently_used
-from kvlab.models import LoadedModel, on_unload, pick_device
+from kvlab.models import on_unload, pick_device
+from kvlab.runtime.model import LoadedModel
 
 
 def default_budget() -> int:

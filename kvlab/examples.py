@@ -10,7 +10,6 @@ from kvlab.documents import DocumentError, read_document
 from kvlab.paths import assets_dir
 
 
-
 def default_examples_root() -> Path:
     """Return the bundled ``assets/examples`` folder (installed or in a checkout)."""
     return assets_dir() / "examples"

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.compression.wrappers.key_rerotation import rotation_tables, turn_keys
-from kvlab.models import LoadedModel
 from kvlab.runtime.attention import BlockAttention, attend, attention_weights, group_queries, output_projection
 from kvlab.runtime.cache import CompressedKV, PaddedView, select_keys
+from kvlab.runtime.model import LoadedModel
+from kvlab.runtime.rope import rotation_tables, turn_keys
 
 
 @dataclass

@@ -15,7 +15,12 @@ from kvlab.compression.interface import Method
 from kvlab.compression.request import Request
 from kvlab.context import Context, Progress, no_progress
 from kvlab.metrics import (
-    HeadErrors, head_errors, log_perplexity, output_shares, reference_attention, weighted_output_error,
+    HeadErrors,
+    head_errors,
+    log_perplexity,
+    output_shares,
+    reference_attention,
+    weighted_output_error,
 )
 from kvlab.prompts import question_tokens
 from kvlab.runtime.cache import CompressedKV

@@ -25,9 +25,12 @@ except ImportError:  # requirements-dev.txt's; the property tests skip themselve
     hypothesis_settings = None
 
 from kvlab import memo, results
-from kvlab.models import ATTENTION_NAME, LoadedModel, get_model
+from kvlab.models import get_model
+from kvlab.runtime.hooks import ATTENTION_NAME
+from kvlab.runtime.model import LoadedModel
 from kvlab.testing import random_models
 from kvlab.testing.random_models import TINY, word_tokenizer
+
 
 @pytest.fixture(autouse=True)
 def result_store(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

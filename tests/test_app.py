@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 import pickle
 import types
@@ -15,8 +14,8 @@ from gradio_client.exceptions import AppError  # noqa: E402
 from benchmarks.browser import serve_app  # noqa: E402
 from conftest import method_sections  # noqa: E402
 from kvlab import lab  # noqa: E402
-from kvlab.compression.interface import FAMILIES  # noqa: E402
 from kvlab.compression.catalog import all_knobs  # noqa: E402
+from kvlab.compression.interface import FAMILIES  # noqa: E402
 from kvlab.contexts import CONTEXTS  # noqa: E402
 from kvlab.figures.diff import DIFF_COMPRESSED, DIFF_FULL  # noqa: E402
 from kvlab.methods import REGISTRY  # noqa: E402
@@ -51,9 +50,8 @@ MISSING_MODEL = "/nonexistent/kvlab-missing-model.gguf"
 @pytest.fixture(scope="module")
 def tiny_dir(embedded, tmp_path_factory):
     """A second model for the menu: a 2-layer random Llama with the embedded model's tokenizer, saved to disk."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     folder = tmp_path_factory.mktemp("models") / "kvlab-tiny-llama"
     torch.manual_seed(0)
@@ -392,8 +390,8 @@ def test_tasks_mode_hides_needles_in_prose_when_asked(client):
 def test_tasks_mode_loads_a_bench_results_file(client, tiny, tmp_path):
     # Results written by the bench runner (tiny model, in-process) load into the same views.
     from kvlab.tasks.runner import MethodSpec, run_items
-    from kvlab.tasks.synthetic import needle_items
     from kvlab.tasks.store import ResultWriter, results_path
+    from kvlab.tasks.synthetic import needle_items
 
     items = needle_items("w3 w4 w5. w6 w7 w8. w9 w10 w11.", [0.0, 1.0])
     with ResultWriter(results_path(tmp_path)) as writer:

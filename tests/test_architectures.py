@@ -23,8 +23,15 @@ import sys
 
 import pytest
 import torch
+from test_methods import assert_meets_budget
+from test_runtime import cache_from, logits_after
 from transformers import (
-    DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM, PreTrainedModel,
+    DynamicCache,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
+    PreTrainedModel,
 )
 
 from kvlab.bounded.generate import run_policy
@@ -33,18 +40,17 @@ from kvlab.compression.scoring import received_attention
 from kvlab.context import prepare_context
 from kvlab.methods import REGISTRY, Request, get_method
 from kvlab.metrics import reference_attention
-from kvlab.models import ATTENTION_NAME, LoadedModel, ModelLoadError, check_supported, load_model, register_attention
+from kvlab.models import load_model
 from kvlab.pipeline import run
 from kvlab.runtime.attention import attention_weights, expand_kv_heads
 from kvlab.runtime.cache import CompressedKV, FullKV, keep_windows
 from kvlab.runtime.decode import extend, open_session, prefill
-from kvlab.runtime.hooks import QueryCapture
+from kvlab.runtime.hooks import QueryCapture, use_kvlab_attention
+from kvlab.runtime.model import LoadedModel, ModelLoadError, check_supported
 from kvlab.runtime.rope import rope_cos_sin, rotate, unrotate
 from kvlab.testing.device_suite import run_step, steps, suite_model
 from kvlab.testing.fake_cuda import FAKE_DEVICE, fake_cuda, to_fake_cuda
 from kvlab.testing.random_models import FAMILIES, SPECIAL_IDS, TINY, perturb_constant_init, random_model, word_tokenizer
-from test_methods import assert_meets_budget
-from test_runtime import cache_from, logits_after
 
 T = 40
 W = 16  # the windowed layouts' sliding window: shorter than T and than the document
@@ -82,8 +88,7 @@ def tiny_gpt_oss() -> LoadedModel:
         for layer in model.model.layers:
             layer.self_attn.sinks.copy_(torch.randn(config.num_attention_heads) * 2)
     check_supported(model, "tiny-gpt-oss")
-    register_attention()
-    model.set_attn_implementation(ATTENTION_NAME)
+    use_kvlab_attention(model)
     return LoadedModel("tiny-gpt-oss", model, word_tokenizer(64), torch.device("cpu"), torch.float32)
 # Longer than SnapKV's default 64-query observation window (a shorter document fails there).
 DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(72))
@@ -463,12 +468,11 @@ def test_unsupported_attention_is_refused_in_one_line(family, overrides, message
 
 
 def _gemma3_unchecked(**overrides) -> LoadedModel:
-    """A tiny Gemma 3 built by transformers alone: no kvlab.models.check_supported on the way."""
+    """A tiny Gemma 3 built by transformers alone: no kvlab.runtime.model.check_supported on the way."""
     torch.manual_seed(0)
     config = Gemma3TextConfig(**{**TINY, **copy.deepcopy(FAMILIES["gemma3"].tiny), **SPECIAL_IDS, **overrides})
     model = Gemma3ForCausalLM(config).eval()
-    register_attention()
-    model.set_attn_implementation(ATTENTION_NAME)
+    use_kvlab_attention(model)
     return LoadedModel("unchecked-gemma3", model, word_tokenizer(64), torch.device("cpu"), torch.float32)
 
 

@@ -68,11 +68,11 @@ from kvlab.compression.interface import Bf16Tolerance
 from kvlab.context import Context, prepare_context
 from kvlab.methods import REGISTRY, Request, beaconkv_mixed, get_method, kivi, summarisation, summary_am, turboquant
 from kvlab.metrics import head_errors
-from kvlab.models import LoadedModel
 from kvlab.pipeline import evaluation
 from kvlab.runtime.attention import attend, group_queries
 from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.decode import extend, open_session
+from kvlab.runtime.model import LoadedModel
 
 DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(80))  # 80 tokens: CPU bf16 matmuls are slow
 QUESTION = "w3 w5 w8"

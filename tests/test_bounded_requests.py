@@ -18,11 +18,11 @@ from hypothesis import strategies as st  # noqa: E402
 
 from kvlab import cancel, lab, limits, models  # noqa: E402
 from kvlab.context import prepare_context  # noqa: E402
-from kvlab.contexts import ContextStore
-from kvlab.memo import MISSING, compute_once
+from kvlab.contexts import ContextStore  # noqa: E402
 from kvlab.documents import DocumentError  # noqa: E402
+from kvlab.memo import MISSING, compute_once  # noqa: E402
 from kvlab.methods import MethodError  # noqa: E402
-from kvlab.models import ModelLoadError  # noqa: E402
+from kvlab.runtime.model import ModelLoadError  # noqa: E402
 
 pytestmark = pytest.mark.slow  # hypothesis drives every lab entry point on many inputs: left out of make test-fast
 

@@ -21,7 +21,12 @@ import pytest
 sync_api = pytest.importorskip("playwright.sync_api")
 
 from benchmarks.browser import (  # noqa: E402
-    chromium_page, chromium_path, mark_outputs, pick_method, serve_app, wait_for_run,
+    chromium_page,
+    chromium_path,
+    mark_outputs,
+    pick_method,
+    serve_app,
+    wait_for_run,
 )
 from kvlab import lab  # noqa: E402
 from kvlab.ui import default_method  # noqa: E402

@@ -2,14 +2,13 @@
 checked against the papers' formulas computed eagerly in float64 here, and hand-worked examples."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from conftest import with_template
 from kvlab.context import prepare_context
 from kvlab.methods import Request, get_method
-from kvlab.methods.simlayerkv import lazy_budgets, laziness
+from kvlab.methods.simlayerkv import laziness, lazy_budgets
 from kvlab.runtime.cache import DenseSegment
 from kvlab.runtime.channel_segment import ChannelSegment
 from kvlab.runtime.decode import extend, open_session

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.models import ModelLoadError, device_map, pick_device
+from kvlab.models import device_map, pick_device
+from kvlab.runtime.model import ModelLoadError
 
 
 def test_default_follows_cuda_availability(monkeypatch: pytest.MonkeyPatch) -> None:

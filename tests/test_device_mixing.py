@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.models import LoadedModel
+from kvlab.runtime.model import LoadedModel
 from kvlab.testing.device_suite import run_step, steps, suite_model
 from kvlab.testing.fake_cuda import FAKE_DEVICE, DeviceMixError, fake_cuda, is_fake, to_fake_cuda
 

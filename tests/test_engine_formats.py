@@ -6,7 +6,6 @@ SGLang's KVFP4 codes are checked against blocks of 16 numbers worked by hand.
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -16,8 +15,16 @@ from kvlab.context import prepare_context
 from kvlab.methods import MethodError, Request, get_method
 from kvlab.runtime.decode import extend, open_session
 from kvlab.runtime.engine_formats import (
-    FP8Segment, FP4Segment, e2m1_decode, e2m1_encode, fp8_decode, fp8_encode, kvfp4_decode, kvfp4_encode,
-    nvfp4_decode, nvfp4_encode,
+    FP4Segment,
+    FP8Segment,
+    e2m1_decode,
+    e2m1_encode,
+    fp8_decode,
+    fp8_encode,
+    kvfp4_decode,
+    kvfp4_encode,
+    nvfp4_decode,
+    nvfp4_encode,
 )
 
 DOC = " ".join(f"w{(i * 13) % 58 + 2}" for i in range(90))

@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
+from test_methods import templated  # noqa: F401  (a fixture: their 96-token document behind a two-token template prefix)
 from transformers import DynamicCache
 
 from kvlab.compression.catalog import knobs, method_markdown
 from kvlab.methods import MethodError, Request, get_method
-from test_methods import templated  # noqa: F401  (a fixture: their 96-token document behind a two-token template prefix)
 
 PREFIX = 2
 SELECTION_KNOBS = {"budgets", "alpha_safeguard", "granularity", "chunk_size", "critical", "first_stage_ratio", "critical_epsilon"}

@@ -16,20 +16,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_architectures import assert_keeps_the_windows
 from transformers import DynamicCache
 
 from kvlab import results
 from kvlab.context import prepare_context
 from kvlab.lab import model_choices
 from kvlab.methods import REGISTRY, get_method
-from kvlab.models import GEMMA3_270M, PACKAGED, LoadedModel, get_model, resolve_source
+from kvlab.models import GEMMA3_270M, PACKAGED, get_model, resolve_source
 from kvlab.paths import assets_dir
 from kvlab.pipeline import run
 from kvlab.prompts import context_tokens, question_tokens, repeat_tokens
 from kvlab.queries import repeat_pass
 from kvlab.runtime.decode import extend, open_session, prefill
+from kvlab.runtime.model import LoadedModel
 from kvlab.testing.random_models import random_model
-from test_architectures import assert_keeps_the_windows
 
 pytestmark = pytest.mark.slow  # the real Gemma 3 270M: left out of make test-fast
 

@@ -46,7 +46,9 @@ import torch
 
 from kvlab.compression.solvers.scores import score_keys
 from kvlab.kernels import dispatch as kernels
-from kvlab.kernels import launch, reference, triton_decode
+from kvlab.kernels import reference
+from kvlab.runtime import kernel_launch as launch
+from kvlab.runtime import triton_decode
 from kvlab.runtime.attention import causal_attention
 from kvlab.runtime.quantized import QuantSegment
 
@@ -281,7 +283,7 @@ def biased_decode_inputs():
 def test_decode_path_uses_the_kernel_when_dispatch_says_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     """A single query over a biased cache goes through the kernel exactly when the dispatch picks Triton.
 
-    The CUDA decision is faked by patching :func:`kvlab.kernels.launch.backend`; the
+    The CUDA decision is faked by patching :func:`kvlab.runtime.kernel_launch.backend`; the
     kernel then runs in the interpreter and must agree with the SDPA path.
     """
     calls = []

@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import with_template
 from test_scorers import eager_pass, rope_matrices, theta
 from transformers import DynamicCache
 
+from conftest import with_template
 from kvlab.cli import build_parser, main, method_from_args
-from kvlab.compression.wrappers.key_rerotation import rotation_tables, turn_keys
 from kvlab.context import prepare_context
 from kvlab.methods import MethodError, Request, get_method
 from kvlab.metrics import head_errors
 from kvlab.pipeline import run
 from kvlab.prompts import question_tokens
 from kvlab.runtime.decode import extend, open_session
-from kvlab.runtime.rope import rope_cos_sin
+from kvlab.runtime.rope import rope_cos_sin, rotation_tables, turn_keys
 from kvlab.testing.random_models import random_model
 
 DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(96))

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvlab import contexts as contexts_module
-from kvlab import queries as queries_module
 from kvlab import lab, models
+from kvlab import queries as queries_module
 from kvlab.cli import main
 from kvlab.context import prepare_context
 from kvlab.contexts import ContextStore

@@ -106,7 +106,6 @@ def test_a_copy_cast_to_bf16_gets_its_own_lean_view():
     import copy
 
     lm = random_model("llama", seed=11)
-    ids = ids_of(9, seed=12)
     assert lean_model(lm.model) is not None
     twin = copy.deepcopy(lm.model)
     for param in twin.parameters():

@@ -33,7 +33,7 @@ httpx = pytest.importorskip("httpx")
 from benchmarks.browser import serve_app  # noqa: E402
 from kvlab import cancel, lab, limits, models  # noqa: E402
 from kvlab.context import prepare_context  # noqa: E402
-from kvlab.contexts import CONTEXTS, ContextStore
+from kvlab.contexts import CONTEXTS, ContextStore  # noqa: E402
 from kvlab.pipeline import evaluation  # noqa: E402
 from kvlab.queries import question_queries  # noqa: E402
 from kvlab.tasks.scoring import contains_match  # noqa: E402

@@ -23,11 +23,13 @@ from transformers import AutoTokenizer
 gradio_client = pytest.importorskip("gradio_client")
 httpx = pytest.importorskip("httpx")
 
+from test_app import _run  # noqa: E402 - the app tests' /run helper (their document and question)
+
 from benchmarks.browser import free_port, serve_process  # noqa: E402
 from kvlab.documents import read_document  # noqa: E402
-from kvlab.models import EMBEDDED, ModelLoadError, resolve_source  # noqa: E402
+from kvlab.models import EMBEDDED, resolve_source  # noqa: E402
 from kvlab.prompts import context_tokens  # noqa: E402
-from test_app import _run  # noqa: E402 - the app tests' /run helper (their document and question)
+from kvlab.runtime.model import ModelLoadError  # noqa: E402
 
 pytestmark = pytest.mark.slow  # model folders loaded in subprocesses: left out of make test-fast
 

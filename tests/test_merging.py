@@ -10,14 +10,14 @@ import math
 
 import pytest
 import torch
+from test_methods import templated  # noqa: F401  (a fixture: a 96-token document behind a two-token template prefix)
 from transformers import DynamicCache
 
-from kvlab.methods import MethodError, Request, get_method
 from kvlab.compression.merging_core import kept_mask
+from kvlab.methods import MethodError, Request, get_method
 from kvlab.methods.cam import cam_merge, cam_merge_probability, cam_windows
 from kvlab.methods.merging import EPS, fold_into_targets, merge_weights, nearest_kept
 from kvlab.runtime.decode import extend, open_session
-from test_methods import templated  # noqa: F401  (a fixture: a 96-token document behind a two-token template prefix)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,16 @@ import torch
 
 # The sharpened tiny Llama, its context and its eager pass: test_scorers' own fixtures (module-scoped here too).
 from test_scorers import (  # noqa: F401 - fixtures
-    QUESTION, ctx, eager, eager_pass, group_mean, hand_pool, rope_matrices, sharp, sharp_eager, theta,
+    QUESTION,
+    ctx,
+    eager,
+    eager_pass,
+    group_mean,
+    hand_pool,
+    rope_matrices,
+    sharp,
+    sharp_eager,
+    theta,
 )
 
 from kvlab.methods import MethodError, Request, get_method

@@ -216,7 +216,7 @@ def test_unknown_haystack_or_shape_is_refused():
 def test_bench_parses_the_needle_options():
     import argparse
 
-    from kvlab.tasks.cli import add_parser
+    from kvlab.bench_command import add_parser
 
     sub = argparse.ArgumentParser().add_subparsers()
     p = add_parser(sub)

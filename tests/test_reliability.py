@@ -16,8 +16,8 @@ from conftest import tiny_llama
 from kvlab import lab, limits, models, pipeline
 from kvlab.context import prepare_context
 from kvlab.contexts import CONTEXTS, ContextStore
-from kvlab.memo import held_bytes
 from kvlab.documents import DocumentError
+from kvlab.memo import held_bytes
 from kvlab.queries import question_queries
 
 DOC = " ".join(f"w{(i * 5) % 60 + 2}" for i in range(90))

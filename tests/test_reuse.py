@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kvlab.pipeline as pipeline
 from kvlab.compression.interface import EvictionMethod
 from kvlab.context import prepare_context
 from kvlab.methods import REGISTRY, Request, get_method
-import kvlab.pipeline as pipeline
 from kvlab.pipeline import run
 from kvlab.testing.device_suite import QUICK_OPTIONS
 

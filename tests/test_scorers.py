@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import tiny_llama
 
+from conftest import tiny_llama
 from kvlab.context import prepare_context
 from kvlab.methods import Request, get_method
 from kvlab.methods.pyramidkv import pyramid_budgets

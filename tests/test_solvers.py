@@ -15,7 +15,7 @@ from kvlab.compression.solvers.compact import compact_block
 from kvlab.compression.solvers.linalg import masked_gram
 from kvlab.compression.solvers.nnls import box_nnls_gram, nnls, nnls_bias
 from kvlab.compression.solvers.omp import omp_select
-from kvlab.compression.solvers.scores import streamed_mass, mass_features, score_keys, select_highest_attn
+from kvlab.compression.solvers.scores import mass_features, score_keys, select_highest_attn, streamed_mass
 from kvlab.compression.solvers.values import fit_values
 from kvlab.runtime.attention import attend, attention_logits
 

@@ -2,15 +2,40 @@
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
+import json
+import re
 
+import pytest
+import torch
+
+from kvlab.cli import main
+from kvlab.context import prepare_context
+from kvlab.methods import Request, get_method
+from kvlab.prompts import context_tokens
+from kvlab.tasks import datasets, registry, synthetic
+from kvlab.tasks.items import TaskError, TaskItem, token_counter
+from kvlab.tasks.registry import build_items
+from kvlab.tasks.report import needle_heatmap, table_markdown
+from kvlab.tasks.runner import (
+    FLOOR,
+    FULL,
+    MethodSpec,
+    SummaryRow,
+    TaskResult,
+    answer_item,
+    item_prompt_ids,
+    run_items,
+    summarise,
+    wilson_interval,
+)
 from kvlab.tasks.scoring import (
     contains_match,
     exact_match,
     normalize_answer,
     token_f1,
 )
-
+from kvlab.tasks.store import ResultWriter, Shard, read_results
 
 # --- scoring, against hand-worked SQuAD-style cases -------------------------
 
@@ -53,25 +78,6 @@ def test_token_f1_hand_worked():
 
 
 # --- generators ---------------------------------------------------------------
-
-import dataclasses
-import json
-import re
-
-import torch
-
-from kvlab.cli import main
-from kvlab.context import prepare_context
-from kvlab.methods import Request, get_method
-from kvlab.prompts import context_tokens
-from kvlab.tasks import datasets, registry, synthetic
-from kvlab.tasks.items import TaskError, TaskItem, token_counter
-from kvlab.tasks.registry import build_items
-from kvlab.tasks.runner import (
-    FLOOR, FULL, MethodSpec, SummaryRow, TaskResult, answer_item, item_prompt_ids, run_items, summarise, wilson_interval,
-)
-from kvlab.tasks.store import ResultWriter, Shard, read_results
-from kvlab.tasks.report import needle_heatmap, table_markdown, write_report
 
 LENGTH = 150  # tokens of the tiny word-level tokenizer: one per whitespace-separated word
 

@@ -58,7 +58,8 @@ def trapezoid_lloyd_max(d: int, bits: int) -> list[float]:
     cell means by a 200-step trapezoid, stop (keeping the old centroids) when none moves by 1e-10."""
     n, s2 = 2**bits, 1.0 / d
     s = math.sqrt(s2)
-    pdf = lambda x: math.exp(-x * x / (2 * s2)) / math.sqrt(2 * math.pi * s2)
+    def pdf(x: float) -> float:
+        return math.exp(-x * x / (2 * s2)) / math.sqrt(2 * math.pi * s2)
 
     def trapz(f, a, b, steps=200):
         h = (b - a) / steps
@@ -76,8 +77,11 @@ def trapezoid_lloyd_max(d: int, bits: int) -> list[float]:
 
 def exact_lloyd_max(bits: int) -> list[float]:
     """Lloyd's iteration for N(0, 1) with the exact cell means, (phi(a) - phi(b)) / (Phi(b) - Phi(a))."""
-    phi = lambda x: math.exp(-x * x / 2) / math.sqrt(2 * math.pi) if math.isfinite(x) else 0.0
-    cdf = lambda x: 0.5 * (1 + math.erf(x / math.sqrt(2)))
+    def phi(x: float) -> float:
+        return math.exp(-x * x / 2) / math.sqrt(2 * math.pi) if math.isfinite(x) else 0.0
+
+    def cdf(x: float) -> float:
+        return 0.5 * (1 + math.erf(x / math.sqrt(2)))
     n = 2**bits
     c = [-3 + 6 * (i + 0.5) / n for i in range(n)]
     for _ in range(5000):

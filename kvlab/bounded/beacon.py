@@ -21,9 +21,9 @@ from kvlab.compression.selection import top_k_per_head
 from kvlab.context import Context
 from kvlab.methods import MethodError
 from kvlab.methods.beaconkv import BeaconOptions, document_state
-from kvlab.models import LoadedModel
 from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.decode import Generation
+from kvlab.runtime.model import LoadedModel
 from kvlab.runtime.rope import row_cos_sin
 
 #: Tokens evicted at once (the budget keeps room for them).

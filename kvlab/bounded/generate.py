@@ -16,7 +16,7 @@ Policies (one small class each; :data:`POLICIES` names them):
 
 Every policy works on its own session (kvlab.runtime.decode.open_session copies
 a stored starting cache), so stored caches are never changed. A policy bounds
-the layers a method compresses (kvlab.models.LoadedModel.compressed_layers):
+the layers a method compresses (kvlab.runtime.model.LoadedModel.compressed_layers):
 a sliding-window layer keeps its window by itself, as the model does.
 """
 from __future__ import annotations
@@ -33,10 +33,10 @@ from kvlab.compression.selection import top_k_per_head
 from kvlab.methods import MethodError
 from kvlab.methods.h2o import H2OOptions
 from kvlab.methods.streaming_llm import StreamingOptions
-from kvlab.models import LoadedModel
 from kvlab.runtime.cache import CompressedKV, gather_tokens
 from kvlab.runtime.decode import GrowingLayer, extend, greedy_loop, open_session, stop_token_ids
 from kvlab.runtime.hooks import QueryCapture
+from kvlab.runtime.model import LoadedModel
 
 #: Prompt tokens read per forward pass by :func:`run_policy` (a budget must leave room for one chunk).
 PROMPT_CHUNK = 16

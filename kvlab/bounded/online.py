@@ -18,10 +18,10 @@ from kvlab.bounded.generate import CacheEvent, CachePolicy
 from kvlab.cancel import checkpoint
 from kvlab.compression.compaction import AMOptions, compact_cache, is_window
 from kvlab.methods import MethodError
-from kvlab.models import LoadedModel
 from kvlab.runtime.cache import CompressedKV, DenseSegment, Segment, segment_from_view, select_keys, window_segment
 from kvlab.runtime.decode import Session, extend, open_session
 from kvlab.runtime.hooks import QueryCapture
+from kvlab.runtime.model import LoadedModel
 
 
 @dataclass

@@ -6,7 +6,7 @@ from kvlab.bounded.beacon import BeaconPolicy
 from kvlab.bounded.generate import CachePolicy, H2OPolicy, WindowPolicy
 from kvlab.bounded.online import OnlineAMPolicy
 from kvlab.methods import MethodError
-from kvlab.models import LoadedModel
+from kvlab.runtime.model import LoadedModel
 
 #: name -> (label, one-line summary); "unbounded" is the reference every other one is measured against.
 POLICIES: dict[str, tuple[str, str]] = {

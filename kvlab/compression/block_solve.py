@@ -25,7 +25,7 @@ class BlockJob:
     budgets: torch.Tensor  # [B]
     key_scores: torch.Tensor | None = None  # [B, T]: rank keys by these (key_selection=kvzip, kvzip_union)
     weights: torch.Tensor | None = None  # [B, n]: each query's weight in the fit (None: 1)
-    scale: float | None = None  # the layer's factor on q.k (kvlab.models.LayerGeometry.scaling; None: 1/sqrt(d))
+    scale: float | None = None  # the layer's factor on q.k (kvlab.runtime.model.LayerGeometry.scaling; None: 1/sqrt(d))
     exact_scores: torch.Tensor | None = None  # [B, T]: rank the exact keys by these (exact_keys=kvzip)
 
 

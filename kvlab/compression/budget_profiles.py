@@ -8,7 +8,7 @@ Matching and of every scoring method, :data:`BUDGET_SOURCES`):
 
 - ``uniform``: T / r keys each;
 - ``nonuniform``: the model's profile, each head's share of the total measured once by
-  ``kvlab budgets`` (a sensitivity sweep, kvlab.compression.compaction_sweep), shipped for the
+  ``kvlab budgets`` (a sensitivity sweep, kvlab.lab.budget_sweep), shipped for the
   offline models under assets/budgets/ and kept for any other model in the user's cache
   (:func:`kvlab.paths.budgets_dir`), capped to [1/``MIN_SHARE_DIV``, ``MAX_SHARE``] x uniform as
   the published profiles are;
@@ -30,8 +30,8 @@ import torch
 
 from kvlab.compression.options import MethodError
 from kvlab.compression.request import Request
-from kvlab.models import LoadedModel
 from kvlab.paths import assets_dir, budgets_dir
+from kvlab.runtime.model import LoadedModel
 
 #: The profiles shipped with kvlab (one per offline model).
 BUDGET_DIR = assets_dir() / "budgets"

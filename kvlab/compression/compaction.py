@@ -15,7 +15,13 @@ import torch
 from kvlab.cancel import checkpoint
 from kvlab.compression.block_solve import BlockJob, solve_ragged
 from kvlab.compression.budget_profiles import (
-    BUDGET_SOURCES, HeadBudgets, from_profile, global_ranking, resolve, spread, uniform,
+    BUDGET_SOURCES,
+    HeadBudgets,
+    from_profile,
+    global_ranking,
+    resolve,
+    spread,
+    uniform,
 )
 from kvlab.compression.options import MethodError, Options, knob
 from kvlab.compression.request import Request

@@ -42,7 +42,13 @@ from kvlab.compression.selection import top_k_per_head
 from kvlab.context import Context
 from kvlab.runtime.cache import CompressedKV, Segment, gather_tokens
 from kvlab.runtime.engine_formats import (
-    FP8_DTYPES, NVFP4_BLOCK, FP8Segment, fp4_token_bytes, fp8_max, fp8_token_bytes, tokens_that_fit,
+    FP8_DTYPES,
+    NVFP4_BLOCK,
+    FP8Segment,
+    fp4_token_bytes,
+    fp8_max,
+    fp8_token_bytes,
+    tokens_that_fit,
 )
 
 #: ``evict_with``'s value for KIVI's rule: the oldest document tokens go first.

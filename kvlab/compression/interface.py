@@ -18,11 +18,15 @@ from kvlab.compression.options import NoOptions
 from kvlab.compression.paper import Baseline, Paper
 from kvlab.compression.request import Request
 from kvlab.compression.selection import (
-    SelectionOptions, check_rerotation, keep_tokens, rerotate_keys, select, top_k_per_head,
+    SelectionOptions,
+    check_rerotation,
+    keep_tokens,
+    rerotate_keys,
+    select,
+    top_k_per_head,
 )
 from kvlab.context import Context
 from kvlab.runtime.cache import CompressedKV, keep_windows, token_importance
-
 
 #: The map of the field (issue #34): what a method does to the cache. docs/methods.md, the Learn tab
 #: and ``kvlab methods`` group the methods by it, in this order.

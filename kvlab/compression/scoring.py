@@ -38,7 +38,7 @@ def received_attention(
     """Attention each key receives from each query head, summed or maxed over the queries.
 
     queries: [H, n, d], keys: [H_kv, T, d] -> [H, T] (float32); scale: the
-    layer's own (kvlab.models.LayerGeometry.scaling; None: 1/sqrt(d)). With
+    layer's own (kvlab.runtime.model.LayerGeometry.scaling; None: 1/sqrt(d)). With
     ``causal`` the queries are the last n of the T keys' tokens (each sees the
     keys up to its own); the softmax of every query runs over all the keys it
     can see. Computed in blocks of query rows of at most ``block_elements``

@@ -16,10 +16,11 @@ from kvlab.compression.request import Request
 from kvlab.compression.wrappers.adakv import adakv_budgets, safeguard
 from kvlab.compression.wrappers.chunkkv import chunk_ranks
 from kvlab.compression.wrappers.criticalkv import critical_scores, projected_value_norm
-from kvlab.compression.wrappers.key_rerotation import packed_positions, rotation_tables, turn_keys
-from kvlab.models import LoadedModel
+from kvlab.compression.wrappers.key_rerotation import packed_positions
 from kvlab.runtime.attention import output_projection
 from kvlab.runtime.cache import DenseSegment, Segment, gather_tokens, template_segment
+from kvlab.runtime.model import LoadedModel
+from kvlab.runtime.rope import rotation_tables, turn_keys
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ Three kernels (see their modules for the maths and layouts):
 
 * :func:`decode_attention`: a few new queries over a compacted cache (one
   float32 bias per key, ragged heads as -inf padding, then the recent
-  tokens), GQA, split along the keys with a log-sum-exp merge;
+  tokens), GQA, split along the keys with a log-sum-exp merge (its Triton code,
+  :mod:`kvlab.runtime.triton_decode`, and launch, :mod:`kvlab.runtime.kernel_launch`, are the
+  runtime's: the model's forward pass launches it; this package sits above the runtime);
 * :func:`mixed_attention`: KIVI-packed 2/4/8-bit keys and values
   (:class:`~kvlab.runtime.quant.PackedTensor`), dequantised in registers,
   followed by full-precision tokens;

@@ -1,17 +1,15 @@
 """The three kernels' dispatch: the Triton kernel on CUDA tensors, the torch reference elsewhere.
 
-See :mod:`kvlab.kernels` for the kernels and ``KVLAB_KERNELS``. This is a
-module of its own, not the package's ``__init__``: the runtime imports
-:mod:`kvlab.kernels.launch`, which runs the package's ``__init__``, and the
-references import the runtime's attention, so dispatch code there would close
-an import circle.
+See :mod:`kvlab.kernels` for the kernels and ``KVLAB_KERNELS``. The backend choice and the decode
+kernel's launch are the runtime's (:mod:`kvlab.runtime.kernel_launch`: its forward pass launches
+that kernel); this package sits above the runtime, whose attention maths its references are built on.
 """
 from __future__ import annotations
 
 import torch
 
-from kvlab.kernels import launch
-from kvlab.kernels.launch import BACKENDS, Backend, KernelAttention, backend, check_heads, decode_inputs, unit_stride
+from kvlab.runtime import kernel_launch as launch
+from kvlab.runtime.kernel_launch import KernelAttention, backend, check_heads, decode_inputs, unit_stride
 from kvlab.runtime.quant import PackedTensor
 
 

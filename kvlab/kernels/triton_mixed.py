@@ -29,11 +29,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlab.kernels.triton_decode import (
-    BLOCK_N, block_m, choose_splits, dot_precision, launch_splits, merge_splits, new_partials,
-    online_softmax_step, store_partial,
-)
 from kvlab.runtime.quant import PackedTensor
+from kvlab.runtime.triton_decode import (
+    BLOCK_N,
+    block_m,
+    choose_splits,
+    dot_precision,
+    launch_splits,
+    merge_splits,
+    new_partials,
+    online_softmax_step,
+    store_partial,
+)
 
 
 @triton.jit

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlab.kernels.triton_decode import dot_precision
+from kvlab.runtime.triton_decode import dot_precision
 
 BLOCK_Q = 32
 BLOCK_K = 64

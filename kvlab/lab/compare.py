@@ -6,17 +6,21 @@ import time
 import typing
 from dataclasses import dataclass, field
 
-from kvlab import cancel
+from kvlab import cancel, limits
+from kvlab import models as models_module
 from kvlab.compression.budget_profiles import BUDGET_AXIS, axis_knob
 from kvlab.compression.options import option_types
 from kvlab.context import Progress, no_progress
 from kvlab.lab.explore import prepared_context, sub_progress
-from kvlab import limits
 from kvlab.lab.inputs import (
-    InputError, check_answer_length, check_question, check_question_tokens, check_sweep, document_text,
+    InputError,
+    check_answer_length,
+    check_question,
+    check_question_tokens,
+    check_sweep,
+    document_text,
 )
 from kvlab.methods import Method, MethodError, get_method
-from kvlab import models as models_module
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS, RunResult, run
 
 log = logging.getLogger("kvlab.lab")

@@ -5,16 +5,21 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvlab import models
 from kvlab.context import Context, Progress, no_progress
 from kvlab.contexts import CONTEXTS
 from kvlab.lab.inputs import (
-    check_answer_length, check_question, check_question_tokens, check_ratio, document_text, expected_answer,
+    check_answer_length,
+    check_question,
+    check_question_tokens,
+    check_ratio,
+    document_text,
+    expected_answer,
 )
 from kvlab.methods import Method, get_method
-from kvlab import models
-from kvlab.models import LoadedModel
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS, Run, has_evaluation, run
 from kvlab.results import RunKey, code_identity, model_identity, options_text, text_digest
+from kvlab.runtime.model import LoadedModel
 from kvlab.tasks.scoring import contains_match
 
 

@@ -11,11 +11,11 @@ from kvlab.context import Context
 from kvlab.figures import EVICTED
 from kvlab.lab.explore import Explored, token_texts
 from kvlab.metrics import percentile_levels, question_attention, scored_view
-from kvlab.models import LoadedModel
 from kvlab.runtime.attention import attention_weights, group_queries
 from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.decode import greedy, greedy_from_draft
 from kvlab.runtime.hooks import QueryCapture
+from kvlab.runtime.model import LoadedModel
 
 
 def level_bytes(per_layer: list[torch.Tensor]) -> list[list[bytes]]:

@@ -16,14 +16,20 @@ import torch
 from kvlab import cancel, limits, messages, models
 from kvlab.bounded.generate import PROMPT_CHUNK, BoundedRun, run_policy
 from kvlab.bounded.policies import BOUNDED, POLICIES, make_policy
-from kvlab.tasks.copying import CopyScore, codes_in_prompt, score_copy
 from kvlab.context import Progress, no_progress
 from kvlab.lab.explore import token_texts
 from kvlab.lab.inputs import (
-    InputError, check_new_tokens, check_prompt, check_question, check_question_tokens, check_window, document_text,
+    InputError,
+    check_new_tokens,
+    check_prompt,
+    check_question,
+    check_question_tokens,
+    check_window,
+    document_text,
     whole_number,
 )
 from kvlab.prompts import Template, context_tokens, encode, question_tokens
+from kvlab.tasks.copying import CopyScore, codes_in_prompt, score_copy
 
 #: The most tokens one request may write (``KVLAB_MAX_GENERATE_TOKENS``, read at import: the slider's end).
 MAX_GENERATE_TOKENS = limits.LIMITS.generate_tokens

@@ -127,7 +127,7 @@ def check_prompt(prompt: str) -> str:
 def check_window(lm: typing.Any, prompt_tokens: int, max_new_tokens: int) -> None:
     """InputError, before any work, when a prompt and the tokens to write exceed the model's window.
 
-    lm: a kvlab.models.LoadedModel (its name and ``max_context``).
+    lm: a kvlab.runtime.model.LoadedModel (its name and ``max_context``).
     """
     window = lm.max_context
     if prompt_tokens + max_new_tokens > window:

@@ -12,12 +12,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvlab import models
 from kvlab.context import Progress, no_progress
 from kvlab.lab.explore import prepared_context, sub_progress
 from kvlab.lab.inputs import InputError, check_answer_length, check_question, check_question_tokens, document_text
 from kvlab.methods import get_method
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS, evaluation, has_evaluation
-from kvlab import models
 
 
 @dataclass

@@ -17,7 +17,7 @@ from kvlab import cancel, messages, models
 from kvlab.context import Progress, no_progress
 from kvlab.lab.explore import sub_progress
 from kvlab.lab.inputs import InputError, check_count, check_sweep, document_text
-from kvlab.models import LoadedModel
+from kvlab.runtime.model import LoadedModel
 from kvlab.tasks.items import TaskError, TaskItem
 from kvlab.tasks.registry import TASKS, build_items
 from kvlab.tasks.runner import MethodSpec, Plan, SummaryRow, TaskResult, run_items, summarise

@@ -20,8 +20,17 @@ from typing import Any
 import torch
 
 from kvlab.compression.compaction import (
-    AMOptions, LayerFit, QuerySourced, am_budgets, compact_cache, compact_layer, fitted_cache, is_window,
-    reference_queries, source_tokens, window_fit,
+    AMOptions,
+    LayerFit,
+    QuerySourced,
+    am_budgets,
+    compact_cache,
+    compact_layer,
+    fitted_cache,
+    is_window,
+    reference_queries,
+    source_tokens,
+    window_fit,
 )
 from kvlab.compression.interface import Method
 from kvlab.compression.paper import Paper

@@ -27,9 +27,9 @@ from typing import Literal
 
 import torch
 
+from kvlab.compression.merging_core import MergingMethod, kept_mask
 from kvlab.compression.options import knob
 from kvlab.compression.paper import Paper
-from kvlab.compression.merging_core import MergingMethod, kept_mask
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.compression.selection import SelectionOptions

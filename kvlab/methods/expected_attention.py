@@ -30,8 +30,8 @@ from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.compression.scoring import pool_group, protect
 from kvlab.compression.selection import SelectionOptions
-from kvlab.models import LoadedModel
 from kvlab.runtime.attention import attention_weights, expand_kv_heads
+from kvlab.runtime.model import LoadedModel
 from kvlab.runtime.rope import rope_cos_sin, unrotate
 
 

@@ -25,10 +25,10 @@ from kvlab.compression.options import MethodError, Options, knob
 from kvlab.compression.paper import Baseline
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
-from kvlab.models import LoadedModel
 from kvlab.prompts import question_tokens
 from kvlab.runtime.cache import CompressedKV, DenseSegment, FullKV, template_segment
 from kvlab.runtime.decode import extend, open_session, prefill, stop_token_ids
+from kvlab.runtime.model import LoadedModel
 
 SUMMARY_PROMPT = "Summarise the text above in about {words} words. Keep the names, numbers and dates."
 

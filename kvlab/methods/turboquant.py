@@ -67,7 +67,7 @@ from kvlab.runtime.cache import (
     Segment,
     pack_heads,
 )
-from kvlab.runtime.engine_formats import padded_view, fp8_decode, fp8_encode
+from kvlab.runtime.engine_formats import fp8_decode, fp8_encode, padded_view
 
 #: vLLM's ``--kv-cache-dtype`` values (``TQ_PRESETS``) -> this method's options.
 TQ_PRESETS: dict[str, dict] = {

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvlab.runtime import kernel_launch as launch
+
 
 def attention_logits(
     q: torch.Tensor,
@@ -258,9 +260,6 @@ def _decode_step(
     rather than through a [H, 1, kv] float mask built per layer (a fitted
     bias keeps 8 bits in a bf16 mask).
     """
-    # Only the backend choice and the Triton launch: kvlab.kernels' torch references are built on this module.
-    from kvlab.kernels import launch
-
     if key_bias is not None and launch.backend(q) == "triton":
         return launch.launch_decode_attention(q, k, v, key_bias, scale).output
     batch, n_heads, n_kv, d = q.shape[0], q.shape[1], k.shape[1], q.shape[-1]

@@ -240,7 +240,7 @@ class CompressedKV:
     JSON details are built from.
 
     scales: per layer, the model's factor on q.k for this cache's keys
-    (kvlab.models.LayerGeometry.scaling), carried by the keep-all cache
+    (kvlab.runtime.model.LayerGeometry.scaling), carried by the keep-all cache
     (:attr:`FullKV.stored`) for what measures or fits against it (the
     metrics, Attention Matching); None: 1/sqrt(d).
     """

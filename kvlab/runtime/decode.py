@@ -17,12 +17,12 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvlab.cancel import checkpoint, leave_slot
-from kvlab.models import LoadedModel
 from kvlab.prompts import answer_end_ids
+from kvlab.runtime.batching import batcher
 from kvlab.runtime.cache import CompressedKV, FullKV
 from kvlab.runtime.hooks import ForwardContext, QueryCapture
-from kvlab.runtime.batching import batcher
 from kvlab.runtime.lean import LeanItem, lean_forward, lean_model
+from kvlab.runtime.model import LoadedModel
 
 
 class GrowingLayer(DynamicLayer):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 
 from kvlab.runtime.attention import causal_attention
 
@@ -78,7 +78,7 @@ def kvlab_attention(
     the window the layer passes (None on full layers): kvlab's mask applies
     it, and so are GPT-OSS's learned attention sinks (``s_aux``, one logit
     per head). ``attention_mask`` and ``softcap`` are not used: a model that
-    caps its logits is refused at load time (kvlab.models.check_supported).
+    caps its logits is refused at load time (kvlab.runtime.model.check_supported).
     """
     ctx: ForwardContext | None = kwargs.get("kvlab")
     layer = module.layer_idx
@@ -95,3 +95,9 @@ def kvlab_attention(
 def register_attention() -> None:
     """Make ``model.set_attn_implementation("kvlab")`` available (idempotent)."""
     AttentionInterface.register(ATTENTION_NAME, kvlab_attention)
+
+
+def use_kvlab_attention(model: PreTrainedModel) -> None:
+    """Switch ``model``'s attention to kvlab's function (registered first; idempotent)."""
+    register_attention()
+    model.set_attn_implementation(ATTENTION_NAME)

@@ -17,7 +17,7 @@ compare the two paths) and no weight is held twice.
 
 Supported: the families whose decoder layer is Llama's (Llama, Mistral,
 Qwen2 with its q/k/v biases, SmolLM), sliding windows included (each
-layer's own, kvlab.models.layer_geometry). Anything else (q/k norms, Gemma's
+layer's own, kvlab.runtime.model.layer_geometry). Anything else (q/k norms, Gemma's
 scaled norms and embeddings, other activations, weights spread over devices)
 gets ``None`` from :func:`lean_model` and runs through transformers.
 """
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvlab.models import layer_geometry
 from kvlab.runtime.attention import causal_attention
+from kvlab.runtime.model import layer_geometry
 from kvlab.runtime.rope import rotate
 
 #: The model types whose decoder layers are Llama's, parameter for parameter.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.models import LoadedModel, ModelLoadError
+from kvlab.runtime.model import LoadedModel, ModelLoadError
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -79,3 +79,25 @@ def row_cos_sin(lm: LoadedModel, positions: torch.Tensor) -> tuple[torch.Tensor,
     cos = torch.stack([tables[g.rope_type][0] for g in lm.geometry]).repeat_interleave(lm.n_heads, dim=0)
     sin = torch.stack([tables[g.rope_type][1] for g in lm.geometry]).repeat_interleave(lm.n_heads, dim=0)
     return cos, sin
+
+
+def rotation_tables(lm: LoadedModel, layer: int, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [n, d] float32 that turn a post-RoPE key by ``delta`` [n] positions in ``layer``'s RoPE.
+
+    RoPE rotates by an angle proportional to the position, so a key at p is
+    moved to p + delta by the rotation of position delta. The model's tables
+    carry its attention scaling s (YaRN's factor: cos^2 + sin^2 = s^2); it is
+    divided out, so the key is turned, not scaled again. Tables are made once
+    per distinct delta.
+    """
+    steps, where = torch.unique(delta, return_inverse=True)
+    cos, sin = rope_cos_sin(lm, steps, layer)
+    scale = torch.sqrt(cos * cos + sin * sin)
+    where = where.to(cos.device)
+    return (cos / scale)[where], (sin / scale)[where]
+
+
+def turn_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """keys [..., n, d] turned by :func:`rotation_tables`' cos, sin [n, d] (or broadcastable), in
+    float32, returned in the keys' dtype."""
+    return rotate(keys.float(), cos, sin).to(keys.dtype)

@@ -8,6 +8,7 @@
 - :mod:`kvlab.tasks.registry`: every task by name, ``build_items``;
 - :mod:`kvlab.tasks.runner`: ``run_items`` (one prefill per document) and ``summarise``;
 - :mod:`kvlab.tasks.store`: JSONL results that resume and merge across shards;
-- :mod:`kvlab.tasks.report`: CSV, plotly figures and the HTML report;
-- :mod:`kvlab.tasks.cli`: ``python -m kvlab bench``.
+- :mod:`kvlab.tasks.report`: CSV, plotly figures and the HTML report.
+
+The command that drives them, ``python -m kvlab bench``, is a front end: :mod:`kvlab.bench_command`.
 """

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvlab import messages
-from kvlab.models import LoadedModel
+from kvlab.runtime.model import LoadedModel
 from kvlab.tasks import datasets, synthetic
 from kvlab.tasks.copying import copy_codes
 from kvlab.tasks.items import TaskError, TaskItem, token_counter

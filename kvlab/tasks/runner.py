@@ -17,11 +17,11 @@ import torch
 
 from kvlab.context import Context, Progress, no_progress, prepare_context
 from kvlab.methods import Method, get_method
-from kvlab.models import LoadedModel
 from kvlab.pipeline import compressed
 from kvlab.prompts import encode, question_tokens
 from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.decode import continuation_logprobs, greedy
+from kvlab.runtime.model import LoadedModel
 from kvlab.tasks.items import TaskItem
 from kvlab.tasks.scoring import contains_match, exact_match, normalize_answer, token_f1
 

@@ -31,7 +31,7 @@ from kvlab import models
 from kvlab.compression.selection import SELECTION_PRESETS
 from kvlab.contexts import CONTEXTS
 from kvlab.methods import REGISTRY, get_method
-from kvlab.models import LoadedModel
+from kvlab.runtime.model import LoadedModel
 from kvlab.testing.random_models import byte_tokenizer, synthetic_lm
 
 #: Tiny Llama geometry: GQA 2:1, 2 layers, head dim 16; the vocabulary covers the byte tokenizer.

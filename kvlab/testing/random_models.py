@@ -36,7 +36,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from kvlab.models import ATTENTION_NAME, LoadedModel, check_supported, register_attention
+from kvlab.runtime.hooks import use_kvlab_attention
+from kvlab.runtime.model import LoadedModel, check_supported
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ def random_weights(
     perturb: bool = True,
 ) -> PreTrainedModel:
     """A ``family`` model of ``config`` (its config class's fields) with random weights on ``device``,
-    kvlab's attention switched on; kvlab.models.ModelLoadError, naming ``name``, if kvlab does not support it.
+    kvlab's attention switched on; kvlab.runtime.model.ModelLoadError, naming ``name``, if kvlab does not support it.
     perturb: :func:`perturb_constant_init` (off: transformers' own initialisation, biases 0 and norms 1)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; choose from: {', '.join(FAMILIES)}")
@@ -161,8 +162,7 @@ def random_weights(
         if perturb:
             perturb_constant_init(model)
     check_supported(model, name or f"random {family}")
-    register_attention()
-    model.set_attn_implementation(ATTENTION_NAME)
+    use_kvlab_attention(model)
     return model.eval()
 
 

@@ -28,12 +28,12 @@ from kvlab.compression.catalog import all_knobs, query_awareness
 from kvlab.documents import DocumentError
 from kvlab.examples import Example
 from kvlab.lab import examples as bundled_examples
-from kvlab.lab import model_choices, prepare_document
-from kvlab.lab import links
+from kvlab.lab import links, model_choices, prepare_document
 from kvlab.lab.inputs import MAX_RATIO, MIN_RATIO
 from kvlab.lab.warm import SheetError, WarmItem, read_sheet, warm
 from kvlab.methods import REGISTRY
-from kvlab.models import EMBEDDED, EMBEDDED_PACKAGE, LoadedModel, ModelLoadError, get_model
+from kvlab.models import EMBEDDED, EMBEDDED_PACKAGE, get_model
+from kvlab.runtime.model import LoadedModel, ModelLoadError
 from kvlab.ui import common
 from kvlab.ui.common import CSS, CompareInputs, DocumentInputs, GenerateInputs
 from kvlab.ui.compare import SWEEP_RATIOS, build_compare_tab

@@ -35,7 +35,7 @@ from kvlab import cancel, limits, results
 from kvlab.documents import DocumentError, read_document
 from kvlab.lab import InputError
 from kvlab.methods import MethodError
-from kvlab.models import ModelLoadError
+from kvlab.runtime.model import ModelLoadError
 
 try:  # ZeroGPU (Hugging Face Spaces): optional, never required
     import spaces  # type: ignore[import-not-found]

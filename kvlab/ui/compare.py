@@ -19,7 +19,7 @@ import gradio as gr
 from kvlab.compression.budget_profiles import BUDGET_AXIS
 from kvlab.compression.catalog import aware_tag
 from kvlab.lab import load_results, parse_ratios, run_tasks, write_exports
-from kvlab.lab.inputs import MIN_RATIO, MAX_RATIO
+from kvlab.lab.inputs import MAX_RATIO, MIN_RATIO
 from kvlab.lab.tasks import MAX_LIVE_ITEMS, MAX_LIVE_LENGTH, MIN_LENGTH
 from kvlab.methods import REGISTRY
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
@@ -27,7 +27,16 @@ from kvlab.tasks.datasets import data_dir
 from kvlab.tasks.registry import TASKS
 from kvlab.tasks.synthetic import books_dir
 from kvlab.ui import common
-from kvlab.ui.common import GPU_MAX_S, USER_ERRORS, CompareInputs, DocumentInputs, as_gr_error, checked_model, guarded, on_gpu
+from kvlab.ui.common import (
+    GPU_MAX_S,
+    USER_ERRORS,
+    CompareInputs,
+    DocumentInputs,
+    as_gr_error,
+    checked_model,
+    guarded,
+    on_gpu,
+)
 from kvlab.ui.present import COMPARE_COLUMNS, compare_rows, sweep_status, sweep_view
 from kvlab.ui.tasks import build_task_outputs, show
 

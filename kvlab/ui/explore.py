@@ -33,14 +33,20 @@ from kvlab.lab import InputError, Prepared, needle_test, parse_ratios, prepare_d
 from kvlab.lab.explore import explore_key
 from kvlab.lab.tasks import MAX_DEPTHS
 from kvlab.lab.views import with_served_note
-from kvlab.methods import REGISTRY
-from kvlab.methods import method_class
+from kvlab.methods import REGISTRY, method_class
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
 from kvlab.ui import common
 from kvlab.ui.common import GPU_MAX_S, USER_ERRORS, DocumentInputs, as_gr_error, checked_model, guarded, on_gpu, served
 from kvlab.ui.knobs import knob_component
 from kvlab.ui.present import (
-    INTENSITIES, INTENSITY_DEFAULT, TokenFates, drawn_for, is_drawn, run_view, token_view, token_view_for,
+    INTENSITIES,
+    INTENSITY_DEFAULT,
+    TokenFates,
+    drawn_for,
+    is_drawn,
+    run_view,
+    token_view,
+    token_view_for,
 )
 from kvlab.ui.tasks import build_task_outputs, show
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import gradio as gr
 
 from kvlab.bounded.policies import BOUNDED, POLICIES
-from kvlab.tasks.copying import copy_prompt, make_codes
 from kvlab.figures.generation import beacon_figure, cache_size_figure, logprob_figure, texts_html
 from kvlab.figures.plots import human_bytes
 from kvlab.lab.generate import DEFAULT_GENERATE_TOKENS, MAX_GENERATE_TOKENS, Generated, generate
+from kvlab.tasks.copying import copy_prompt, make_codes
 from kvlab.ui import common
 from kvlab.ui.common import DocumentInputs, GenerateInputs, checked_model, guarded
 

@@ -18,10 +18,9 @@ from gradio.components.plot import PlotData
 from kvlab import figures
 from kvlab.compression.budget_profiles import budgets_text
 from kvlab.context import Progress, no_progress
-from kvlab.memo import compute_once, recently_used
 from kvlab.lab import Sweep, TokenFates, compare, explore, sweep_label
 from kvlab.lab.views import RunView, present
-from kvlab.pipeline import RunResult
+from kvlab.memo import compute_once, recently_used
 from kvlab.ui.common import GPU_MAX_S, GPU_RUN_S, GPU_SWEEP_BASE_S, GPU_SWEEP_POINT_S, on_gpu
 
 #: What shades the token view: (label, value); the value names an entry of TokenFates.levels.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from kvlab.lab import TaskRun
-from kvlab.tasks.report import accuracy_figure, run_label, needle_heatmap
+from kvlab.tasks.report import accuracy_figure, needle_heatmap, run_label
 
 TABLE_COLUMNS = ["task", "method", "ratio", "items", "accuracy", "agreement with full", "note"]
 

@@ -19,7 +19,6 @@ from contextvars import ContextVar
 
 import torch
 
-
 # Cholesky retries multiply the ridge by 10 this many times (1e-6 -> 1 relative)
 # before giving up on a batch element; past that the Gram matrix holds
 # non-finite numbers and no ridge will help.

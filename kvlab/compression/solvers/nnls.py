@@ -14,8 +14,18 @@ from typing import Callable
 import torch
 
 from kvlab.compression.solvers.linalg import (
-    RIDGE_FLOOR, active_block, factor_solve, gram_matrix, masked_design, masked_gram, ridge_factor, ridge_lstsq, ridge_lstsq_dual,
+    RIDGE_FLOOR,
+    active_block,
+    factor_solve,
+    gram_matrix,
+    masked_design,
+    masked_gram,
+    ridge_factor,
+    ridge_lstsq,
+    ridge_lstsq_dual,
 )
+
+
 def _top_eig(gram: torch.Tensor, active: torch.Tensor, steps: int = 10) -> torch.Tensor:
     """Largest eigenvalue of PSD ``gram`` [B, m, m] by power iteration: [B].
 

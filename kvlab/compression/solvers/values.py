@@ -8,7 +8,6 @@ dim, ``dv`` value dim.
 """
 from __future__ import annotations
 
-
 import torch
 
 from kvlab.compression.solvers.linalg import REFINE_STEPS, ridge_lstsq, ridge_lstsq_dual

@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.models import LoadedModel
-from kvlab.runtime.rope import rope_cos_sin, rotate
-
 
 def packed_positions(lengths: list[torch.Tensor], total: int) -> list[torch.Tensor]:
     """New positions of one layer's keys, stored as segments packed per head (head-major).
@@ -41,25 +38,3 @@ def packed_positions(lengths: list[torch.Tensor], total: int) -> list[torch.Tens
         out.append(total - counts[heads] + before[heads] + within)
         before = before + seg_lengths
     return out
-
-
-def rotation_tables(lm: LoadedModel, layer: int, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [n, d] float32 that turn a post-RoPE key by ``delta`` [n] positions in ``layer``'s RoPE.
-
-    RoPE rotates by an angle proportional to the position, so a key at p is
-    moved to p + delta by the rotation of position delta. The model's tables
-    carry its attention scaling s (YaRN's factor: cos^2 + sin^2 = s^2); it is
-    divided out, so the key is turned, not scaled again. Tables are made once
-    per distinct delta.
-    """
-    steps, where = torch.unique(delta, return_inverse=True)
-    cos, sin = rope_cos_sin(lm, steps, layer)
-    scale = torch.sqrt(cos * cos + sin * sin)
-    where = where.to(cos.device)
-    return (cos / scale)[where], (sin / scale)[where]
-
-
-def turn_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """keys [..., n, d] turned by :func:`rotation_tables`' cos, sin [n, d] (or broadcastable), in
-    float32, returned in the keys' dtype."""
-    return rotate(keys.float(), cos, sin).to(keys.dtype)

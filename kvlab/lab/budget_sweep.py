@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch

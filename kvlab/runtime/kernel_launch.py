@@ -1,12 +1,10 @@
 """Choosing a backend, and launching the decode kernel: what the dispatch and the model's forward pass share.
 
-:mod:`kvlab.kernels` dispatches each kernel to Triton or to its torch
-reference; the references are built on :mod:`kvlab.runtime.attention`, and
-that module's forward pass wants the Triton decode kernel on CUDA. This module
-holds what both need and imports no reference, so the forward pass can import
-it without a circle: :func:`backend` (the choice, ``KVLAB_KERNELS``) and
-:func:`launch_decode_attention` (the checked Triton launch, for callers that asked
-:func:`backend` first).
+The runtime's forward pass wants the Triton decode kernel (:mod:`kvlab.runtime.triton_decode`) on
+CUDA; :mod:`kvlab.kernels`, above the runtime, dispatches every kernel to Triton or to its torch
+reference, built on :mod:`kvlab.runtime.attention`. This module holds what both need and imports
+nothing of kvlab: :func:`backend` (the choice, ``KVLAB_KERNELS``) and :func:`launch_decode_attention`
+(the checked Triton launch, for callers that asked :func:`backend` first).
 """
 from __future__ import annotations
 
@@ -85,6 +83,6 @@ def launch_decode_attention(
 ) -> KernelAttention:
     """The Triton decode kernel, shapes as :func:`kvlab.kernels.dispatch.decode_attention`, whatever :func:`backend` says."""
     bias, scale = decode_inputs(q, k, v, bias, scale)
-    from kvlab.kernels import triton_decode as kernel  # triton is imported only when a kernel runs
+    from kvlab.runtime import triton_decode as kernel  # triton is imported only when a kernel runs
 
     return KernelAttention(*kernel.triton_decode_attention(unit_stride(q), unit_stride(k), unit_stride(v), bias, scale, causal))
