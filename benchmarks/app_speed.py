@@ -35,6 +35,7 @@ import os
 import re
 import sys
 import time
+from dataclasses import dataclass
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -97,7 +98,27 @@ def _target(method: str, label: str) -> float:
     return AM_TARGET_S if method.startswith("attention_matching") else EVICTION_TARGET_S
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclass
+class Step:
+    """One click of the benchmark: its label, and the method, ratio and question (None: unchanged) set before it."""
+
+    label: str
+    method: str
+    ratio: float
+    question: str | None = None
+
+
+@dataclass
+class Timed:
+    """One click's times from the click: to the answers, to the last figure; and its target for the answers."""
+
+    label: str
+    answers: float
+    drawn: float
+    target: float
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", default="snapkv",
                         help="comma-separated methods for the method changes, or 'all' (default: snapkv)")
@@ -109,7 +130,73 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pick-think", type=float, default=0.0,
                         help="seconds between picking a method and clicking Run (the page prepares the picked "
                              "method's document-only work meanwhile, e.g. KVzip's pass; default 0)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def _steps(method0: str, ratio0: float, changes: list[str], ratio: float, question: str) -> list[Step]:
+    """The clicks, in order (the module's docstring): ``changes`` the methods picked in turn, ``ratio`` the
+    ratio changed to, ``question`` the new question."""
+    steps = [Step(f"1. first run: {method0} at {ratio0:g}x", method0, ratio0)]
+    steps += [Step(f"2. method changed: {m} at {ratio0:g}x", m, ratio0) for m in changes if m != method0]
+    steps += [Step(f"2. method changed back: {method0} at {ratio0:g}x", method0, ratio0)]
+    steps += [Step(f"3. ratio changed: {method0} at {ratio:g}x", method0, ratio),
+              Step(f"4. same configuration again: {method0} at {ratio:g}x", method0, ratio),
+              Step(f"5. new question: {method0} at {ratio:g}x", method0, ratio, question)]
+    return steps
+
+
+def _open_example(page, url: str, example, think: float | None, timeout_s: float) -> None:
+    """Open the app, pick ``example`` and wait until it is shown, then until the page says it is prepared
+    (``think`` None) or ``think`` seconds."""
+    page.goto(url, wait_until="domcontentloaded")
+    page.locator("#kvlab-example input").click()
+    page.get_by_role("option", name=re.compile(re.escape(example.title))).click()
+    page.wait_for_function(
+        "(q) => { const el = document.querySelector('#kvlab-question textarea, #kvlab-question input');"
+        " return el && el.value === q && document.querySelector('#kvlab-text textarea').value.length > 1000; }",
+        arg=example.questions[0], timeout=30_000,
+    )
+    print(f"example: {example.title} (~{example.tokens:,} tokens); question: {example.questions[0]!r}")
+    shown_at = time.perf_counter()
+    if think is None:
+        page.wait_for_function(
+            "() => { const s = document.querySelector('#kvlab-doc-status');"
+            " return s && s.innerText.includes('Ready'); }", polling=200, timeout=timeout_s * 1000,
+        )
+    else:
+        time.sleep(think)
+    status = page.locator("#kvlab-doc-status").inner_text() if page.locator("#kvlab-doc-status").count() else ""
+    print(f"clicking Run {time.perf_counter() - shown_at:.1f} s after the story appeared; "
+          f"document status then: {status.strip() or '(none)'!r}")
+
+
+def _click_steps(page, steps: list[Step], pick_think: float, timeout_s: float) -> list[Timed]:
+    """Each step's click timed, printed as it ends; the page starts at the first step's method and ratio."""
+    results = []
+    shown_method, shown_ratio = steps[0].method, steps[0].ratio
+    for step in steps:
+        cpu_start = browser_cpu_s()
+        if step.method != shown_method:
+            pick_method(page, step.method)
+            time.sleep(pick_think)
+        if step.ratio != shown_ratio:
+            _set_ratio(page, step.ratio)
+        if step.question is not None:
+            _set_question(page, step.question)
+        shown_method, shown_ratio = step.method, step.ratio
+        answers, drawn, stages = _timed_run(page, step.method, step.ratio, timeout_s)
+        target = _target(step.method, step.label)
+        results.append(Timed(step.label, answers, drawn, target))
+        verdict = "ok" if answers <= target else "MISSED"
+        print(f"{step.label}: answers {answers:.1f} s (target <= {target:g} s: {verdict}), last figure {drawn:.1f} s; "
+              f"Chromium's CPU from the pick to the last figure {browser_cpu_s() - cpu_start:.1f} s", flush=True)
+        print("   stages (from the page's time figure): "
+              + "; ".join(f"{name}: {text}" for name, text in stages.items()), flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
 
     from kvlab import lab
     from kvlab.methods import REGISTRY
@@ -131,57 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown method(s): {', '.join(unknown)}", file=sys.stderr)
         return 2
-    steps = [(f"1. first run: {method0} at {ratio0:g}x", method0, ratio0, None)]
-    steps += [(f"2. method changed: {m} at {ratio0:g}x", m, ratio0, None) for m in changes if m != method0]
-    steps += [(f"2. method changed back: {method0} at {ratio0:g}x", method0, ratio0, None)]
-    steps += [(f"3. ratio changed: {method0} at {args.ratio:g}x", method0, args.ratio, None),
-              (f"4. same configuration again: {method0} at {args.ratio:g}x", method0, args.ratio, None),
-              (f"5. new question: {method0} at {args.ratio:g}x", method0, args.ratio, example.questions[1])]
-    results = []
+    steps = _steps(method0, ratio0, changes, args.ratio, example.questions[1])
     with serve_app(lm) as url, chromium_page() as page:
-        page.goto(url, wait_until="domcontentloaded")
-        page.locator("#kvlab-example input").click()
-        page.get_by_role("option", name=re.compile(re.escape(example.title))).click()
-        page.wait_for_function(
-            "(q) => { const el = document.querySelector('#kvlab-question textarea, #kvlab-question input');"
-            " return el && el.value === q && document.querySelector('#kvlab-text textarea').value.length > 1000; }",
-            arg=example.questions[0], timeout=30_000,
-        )
-        print(f"example: {example.title} (~{example.tokens:,} tokens); question: {example.questions[0]!r}")
-        shown_at = time.perf_counter()
-        if args.think is None:
-            page.wait_for_function(
-                "() => { const s = document.querySelector('#kvlab-doc-status');"
-                " return s && s.innerText.includes('Ready'); }", polling=200, timeout=args.timeout * 1000,
-            )
-        else:
-            time.sleep(args.think)
-        status = page.locator("#kvlab-doc-status").inner_text() if page.locator("#kvlab-doc-status").count() else ""
-        print(f"clicking Run {time.perf_counter() - shown_at:.1f} s after the story appeared; "
-              f"document status then: {status.strip() or '(none)'!r}")
-        shown_method, shown_ratio = method0, ratio0
-        for label, method, ratio, question in steps:
-            cpu_start = browser_cpu_s()
-            if method != shown_method:
-                pick_method(page, method)
-                time.sleep(args.pick_think)
-            if ratio != shown_ratio:
-                _set_ratio(page, ratio)
-            if question is not None:
-                _set_question(page, question)
-            shown_method, shown_ratio = method, ratio
-            answers, drawn, stages = _timed_run(page, method, ratio, args.timeout)
-            target = _target(method, label)
-            results.append((label, answers, drawn, target))
-            verdict = "ok" if answers <= target else "MISSED"
-            print(f"{label}: answers {answers:.1f} s (target <= {target:g} s: {verdict}), last figure {drawn:.1f} s; "
-                  f"Chromium's CPU from the pick to the last figure {browser_cpu_s() - cpu_start:.1f} s", flush=True)
-            print("   stages (from the page's time figure): "
-                  + "; ".join(f"{name}: {text}" for name, text in stages.items()), flush=True)
+        _open_example(page, url, example, args.think, args.timeout)
+        results = _click_steps(page, steps, args.pick_think, args.timeout)
     print(f"end: {_load()}")
     print("\n| click | answers on the page | last figure | target (answers) |\n|---|---|---|---|")
-    for label, answers, drawn, target in results:
-        print(f"| {label} | {answers:.1f} s | {drawn:.1f} s | <= {target:g} s |")
+    for r in results:
+        print(f"| {r.label} | {r.answers:.1f} s | {r.drawn:.1f} s | <= {r.target:g} s |")
     return 0
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -119,7 +120,7 @@ def parse_options(pairs: list[str]) -> dict:
     return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=1500, help="document tokens (default 1500)")
     parser.add_argument("--ratios", type=float, nargs="+", default=[5, 10, 20, 50])
@@ -134,7 +135,68 @@ def main() -> None:
     parser.add_argument("--app-ratio", type=float, default=10.0)
     parser.add_argument("--app-repeats", type=int, default=3)
     parser.add_argument("--app-options", nargs="*", default=[], help="AM options as key=value")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, dict, float]]:
+    """The table's (method, options, ratio) rows, in order."""
+    rows = [("attention_matching", {}, r) for r in args.ratios]
+    rows += [("attention_matching", {"key_selection": "omp"}, r) for r in args.omp_ratios]
+    rows += [("attention_topk", {}, r) for r in args.ratios]
+    # HighestAttnKeys scored by mean attention instead of the published RMS, with its own top-k.
+    rows += [(m, {"scoring": "mean"}, r) for m in ("attention_matching", "attention_topk") for r in args.downstream_ratios]
+    rows += [(m, {}, r) for m in ("streaming_llm", "snapkv") for r in args.downstream_ratios]
+    # The floor: shows how much of the answers' log-ppl the document explains at all.
+    rows += [("no_context", {}, args.downstream_ratios[0])]
+    return rows
+
+
+@dataclass
+class Verdicts:
+    """What the table shows: checks (text, passed) with a target, and notes without one."""
+
+    checks: list[tuple[str, bool]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def verdicts(rows: list[Measured], args: argparse.Namespace, ref_ppl: float, prefill_s: float) -> Verdicts:
+    """The table's checks: AM against top-k, OMP against HighestAttnKeys, AM's downstream gaps against
+    the eviction methods (``ref_ppl`` the full cache's answer log-ppl), and AM's speed against the prefill."""
+    by = {(r.method, r.ratio): r for r in rows}
+    out = Verdicts()
+    for r in args.ratios:
+        if r in (10, 20, 50):
+            am, topk = by[("attention_matching", r)], by[("attention_topk", r)]
+            out.checks.append((f"AM/top-k error at {r:g}x = {am.output_err / topk.output_err:.2f} (<= 0.45)", am.output_err <= 0.45 * topk.output_err))
+    for r in args.downstream_ratios:
+        am, topk = by[("attention_matching/mean", r)], by[("attention_topk/mean", r)]
+        out.notes.append(f"AM/top-k error with mean scoring at {r:g}x = {am.output_err / topk.output_err:.2f}")
+    for r in args.omp_ratios:
+        if r in (20, 50):
+            omp, ha = by[("attention_matching/omp", r)], by[("attention_matching", r)]
+            out.checks.append((f"OMP {omp.output_err:.3f} < HighestAttnKeys {ha.output_err:.3f} at {r:g}x", omp.output_err < ha.output_err))
+    for r in args.downstream_ratios:
+        others = [by[(other, r)] for other in ("streaming_llm", "snapkv")]
+        for variant in ("attention_matching", "attention_matching/omp", "attention_matching/mean"):
+            am = by.get((variant, r))
+            if am is None:
+                continue
+            # The mean log-ppl over five answers lets answers that got easier cancel
+            # answers that got harder; the per-answer and per-token gaps cannot.
+            for what, gap in (
+                ("|mean log-ppl gap|", lambda m: abs(m.logppl - ref_ppl)),
+                ("per-answer log-ppl gap", lambda m: m.answer_gap),
+                ("per-token log-prob gap", lambda m: m.token_gap),
+            ):
+                text = ", ".join(f"{o.method} {gap(o):.4f}" for o in others)
+                out.checks.append((f"{r:g}x {what}: {variant} {gap(am):.4f} vs {text}", all(gap(am) < gap(o) for o in others)))
+    speed = by[("attention_matching", 10.0)].compress_s / prefill_s
+    out.checks.append((f"AM compaction at 10x / prefill = {speed:.2f} (<= 1.0)", speed <= 1.0))
+    return out
+
+
+def main() -> None:
+    args = parse_args()
     if args.app:
         runs = app_fit(args.app_ratio, parse_options(args.app_options), args.app_repeats)
         if args.json:
@@ -151,15 +213,7 @@ def main() -> None:
     print(f"document: {ctx.doc_len} tokens; prefill {ctx.prefill_s:.2f}s; repeat-prefill queries {repeat_s:.2f}s", flush=True)
     queries = setting.eval_queries
     rows: list[Measured] = []
-    plan = [("attention_matching", {}, r) for r in args.ratios]
-    plan += [("attention_matching", {"key_selection": "omp"}, r) for r in args.omp_ratios]
-    plan += [("attention_topk", {}, r) for r in args.ratios]
-    # HighestAttnKeys scored by mean attention instead of the published RMS, with its own top-k.
-    plan += [(m, {"scoring": "mean"}, r) for m in ("attention_matching", "attention_topk") for r in args.downstream_ratios]
-    plan += [(m, {}, r) for m in ("streaming_llm", "snapkv") for r in args.downstream_ratios]
-    # The floor: shows how much of the answers' log-ppl the document explains at all.
-    plan += [("no_context", {}, args.downstream_ratios[0])]
-    for name, opts, ratio in plan:
+    for name, opts, ratio in plan(args):
         label = name + "".join(f"/{v}" for v in opts.values())
         row = measure(setting, label, get_method(name, **opts), ratio, queries)
         rows.append(row)
@@ -167,37 +221,7 @@ def main() -> None:
     ref_ppl = full_logppl(setting)
     print()
     print(table(rows, ref_ppl, full_first_nll(setting)))
-    by = {(r.method, r.ratio): r for r in rows}
-    checks = []
-    for r in args.ratios:
-        if r in (10, 20, 50):
-            am, topk = by[("attention_matching", r)], by[("attention_topk", r)]
-            checks.append((f"AM/top-k error at {r:g}x = {am.output_err / topk.output_err:.2f} (<= 0.45)", am.output_err <= 0.45 * topk.output_err))
-    notes = []
-    for r in args.downstream_ratios:
-        am, topk = by[("attention_matching/mean", r)], by[("attention_topk/mean", r)]
-        notes.append(f"AM/top-k error with mean scoring at {r:g}x = {am.output_err / topk.output_err:.2f}")
-    for r in args.omp_ratios:
-        if r in (20, 50):
-            omp, ha = by[("attention_matching/omp", r)], by[("attention_matching", r)]
-            checks.append((f"OMP {omp.output_err:.3f} < HighestAttnKeys {ha.output_err:.3f} at {r:g}x", omp.output_err < ha.output_err))
-    for r in args.downstream_ratios:
-        others = [by[(other, r)] for other in ("streaming_llm", "snapkv")]
-        for variant in ("attention_matching", "attention_matching/omp", "attention_matching/mean"):
-            am = by.get((variant, r))
-            if am is None:
-                continue
-            # The mean log-ppl over five answers lets answers that got easier cancel
-            # answers that got harder; the per-answer and per-token gaps cannot.
-            for what, gap in (
-                ("|mean log-ppl gap|", lambda m: abs(m.logppl - ref_ppl)),
-                ("per-answer log-ppl gap", lambda m: m.answer_gap),
-                ("per-token log-prob gap", lambda m: m.token_gap),
-            ):
-                text = ", ".join(f"{o.method} {gap(o):.4f}" for o in others)
-                checks.append((f"{r:g}x {what}: {variant} {gap(am):.4f} vs {text}", all(gap(am) < gap(o) for o in others)))
-    speed = by[("attention_matching", 10.0)].compress_s / ctx.prefill_s
-    checks.append((f"AM compaction at 10x / prefill = {speed:.2f} (<= 1.0)", speed <= 1.0))
+    found = verdicts(rows, args, ref_ppl, ctx.prefill_s)
     online = None
     if not args.skip_online:
         online = online_run(lm, args.online_doc, args.online_budget, args.online_tokens)
@@ -207,11 +231,11 @@ def main() -> None:
             f"{online['logppl_unbounded']:.4f}, online AM {online['logppl_online_am']:.4f}, "
             f"streaming_llm {online['logppl_streaming_llm']:.4f}"
         )
-        checks.append((f"online compactions: {len(online['compactions'])} (>= 6)", len(online["compactions"]) >= 6))
+        found.checks.append((f"online compactions: {len(online['compactions'])} (>= 6)", len(online["compactions"]) >= 6))
     print()
-    for text in notes:
+    for text in found.notes:
         print("INFO " + text)
-    for text, ok in checks:
+    for text, ok in found.checks:
         print(("PASS " if ok else "FAIL ") + text)
     if args.json:
         with open(args.json, "w") as f:
@@ -219,7 +243,7 @@ def main() -> None:
                 "doc_tokens": ctx.doc_len, "prefill_s": ctx.prefill_s, "repeat_queries_s": repeat_s,
                 "full_logppl": ref_ppl,
                 "rows": [{k: v for k, v in vars(r).items() if k != "stored"} for r in rows],
-                "online": online, "checks": [{"check": t, "pass": ok} for t, ok in checks],
+                "online": online, "checks": [{"check": t, "pass": ok} for t, ok in found.checks],
             }, f, indent=1)
 
 

@@ -30,6 +30,7 @@ import argparse
 import os
 import statistics
 import time
+from dataclasses import dataclass
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -37,11 +38,12 @@ import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 import kvlab.runtime.decode as decode  # noqa: E402
-from kvlab.context import prepare_context  # noqa: E402
-from kvlab.examples import load_examples  # noqa: E402
+from kvlab.context import Context, prepare_context  # noqa: E402
+from kvlab.examples import Example, load_examples  # noqa: E402
 from kvlab.models import get_model  # noqa: E402
 from kvlab.prompts import question_tokens  # noqa: E402
 from kvlab.runtime.decode import greedy, stop_token_ids  # noqa: E402
+from kvlab.runtime.model import LoadedModel  # noqa: E402
 
 TARGET_RATIO = 2.0
 
@@ -90,7 +92,88 @@ def copy_cache(full) -> DynamicCache:
     return cache
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclass
+class Bench:
+    """The request each loop answers: the model, its prefilled document, the question turn [n], the end
+    tokens and the most tokens to write."""
+
+    lm: LoadedModel
+    ctx: Context
+    prompt: torch.Tensor
+    stops: list[int]
+    new_tokens: int
+
+
+@dataclass
+class Bounds:
+    """The memory bound: the read bandwidth (bytes/s), the weights' and the KV cache's bytes, and the
+    seconds of one token's weight matmuls (None: the model's family has no lean forward)."""
+
+    bandwidth: float
+    weights: int
+    kv: int
+    floor_s: float | None
+
+    @property
+    def tokens_s(self) -> float:
+        """Tokens per second when each token reads the weights once."""
+        return self.bandwidth / self.weights
+
+    @property
+    def tokens_s_kv(self) -> float:
+        """Tokens per second when each token reads the weights and the KV cache once."""
+        return self.bandwidth / (self.weights + self.kv)
+
+
+def kvlab_loop(bench: Bench, use_lean: bool) -> tuple[float, list[int]]:
+    """kvlab's greedy answer from the full stored cache, with or without the lean forward: (seconds, ids)."""
+    lean = decode.lean_model
+    decode.lean_model = lean if use_lean else (lambda m: None)
+    try:
+        start = time.perf_counter()
+        gen = greedy(bench.lm, bench.ctx.full.stored, bench.prompt, bench.new_tokens)
+        return time.perf_counter() - start, gen.ids
+    finally:
+        decode.lean_model = lean
+
+
+def transformers_loop(bench: Bench) -> tuple[float, list[int]]:
+    """transformers' ``generate`` (SDPA) from a copy of the prefilled document: (seconds, ids written
+    without the end tokens)."""
+    model, stops = bench.lm.model, bench.stops
+    cache = copy_cache(bench.ctx.full)
+    ids = torch.cat([bench.ctx.tokens.ids, bench.prompt]).unsqueeze(0).to(bench.lm.device)
+    model.set_attn_implementation("sdpa")
+    try:
+        start = time.perf_counter()
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache,
+            max_new_tokens=bench.new_tokens, do_sample=False, eos_token_id=stops, pad_token_id=stops[0],
+        )
+        elapsed = time.perf_counter() - start
+    finally:
+        model.set_attn_implementation("kvlab")
+    written = out[0, ids.shape[1]:].tolist()
+    return elapsed, [t for t in written if t not in stops]
+
+
+def time_loops(loops: dict, repeats: int) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+    """Each loop once to warm up, then ``repeats`` times in alternation: (seconds per loop, its written ids)."""
+    with torch.inference_mode():
+        for fn in loops.values():  # warm-up: first calls allocate and fuse
+            fn()
+        times: dict[str, list[float]] = {name: [] for name in loops}
+        written: dict[str, list[int]] = {}
+        for _ in range(repeats):
+            for name, fn in loops.items():
+                elapsed, ids = fn()
+                times[name].append(elapsed)
+                written[name] = ids
+    return times, written
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Example]:
+    """The options, and the bundled example they name."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens each loop may write (default 64)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each loop, alternating (default 3)")
@@ -101,75 +184,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no example {args.example!r}; choose from {', '.join(examples)}")
     if args.new_tokens < 1 or args.repeats < 1:
         parser.error("--new-tokens and --repeats must be at least 1")
-    example = examples[args.example]
-    one, five, _ = os.getloadavg()
-    print(f"load average {one:.2f}, {five:.2f} on {os.cpu_count()} CPUs; torch threads {torch.get_num_threads()}")
+    return args, examples[args.example]
 
-    lm = get_model()
-    ctx = prepare_context(lm, example.text())
-    question = "Retell the story in detail, event by event."
-    prompt = question_tokens(lm.tokenizer, question)
-    stops = sorted(stop_token_ids(lm))
-    print(f"{lm.name}, {lm.dtype}; document {ctx.length:,} tokens (prefill {ctx.prefill_s:.1f} s), "
-          f"question turn {prompt.numel()} tokens, up to {args.new_tokens} new tokens")
 
-    model = lm.model
-    lean = decode.lean_model
-
-    def kvlab_loop(use_lean: bool) -> tuple[float, list[int]]:
-        decode.lean_model = lean if use_lean else (lambda m: None)
-        try:
-            start = time.perf_counter()
-            gen = greedy(lm, ctx.full.stored, prompt, args.new_tokens)
-            return time.perf_counter() - start, gen.ids
-        finally:
-            decode.lean_model = lean
-
-    def transformers_loop() -> tuple[float, list[int]]:
-        cache = copy_cache(ctx.full)
-        ids = torch.cat([ctx.tokens.ids, prompt]).unsqueeze(0).to(lm.device)
-        model.set_attn_implementation("sdpa")
-        try:
-            start = time.perf_counter()
-            out = model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache,
-                max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=stops, pad_token_id=stops[0],
-            )
-            elapsed = time.perf_counter() - start
-        finally:
-            model.set_attn_implementation("kvlab")
-        written = out[0, ids.shape[1]:].tolist()
-        return elapsed, [t for t in written if t not in stops]
-
-    loops = {
-        "kvlab (lean forward)": lambda: kvlab_loop(True),
-        "kvlab through transformers' modules": lambda: kvlab_loop(False),
-        "transformers generate (SDPA)": transformers_loop,
-    }
-    with torch.inference_mode():
-        for fn in loops.values():  # warm-up: first calls allocate and fuse
-            fn()
-        times: dict[str, list[float]] = {name: [] for name in loops}
-        written: dict[str, list[int]] = {}
-        for _ in range(args.repeats):
-            for name, fn in loops.items():
-                elapsed, ids = fn()
-                times[name].append(elapsed)
-                written[name] = ids
-    bandwidth = read_bandwidth()
-    floor_s = matmul_floor_s(lean(model)) if lean(model) is not None else None
-    n_weights = weight_bytes(model)
-    kv_bytes = ctx.full.nbytes
-    bound = bandwidth / n_weights
-    bound_kv = bandwidth / (n_weights + kv_bytes)
+def report(bench: Bench, times: dict[str, list[float]], written: dict[str, list[int]], bounds: Bounds) -> None:
+    """The table of the loops against transformers' and the bound, the target, and the start of the answer."""
     reference = "transformers generate (SDPA)"
     n_ref = len(written[reference])
     ref_rate = n_ref / statistics.median(times[reference])
-    print(f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s; weights {n_weights / 1e6:.0f} MB -> bound {bound:.1f} tokens/s "
-          f"(with the {kv_bytes / 1e6:.0f} MB KV cache read too: {bound_kv:.1f} tokens/s)\n")
+    bound, bound_kv, kv_bytes, n_weights = bounds.tokens_s, bounds.tokens_s_kv, bounds.kv, bounds.weights
+    print(f"\nread bandwidth {bounds.bandwidth / 1e9:.1f} GB/s; weights {n_weights / 1e6:.0f} MB -> bound "
+          f"{bound:.1f} tokens/s (with the {kv_bytes / 1e6:.0f} MB KV cache read too: {bound_kv:.1f} tokens/s)\n")
     print("| loop | tokens | s (median) | tokens/s | vs transformers | of the weight bound | same tokens |")
     print("|---|---|---|---|---|---|---|")
-    for name in loops:
+    for name in times:
         n = len(written[name])
         rate = n / statistics.median(times[name])
         same = "yes" if written[name] == written[reference] else f"no (first {n} vs {n_ref})"
@@ -177,15 +205,39 @@ def main(argv: list[str] | None = None) -> int:
               f"{rate / bound:.0%} | {same} |")
     one, five, _ = os.getloadavg()
     needed = TARGET_RATIO * ref_rate
-    if floor_s is not None:
+    if (floor_s := bounds.floor_s) is not None:
         print(f"\nthe weight matmuls alone, one token: {floor_s * 1e3:.1f} ms ({1 / floor_s:.1f} tokens/s, "
-              f"{n_weights / floor_s / bandwidth:.0%} of the read bandwidth); the target leaves "
+              f"{n_weights / floor_s / bounds.bandwidth:.0%} of the read bandwidth); the target leaves "
               f"{(1 / needed - floor_s) * 1e3:.1f} ms per token for everything else (attention over the "
-              f"{kv_bytes / 1e6:.0f} MB cache alone takes {kv_bytes / bandwidth * 1e3:.1f} ms at the read bandwidth)")
+              f"{kv_bytes / 1e6:.0f} MB cache alone takes {kv_bytes / bounds.bandwidth * 1e3:.1f} ms at the read "
+              "bandwidth)")
     print(f"\ntarget: kvlab >= {TARGET_RATIO:g}x transformers' loop = {needed:.1f} tokens/s: {needed / bound:.0%} of the "
           f"weight bound, {needed / bound_kv:.0%} of the bound with the cache; "
           f"load average at the end {one:.2f}, {five:.2f}")
-    print("answer:", lm.tokenizer.decode(written["kvlab (lean forward)"])[:160].replace("\n", " "), "...")
+    print("answer:", bench.lm.tokenizer.decode(written["kvlab (lean forward)"])[:160].replace("\n", " "), "...")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, example = parse_args(argv)
+    one, five, _ = os.getloadavg()
+    print(f"load average {one:.2f}, {five:.2f} on {os.cpu_count()} CPUs; torch threads {torch.get_num_threads()}")
+
+    lm = get_model()
+    ctx = prepare_context(lm, example.text())
+    question = "Retell the story in detail, event by event."
+    bench = Bench(lm, ctx, question_tokens(lm.tokenizer, question), sorted(stop_token_ids(lm)), args.new_tokens)
+    print(f"{lm.name}, {lm.dtype}; document {ctx.length:,} tokens (prefill {ctx.prefill_s:.1f} s), "
+          f"question turn {bench.prompt.numel()} tokens, up to {args.new_tokens} new tokens")
+
+    times, written = time_loops({
+        "kvlab (lean forward)": lambda: kvlab_loop(bench, True),
+        "kvlab through transformers' modules": lambda: kvlab_loop(bench, False),
+        "transformers generate (SDPA)": lambda: transformers_loop(bench),
+    }, args.repeats)
+    bandwidth = read_bandwidth()
+    lean = decode.lean_model(lm.model)
+    floor_s = matmul_floor_s(lean) if lean is not None else None
+    report(bench, times, written, Bounds(bandwidth, weight_bytes(lm.model), ctx.full.nbytes, floor_s))
     return 0
 
 

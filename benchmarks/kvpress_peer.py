@@ -116,7 +116,7 @@ METHODS = [
 KVLAB_OPTIONS = {"h2o": {"recent_share": 0.0}, "kvzip": {"prune": "global"}, "kvzip_plus": {"prune": "global"}}
 #: The question of the query-aware pairs (finch), the story's first example question.
 QUESTION = "Who was the ferryman?"
-#: kvlab's leverage / compactor sketch: seed and columns (kvlab.methods.leverage.gaussian_sketches).
+#: kvlab's leverage / compactor sketch: seed and columns (kvlab.methods.families.scorers.gaussian_sketches).
 SKETCH_SEED, SKETCH_DIMENSION = 0, 48
 #: kvlab's defaults of the wrappers (kvlab.compression.selection.SelectionOptions), which kvpress's must match.
 ALPHA_SAFEGUARD, FIRST_STAGE_RATIO, CHUNK_SIZE = 0.2, 0.5, 10
@@ -379,7 +379,7 @@ def rerotated(kvpress, model, ids, method: str, cr: float, prefix: int, full_key
 
 
 def kvlab_sketches(model) -> list:
-    """kvlab's leverage sketches (kvlab.methods.leverage.gaussian_sketches), drawn here the same way:
+    """kvlab's leverage sketches (kvlab.methods.families.scorers.gaussian_sketches), drawn here the same way:
     a CPU generator seeded with SKETCH_SEED, one [H_kv, d, k] N(0, 1/k) draw per layer in order."""
     import math
 

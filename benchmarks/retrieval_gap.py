@@ -289,7 +289,7 @@ def resumed(path: str | None, task: str, seed: int, length: int, haystack: str =
     return rows
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--items", type=int, default=4, help="needle items the full cache answers right (default 4)")
     parser.add_argument("--on-policy-items", type=int, default=1, help="of those, how many the on-policy preset runs on")
@@ -309,20 +309,39 @@ def main() -> None:
     parser.add_argument("--report", nargs="+", default=None, metavar="JSON",
                         help="only print the one-line-per-variant table of these result files (no model)")
     args = parser.parse_args()
-    if args.report:
-        for path in args.report:
-            with open(path) as f:
-                data = json.load(f)
-            print(f"{path}: {data.get('task', 'niah_single')} on {data.get('haystack', 'noise')}, seed {data.get('seed')}, "
-                  f"at most {data.get('length')} tokens")
-            print(compact_table([Row(**r) for r in data["rows"]], args.ratios))
-        return
     labels = [label for label, _ in VARIANTS]
-    chosen = labels if args.variants is None else [v.strip() for v in args.variants.split(";") if v.strip()]
-    unknown = [v for v in chosen if v not in labels]
-    if unknown:
+    args.chosen = labels if args.variants is None else [v.strip() for v in args.variants.split(";") if v.strip()]
+    unknown = [v for v in args.chosen if v not in labels]
+    if unknown and not args.report:
         parser.error(f"unknown variant(s) {unknown}; choose from: {'; '.join(labels)}")
+    return args
 
+
+def report(args: argparse.Namespace) -> None:
+    """``--report``: the one-line-per-variant table of each result file."""
+    for path in args.report:
+        with open(path) as f:
+            data = json.load(f)
+        print(f"{path}: {data.get('task', 'niah_single')} on {data.get('haystack', 'noise')}, seed {data.get('seed')}, "
+              f"at most {data.get('length')} tokens")
+        print(compact_table([Row(**r) for r in data["rows"]], args.ratios))
+
+
+def save(args: argparse.Namespace, rows: list[Row], wall: float | None = None) -> None:
+    """Every row so far to ``--json`` (when given), with the run's settings."""
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"task": args.task, "haystack": args.haystack, "values": args.needle_values,
+                       "seed": args.seed, "length": args.length, "skip": args.skip,
+                       "wall_s": wall, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.report:
+        report(args)
+        return
     start = time.perf_counter()
     lm = get_model()
     found, tried = needles(lm, args.items, args.seed, args.length, args.tries, args.skip, args.task,
@@ -330,18 +349,9 @@ def main() -> None:
     print(f"{len(found)} of {tried} {args.task} items answered right by the full cache", flush=True)
     rows = resumed(args.json, args.task, args.seed, args.length, args.haystack, args.needle_values)
     done = {(r.item_id, r.label, r.ratio) for r in rows}
-
-    def save(wall: float | None = None) -> None:
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump({"task": args.task, "haystack": args.haystack, "values": args.needle_values,
-                           "seed": args.seed, "length": args.length, "skip": args.skip,
-                           "wall_s": wall, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
-
     for i, needle in enumerate(found):
         for label, spec in VARIANTS:
-            if label not in chosen or (label == ON_POLICY and i >= args.on_policy_items):
+            if label not in args.chosen or (label == ON_POLICY and i >= args.on_policy_items):
                 continue
             for ratio in args.ratios:
                 if (needle.item.item_id, label, ratio) in done:
@@ -350,14 +360,14 @@ def main() -> None:
                 rows.append(row)
                 print(f"  {needle.item.item_id} {label} {ratio:g}x: right {row.correct}, err {row.err_cache:.3f}, "
                       f"heads {row.heads_kept:.0%}, attention {row.attention_kept:.0%}", flush=True)
-                save()
+                save(args, rows)
     wall = time.perf_counter() - start
     print()
     print(f"{args.task} on {args.haystack}, seed {args.seed}, at most {args.length} tokens: n = {len(found)} items "
           f"(after the first {args.skip}) "
           f"({args.on_policy_items} for the on-policy preset); wall time {wall / 60:.1f} min")
     print(table(rows, args.ratios))
-    save(wall)
+    save(args, rows, wall)
 
 
 if __name__ == "__main__":

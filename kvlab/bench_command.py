@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvlab import messages
-from kvlab.compression.catalog import method_spec
+from kvlab.catalog import method_spec
 from kvlab.lab.inputs import parse_ratios
 from kvlab.methods import REGISTRY
 from kvlab.tasks.items import TaskError

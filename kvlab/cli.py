@@ -1,13 +1,14 @@
 """`python -m kvlab ...`: the lab from a terminal, with numbers a script can read.
 
     python -m kvlab methods [--long]
-    python -m kvlab run --doc PATH --method NAME --ratio R --question TEXT [--model M] [--json]
+    python -m kvlab run --doc PATH --method NAME --ratio R --question TEXT [--model M] [--json] [--save-cache FILE]
+    python -m kvlab ask --cache FILE --question TEXT [--model M] [--json]
     python -m kvlab compare --doc PATH --methods A,B --ratios 2,5,10 --question TEXT --out DIR [--model M | --models A,B]
     python -m kvlab generate --prompt TEXT | --doc PATH --question Q [--method M] [--budget KEYS] [--json]
     python -m kvlab warm SHEET [--model M]
 
 Each method's knobs (the fields of its Options dataclass, reflected by
-kvlab.compression.catalog) are flags too, e.g. ``--window 32`` for SnapKV, and
+kvlab.catalog) are flags too, e.g. ``--window 32`` for SnapKV, and
 ``--preset NAME`` picks a method's published configuration;
 ``python -m kvlab run --help`` lists them. Bad arguments exit with status 2
 and one line on stderr.
@@ -22,8 +23,9 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from kvlab.bounded.policies import bounded_policies
+from kvlab.catalog import Knob, all_knobs, describe, methods_markdown, presets
 from kvlab.compression.budget_profiles import budgets_text
-from kvlab.compression.catalog import Knob, all_knobs, describe, methods_markdown, presets
 from kvlab.compression.selection import SELECTION_PRESETS
 from kvlab.methods import REGISTRY, MethodError, get_method
 
@@ -105,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", default=None, help="embedded (default), a .gguf file, a local directory or a hub id; also KVLAB_MODEL")
     run.add_argument("--max-new-tokens", type=int, default=48, help="answer length cap (default 48)")
     run.add_argument("--json", action="store_true", help="print one JSON object")
+    run.add_argument("--save-cache", default=None, metavar="FILE",
+                     help="also write the compressed cache to FILE (safetensors), for `kvlab ask --cache FILE`")
     compare = sub.add_parser("compare", help="a sweep: every method (default knobs) at every ratio -> CSV and JSON")
     compare.add_argument("--doc", required=True, help="document: .txt, .md or .pdf")
     compare.add_argument("--methods", required=True, help="comma-separated names from `python -m kvlab methods`")
@@ -134,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen_source.add_argument("--prompt", default=None, help="the prompt (one user turn)")
     gen_source.add_argument("--doc", default=None, help="a document (.txt, .md or .pdf), then --question")
     gen.add_argument("--question", default=None, help="the question asked after --doc")
-    gen.add_argument("--method", default="all", help="comma-separated: streaming_llm, h2o, beaconkv, online_am, or all")
+    gen.add_argument("--method", default="all", help=f"comma-separated: {', '.join(bounded_policies())}, or all")
     gen.add_argument("--budget", type=int, default=None, help="keys per KV head (default: a quarter of the unbounded length)")
     gen.add_argument("--max-new-tokens", type=int, default=200, help="tokens written at most (default 200, at most 2048)")
     gen.add_argument("--model", default=None, help="as for run")
@@ -146,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvlab.bench_command import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    from kvlab.cache_command import add_parser as add_ask_parser
+
+    add_ask_parser(sub)
     return parser
 
 
@@ -165,11 +172,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     from kvlab.lab import explore
 
     method = method_from_args(args.method, args)  # the flags and the preset checked before any work
+    if args.save_cache is not None:
+        from kvlab.cache_command import check_save_path, save_run_cache
+
+        save_to = check_save_path(args.save_cache)
     options = {f.name: getattr(method.options, f.name) for f in dataclasses.fields(method.options)}
     progress = (lambda f, desc: None) if args.json else _stderr_progress
     # The lab's own run (kvlab.lab.explore): the same checks and the same path as the app's Explore.
-    result = explore(None, args.doc, method.name, args.ratio, args.question, args.max_new_tokens, options,
-                     progress, args.model).run.result
+    explored = explore(None, args.doc, method.name, args.ratio, args.question, args.max_new_tokens, options,
+                       progress, args.model)
+    result = explored.run.result
+    if args.save_cache is not None:
+        path = save_run_cache(explored.run, method, save_to, args.model)
+        print(f"compressed cache written to {path} ({result.bytes_compressed:,} B stored): "
+              f"kvlab ask --cache {path} --question ...", file=sys.stderr)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
@@ -318,21 +334,23 @@ def _print_summary(r: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     from kvlab.documents import DocumentError
     from kvlab.lab.inputs import InputError
+    from kvlab.runtime.cache_file import CacheFileError
     from kvlab.runtime.model import ModelLoadError
     from kvlab.tasks.items import TaskError
 
     try:
         args = build_parser().parse_args(argv)
         from kvlab.bench_command import cmd_bench
+        from kvlab.cache_command import cmd_ask
 
         commands = {
             "methods": cmd_methods, "run": cmd_run, "compare": cmd_compare, "budgets": cmd_budgets,
-            "generate": cmd_generate, "bench": cmd_bench, "warm": cmd_warm,
+            "generate": cmd_generate, "bench": cmd_bench, "warm": cmd_warm, "ask": cmd_ask,
         }
         return commands[args.command](args)
     except UsageError as exc:
         print(f"kvlab: error: {exc}", file=sys.stderr)
         return 2
-    except (DocumentError, ModelLoadError, MethodError, TaskError, InputError) as exc:
+    except (DocumentError, ModelLoadError, MethodError, TaskError, InputError, CacheFileError) as exc:
         print(f"kvlab: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, (DocumentError, MethodError, TaskError, InputError)) else 1
+        return 2 if isinstance(exc, (DocumentError, MethodError, TaskError, InputError, CacheFileError)) else 1

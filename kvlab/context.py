@@ -5,7 +5,8 @@ Preparing a context (the prefill) is the slow step; it is done once per
 ratio or question never re-runs it. What runs then derive from the document
 (recorded query sources, the full cache's answers, methods' scores) is kept
 on the Context too, through :meth:`Context.cached`: one computation per key
-even when requests race, without holding a lock other users need.
+even when requests race, without holding a lock other users need. Each kind
+of value has its own key class (a :class:`Memo`), defined beside its user.
 
 Memory is bounded two ways (limits in kvlab.limits): a document remembers at
 most ``remembered_questions`` questions (the least recently used one's
@@ -20,9 +21,9 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, TypeVar
+from typing import Callable, ClassVar, Literal, TypeVar
 
-from kvlab import cancel, limits
+from kvlab import cancellation, limits
 from kvlab.documents import DocumentError
 from kvlab.memo import MISSING, compute_once, held_bytes
 from kvlab.prompts import ContextTokens, context_tokens
@@ -42,30 +43,46 @@ def no_progress(fraction: float, desc: str) -> None:
     """Default progress sink."""
 
 
-@dataclass
-class _Entry:
-    """One cached value's bookkeeping: its bytes, and the question it belongs to (None: the document's)."""
+#: The Context dicts a Memo's value may live in.
+Store = Literal["queries", "evaluations", "memos", "runs"]
 
-    nbytes: int
-    question: str | None
+
+@dataclass(frozen=True)
+class Memo:
+    """The key of one value kept on a Context (:meth:`Context.cached`).
+
+    One small frozen dataclass per kind of value, defined beside its user; its
+    fields are everything the value depends on (two keys of different classes
+    never match). store: the Context dict the value lives in (a class
+    attribute); question: the question the value belongs to, part of the key
+    (None: the document's): the value is forgotten with that question.
+    """
+
+    store: ClassVar[Store] = "memos"
+    question: str | None = field(default=None, kw_only=True)
 
 
 @dataclass
 class Context:
     """One document prepared for one model, and what runs derived from it.
 
-    queries: recorded post-RoPE query sets by source name, each a list over
-    layers of [H, n, d] tensors, except the repeat passes ("repeat",
-    "repeat:<instruction>"), each a kvlab.queries.RepeatPass (queries and the
-    repeat tokens' own keys); "context" (the prefill's own queries) is filled
-    at once, other sources on first use (see kvlab.queries).
-    evaluations: held-out evaluation data per question (kvlab.pipeline.Evaluation);
-    kept apart from ``queries`` so it can never be picked as fitting queries.
-    memos: methods' ratio-independent scores (kvlab.compression.scoring.per_context), and
-    what the token view shows the same for every run (each token's text, the question's
-    attention levels: kvlab.lab.explore, kvlab.lab.fates).
+    The four dicts hold their values by :class:`Memo` key (the store its class names):
+    queries: recorded post-RoPE query sets, each a list over layers of [H, n, d]
+    tensors (kvlab.queries.QuestionQueries, SelfStudyQueries), or a
+    kvlab.queries.RepeatPass (queries and the tokens' own keys:
+    kvlab.queries.RepeatQueries, kvlab.methods.finch.FinchPass); besides them,
+    under "context", the prefill's own queries, filled at once.
+    evaluations: the full cache's answer and held-out queries per question
+    (kvlab.pipeline.EvaluationKey); kept apart from ``queries`` so it can never
+    be picked as fitting queries.
+    memos: methods' ratio-independent scores (kvlab.compression.interface.MethodScores,
+    and parts several methods share, each under its own key beside its user:
+    kvlab.methods.families.scorers.KVzipScores, H2OScores, ...), the full cache's
+    attention of a question (kvlab.pipeline.ReferenceAttention), and what the token
+    view shows the same for every run (kvlab.lab.explore.TokenTexts,
+    kvlab.lab.fates.QuestionLevels).
     runs: stored caches per (method, options, ratio) and their answers per
-    question (kvlab.pipeline.compressed, kvlab.pipeline.answered).
+    question (kvlab.pipeline.StoredCache, StoredAnswer).
     Everything but "context" is added through :meth:`cached`, which bounds it:
     at most ``remembered`` questions, at most ``budget`` bytes in all.
     """
@@ -75,20 +92,20 @@ class Context:
     tokens: ContextTokens
     full: FullKV
     prefill_s: float
-    queries: dict[str, object] = field(default_factory=dict)  # values: see above (RepeatPass lives in kvlab.queries, which imports this module)
-    evaluations: dict[str, object] = field(default_factory=dict)
-    memos: dict[str, object] = field(default_factory=dict)
-    #: Stored caches per method, options and ratio, and their answers per question (kvlab.pipeline).
-    runs: dict[Hashable, object] = field(default_factory=dict)
+    queries: dict[str | Memo, object] = field(default_factory=dict)  # values: see above (RepeatPass lives in kvlab.queries, which imports this module)
+    evaluations: dict[Memo, object] = field(default_factory=dict)
+    memos: dict[Memo, object] = field(default_factory=dict)
+    runs: dict[Memo, object] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     #: Byte budget of this context with all it caches (None: unbounded); its store sets it.
     budget: int | None = None
     remembered: int = field(default_factory=lambda: limits.LIMITS.remembered_questions)
     #: Called after the context grew (its store re-checks its budget).
     on_grow: Callable[[], None] = field(default=lambda: None, repr=False)
-    _entries: OrderedDict[tuple[str, Hashable], _Entry] = field(default_factory=OrderedDict, repr=False)
+    #: Each cached value's key and its bytes, least recently used first.
+    _entries: OrderedDict[Memo, int] = field(default_factory=OrderedDict, repr=False)
     _questions: OrderedDict[str, None] = field(default_factory=OrderedDict, repr=False)
-    _flights: dict[Hashable, Future] = field(default_factory=dict, repr=False)
+    _flights: dict[Memo, Future] = field(default_factory=dict, repr=False)
     _nbytes: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
@@ -109,62 +126,67 @@ class Context:
         with self.lock:
             return list(self._questions)
 
-    def cached(self, store: str, key: Hashable, make: Callable[[], T], question: str | None = None) -> T:
-        """``getattr(self, store)[key]``, made by ``make()`` once (see kvlab.memo.compute_once).
+    def cached(self, memo: Memo, make: Callable[[], T]) -> T:
+        """The value kept under ``memo``, made by ``make()`` once (see kvlab.memo.compute_once).
 
-        store: "queries", "evaluations", "memos" or "runs"; question: the question the
-        value belongs to; it is forgotten with that question when newer ones
-        push it past ``remembered``. Least recently used values are dropped
-        while the context is over its budget (never the one just made).
+        It lives in the dict ``memo.store`` names; it is forgotten with
+        ``memo.question`` when newer questions push that past ``remembered``.
+        Least recently used values are dropped while the context is over its
+        budget (never the one just made).
         """
-        slot = (store, key)
+        store, question = getattr(self, memo.store), memo.question
 
         def find() -> object:
-            if slot not in self._entries:
+            if memo not in self._entries:
                 return MISSING
-            self._entries.move_to_end(slot)
+            self._entries.move_to_end(memo)
             if question in self._questions:
                 self._questions.move_to_end(question)
-            return getattr(self, store)[key]
+            return store[memo]
 
         def keep(value: T) -> None:
-            getattr(self, store)[key] = value
-            self._entries[slot] = _Entry(held_bytes(value), question)
+            store[memo] = value
+            self._entries[memo] = held_bytes(value)
             if question is not None:
                 self._questions[question] = None
                 self._questions.move_to_end(question)
-            self._shrink(slot)
+            self._shrink(memo)
 
-        value = compute_once(self.lock, self._flights, slot, find, make, keep)
+        value = compute_once(self.lock, self._flights, memo, find, make, keep)
         self.on_grow()
         return value
 
-    def _shrink(self, newest: tuple[str, Hashable]) -> None:
+    def holds(self, memo: Memo) -> bool:
+        """Whether a value is kept under ``memo`` now (:meth:`cached` would reuse it)."""
+        with self.lock:
+            return memo in self._entries
+
+    def _shrink(self, newest: Memo) -> None:
         """Forget questions beyond ``remembered``, then old entries while over budget (under ``self.lock``)."""
         while len(self._questions) > max(1, self.remembered):
             oldest, _ = self._questions.popitem(last=False)
-            for slot in [s for s, e in self._entries.items() if e.question == oldest]:
-                self._drop(slot)
+            for memo in [m for m in self._entries if m.question == oldest]:
+                self._drop(memo)
         total = self._count_bytes()
         while self.budget is not None and total > self.budget:
-            slot = next((s for s in self._entries if s != newest), None)
-            if slot is None:
+            memo = next((m for m in self._entries if m != newest), None)
+            if memo is None:
                 break
-            total -= self._drop(slot)
+            total -= self._drop(memo)
         self._nbytes = self._count_bytes()
 
-    def _drop(self, slot: tuple[str, Hashable]) -> int:
-        entry = self._entries.pop(slot)
-        del getattr(self, slot[0])[slot[1]]
-        if entry.question is not None and all(e.question != entry.question for e in self._entries.values()):
-            self._questions.pop(entry.question, None)
-        return entry.nbytes
+    def _drop(self, memo: Memo) -> int:
+        nbytes = self._entries.pop(memo)
+        del getattr(self, memo.store)[memo]
+        if memo.question is not None and all(m.question != memo.question for m in self._entries):
+            self._questions.pop(memo.question, None)
+        return nbytes
 
     def forget(self) -> None:
         """Drop every cached value: what remains is the cache, the tokens and the prefill's own queries."""
         with self.lock:
-            for slot in list(self._entries):
-                self._drop(slot)
+            for memo in list(self._entries):
+                self._drop(memo)
             self._nbytes = self._count_bytes()
 
     @property
@@ -202,7 +224,7 @@ def prepare_context(lm: LoadedModel, text: str, progress: Progress = no_progress
     check_fits(lm, tokens)
     capture = QueryCapture(lm.n_layers)
     start = time.perf_counter()
-    report = cancel.checked(progress)  # each chunk is a step a stopped request ends at
+    report = cancellation.checked(progress)  # each chunk is a step a stopped request ends at
     full = prefill(
         lm, tokens.ids, capture, on_chunk=lambda done, total: report(done / total, f"prefill, {done:,}/{total:,} tokens")
     )

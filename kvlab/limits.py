@@ -39,7 +39,7 @@ class Limits:
     cache_bytes: byte budget of everything cached for documents; 0 sizes it from the free RAM or VRAM;
     max_models: models kept loaded (least recently used are unloaded);
     generate_tokens: most tokens one Generate request may write;
-    request_s: seconds one request of the app may hold the compute slot (kvlab.cancel stops it then);
+    request_s: seconds one request of the app may hold the compute slot (kvlab.cancellation stops it then);
     queue_size: requests that may wait for the compute slot (more are told the lab is busy);
     compute_admitted: heavy events Gradio starts at once (they wait for the compute slot, which
     serves them fairly; a stored answer is served without waiting at all);

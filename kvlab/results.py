@@ -326,7 +326,7 @@ class ResultStore:
 
         A request for a key already being computed waits for that computation
         (``on_share()`` is called first) and gets its value, or its error. A
-        computation stopped by its own request (kvlab.cancel.Cancelled) is not
+        computation stopped by its own request (kvlab.cancellation.Cancelled) is not
         shared: a waiter computes the value itself (kvlab.memo.compute_once).
         """
         found = self.get(key)

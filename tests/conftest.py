@@ -118,7 +118,7 @@ def embedded() -> LoadedModel:
 class FlightWaiters:
     """Callers that joined a computation already in flight (kvlab.memo.compute_once's followers),
     counted as each calls the flight's ``result()``: at once for a plain call (what these tests
-    race); a cancellable request first waits through kvlab.cancel and is counted when it is done."""
+    race); a cancellable request first waits through kvlab.cancellation and is counted when it is done."""
 
     def __init__(self) -> None:
         self.count = 0

@@ -22,8 +22,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvlab.methods
 from conftest import tiny_tokenizer
+from kvlab import catalog
 from kvlab.cli import build_parser, main
-from kvlab.compression import catalog
 from kvlab.compression.registry import REGISTRY, discover
 
 ROOT = Path(__file__).resolve().parent.parent

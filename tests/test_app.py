@@ -14,7 +14,7 @@ from gradio_client.exceptions import AppError  # noqa: E402
 from benchmarks.browser import serve_app  # noqa: E402
 from conftest import method_sections  # noqa: E402
 from kvlab import lab  # noqa: E402
-from kvlab.compression.catalog import all_knobs  # noqa: E402
+from kvlab.catalog import all_knobs  # noqa: E402
 from kvlab.compression.interface import FAMILIES  # noqa: E402
 from kvlab.contexts import CONTEXTS  # noqa: E402
 from kvlab.figures.diff import DIFF_COMPRESSED, DIFF_FULL  # noqa: E402

@@ -35,7 +35,7 @@ from transformers import (
 )
 
 from kvlab.bounded.generate import run_policy
-from kvlab.bounded.policies import BOUNDED, make_policy
+from kvlab.bounded.policies import bounded_policies, make_policy
 from kvlab.compression.scoring import received_attention
 from kvlab.context import prepare_context
 from kvlab.methods import REGISTRY, Request, get_method
@@ -435,7 +435,7 @@ def test_the_metrics_attend_at_each_layers_own_scaling():
 # --- bounded generation --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy_name", BOUNDED)
+@pytest.mark.parametrize("policy_name", bounded_policies())
 def test_bounded_generation_stays_within_its_budget(lm, policy_name):
     budget, prompt = 40, ids_of(T, seed=2)  # BeaconKV needs 37: 4 protected + a 16-token window + 16 evicted at once
     policy = make_policy(policy_name, lm, budget, protected=4)

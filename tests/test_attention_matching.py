@@ -22,12 +22,19 @@ import math
 import pytest
 import torch
 
-from kvlab.compression.compaction import AMOptions, concentration, document_budgets, fitting_queries, mixed_queries
-from kvlab.compression.solvers.compact import compact_block
+from kvlab.compression.solvers.compact import FitSettings, compact_block
+from kvlab.compression.solvers.keys import OMP, ExactFirst, GivenScores, GivenScoresUnion, HighestAttn
 from kvlab.compression.solvers.scores import score_keys
 from kvlab.context import prepare_context
 from kvlab.methods import MethodError, Request, get_method
-from kvlab.methods.kvzip import KVzipOptions, kvzip_scores
+from kvlab.methods.families.attention_matching import (
+    AMOptions,
+    concentration,
+    document_budgets,
+    fitting_queries,
+    mixed_queries,
+)
+from kvlab.methods.families.scorers import KVzipOptions, kvzip_scores
 from kvlab.queries import repeat_queries, self_study_queries
 from kvlab.runtime.attention import attend
 
@@ -56,7 +63,7 @@ def _compact_attention(q, cb):
 def test_anchored_ridge_is_the_direct_solve_toward_the_kept_values(n, lam):
     q, k, v = _qkv(B=2, n=n, T=30, seed=1)
     t = 10
-    cb = compact_block(q, k, v, t, value_anchor=lam)
+    cb = compact_block(q, k, v, t, fit=FitSettings(value_anchor=lam))
     x = _compact_attention(q, cb)  # [B, n, t]
     y = torch.softmax(q.double() @ k.double().transpose(1, 2) / 4.0, dim=-1) @ v.double()
     own = v.double().gather(1, cb.index.unsqueeze(-1).expand(-1, -1, v.shape[-1]))
@@ -74,8 +81,8 @@ def test_a_key_no_query_reads_keeps_its_own_value_under_the_anchor():
     k[0, :3] = -50.0 * q[0].mean(0) / q[0].mean(0).norm()  # attention to them underflows for every query
     key_scores = torch.zeros(1, 12)
     key_scores[0, :6] = 1.0  # keep the three unread keys and three others
-    anchored = compact_block(q, k, v, 6, value_anchor=1e-3, key_scores=key_scores)
-    plain = compact_block(q, k, v, 6, key_scores=key_scores)
+    anchored = compact_block(q, k, v, 6, keys=GivenScores(key_scores), fit=FitSettings(value_anchor=1e-3))
+    plain = compact_block(q, k, v, 6, keys=GivenScores(key_scores))
     unread = anchored.index[0] < 3
     assert int(unread.sum()) == 3
     torch.testing.assert_close(anchored.values[0, unread], v[0, anchored.index[0, unread]], rtol=1e-4, atol=1e-5)
@@ -86,7 +93,7 @@ def test_a_key_no_query_reads_keeps_its_own_value_under_the_anchor():
 def test_bias_only_keeps_the_original_values_and_attends_over_them():
     q, k, v = _qkv(B=3, n=40, T=24, seed=3)
     budgets = torch.tensor([8, 5, 8])
-    cb = compact_block(q, k, v, 8, budgets=budgets, value_fit="original")
+    cb = compact_block(q, k, v, 8, budgets=budgets, fit=FitSettings(value_fit="original"))
     fitted = compact_block(q, k, v, 8, budgets=budgets)
     assert torch.equal(cb.index, fitted.index)
     torch.testing.assert_close(cb.bias, fitted.bias)  # beta does not depend on the values
@@ -97,17 +104,17 @@ def test_bias_only_keeps_the_original_values_and_attends_over_them():
     eager = _compact_attention(q, cb) @ torch.where(real.unsqueeze(-1), original, 0).double()
     torch.testing.assert_close(attend(q, cb.keys, cb.values, cb.bias).output.double(), eager, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="value_fit"):
-        compact_block(q, k, v, 8, value_fit="zero")
+        FitSettings(value_fit="zero")
 
 
-@pytest.mark.parametrize("key_selection", ["highest_attn", "omp"])
+@pytest.mark.parametrize("key_selection", [HighestAttn(), OMP()], ids=["highest_attn", "omp"])
 def test_a_query_of_weight_two_is_that_query_counted_twice(key_selection):
     q, k, v = _qkv(B=2, n=20, T=24, seed=4)
     weights = torch.ones(2, 20)
     weights[:, 5] = 2.0
     copies = list(range(20)) + [5]
-    weighted = compact_block(q, k, v, 8, query_weights=weights, key_selection=key_selection)
-    repeated = compact_block(q[:, copies], k, v, 8, key_selection=key_selection)
+    weighted = compact_block(q, k, v, 8, query_weights=weights, keys=key_selection)
+    repeated = compact_block(q[:, copies], k, v, 8, keys=key_selection)
     assert torch.equal(weighted.index, repeated.index)
     torch.testing.assert_close(weighted.bias, repeated.bias, rtol=1e-3, atol=1e-4)
     torch.testing.assert_close(weighted.values, repeated.values, rtol=1e-3, atol=1e-3)
@@ -119,7 +126,7 @@ def test_the_union_takes_each_rankings_top_keys():
     q, k, v = _qkv(B=2, n=30, T=40, seed=5)
     outside = torch.randn(2, 40, generator=torch.Generator().manual_seed(6))
     budgets = torch.tensor([10, 7])
-    cb = compact_block(q, k, v, 10, budgets=budgets, key_scores=outside, key_scores_share=0.5)
+    cb = compact_block(q, k, v, 10, budgets=budgets, keys=GivenScoresUnion(outside, 0.5))
     attention = score_keys(q, k)
     for h, t in enumerate(budgets.tolist()):
         first = math.ceil(0.5 * t)
@@ -206,7 +213,7 @@ def _exact_block(seed: int = 0, T: int = 10, n: int = 40, d: int = 4):
 
 def test_exact_share_one_at_full_budget_is_the_block_itself():
     q, k, v, order = _exact_block()
-    out = compact_block(q, k, v, k.shape[1], exact_share=1.0, exact_scores=order)
+    out = compact_block(q, k, v, k.shape[1], keys=ExactFirst(HighestAttn(), 1.0, order))
     assert bool(out.exact.all())
     assert torch.equal(out.values, v.gather(1, out.index.unsqueeze(-1).expand(-1, -1, 3)))
     assert torch.equal(out.bias, torch.zeros_like(out.bias))
@@ -217,7 +224,7 @@ def test_exact_share_one_at_full_budget_is_the_block_itself():
 
 def test_exact_share_one_below_the_budget_is_eviction_by_the_exact_scores():
     q, k, v, order = _exact_block(1)
-    out = compact_block(q, k, v, 4, exact_share=1.0, exact_scores=order)
+    out = compact_block(q, k, v, 4, keys=ExactFirst(HighestAttn(), 1.0, order))
     assert set(out.index[0].tolist()) == set(order[0].topk(4).indices.tolist())
     assert torch.equal(out.values, v.gather(1, out.index.unsqueeze(-1).expand(-1, -1, 3)))
     assert torch.equal(out.bias, torch.zeros_like(out.bias))
@@ -246,7 +253,8 @@ def test_exact_keys_fit_only_the_residual_brute_force():
     attention among the rest; the biases are the box-bounded least squares of the residual mass, the
     values the least squares of the residual output, recomputed here in float64 from the definitions."""
     q, k, v, order = _exact_block(2)
-    out = compact_block(q, k, v, 5, exact_share=0.4, exact_scores=order, nnls_iters=400, ridge=0.0)
+    out = compact_block(q, k, v, 5, keys=ExactFirst(HighestAttn(), 0.4, order),
+                        fit=FitSettings(nnls_iters=400, ridge=0.0))
     qd, kd, vd = q[0].double(), k[0].double(), v[0].double()
     s = qd @ kd.T / math.sqrt(4)  # [n, T]
     exact = order[0].topk(2).indices.tolist()
@@ -273,11 +281,11 @@ def test_exact_keys_fit_only_the_residual_brute_force():
 
 
 def test_exact_share_refuses_omp_and_the_union():
-    q, k, v, order = _exact_block()
-    with pytest.raises(ValueError, match="exact_share"):
-        compact_block(q, k, v, 4, key_selection="omp", exact_share=0.5)
-    with pytest.raises(ValueError, match="exact_share"):
-        compact_block(q, k, v, 4, key_scores=order, key_scores_share=0.5, exact_share=0.5)
+    _, _, _, order = _exact_block()
+    with pytest.raises(ValueError, match="ranking by one score"):
+        ExactFirst(OMP(), 0.5)
+    with pytest.raises(ValueError, match="ranking by one score"):
+        ExactFirst(GivenScoresUnion(order, 0.5), 0.5)
 
 
 def test_exact_tokens_in_the_method_are_kvzips_own_keys_and_values(ctx):

@@ -9,11 +9,9 @@ import torch
 from kvlab.compression.scoring import received_attention
 from kvlab.context import prepare_context
 from kvlab.methods import Request, get_method
-from kvlab.methods.h2o import h2o_scores
-from kvlab.methods.kvzip import KVzipOptions, kvzip_scores
+from kvlab.methods.families.scorers import KVzipOptions, h2o_scores, kvzip_scores, tova_scores
+from kvlab.methods.families.summary import write_summary
 from kvlab.methods.pyramidkv import pyramid_budgets
-from kvlab.methods.summarisation import write_summary
-from kvlab.methods.tova import tova_scores
 from kvlab.prompts import REPEAT_INSTRUCTION, question_tokens
 from kvlab.runtime.decode import extend, open_session, prefill
 

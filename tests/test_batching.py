@@ -1,5 +1,5 @@
 """Batched decode steps (kvlab.runtime.batching) against each session's own lone steps, and the compute
-slot a run leaves once its answer decodes step by step (kvlab.cancel.leave_slot).
+slot a run leaves once its answer decodes step by step (kvlab.cancellation.leave_slot).
 
 The reference is the lone lean pass (:func:`kvlab.runtime.decode.extend`), which tests/test_lean.py
 checks against transformers' eager forward. A batched pass computes each row by a matrix product
@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from kvlab import cancel
+from kvlab import cancellation, scheduler
 from kvlab.context import prepare_context
 from kvlab.methods import Request, get_method
 from kvlab.runtime import batching
@@ -147,29 +147,29 @@ def test_a_lone_session_steps_at_once_as_before(lm, caches):
 
 
 def test_a_run_allowed_to_leave_gives_the_slot_to_the_next_request_at_once():
-    slot = cancel.Slot()
+    slot = scheduler.Slot()
     taken = threading.Event()
 
     def next_request() -> None:
         with slot.hold():
             taken.set()
 
-    with cancel.scope(), slot.hold(), cancel.may_leave(slot):
+    with cancellation.scope(), slot.hold(), scheduler.may_leave(slot):
         other = threading.Thread(target=next_request)
         other.start()
         assert not taken.wait(0.2)  # still held
-        cancel.leave_slot()
+        cancellation.leave_slot()
         assert taken.wait(30)  # the next request got it while this one goes on
         other.join()
-        cancel.leave_slot()  # a second leave is nothing
+        cancellation.leave_slot()  # a second leave is nothing
     assert not slot.busy
 
 
 def test_a_run_not_allowed_to_leave_keeps_the_slot():
     """A long job (a sweep) hands the slot over between its units: leave_slot inside it does nothing."""
-    slot = cancel.Slot()
-    with cancel.scope(), slot.hold():
-        cancel.leave_slot()
+    slot = scheduler.Slot()
+    with cancellation.scope(), slot.hold():
+        cancellation.leave_slot()
         assert slot.busy
         with slot._cond:
             assert slot._holder == threading.get_ident()

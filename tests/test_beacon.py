@@ -8,11 +8,10 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvlab.bounded.beacon import beacon_generate
-from kvlab.compression.beacon_core import BeaconBank, farthest_point_sampling, max_attention_scores
-from kvlab.compression.memory_plan import plan_memory
 from kvlab.context import Context
 from kvlab.methods import MethodError, Request, get_method
-from kvlab.methods.beaconkv import BeaconOptions
+from kvlab.methods.families.beacon import BeaconBank, BeaconOptions, farthest_point_sampling, max_attention_scores
+from kvlab.methods.families.memory_plan import plan_memory
 from kvlab.metrics import head_errors
 from kvlab.pipeline import evaluation
 from kvlab.prompts import ContextTokens
@@ -156,7 +155,7 @@ def eager_beacon_scores(ctx, opts) -> list[torch.Tensor]:
     state), a softmax over the keys at or before its position, then the max over
     the queries and over the query heads of each KV head's group.
     """
-    from kvlab.methods.beaconkv import document_state
+    from kvlab.methods.families.beacon import document_state
     from kvlab.runtime.rope import rope_cos_sin
 
     state = document_state(ctx, opts, None)

@@ -63,10 +63,10 @@ import pytest
 import torch
 
 from conftest import with_template
-from kvlab.compression import engine_format
 from kvlab.compression.interface import Bf16Tolerance
 from kvlab.context import Context, prepare_context
 from kvlab.methods import REGISTRY, Request, beaconkv_mixed, get_method, kivi, summarisation, summary_am, turboquant
+from kvlab.methods.families import engine_format
 from kvlab.metrics import head_errors
 from kvlab.pipeline import evaluation
 from kvlab.runtime.attention import attend, group_queries
@@ -120,7 +120,7 @@ PINNED: dict[str, tuple[ModuleType, str]] = {
     "beaconkv_mixed": (beaconkv_mixed, "context_plan"),
     "summarisation": (summarisation, "write_summary"),
     "summary_am": (summary_am, "write_summary"),
-    # The engine formats' shared byte plan (kvlab/compression/engine_format.py), dtype-dependent as KIVI's.
+    # The engine formats' shared byte plan (kvlab/methods/families/engine_format.py), dtype-dependent as KIVI's.
     "fp8_e4m3": (engine_format, "document_tokens"),
     "fp8_e5m2": (engine_format, "document_tokens"),
     "nvfp4": (engine_format, "document_tokens"),

@@ -24,7 +24,7 @@ httpx = pytest.importorskip("httpx")
 from gradio_client.exceptions import AppError  # noqa: E402
 
 from benchmarks.browser import serve_app  # noqa: E402
-from kvlab import cancel, lab, limits, models  # noqa: E402
+from kvlab import cancellation, lab, limits, models  # noqa: E402
 from kvlab.ui import common  # noqa: E402
 from kvlab.ui import explore as explore_tab  # noqa: E402
 
@@ -152,7 +152,7 @@ def test_stop_ends_the_work_at_its_next_step_and_the_server_goes_on(app):
     assert steps.started.wait(60)
     job.cancel()
     line = stops.wait()
-    assert "Stop was pressed" in line and steps.gone == cancel.STOPPED and steps.after_gone == 0
+    assert "Stop was pressed" in line and steps.gone == cancellation.STOPPED and steps.after_gone == 0
     steps.reset(0.0)
     answered_right(client)
 
@@ -172,7 +172,7 @@ def test_a_client_that_disconnects_stops_within_one_step(app):
             assert steps.started.wait(60)
             next(stream.iter_lines())  # connected; leaving the block drops the connection mid-run
     line = stops.wait()
-    assert "disconnected" in line and steps.gone == cancel.GONE and steps.after_gone == 0
+    assert "disconnected" in line and steps.gone == cancellation.GONE and steps.after_gone == 0
     steps.reset(0.0)
     answered_right(gradio_client.Client(url, verbose=False))
 
@@ -181,7 +181,7 @@ def test_another_clients_run_starts_within_one_unit_of_a_forty_run_sweep(app, mo
     url, steps, _ = app
     steps.reset(0.01)
     ends, resumes, started = [], [], {}
-    between = cancel.between_units
+    between = cancellation.between_units
 
     def timed_between(step=None):
         ends.append(time.monotonic())  # a unit of the sweep is done
@@ -200,7 +200,7 @@ def test_another_clients_run_starts_within_one_unit_of_a_forty_run_sweep(app, mo
         arrivals.append(time.monotonic())  # a request reaches the compute slot
         return bounded(*args, **kwargs)
 
-    monkeypatch.setattr(cancel, "between_units", timed_between)
+    monkeypatch.setattr(cancellation, "between_units", timed_between)
     monkeypatch.setattr(explore_tab, "run_view", timed_run_view)
     monkeypatch.setattr(common, "bounded", timed_bounded)
     sweeper, visitor = gradio_client.Client(url, verbose=False), gradio_client.Client(url, verbose=False)

@@ -1,4 +1,4 @@
-"""No request can stall the lab: bounded work (kvlab.cancel), the fair compute slot, and every entry point's
+"""No request can stall the lab: bounded work (kvlab.cancellation), the fair compute slot, and every entry point's
 inputs checked before work (a hypothesis property over each one).
 
 The app-level checks (a request past the time limit, Stop, a client that disconnects, a sweep sharing the
@@ -16,7 +16,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kvlab import cancel, lab, limits, models  # noqa: E402
+from kvlab import cancellation, lab, limits, models, scheduler  # noqa: E402
 from kvlab.context import prepare_context  # noqa: E402
 from kvlab.contexts import ContextStore  # noqa: E402
 from kvlab.documents import DocumentError  # noqa: E402
@@ -31,7 +31,7 @@ DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(120))
 LAB_ERRORS = (lab.InputError, DocumentError, MethodError, ModelLoadError)
 
 
-def stop_after(n_checkpoints: int, why: str = cancel.TIME):
+def stop_after(n_checkpoints: int, why: str = cancellation.TIME):
     """A scope's ``stopped`` that gives ``why`` from the n-th checkpoint on (a count, not a clock)."""
     calls = [0]
 
@@ -47,23 +47,23 @@ def stop_after(n_checkpoints: int, why: str = cancel.TIME):
 
 def test_outside_a_request_checkpoints_do_nothing():
     for _ in range(3):
-        cancel.checkpoint("anything")
-        cancel.between_units("a unit")
-    assert cancel.current() is None
+        cancellation.checkpoint("anything")
+        cancellation.between_units("a unit")
+    assert cancellation.current() is None
 
 
 def test_a_request_past_its_time_limit_stops_at_its_next_step_naming_the_limit_and_the_step():
-    with cancel.scope(limit_s=0.0) as s, pytest.raises(cancel.Cancelled) as caught:
-        cancel.checkpoint("prefill, 2,048/8,000 tokens")
-    assert caught.value.reason == cancel.TIME and s.steps == 1
+    with cancellation.scope(limit_s=0.0) as s, pytest.raises(cancellation.Cancelled) as caught:
+        cancellation.checkpoint("prefill, 2,048/8,000 tokens")
+    assert caught.value.reason == cancellation.TIME and s.steps == 1
     assert "time limit of 0 s per request (KVLAB_MAX_REQUEST_S) during: prefill, 2,048/8,000 tokens" in str(caught.value)
-    assert cancel.current() is None  # the scope ends with the block
+    assert cancellation.current() is None  # the scope ends with the block
 
 
 @contextlib.contextmanager
 def slot_held_elsewhere():
     """(a slot held by another thread, the event that makes it let go); let go and joined at the end."""
-    slot, held, go = cancel.Slot(), threading.Event(), threading.Event()
+    slot, held, go = scheduler.Slot(), threading.Event(), threading.Event()
 
     def holder() -> None:
         with slot.hold():
@@ -80,7 +80,7 @@ def slot_held_elsewhere():
         t.join()
 
 
-def when_queued(slot: cancel.Slot, then) -> threading.Thread:
+def when_queued(slot: scheduler.Slot, then) -> threading.Thread:
     """A thread that calls ``then()`` once someone waits for ``slot``."""
 
     def watch() -> None:
@@ -94,11 +94,11 @@ def when_queued(slot: cancel.Slot, then) -> threading.Thread:
 
 
 def test_stop_and_disconnect_are_named_and_time_waiting_for_the_slot_is_not_work():
-    for why, words in ((cancel.STOPPED, "Stop was pressed"), (cancel.GONE, "disconnected")):
-        with cancel.scope(stopped=stop_after(2, why)), pytest.raises(cancel.Cancelled, match=words):
-            cancel.checkpoint()
-            cancel.checkpoint()
-    with slot_held_elsewhere() as (slot, go), cancel.scope(limit_s=3600) as s:
+    for why, words in ((cancellation.STOPPED, "Stop was pressed"), (cancellation.GONE, "disconnected")):
+        with cancellation.scope(stopped=stop_after(2, why)), pytest.raises(cancellation.Cancelled, match=words):
+            cancellation.checkpoint()
+            cancellation.checkpoint()
+    with slot_held_elsewhere() as (slot, go), cancellation.scope(limit_s=3600) as s:
         watcher = when_queued(slot, go.set)
         waited = slot.acquire()
         slot.release()
@@ -107,16 +107,16 @@ def test_stop_and_disconnect_are_named_and_time_waiting_for_the_slot_is_not_work
 
 
 def test_the_slot_is_granted_in_arrival_order_and_a_handover_lets_waiters_go_first():
-    slot, order = cancel.Slot(), []
+    slot, order = scheduler.Slot(), []
     go = threading.Event()
 
     def job(name: str, units: int) -> None:
-        with cancel.scope(handover=slot.handover), slot.hold():
+        with cancellation.scope(handover=slot.handover), slot.hold():
             for unit in range(units):
                 order.append(f"{name}{unit}")
                 if name == "sweep" and unit == 0:
                     go.wait(60)  # the two single runs queue behind the sweep's first unit
-                cancel.between_units()
+                cancellation.between_units()
 
     sweep = threading.Thread(target=job, args=("sweep", 3))
     sweep.start()
@@ -137,7 +137,7 @@ def test_the_slot_is_granted_in_arrival_order_and_a_handover_lets_waiters_go_fir
 
 def test_a_request_stopped_while_it_waits_for_the_slot_leaves_the_queue():
     with slot_held_elsewhere() as (slot, _):
-        with cancel.scope(stopped=stop_after(3, cancel.GONE)), pytest.raises(cancel.Cancelled):
+        with cancellation.scope(stopped=stop_after(3, cancellation.GONE)), pytest.raises(cancellation.Cancelled):
             slot.acquire()
         assert slot.waiting == 0
     with slot.hold():  # and the slot is free for the next one
@@ -156,13 +156,13 @@ def test_a_stopped_leader_resolves_its_future_keeps_nothing_and_its_waiter_compu
     def make_then_stop():
         leading.set()
         assert flight_waiters.wait_for(1)  # another request waits on this computation
-        with cancel.scope(stopped=stop_after(1, cancel.STOPPED)):
-            cancel.checkpoint("half way")  # the leader's own request stops here, mid-computation
+        with cancellation.scope(stopped=stop_after(1, cancellation.STOPPED)):
+            cancellation.checkpoint("half way")  # the leader's own request stops here, mid-computation
 
     def leader() -> None:
         try:
             compute_once(lock, flights, "k", find, make_then_stop, keep)
-        except cancel.Cancelled as exc:
+        except cancellation.Cancelled as exc:
             results.append(("leader", exc.reason))
 
     def waiter() -> None:
@@ -175,13 +175,13 @@ def test_a_stopped_leader_resolves_its_future_keeps_nothing_and_its_waiter_compu
     for t in threads:
         t.join(60)
     # The leader's stop reached the leader only; the waiter made the value itself, once, and it was kept.
-    assert sorted(results) == [("leader", cancel.STOPPED), ("waiter", 42)]
+    assert sorted(results) == [("leader", cancellation.STOPPED), ("waiter", 42)]
     assert made == [1] and kept == {"k": 42} and flights == {}
 
 
 def test_a_run_stopped_mid_prefill_keeps_no_context_and_the_next_run_prepares_it(tiny):
     store = ContextStore(budget=1 << 30)
-    with cancel.scope(stopped=stop_after(1, cancel.GONE)), pytest.raises(cancel.Cancelled, match="prefill"):
+    with cancellation.scope(stopped=stop_after(1, cancellation.GONE)), pytest.raises(cancellation.Cancelled, match="prefill"):
         store.get(tiny, DOC)
     assert store.peek(tiny, DOC) is None and not store._flights
     assert store.get(tiny, DOC).length == prepare_context(tiny, DOC).length
@@ -191,7 +191,7 @@ def test_a_sweep_past_its_time_limit_returns_the_runs_done_and_names_those_not_r
     monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
     full = lab.compare(DOC, None, ["streaming_llm"], [2, 4, 8], "w2 w3", max_new_tokens=3)
     units = []
-    with cancel.scope(stopped=lambda: cancel.TIME if len(units) >= 2 else None,
+    with cancellation.scope(stopped=lambda: cancellation.TIME if len(units) >= 2 else None,
                       handover=lambda: units.append(1)):
         cut = lab.compare(DOC, None, ["streaming_llm"], [2, 4, 8], "w2 w3", max_new_tokens=3)
     # Two runs, each as the uncut sweep's (an independent sweep on the same inputs); the third named as not run.
@@ -203,11 +203,11 @@ def test_a_sweep_past_its_time_limit_returns_the_runs_done_and_names_those_not_r
 def test_a_stopped_sweep_with_nothing_done_says_so_and_stop_never_returns_partial_results(tiny, monkeypatch):
     monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
     fresh = " ".join(f"w{(i * 11) % 60 + 2}" for i in range(90))  # nothing of it computed yet
-    with cancel.scope(stopped=stop_after(1, cancel.TIME)), pytest.raises(cancel.Cancelled, match="time limit"):
+    with cancellation.scope(stopped=stop_after(1, cancellation.TIME)), pytest.raises(cancellation.Cancelled, match="time limit"):
         lab.compare(fresh, None, ["streaming_llm"], [2, 4], "w2 w3", max_new_tokens=3)
     units = []
-    with cancel.scope(stopped=lambda: cancel.STOPPED if units else None, handover=lambda: units.append(1)):
-        with pytest.raises(cancel.Cancelled, match="Stop was pressed"):
+    with cancellation.scope(stopped=lambda: cancellation.STOPPED if units else None, handover=lambda: units.append(1)):
+        with pytest.raises(cancellation.Cancelled, match="Stop was pressed"):
             lab.compare(fresh, None, ["streaming_llm"], [2, 4], "w2 w3", max_new_tokens=3)
 
 
@@ -265,10 +265,10 @@ def answers_or_refuses(call) -> object:
 
     Bounded: a generous time limit around it turns an unbounded run into a failure.
     """
-    with cancel.scope(limit_s=60):
+    with cancellation.scope(limit_s=60):
         try:
             got = call()
-        except cancel.Cancelled as exc:
+        except cancellation.Cancelled as exc:
             pytest.fail(f"an input was accepted that ran without bound: {exc}")
         except LAB_ERRORS as exc:
             message = str(exc)
@@ -352,7 +352,7 @@ def test_the_cli_answers_or_refuses_any_input_in_one_line(lab_on_tiny, tmp_path_
     argv = ["run", "--doc", str(doc), "--method", str(v["method"]), "--ratio", str(v["ratio"]),
             "--question", str(v["question"]), "--max-new-tokens", str(v["max_new"]), "--json"]
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), cancel.scope(limit_s=60):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), cancellation.scope(limit_s=60):
         code = main(argv)
     hypothesis.event(f"exit {code}")
     if code == 0:

@@ -56,11 +56,22 @@ def page(tmp_path):
 
 
 def test_explore_then_compare_in_the_browser(app_url, page, tmp_path):
-    expect = sync_api.expect
+    """The first visit's Run, its answers, figures and token view; the methods' preparation; the
+    screenshot; then a small sweep in the Compare tab."""
     examples = lab.examples()
     assert examples, "the bundled examples should load"
     example = examples[0]
+    opens_on_the_first_example(page, app_url, example)
+    run_shows_answers_figures_and_tokens(page, example)
+    answers_are_marked_in_coloured_words(page, example)
+    picking_a_method_prepares_only_document_work(page)
+    take_screenshot(page, tmp_path)
+    compare_sweeps_one_method_at_two_ratios(page)
 
+
+def opens_on_the_first_example(page, app_url: str, example) -> None:
+    """The page opens on the first example and its first question, prepared, with the defaults."""
+    expect = sync_api.expect
     # The page opens on the first example and its first question: a first click on Run works.
     page.goto(app_url, wait_until="domcontentloaded")
     expect(page.locator("#kvlab-text textarea")).to_have_value(re.compile(r"\S{20,}"), timeout=20_000)
@@ -73,6 +84,10 @@ def test_explore_then_compare_in_the_browser(app_url, page, tmp_path):
     expect(page.locator("#kvlab-method input")).to_have_value(re.compile("^" + re.escape(default_method())))
     expect(page.locator("#kvlab-model input")).to_have_value(re.compile(r"\(default\)"))
 
+
+def run_shows_answers_figures_and_tokens(page, example) -> None:
+    """A short Run shows both answers, the error heatmap, the document's tokens and the summary."""
+    expect = sync_api.expect
     # A short answer keeps the test quick.
     page.locator("#kvlab-advanced").get_by_text("Advanced", exact=True).first.click()
     length = page.locator("#kvlab-max-new input[type=number]")
@@ -96,8 +111,11 @@ def test_explore_then_compare_in_the_browser(app_url, page, tmp_path):
     expect(tokens).to_contain_text(example.text()[:30].split("\n")[0], timeout=30_000)
     expect(page.locator("#kvlab-summary")).to_contain_text("keys stored per head")
 
-    # The first question has a gold answer: each answer is marked right or wrong, in words on a
-    # green or red ground (no emoji: Debian's Chromium has no emoji font and would draw a box).
+
+def answers_are_marked_in_coloured_words(page, example) -> None:
+    """The first question has a gold answer: each answer is marked right or wrong, in words on a
+    green or red ground (no emoji: Debian's Chromium has no emoji font and would draw a box)."""
+    expect = sync_api.expect
     expect(page.locator("#kvlab-mark-full")).to_contain_text(f"(expected: {example.answers[0]})")
     for box in ("#kvlab-mark-full", "#kvlab-mark-compressed"):
         mark = page.locator(f"{box} .kvlab-mark")
@@ -107,8 +125,11 @@ def test_explore_then_compare_in_the_browser(app_url, page, tmp_path):
         assert colour == {"right": "rgb(21, 128, 61)", "wrong": "rgb(185, 28, 28)"}[word], (word, colour)
         assert mark.bounding_box()["width"] > 20  # drawn as text, not an empty glyph
 
-    # Picking a method prepares it only when it has document-only work: SnapKV sends nothing (the
-    # status still names the last method prepared), KVzip's reconstruction pass runs at once.
+
+def picking_a_method_prepares_only_document_work(page) -> None:
+    """Picking a method prepares it only when it has document-only work: SnapKV sends nothing (the
+    status still names the last method prepared), KVzip's reconstruction pass runs at once."""
+    expect = sync_api.expect
     status = page.locator("#kvlab-doc-status")
     expect(status).to_contain_text(f"{default_method()} prepared")
     pick_method(page, "snapkv")
@@ -118,6 +139,9 @@ def test_explore_then_compare_in_the_browser(app_url, page, tmp_path):
     expect(status).to_contain_text("kvzip prepared", timeout=RUN_TIMEOUT_MS)
     pick_method(page, default_method())
 
+
+def take_screenshot(page, tmp_path: Path) -> None:
+    """The page's picture (for the README when KVLAB_SCREENSHOT names where)."""
     # Fold "Advanced" away and let plotly finish drawing before the picture for the README.
     page.locator("#kvlab-advanced").get_by_text("Advanced", exact=True).first.click()
     page.wait_for_timeout(1500)
@@ -126,7 +150,10 @@ def test_explore_then_compare_in_the_browser(app_url, page, tmp_path):
     page.screenshot(path=str(screenshot), full_page=True)
     assert screenshot.stat().st_size > 10_000
 
-    # Compare: one cheap method at two ratios on the same document (its prefill is reused).
+
+def compare_sweeps_one_method_at_two_ratios(page) -> None:
+    """Compare: one cheap method at two ratios on the same document (its prefill is reused)."""
+    expect = sync_api.expect
     page.get_by_role("tab", name="Compare").click()
     methods = page.locator("#kvlab-compare-methods")
     expect(methods).to_be_visible()

@@ -1,4 +1,4 @@
-"""kvlab.compression.catalog and option validation: knobs reflected from the Options
+"""kvlab.catalog and option validation: knobs reflected from the Options
 dataclasses, bad values refused in one line (library and CLI), the published
 Attention Matching presets, and the methods' own Learn text."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import method_sections
+from kvlab import catalog
 from kvlab.cli import build_parser, main
-from kvlab.compression import catalog
 from kvlab.compression.interface import FAMILIES
 from kvlab.compression.selection import SelectionOptions
 from kvlab.methods import REGISTRY, MethodError, get_method
@@ -282,7 +282,7 @@ def test_every_method_has_a_learn_text_and_no_default_in_its_prose(name):
 
 def test_docs_methods_table_is_the_catalogs():
     """docs/methods.md holds methods_table() between its markers (regenerate: python -c "from pathlib import
-    Path; import kvlab.methods; from kvlab.compression.catalog import with_methods_table as w;
+    Path; import kvlab.methods; from kvlab.catalog import with_methods_table as w;
     p = Path('docs/methods.md'); p.write_text(w(p.read_text()))")."""
     doc = (Path(__file__).resolve().parent.parent / "docs" / "methods.md").read_text(encoding="utf-8")
     assert doc == catalog.with_methods_table(doc), "docs/methods.md's methods table is stale: see this test's docstring"

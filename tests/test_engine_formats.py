@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import with_template
-from kvlab.compression.engine_format import K_SCALE_CONSTANT, V_SCALE_CONSTANT
 from kvlab.context import prepare_context
 from kvlab.methods import MethodError, Request, get_method
+from kvlab.methods.families.engine_format import K_SCALE_CONSTANT, V_SCALE_CONSTANT
 from kvlab.runtime.decode import extend, open_session
 from kvlab.runtime.engine_formats import (
     FP4Segment,

@@ -10,7 +10,7 @@ import torch
 from test_methods import templated  # noqa: F401  (a fixture: their 96-token document behind a two-token template prefix)
 from transformers import DynamicCache
 
-from kvlab.compression.catalog import knobs, method_markdown
+from kvlab.catalog import knobs, method_markdown
 from kvlab.methods import MethodError, Request, get_method
 
 PREFIX = 2

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from kvlab.bounded import generate
-from kvlab.bounded.generate import H2OPolicy, run_policy
-from kvlab.bounded.policies import BOUNDED, POLICIES, make_policy
+from kvlab.bounded.generate import run_policy
+from kvlab.bounded.policies import bounded_policies, make_policy, policy_names
+from kvlab.bounded.policies.h2o import H2OPolicy
 from kvlab.compression.scoring import pool_group
 from kvlab.runtime.decode import greedy
 
@@ -19,7 +20,7 @@ def _run(lm, name, budget, n_new=60, chunk=1, forced=None, stop=False):
     return policy, run_policy(policy, PROMPT, n_new, forced=forced, chunk=chunk, stop=stop)
 
 
-@pytest.mark.parametrize("name", BOUNDED)
+@pytest.mark.parametrize("name", bounded_policies())
 def test_the_cache_never_exceeds_its_budget(tiny, name, monkeypatch):
     budget, held = 48, []
     real_extend = generate.extend
@@ -38,7 +39,7 @@ def test_the_cache_never_exceeds_its_budget(tiny, name, monkeypatch):
     assert run.events, "100 tokens in a budget of 48 must shrink the cache"
 
 
-@pytest.mark.parametrize("name", list(POLICIES))
+@pytest.mark.parametrize("name", policy_names())
 def test_with_room_for_everything_every_method_is_plain_greedy(tiny, name):
     reference = greedy(tiny, None, PROMPT, 30)
     _, run = _run(tiny, name, budget=PROMPT.numel() + 30, n_new=30, chunk=16, stop=True)
@@ -109,9 +110,21 @@ def test_teacher_forcing_scores_the_given_text(tiny):
 def test_a_budget_too_small_is_refused_in_one_line(tiny):
     from kvlab.methods import MethodError
 
-    for name in BOUNDED:
+    for name in bounded_policies():
         with pytest.raises(MethodError, match="budget"):
             _run(tiny, name, budget=6, chunk=4)
+
+
+def test_docs_policies_table_is_the_registrys():
+    """docs/architecture.md holds policies_table() between its markers, every registered policy a row."""
+    from pathlib import Path
+
+    from kvlab.bounded.registry import TABLE_BEGIN, TABLE_END, policies_table
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = f"{TABLE_BEGIN}\n{policies_table()}\n{TABLE_END}"
+    assert block in doc, f"docs/architecture.md's policies table is stale; put this in its place:\n{block}"
+    assert all(f"| `{name}` |" in block for name in policy_names())
 
 
 # --- the lab, the task, the figures, the CLI ------------------------------------

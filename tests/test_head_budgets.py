@@ -14,13 +14,14 @@ import torch
 
 from kvlab.compression.block_solve import BlockJob, solve_ragged
 from kvlab.compression.budget_profiles import BUDGET_DIR, allocate, budgets_text, cap_shares, find_profile, profile_name
-from kvlab.compression.compaction import AMOptions, compact_cache
 from kvlab.compression.options import MethodError
 from kvlab.compression.request import Request
 from kvlab.compression.solvers.compact import compact_block
 from kvlab.context import prepare_context
 from kvlab.lab.budget_sweep import save_profile, sensitivity_sweep
 from kvlab.methods import get_method
+from kvlab.methods.families.attention_matching import AMOptions
+from kvlab.methods.families.compaction import compact_cache
 from kvlab.metrics import head_errors, output_shares, reference_attention, weighted_output_error
 from kvlab.pipeline import evaluation
 from kvlab.queries import repeat_queries

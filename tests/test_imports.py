@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS: list[tuple[str, list[str]]] = [
     ("plain helpers: paths, limits, messages, the figures (no model code)",
      ["kvlab.paths", "kvlab.limits", "kvlab.messages", "kvlab.figures"]),
-    ("cancellation and the compute slot; values made once", ["kvlab.cancel", "kvlab.memo"]),
+    ("cancellation and the compute slot; values made once", ["kvlab.cancellation", "kvlab.scheduler", "kvlab.memo"]),
     ("text in: documents, the chat template, the bundled examples", ["kvlab.documents", "kvlab.prompts", "kvlab.examples"]),
     ("the runtime: a loaded model's geometry, the attention maths and its decode kernel, caches, decode",
      ["kvlab.runtime"]),
@@ -33,13 +33,17 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("a document read by a model, its reference queries, the errors of a cache",
      ["kvlab.context", "kvlab.contexts", "kvlab.queries", "kvlab.metrics"]),
     ("the compression core", ["kvlab.compression"]),
+    ("what the methods share, by family: the shared scorers, a family's base and machinery (not methods)",
+     ["kvlab.methods.families"]),
     ("the methods (found by discovery)", ["kvlab.methods"]),
+    ("the catalog: the methods as front ends show them", ["kvlab.catalog"]),
     ("one run", ["kvlab.pipeline"]),
+    ("a compressed cache in a researcher's own code: their model, transformers' generate, a file", ["kvlab.api"]),
     ("generation with a bounded cache", ["kvlab.bounded"]),
     ("tasks with known answers", ["kvlab.tasks"]),
     ("the lab layer", ["kvlab.lab"]),
     ("the front ends and what tests build on them",
-     ["kvlab.ui", "kvlab.cli", "kvlab.bench_command", "kvlab.__main__", "kvlab.testing"]),
+     ["kvlab.ui", "kvlab.cli", "kvlab.bench_command", "kvlab.cache_command", "kvlab.__main__", "kvlab.testing"]),
 ]
 #: The package itself (its __init__) imports nothing below it; every layer may name it.
 ROOT_PACKAGE = "kvlab"
@@ -220,6 +224,51 @@ def test_the_layer_check_sees_an_upward_import_and_only_it() -> None:
                                              "kvlab.low.b (low) imports kvlab.low.top (high)"]
 
 
+def sibling_imports(graph: dict[str, set[str]], package: str = "kvlab.methods",
+                    shared: str = "kvlab.methods.families") -> list[str]:
+    """Every import of a module of ``package`` (its ``__init__`` included) by another, but of ``shared``."""
+    return [f"{a} imports {b}" for a, targets in sorted(graph.items()) if under(a, package) and not under(a, shared)
+            for b in sorted(targets) if under(b, package) and not under(b, shared)]
+
+
+def test_a_layer_inside_a_higher_package_is_checked_both_ways(tmp_path: Path) -> None:
+    """A subpackage that is a layer below its own package (kvlab.methods.families under kvlab.methods):
+    its package's modules import it, it imports none of them nor the package (whose ``__init__`` is
+    above it), and a module below both that imports it is caught twice (importing it runs the package's
+    ``__init__`` first)."""
+    layers = [("core", ["kvlab.core"]), ("shared", ["kvlab.methods.shared"]), ("methods", ["kvlab.methods"]),
+              ("high", ["kvlab.high"])]
+    files = {"__init__.py": "", "core/__init__.py": "", "core/low.py": "from kvlab.methods.shared import s\n",
+             "methods/__init__.py": "from kvlab.core import low\n",
+             "methods/a.py": "from kvlab.methods.shared.s import f\n",
+             "methods/b.py": "from kvlab.methods import a\n", "methods/shared/__init__.py": "",
+             "methods/shared/s.py": "from kvlab.methods.shared import t\ndef f(): pass\n",
+             "methods/shared/t.py": "from kvlab.methods import MethodError\n",
+             "high.py": "import kvlab.methods.shared.s\n"}
+    for name, text in files.items():
+        (tmp_path / "kvlab" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "kvlab" / name).write_text(text)
+    graph = import_graph(module_files(tmp_path))
+    assert graph["kvlab.methods.a"] == {"kvlab.methods.shared.s", "kvlab.methods.shared"}
+    assert graph["kvlab.methods.shared.s"] == {"kvlab.methods.shared.t"}  # inside both packages already
+    assert graph["kvlab.high"] == {"kvlab.methods.shared.s", "kvlab.methods.shared", "kvlab.methods"}
+    assert upward_imports(graph, layers) == [
+        "kvlab.core.low (core) imports kvlab.methods (methods)",
+        "kvlab.core.low (core) imports kvlab.methods.shared (shared)",
+        "kvlab.core.low (core) imports kvlab.methods.shared.s (shared)",
+        "kvlab.methods.shared.t (shared) imports kvlab.methods (methods)",
+    ]
+    assert sibling_imports(graph, "kvlab.methods", "kvlab.methods.shared") == [
+        "kvlab.methods.b imports kvlab.methods.a"]
+
+
+def test_no_method_imports_another(graph: dict[str, set[str]]) -> None:
+    """A method's file imports what its family shares (kvlab.methods.families) and the layers below, never
+    another method's file: adding, renaming or removing a method is one file."""
+    wrong = sibling_imports(graph)
+    assert not wrong, "\n".join(wrong)
+
+
 def test_every_module_has_a_layer(graph: dict[str, set[str]]) -> None:
     missing = [m for m in graph if m != ROOT_PACKAGE and layer_of(m) is None]
     assert not missing, f"modules in no layer of LAYERS: {', '.join(missing)}"
@@ -262,11 +311,13 @@ def test_a_submodule_import_counts_its_packages_init(tmp_path: Path) -> None:
     assert "kvlab.ui.app" in reachable(graph, "kvlab.lab.warm")
 
 
-def test_the_compression_cores_packages_run_nothing_on_import() -> None:
-    """Importing kvlab.compression (or its subpackages) runs no module: the core is imported piece by piece."""
+@pytest.mark.parametrize("root", ["kvlab.compression", "kvlab.methods.families"])
+def test_the_compression_cores_packages_run_nothing_on_import(root: str) -> None:
+    """Importing kvlab.compression (or its subpackages) runs no module: the core is imported piece by piece;
+    so is what the methods share (kvlab.methods.families)."""
     files = module_files()
-    inits = {m: path for m, (path, package) in files.items() if package and under(m, "kvlab.compression")}
-    assert "kvlab.compression" in inits
+    inits = {m: path for m, (path, package) in files.items() if package and under(m, root)}
+    assert root in inits
     busy = [m for m, path in inits.items()
             if any(not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
                    for node in ast.parse(path.read_text(encoding="utf-8")).body)]

@@ -91,10 +91,10 @@ def test_preparing_kvzip_scores_the_document_so_a_run_only_selects(tiny, monkeyp
     monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
     text = DOC + " w4 w4 w9"
     lab.prepare_document(text, None, "kvzip")
-    import kvlab.methods.kvzip as kvzip_module
+    import kvlab.methods.families.scorers as scorers_module
 
     monkeypatch.setattr(queries_module, "_session_after", lambda *a, **k: pytest.fail("reconstruction pass again"))
-    monkeypatch.setattr(kvzip_module, "received_attention", lambda *a, **k: pytest.fail("scored again"))
+    monkeypatch.setattr(scorers_module, "received_attention", lambda *a, **k: pytest.fail("scored again"))
     ex = lab.explore(text, None, "kvzip", 4, "w5 w6", max_new_tokens=2)
     monkeypatch.undo()
     fresh = REGISTRY["kvzip"]().compress(Request(prepare_context(tiny, text), 4.0))

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import pytest
@@ -31,7 +32,7 @@ gradio_client = pytest.importorskip("gradio_client")
 httpx = pytest.importorskip("httpx")
 
 from benchmarks.browser import serve_app  # noqa: E402
-from kvlab import cancel, lab, limits, models  # noqa: E402
+from kvlab import cancellation, lab, limits, models  # noqa: E402
 from kvlab.context import prepare_context  # noqa: E402
 from kvlab.contexts import CONTEXTS, ContextStore  # noqa: E402
 from kvlab.pipeline import evaluation  # noqa: E402
@@ -194,14 +195,14 @@ def test_two_hundred_questions_keep_one_documents_memory_bounded(tiny, monkeypat
 
 class StepsAfterGone:
     """The server's per-step check (kvlab.ui.common.requester_gone), counting steps a request ran after it
-    was once told its requester is gone (must stay 0), per request (kvlab.cancel scope)."""
+    was once told its requester is gone (must stay 0), per request (kvlab.cancellation scope)."""
 
     def __init__(self, real) -> None:
         self.real, self.after_gone, self.gone, self.calls = real, 0, [], 0
         self.started = threading.Event()
 
     def __call__(self) -> str | None:
-        scope = cancel.current()
+        scope = cancellation.current()
         self.calls += 1
         self.started.set()
         if any(s is scope for s in self.gone):
@@ -210,6 +211,46 @@ class StepsAfterGone:
         if why is not None:
             self.gone.append(scope)
         return why
+
+
+def mixed_calls(clients: list) -> list[tuple[str, Callable[[], object]]]:
+    """(name, call returning what the client shows) for SESSIONS Explore runs, a Generate and a sweep."""
+
+    def explore(i: int) -> object:
+        out = clients[i].predict(text=document(WORDS[i], i), method=METHODS[i], ratio=2, question=QUESTION,
+                                 max_new_tokens=10, api_name="/run")
+        return shown(out[1])
+
+    def generate() -> object:
+        return clients[SESSIONS].predict(source_="the prompt below", prompt_="Write the word heron three times.",
+                                         methods_=["h2o"], budget_=48, max_new_=24, api_name="/generate")[0]
+
+    def sweep() -> object:
+        return clients[SESSIONS + 1].predict(text=document("copper", 50), methods=["streaming_llm", "tova"],
+                                             ratios=[2, 5], more_ratios="", question=QUESTION, max_new_tokens=10,
+                                             api_name="/compare")[1]
+
+    return [(f"explore {i}", lambda i=i: explore(i)) for i in range(SESSIONS)] + [("generate", generate),
+                                                                                   ("sweep", sweep)]
+
+
+def run_at_once(calls: list[tuple[str, Callable[[], object]]], stopper) -> dict[str, object]:
+    """Every call in its own thread, ``stopper`` cancelled once they started: name -> result or exception."""
+    results: dict[str, object] = {}
+
+    def guarded_call(name: str, work: Callable[[], object]) -> None:
+        try:
+            results[name] = work()
+        except Exception as exc:  # noqa: BLE001 - reported by the caller
+            results[name] = exc
+
+    threads = [threading.Thread(target=guarded_call, args=call) for call in calls]
+    for t in threads:
+        t.start()
+    stopper.cancel()
+    for t in threads:
+        t.join(4 * LOAD_TIMEOUT_S)
+    return results
 
 
 def test_explore_clients_beside_a_generate_and_sweeps_with_one_stopped_mid_run(app_url, monkeypatch, caplog):
@@ -231,39 +272,7 @@ def test_explore_clients_beside_a_generate_and_sweeps_with_one_stopped_mid_run(a
     stopper = clients[-1].submit(text=document("lantern", 99), methods=METHODS[:4], ratios=[2, 5, 10, 20, 50],
                                  more_ratios="", question=QUESTION, max_new_tokens=10, api_name="/compare")
     assert steps.started.wait(LOAD_TIMEOUT_S)
-    results: dict[str, object] = {}
-
-    def explore(i: int) -> None:
-        out = clients[i].predict(text=document(WORDS[i], i), method=METHODS[i], ratio=2, question=QUESTION,
-                                 max_new_tokens=10, api_name="/run")
-        results[f"explore {i}"] = shown(out[1])
-
-    def generate() -> None:
-        out = clients[SESSIONS].predict(source_="the prompt below", prompt_="Write the word heron three times.",
-                                        methods_=["h2o"], budget_=48, max_new_=24, api_name="/generate")
-        results["generate"] = out[0]
-
-    def sweep() -> None:
-        out = clients[SESSIONS + 1].predict(text=document("copper", 50), methods=["streaming_llm", "tova"],
-                                            ratios=[2, 5], more_ratios="", question=QUESTION, max_new_tokens=10,
-                                            api_name="/compare")
-        results["sweep"] = out[1]
-
-    def guarded_call(name: str, work) -> None:
-        try:
-            work()
-        except Exception as exc:  # noqa: BLE001 - reported below
-            results[name] = exc
-
-    threads = [threading.Thread(target=guarded_call, args=(f"explore {i}", lambda i=i: explore(i)))
-               for i in range(SESSIONS)]
-    threads += [threading.Thread(target=guarded_call, args=(name, work))
-                for name, work in (("generate", generate), ("sweep", sweep))]
-    for t in threads:
-        t.start()
-    stopper.cancel()
-    for t in threads:
-        t.join(4 * LOAD_TIMEOUT_S)
+    results = run_at_once(mixed_calls(clients), stopper)
     failures = {k: v for k, v in results.items() if isinstance(v, Exception)}
     assert len(results) == SESSIONS + 2 and not failures, failures
     for i in range(SESSIONS):

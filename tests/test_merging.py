@@ -7,15 +7,16 @@ from transformers' eager attention and its own cache; keep-all logits; bytes by 
 from __future__ import annotations
 
 import math
+import typing
 
 import pytest
 import torch
 from test_methods import templated  # noqa: F401  (a fixture: a 96-token document behind a two-token template prefix)
 from transformers import DynamicCache
 
-from kvlab.compression.merging_core import kept_mask
 from kvlab.methods import MethodError, Request, get_method
 from kvlab.methods.cam import cam_merge, cam_merge_probability, cam_windows
+from kvlab.methods.families.merging import SCORERS, kept_mask
 from kvlab.methods.merging import EPS, fold_into_targets, merge_weights, nearest_kept
 from kvlab.runtime.decode import extend, open_session
 
@@ -257,3 +258,20 @@ def test_merged_keys_are_the_kept_tokens_own(ctx):
             for head in range(ctx.lm.n_kv_heads):
                 real = view.token_index[head] >= 0
                 assert torch.equal(view.keys[head][real], ctx.full.keys[layer][head, view.token_index[head][real]])
+
+
+SCORER_CHOICES = [(name, scorer) for name in ("cam", "merging")
+                  for scorer in typing.get_args(typing.get_type_hints(get_method(name).Options)["scorer"])]
+
+
+@pytest.mark.parametrize(("name", "scorer"), SCORER_CHOICES)
+def test_the_scorer_knob_keeps_what_the_named_method_keeps(ctx, name, scorer):
+    """Each value of a merging method's ``scorer`` knob selects the tokens the registered method of that
+    name keeps at its own defaults (kvlab.methods.families.merging.SCORERS, a table of the shared scorers,
+    not a look-up of the method): only the values change."""
+    assert scorer in SCORERS
+    merged = get_method(name, scorer=scorer).compress(Request(ctx, 4.0))
+    alone = get_method(scorer).compress(Request(ctx, 4.0))
+    for layer in range(ctx.lm.n_layers):
+        for head in range(ctx.lm.n_kv_heads):
+            assert stored_tokens(merged, layer, head).keys() == stored_tokens(alone, layer, head).keys(), (layer, head)

@@ -11,12 +11,13 @@ import torch
 import kvlab.methods
 from conftest import with_template
 from kvlab.compression.budget_profiles import allocate, cap_shares
-from kvlab.compression.compaction import AMOptions, compact_cache, fitting_queries, reference_queries
 from kvlab.compression.interface import FAMILIES, Bf16Tolerance
 from kvlab.compression.paper import Baseline, Paper
-from kvlab.compression.solvers.compact import compact_block
+from kvlab.compression.solvers.compact import FitSettings, compact_block
 from kvlab.context import prepare_context
 from kvlab.methods import REGISTRY, MethodError, Request, get_method
+from kvlab.methods.families.attention_matching import AMOptions, fitting_queries, reference_queries
+from kvlab.methods.families.compaction import compact_cache
 from kvlab.metrics import head_errors, percentile_levels, question_attention
 from kvlab.pipeline import evaluation
 from kvlab.queries import repeat_queries
@@ -47,8 +48,11 @@ def templated(tiny):
 
 
 def test_every_module_of_the_methods_package_registers_one_method_named_as_its_file():
-    """Discovery (kvlab.compression.registry.discover): the package's files are the methods, one each."""
-    files = sorted(info.name for info in pkgutil.iter_modules(kvlab.methods.__path__))
+    """Discovery (kvlab.compression.registry.discover): the package's files are the methods, one each;
+    its subpackage of what the families share (kvlab.methods.families) registers none."""
+    modules = list(pkgutil.iter_modules(kvlab.methods.__path__))
+    files = sorted(info.name for info in modules if not info.ispkg)
+    assert sorted(info.name for info in modules if info.ispkg) == ["families"]
     by_module: dict[str, list[str]] = {}
     for name, cls in REGISTRY.items():
         by_module.setdefault(cls.__module__, []).append(name)
@@ -93,7 +97,7 @@ def test_a_keep_all_fit_reproduces_the_block(ctx):
     for layer, q in enumerate(reference_queries(ctx, AMOptions(), None)):
         grouped = fitting_queries(q, ctx.lm.n_kv_heads, AMOptions())
         keys, values = ctx.full.keys[layer], ctx.full.values[layer]
-        fit = compact_block(grouped, keys, values, keys.shape[1], nnls_iters=50)
+        fit = compact_block(grouped, keys, values, keys.shape[1], fit=FitSettings(nnls_iters=50))
         assert torch.equal(fit.index.sort(dim=-1).values, torch.arange(keys.shape[1]).expand_as(fit.index))
         logits = grouped.double() @ keys.double().transpose(1, 2) * scale
         compact = grouped.double() @ fit.keys.double().transpose(1, 2) * scale + fit.bias.double().unsqueeze(1)

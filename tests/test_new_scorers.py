@@ -28,7 +28,7 @@ from test_scorers import (  # noqa: F401 - fixtures
 )
 
 from kvlab.methods import MethodError, Request, get_method
-from kvlab.methods.leverage import RIDGE, gaussian_sketches
+from kvlab.methods.families.scorers import RIDGE, gaussian_sketches
 from kvlab.prompts import question_tokens, repeat_tokens
 
 EPS32 = 2.0**-23

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.compression.memory_plan import plan_memory
 from kvlab.context import prepare_context
 from kvlab.methods import MethodError, Request, get_method
+from kvlab.methods.families.memory_plan import plan_memory
 from kvlab.metrics import head_errors
 from kvlab.pipeline import evaluation
 from kvlab.runtime.cache import CompressedKV, DenseSegment

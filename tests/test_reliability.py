@@ -7,6 +7,7 @@ import os
 import threading
 import types
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,13 +15,20 @@ import torch
 
 from conftest import tiny_llama
 from kvlab import lab, limits, models, pipeline
-from kvlab.context import prepare_context
+from kvlab.context import Memo, prepare_context
 from kvlab.contexts import CONTEXTS, ContextStore
 from kvlab.documents import DocumentError
 from kvlab.memo import held_bytes
-from kvlab.queries import question_queries
+from kvlab.queries import QuestionQueries, question_queries
 
 DOC = " ".join(f"w{(i * 5) % 60 + 2}" for i in range(90))
+
+
+@dataclass(frozen=True)
+class Note(Memo):
+    """A memo of the tests' own, named by ``name``."""
+
+    name: object
 
 
 def with_limits(monkeypatch, **changes) -> None:
@@ -106,13 +114,13 @@ def test_racing_requests_compute_a_value_once_and_do_not_block_other_keys(tiny, 
         released.append(release.wait(60))  # False: nobody released it, the guard ran out
         return [torch.ones(3)]
 
-    threads = [threading.Thread(target=lambda: got.append(ctx.cached("memos", "k", slow))) for _ in range(3)]
+    threads = [threading.Thread(target=lambda: got.append(ctx.cached(Note("k"), slow))) for _ in range(3)]
     for t in threads:
         t.start()
     assert flight_waiters.wait_for(2)  # "k" is in flight, two requests wait on it
     # Meanwhile (the lock is free) another key is made and read; had it waited for "k", "k" would
     # have been let go by its guard running out, not by this test.
-    assert ctx.cached("memos", "other", lambda: 7) == 7
+    assert ctx.cached(Note("other"), lambda: 7) == 7
     release.set()
     for t in threads:
         t.join()
@@ -129,7 +137,7 @@ def test_a_failure_reaches_every_waiter_and_nothing_is_kept(tiny, flight_waiters
 
     def ask():
         try:
-            ctx.cached("memos", "k", failing)
+            ctx.cached(Note("k"), failing)
         except RuntimeError as exc:
             errors.append(str(exc))
 
@@ -138,8 +146,8 @@ def test_a_failure_reaches_every_waiter_and_nothing_is_kept(tiny, flight_waiters
         t.start()
     for t in threads:
         t.join()
-    assert joined == [True] and errors == ["no luck", "no luck"] and "k" not in ctx.memos
-    assert ctx.cached("memos", "k", lambda: 1) == 1
+    assert joined == [True] and errors == ["no luck", "no luck"] and Note("k") not in ctx.memos
+    assert ctx.cached(Note("k"), lambda: 1) == 1
 
 
 def test_two_requests_for_one_question_answer_it_once(tiny, monkeypatch, flight_waiters):
@@ -181,7 +189,7 @@ def test_a_document_remembers_its_latest_questions_only(tiny, monkeypatch):
     pipeline.evaluation(ctx, asked[3], 2)  # used again: the most recent now
     assert ctx.questions == [asked[4], asked[5], asked[3]]
     assert [q for q in asked if pipeline.has_evaluation(ctx, q, 2)] == asked[3:]
-    assert sorted(ctx.queries) == sorted(["context"] + [f"question:{q}" for q in asked[3:]])
+    assert set(ctx.queries) == {"context", *(QuestionQueries(question=q) for q in asked[3:])}
 
 
 def test_a_context_over_its_budget_drops_its_oldest_entries(tiny):
@@ -189,8 +197,8 @@ def test_a_context_over_its_budget_drops_its_oldest_entries(tiny):
     one = torch.zeros(1000)  # 4000 bytes each
     ctx.budget = ctx.nbytes + 3 * 4000
     for i in range(6):
-        ctx.cached("memos", i, lambda: one.clone())
-    assert sorted(ctx.memos) == [3, 4, 5] and ctx.nbytes <= ctx.budget
+        ctx.cached(Note(i), lambda: one.clone())
+    assert set(ctx.memos) == {Note(3), Note(4), Note(5)} and ctx.nbytes <= ctx.budget
     # What is kept is what it says: the cache, the tokens and queries, plus three memos.
     base = sum(t.untyped_storage().nbytes() for t in [*ctx.full.keys, *ctx.full.values, ctx.tokens.ids,
                                                        *ctx.queries["context"]])
@@ -207,7 +215,7 @@ def test_the_store_evicts_least_recently_used_contexts_by_bytes(tiny):
     assert store.peek(tiny, docs[0]) is first and store.peek(tiny, docs[1]) is None
     assert store.nbytes <= store.budget
     # A context that grows past the budget pushes out the others, never itself.
-    first.cached("memos", "big", lambda: torch.zeros(2 * size // 4))
+    first.cached(Note("big"), lambda: torch.zeros(2 * size // 4))
     assert store.peek(tiny, docs[0]) is first and store.peek(tiny, docs[2]) is None
     del second
 

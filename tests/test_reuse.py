@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvlab.pipeline as pipeline
-from kvlab.compression.interface import EvictionMethod
+from kvlab.compression.interface import EvictionMethod, MethodScores
 from kvlab.context import prepare_context
 from kvlab.methods import REGISTRY, Request, get_method
 from kvlab.pipeline import run
@@ -46,17 +46,17 @@ def test_a_second_ratio_reuses_the_scores_and_selects_as_from_scratch(tiny, monk
 
 
 def test_kvzips_scores_are_held_once_and_its_reconstruction_runs_once(tiny, monkeypatch):
-    import kvlab.methods.kvzip as kvzip
+    import kvlab.methods.families.scorers as scorers
 
     passes = []
-    real = kvzip.repeat_pass
-    monkeypatch.setattr(kvzip, "repeat_pass", lambda *a, **kw: passes.append(1) or real(*a, **kw))
+    real = scorers.repeat_pass
+    monkeypatch.setattr(scorers, "repeat_pass", lambda *a, **kw: passes.append(1) or real(*a, **kw))
     ctx = prepare_context(tiny, DOCUMENT)
     for ratio in (2.0, 6.0):
         get_method("kvzip").compress(Request(ctx, ratio, QUESTION))
     assert passes == [1]
-    score_memos = [k for k in ctx.memos if isinstance(k, tuple) and k[0] in ("kvzip", "scores")]
-    assert score_memos == [("kvzip", 4, kvzip.KVzipOptions().instruction)]  # not a second copy per options
+    score_memos = [k for k in ctx.memos if isinstance(k, (scorers.KVzipScores, MethodScores))]
+    assert score_memos == [scorers.KVzipScores(4, scorers.KVzipOptions().instruction)]  # not a second copy per options
 
 
 def counting(monkeypatch) -> dict[str, int]:

@@ -8,7 +8,7 @@ import torch
 
 from kvlab.context import prepare_context
 from kvlab.methods import Request
-from kvlab.methods.kvzip import KVzipOptions, kvzip_scores
+from kvlab.methods.families.scorers import KVzipOptions, kvzip_scores
 from kvlab.prompts import repeat_tokens
 from kvlab.queries import repeat_pass, repeat_queries
 from kvlab.runtime.attention import attend, attention_logits, causal_attention, softmax_

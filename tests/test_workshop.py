@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlab import cancel, cli, models, results
+from kvlab import cancellation, cli, models, results, scheduler
 from kvlab.lab.explore import explore_key
 from kvlab.lab.warm import SheetError, parse_sheet, read_sheet
 from kvlab.memo import MISSING
@@ -150,15 +150,15 @@ def test_a_run_key_is_the_file_digest_of_the_model_and_follows_every_input(monke
 # --------------------------------------------------------------------------- the compute slot
 
 
-def _queue(slot: cancel.Slot, name: str, order: list, errors: list, **who) -> threading.Thread:
+def _queue(slot: scheduler.Slot, name: str, order: list, errors: list, **who) -> threading.Thread:
     """A request that takes the slot once (appending ``name`` to ``order``), started and queued before returning."""
     before = slot.waiting
 
     def work() -> None:
         try:
-            with cancel.scope(**who), slot.hold():
+            with cancellation.scope(**who), slot.hold():
                 order.append(name)
-        except (cancel.Cancelled, cancel.Busy) as exc:
+        except (cancellation.Cancelled, scheduler.Busy) as exc:
             errors.append((name, exc))
 
     thread = threading.Thread(target=work)
@@ -169,7 +169,7 @@ def _queue(slot: cancel.Slot, name: str, order: list, errors: list, **who) -> th
     return thread
 
 
-def _held(slot: cancel.Slot) -> tuple[threading.Thread, threading.Event]:
+def _held(slot: scheduler.Slot) -> tuple[threading.Thread, threading.Event]:
     """A thread holding ``slot`` until the returned event is set."""
     go, taken = threading.Event(), threading.Event()
 
@@ -185,7 +185,7 @@ def _held(slot: cancel.Slot) -> tuple[threading.Thread, threading.Event]:
 
 
 def test_the_slot_goes_round_robin_between_pages():
-    slot, order, errors = cancel.Slot(), [], []
+    slot, order, errors = scheduler.Slot(), [], []
     holder, go = _held(slot)
     threads = [_queue(slot, name, order, errors, owner=owner)
                for name, owner in [("a1", "A"), ("a2", "A"), ("a3", "A"), ("b1", "B"), ("c1", "C"), ("b2", "B")]]
@@ -197,9 +197,9 @@ def test_the_slot_goes_round_robin_between_pages():
 
 
 def test_background_work_waits_while_any_visitor_waits():
-    slot, order, errors = cancel.Slot(), [], []
+    slot, order, errors = scheduler.Slot(), [], []
     holder, go = _held(slot)
-    threads = [_queue(slot, "warming", order, errors, owner="warm", priority=cancel.BACKGROUND),
+    threads = [_queue(slot, "warming", order, errors, owner="warm", priority=cancellation.BACKGROUND),
                _queue(slot, "visitor", order, errors, owner="V")]
     go.set()
     for t in [holder, *threads]:
@@ -208,7 +208,7 @@ def test_background_work_waits_while_any_visitor_waits():
 
 
 def test_a_newer_request_of_a_page_supersedes_its_older_one_still_waiting():
-    slot, order, errors = cancel.Slot(), [], []
+    slot, order, errors = scheduler.Slot(), [], []
     holder, go = _held(slot)
     older = _queue(slot, "older", order, errors, owner="A", kind="run")
     other_kind = _queue(slot, "sweep", order, errors, owner="A", kind="compare")
@@ -218,14 +218,14 @@ def test_a_newer_request_of_a_page_supersedes_its_older_one_still_waiting():
         t.join(30)
     assert sorted(order) == ["newer", "sweep"]
     ((name, exc),) = errors
-    assert name == "older" and exc.reason == cancel.SUPERSEDED and "newer request" in str(exc)
+    assert name == "older" and exc.reason == cancellation.SUPERSEDED and "newer request" in str(exc)
 
 
 def test_a_class_fits_the_line_and_beyond_it_a_clear_busy():
-    slot, order, errors = cancel.Slot(max_waiting=3), [], []
+    slot, order, errors = scheduler.Slot(max_waiting=3), [], []
     holder, go = _held(slot)
     threads = [_queue(slot, f"p{i}", order, errors, owner=f"P{i}") for i in range(4)]
-    assert [name for name, _ in errors] == ["p3"] and isinstance(errors[0][1], cancel.Busy)
+    assert [name for name, _ in errors] == ["p3"] and isinstance(errors[0][1], scheduler.Busy)
     assert "busy" in str(errors[0][1]) and "answered at once" in str(errors[0][1])
     go.set()
     for t in [holder, *threads]:
@@ -234,7 +234,7 @@ def test_a_class_fits_the_line_and_beyond_it_a_clear_busy():
 
 
 def test_a_waiting_request_hears_its_place_in_line():
-    slot, order, errors, heard = cancel.Slot(), [], [], []
+    slot, order, errors, heard = scheduler.Slot(), [], [], []
     holder, go = _held(slot)
     threads = [_queue(slot, "first", order, errors, owner="A"), _queue(slot, "second", order, errors, owner="B"),
                _queue(slot, "mine", order, errors, owner="C", on_wait=lambda ahead, s: heard.append(ahead))]

@@ -3,84 +3,25 @@
 This is the paper's own setting (long reasoning outputs): the cache never
 holds more than ``budget`` keys per layer and head; before it would, each
 layer evicts by the beacon scores of the running query history
-(kvlab.compression.beacon_core: the recent queries + beacons chosen by continual
+(kvlab.methods.families.beacon: the recent queries + beacons chosen by continual
 FPS over everything read and written), keeping the template prefix and a
 recent window. It evicts ``evict_chunk`` tokens at a time, so it scores once
-every ``evict_chunk`` written tokens rather than at every step.
+every ``evict_chunk`` written tokens rather than at every step. The policy itself is
+:class:`kvlab.bounded.policies.beaconkv.BeaconPolicy`; :func:`beacon_generate` runs it after a document.
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
-from kvlab.bounded.generate import BeaconSnapshot, EvictionPolicy, run_policy
-from kvlab.compression.beacon_core import BeaconBank, BeaconState, max_attention_scores, stack_layers
-from kvlab.compression.selection import top_k_per_head
+from kvlab.bounded.generate import run_policy
+from kvlab.bounded.policies.beaconkv import EVICT_CHUNK, BeaconPolicy
 from kvlab.context import Context
 from kvlab.methods import MethodError
-from kvlab.methods.beaconkv import BeaconOptions, document_state
-from kvlab.runtime.cache import CompressedKV
+from kvlab.methods.families.beacon import BeaconOptions, document_state
 from kvlab.runtime.decode import Generation
 from kvlab.runtime.model import LoadedModel
-from kvlab.runtime.rope import row_cos_sin
-
-#: Tokens evicted at once (the budget keeps room for them).
-EVICT_CHUNK = 16
-
-
-class BeaconPolicy(EvictionPolicy):
-    """BeaconKV under a budget: keys scored by the query history, the template prefix and a window kept.
-
-    protected: leading tokens (the template prefix) never evicted; state: the beacon
-    state after a starting cache (default: empty, the history starts with the prompt).
-    """
-
-    name = "beaconkv"
-    wants_queries = True
-
-    def __init__(self, lm: LoadedModel, budget: int | None = None, stored: CompressedKV | None = None,
-                 options: BeaconOptions | None = None, protected: int = 0, evict_chunk: int = EVICT_CHUNK,
-                 state: BeaconState | None = None):
-        super().__init__(lm, budget, stored)
-        self.opts = options or BeaconOptions()
-        if self.opts.beacon_source != "context":
-            raise MethodError("budgeted BeaconKV scores with the model's own query history (beacon_source=context)")
-        self.protected, self.evict_chunk = protected, max(1, evict_chunk)
-        self.state = state or BeaconState(self.opts.n_recent, BeaconBank(self.opts.n_beacons, self.opts.buffer))
-
-    def reserved(self) -> int:
-        return self.protected + self.opts.window
-
-    def check(self, chunk: int) -> None:
-        super().check(max(chunk, self.evict_chunk))
-
-    def target(self, n: int) -> int:
-        return self.budget - max(n, self.evict_chunk)
-
-    def observe(self, queries: list[torch.Tensor] | None, positions: torch.Tensor) -> None:
-        super().observe(queries, positions)
-        cos, sin = row_cos_sin(self.lm, positions)
-        self.state.observe(stack_layers(queries), positions, cos, sin)
-
-    def choose(self, target: int) -> list[torch.Tensor]:
-        now = self.session.position
-        device = self.lm.device
-        cos_now, sin_now = row_cos_sin(self.lm, torch.tensor([now], device=device))
-        queries, q_pos, beacon_pos = self.state.scoring_set(cos_now, sin_now, now)
-        counts = Counter(beacon_pos.flatten().tolist())
-        self.beacons.append(BeaconSnapshot(now, sorted(counts), [counts[t] for t in sorted(counts)]))
-        n_heads, n_kv, length = self.lm.n_heads, self.lm.n_kv_heads, self.size()
-        out = []
-        for layer in self.bounded:
-            keys = self.session.cache.layers[layer].keys[0]
-            rows = slice(layer * n_heads, (layer + 1) * n_heads)
-            score = max_attention_scores(queries[rows], q_pos, keys, self.k_pos[layer], self.lm.geometry[layer].scaling)
-            score[:, : self.protected] = float("inf")
-            score[:, max(self.protected, length - self.opts.window) :] = float("inf")
-            out.append(top_k_per_head(score, torch.full((n_kv,), target, device=device)))
-        return out
 
 
 @dataclass

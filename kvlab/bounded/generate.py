@@ -6,13 +6,9 @@ the policy makes room, so the working cache (counted in keys per KV head, the
 longest head) never exceeds its budget, not even during the pass. Every
 shrink is recorded as a :class:`CacheEvent`.
 
-Policies (one small class each; :data:`POLICIES` names them):
-
-- :class:`CachePolicy` itself: unbounded, the reference;
-- :class:`WindowPolicy`: StreamingLLM, attention sinks + the most recent tokens;
-- :class:`H2OPolicy`: heavy hitters by accumulated attention + a recent window;
-- :class:`kvlab.bounded.beacon.BeaconPolicy`: BeaconKV's budgeted decoding;
-- :class:`kvlab.bounded.online.OnlineAMPolicy`: Attention Matching compaction to half when full.
+Policies are one file each in :mod:`kvlab.bounded.policies` (found by discovery,
+named in :mod:`kvlab.bounded.registry`); they build on :class:`CachePolicy`
+(never shrinks) or :class:`EvictionPolicy` (evicts the keys it does not choose).
 
 Every policy works on its own session (kvlab.runtime.decode.open_session copies
 a stored starting cache), so stored caches are never changed. A policy bounds
@@ -23,16 +19,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-from kvlab.cancel import checkpoint
-from kvlab.compression.scoring import pool_group, received_attention
-from kvlab.compression.selection import top_k_per_head
+from kvlab.cancellation import checkpoint
 from kvlab.methods import MethodError
-from kvlab.methods.h2o import H2OOptions
-from kvlab.methods.streaming_llm import StreamingOptions
 from kvlab.runtime.cache import CompressedKV, gather_tokens
 from kvlab.runtime.decode import GrowingLayer, extend, greedy_loop, open_session, stop_token_ids
 from kvlab.runtime.hooks import QueryCapture
@@ -69,18 +61,28 @@ class BeaconSnapshot:
 
 
 class CachePolicy:
-    """A working cache and how it makes room; this base class never shrinks (the unbounded reference).
+    """A working cache and how it makes room; this base class never shrinks.
 
+    A registered policy (:func:`kvlab.bounded.registry.register_policy`) declares ``name`` (its file's
+    name), ``label`` (how the app and the CLI's tables show it) and ``summary`` (one line: what it keeps).
     budget: keys per KV head the cache may hold (None: unbounded);
-    stored: a starting cache, copied (never changed).
+    stored: a starting cache, copied (never changed);
+    options: the knobs of the method whose rule the policy applies (default ``Options()``; None
+    when ``Options`` is None); protected: the template prefix length, which a policy may keep.
     """
 
-    name = "unbounded"
+    name = ""
+    label = ""
+    summary = ""
+    #: The method's Options dataclass the policy takes its knobs from (None: it has none).
+    Options: type | None = None
     #: Whether :meth:`observe` needs the queries of each forward pass.
     wants_queries = False
 
-    def __init__(self, lm: LoadedModel, budget: int | None = None, stored: CompressedKV | None = None):
-        self.lm, self.budget = lm, budget
+    def __init__(self, lm: LoadedModel, budget: int | None = None, stored: CompressedKV | None = None,
+                 options: Any = None, protected: int = 0):
+        self.lm, self.budget, self.protected = lm, budget, protected
+        self.options = options if options is not None or self.Options is None else self.Options()
         self.session = open_session(lm, stored)
         self.events: list[CacheEvent] = []
         self.beacons: list[BeaconSnapshot] = []
@@ -117,8 +119,9 @@ class EvictionPolicy(CachePolicy):
     Subclasses choose which keys stay (:meth:`choose`), in reading order.
     """
 
-    def __init__(self, lm: LoadedModel, budget: int | None = None, stored: CompressedKV | None = None):
-        super().__init__(lm, budget, stored)
+    def __init__(self, lm: LoadedModel, budget: int | None = None, stored: CompressedKV | None = None,
+                 options: Any = None, protected: int = 0):
+        super().__init__(lm, budget, stored, options, protected)
         if self.session.key_bias is not None:
             raise MethodError(f"{self.name} needs a plain starting cache (no biases, the same length per head)")
         start = stored.logical_len if stored is not None else 0
@@ -164,75 +167,6 @@ class EvictionPolicy(CachePolicy):
         n_kv = self.lm.n_kv_heads
         for layer in self.bounded:  # a window layer's positions are its window's: never looked up
             self.k_pos[layer] = torch.cat([self.k_pos[layer], positions.expand(n_kv, -1)], dim=1)
-
-
-class WindowPolicy(EvictionPolicy):
-    """StreamingLLM: the first ``n_sink`` tokens (attention sinks) and the most recent ones.
-
-    Once full, writing evicts exactly one token per step (the oldest after the sinks).
-    """
-
-    name = "streaming_llm"
-
-    def __init__(self, lm: LoadedModel, budget: int | None = None, stored: CompressedKV | None = None,
-                 options: StreamingOptions | None = None):
-        super().__init__(lm, budget, stored)
-        self.n_sink = (options or StreamingOptions()).n_sink
-
-    def reserved(self) -> int:
-        return self.n_sink
-
-    def choose(self, target: int) -> list[torch.Tensor]:
-        length = self.size()
-        # The cache is in reading order: sinks are its first slots, the window its last.
-        device = self.lm.device
-        index = torch.cat([
-            torch.arange(self.n_sink, device=device), torch.arange(length - (target - self.n_sink), length, device=device)
-        ])
-        return [index.expand(self.lm.n_kv_heads, -1) for _ in self.bounded]
-
-
-class H2OPolicy(EvictionPolicy):
-    """H2O in its decoding setting: every key accumulates the attention it receives (summed over
-    the queries read so far, averaged over its GQA group); when full, each head keeps the
-    ``recent_share`` most recent keys and the heaviest hitters among the others. Once full,
-    writing evicts one token per step."""
-
-    name = "h2o"
-    wants_queries = True
-
-    def __init__(self, lm: LoadedModel, budget: int | None = None, stored: CompressedKV | None = None,
-                 options: H2OOptions | None = None):
-        super().__init__(lm, budget, stored)
-        self.recent_share = (options or H2OOptions()).recent_share
-        # A starting cache's keys have received no attention that this policy saw.
-        self.scores = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.k_pos]
-
-    def reserved(self) -> int:
-        return round(self.recent_share * self.budget) if self.budget is not None else 0
-
-    def observe(self, queries: list[torch.Tensor] | None, positions: torch.Tensor) -> None:
-        super().observe(queries, positions)
-        n_kv, n = self.lm.n_kv_heads, positions.numel()
-        for layer in self.bounded:
-            q, keys = queries[layer], self.session.cache.layers[layer].keys[0]
-            received = pool_group(received_attention(q, keys, reduce="sum", causal=True,
-                                                         scale=self.lm.geometry[layer].scaling), n_kv, "mean")
-            fresh = torch.zeros(n_kv, n, device=keys.device)
-            self.scores[layer] = torch.cat([self.scores[layer], fresh], dim=1) + received
-
-    def choose(self, target: int) -> list[torch.Tensor]:
-        length, recent = self.size(), min(round(self.recent_share * target), target)
-        out = []
-        for layer in self.bounded:
-            score = self.scores[layer].clone()
-            score[:, length - recent :] = float("inf")
-            out.append(top_k_per_head(score, torch.full((self.lm.n_kv_heads,), target, device=score.device)))
-        return out
-
-    def keep(self, layer: int, index: torch.Tensor) -> None:
-        super().keep(layer, index)
-        self.scores[layer] = self.scores[layer].gather(1, index)
 
 
 @dataclass

@@ -4,7 +4,9 @@ Whenever the physical cache (keys stored per head, padded) reaches a budget,
 it is compacted by Attention Matching to half the budget and reading goes on
 from the compacted cache; positions stay logical throughout. The reference
 queries of each compaction are the queries of everything read since the
-document, so the fit never looks at tokens still to come.
+document, so the fit never looks at tokens still to come. Here: the compactions and
+:func:`bounded_logprobs` (teacher-forced); the generation policy is
+:class:`kvlab.bounded.policies.online_am.OnlineAMPolicy`.
 """
 from __future__ import annotations
 
@@ -14,10 +16,9 @@ from typing import Callable
 
 import torch
 
-from kvlab.bounded.generate import CacheEvent, CachePolicy
-from kvlab.cancel import checkpoint
-from kvlab.compression.compaction import AMOptions, compact_cache, is_window
-from kvlab.methods import MethodError
+from kvlab.cancellation import checkpoint
+from kvlab.methods.families.attention_matching import AMOptions
+from kvlab.methods.families.compaction import compact_cache, is_window
 from kvlab.runtime.cache import CompressedKV, DenseSegment, Segment, segment_from_view, select_keys, window_segment
 from kvlab.runtime.decode import Session, extend, open_session
 from kvlab.runtime.hooks import QueryCapture
@@ -172,47 +173,3 @@ def bounded_logprobs(
     target = ids[-n_target:]
     logp = torch.log_softmax(all_logits, dim=-1).gather(1, target.unsqueeze(1)).squeeze(1)
     return OnlineResult(logp.cpu(), events)
-
-
-class OnlineAMPolicy(CachePolicy):
-    """Generation under a budget by online Attention Matching: when the next tokens would not fit,
-    the cache is compacted to budget/2 keys per head (the template prefix kept as is), fitted on
-    the queries of everything read and written so far; writing then goes on from the compacted
-    cache (with its biases). Once full it compacts every budget - budget/2 written tokens.
-
-    protected: leading tokens (the template prefix) never compacted.
-    """
-
-    name = "online_am"
-    wants_queries = True
-
-    def __init__(self, lm: LoadedModel, budget: int | None = None, stored: CompressedKV | None = None,
-                 protected: int = 0, compactor: Compactor | None = None):
-        super().__init__(lm, budget, stored)
-        self.protected, self.compactor = protected, compactor or am_compactor()
-        self.stored, self.appended = stored, 0
-        self.queries: list[list[torch.Tensor]] = [[] for _ in range(lm.n_layers)]
-
-    def check(self, chunk: int) -> None:
-        if self.budget is not None and (self.budget <= 2 * self.protected + 2 or self.budget // 2 + chunk > self.budget):
-            raise MethodError(
-                f"{self.name}: a budget of {self.budget} keys per head is too small to compact to half "
-                f"beside the {self.protected} template tokens and {chunk} new tokens; raise the budget")
-
-    def make_room(self, n: int) -> None:
-        before = self.size()
-        if self.budget is None or before + n <= self.budget:
-            return
-        if self.stored is None:  # nothing compacted yet: the working cache holds positions 0..L-1
-            full = read_so_far(self.lm, self.session)
-        else:
-            full = with_appended(self.lm, self.stored, self.session, self.appended)
-        queries = [torch.cat(q, dim=1) for q in self.queries]
-        self.stored = self.compactor(full, queries, self.budget // 2 - self.protected, self.protected)
-        self.session, self.appended = open_session(self.lm, self.stored), 0
-        self.events.append(CacheEvent(self.session.position, before, self.size()))
-
-    def observe(self, queries: list[torch.Tensor] | None, positions: torch.Tensor) -> None:
-        for held, q in zip(self.queries, queries):
-            held.append(q)
-        self.appended += positions.numel()

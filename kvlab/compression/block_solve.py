@@ -1,8 +1,8 @@
-"""Batched solves of Attention Matching's head blocks (kvlab.compression.compaction): one
+"""Batched solves of Attention Matching's head blocks (kvlab.methods.families.compaction): one
 :class:`BlockJob` per batch of heads, :func:`solve` for a batch, and :func:`solve_ragged`, which
 regroups the heads of many batches (every layer's) by budget so that non-uniform head budgets are solved
 batched, never padded to the largest budget. ``opts`` is Attention Matching's options
-(kvlab.compression.compaction.AMOptions, which imports this module: typed here by their base).
+(kvlab.methods.families.attention_matching.AMOptions, a layer above: typed here by their base).
 """
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.compression.options import Options
-from kvlab.compression.solvers.compact import CompactBlock, compact_block
+from kvlab.compression.solvers.compact import CompactBlock, FitSettings, compact_block
+from kvlab.compression.solvers.keys import OMP, ExactFirst, GivenScores, GivenScoresUnion, HighestAttn, KeyChoice
 
 
 @dataclass
@@ -46,16 +47,26 @@ def solve(job: BlockJob, opts: Options) -> CompactBlock:
             index=torch.where(valid, index, -1), lengths=valid.sum(-1),
             timings={"keys": 0.0, "bias": 0.0, "values": 0.0}, train_output=exact, train_mass=exact,
         )
-    return compact_block(
-        job.queries, job.keys, job.values, int(job.budgets.max()),
-        bias=job.bias, key_selection="omp" if opts.key_selection == "omp" else "highest_attn",
-        scoring=opts.scoring, key_scores=job.key_scores,
-        key_scores_share=opts.kvzip_share if opts.key_selection == "kvzip_union" else 1.0,
-        query_weights=job.weights, value_fit=opts.value_fit, value_anchor=opts.value_anchor,
-        budgets=job.budgets, nnls_iters=opts.nnls_iters, keys_per_iter=opts.keys_per_iter,
-        refit_every=opts.refit_every, drop_below=opts.drop_below, ridge=opts.ridge, scale=job.scale,
-        exact_share=opts.exact_share, exact_scores=job.exact_scores,
-    )
+    fit = FitSettings(nnls_iters=opts.nnls_iters, ridge=opts.ridge, value_fit=opts.value_fit,
+                      value_anchor=opts.value_anchor)
+    return compact_block(job.queries, job.keys, job.values, int(job.budgets.max()), bias=job.bias, budgets=job.budgets,
+                         scale=job.scale, query_weights=job.weights, keys=key_choice(job, opts), fit=fit)
+
+
+def key_choice(job: BlockJob, opts: Options) -> KeyChoice:
+    """How ``opts`` (its ``key_selection``) chooses the job's keys: OMP; the job's key scores (kvzip,
+    or kvzip_union below a share of 1); HighestAttnKeys where the job has none; exact keys first
+    where ``opts.exact_share`` > 0 (ExactFirst refuses OMP and the union)."""
+    keys: KeyChoice
+    if opts.key_selection == "omp":
+        keys = OMP(opts.keys_per_iter, opts.refit_every, opts.drop_below, scoring=opts.scoring)
+    elif job.key_scores is None:
+        keys = HighestAttn(opts.scoring)
+    elif opts.key_selection == "kvzip_union" and opts.kvzip_share < 1.0:
+        keys = GivenScoresUnion(job.key_scores, opts.kvzip_share, opts.scoring)
+    else:
+        keys = GivenScores(job.key_scores)
+    return ExactFirst(keys, opts.exact_share, job.exact_scores) if opts.exact_share > 0 else keys
 
 
 #: Heads solved together differ in budget by at most this factor (the largest pads the others): a

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar, Literal
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Hashable, Literal
 
 import torch
 
@@ -17,15 +18,9 @@ from kvlab.compression.budget_profiles import BUDGET_SOURCES, HeadBudgets
 from kvlab.compression.options import NoOptions
 from kvlab.compression.paper import Baseline, Paper
 from kvlab.compression.request import Request
-from kvlab.compression.selection import (
-    SelectionOptions,
-    check_rerotation,
-    keep_tokens,
-    rerotate_keys,
-    select,
-    top_k_per_head,
-)
-from kvlab.context import Context
+from kvlab.compression.selection import SelectionOptions, keep_tokens, recorded, select, stages_on, top_k_per_head
+from kvlab.compression.stage import Stage
+from kvlab.context import Context, Memo
 from kvlab.runtime.cache import CompressedKV, keep_windows, token_importance
 
 #: The map of the field (issue #34): what a method does to the cache. docs/methods.md, the Learn tab
@@ -116,6 +111,15 @@ def context_scores(req: Request, score_layer: Callable[[torch.Tensor, torch.Tens
     return [score_layer(k, v)[:, ctx.prefix_len :] for k, v in zip(ctx.full.keys, ctx.full.values)]
 
 
+@dataclass(frozen=True)
+class MethodScores(Memo):
+    """Where :meth:`EvictionMethod.kept_scores` keeps a method's scores: its name and options,
+    and the question for a query-aware instance (None: they serve every question)."""
+
+    method: str
+    options: Hashable
+
+
 class EvictionMethod(Method):
     """Score every document token per layer and head; keep each head's top budget."""
 
@@ -126,7 +130,7 @@ class EvictionMethod(Method):
     min_head_budget: ClassVar[int] = 1
     #: Whether :meth:`kept_scores` keeps :meth:`scores` on the context: true for scores the same at
     #: every ratio; false for scores that follow the ratio, and for scores that already are a memo of
-    #: parts several methods share (kvlab.compression.scoring.per_context), which are not kept twice.
+    #: parts several methods share (each under its own kvlab.context.Memo), which are not kept twice.
     keep_scores: ClassVar[bool] = True
 
     @abstractmethod
@@ -158,15 +162,20 @@ class EvictionMethod(Method):
         if not self.keep_scores:
             return self.scores(req)
         question = req.question if self.uses_question() else None
-        key = ("scores", self.name, self.options, question)
-        return req.ctx.cached("memos", key, lambda: self.scores(req), question)
+        return req.ctx.cached(MethodScores(self.name, self.options, question=question), lambda: self.scores(req))
+
+    def key_stages(self) -> list[Stage]:
+        """The selection stages that move this instance's kept keys (key re-rotation,
+        kvlab.compression.wrappers.key_rerotation): those its options turn on. A method with a knob of
+        its own for one (StreamingLLM's ``rerotate``) overrides this."""
+        return [stage for stage in stages_on(self.options) if stage.kept is not None]
 
     def compress(self, req: Request) -> CompressedKV:
         wrapped = self.options if isinstance(self.options, SelectionOptions) else None
-        # The selection wrappers' knob, or a method's own of that name (StreamingLLM's positions in the cache).
-        rerotate = bool(getattr(self.options, "rerotate", False))
-        if rerotate:
-            check_rerotation(req.ctx.lm)  # before the scores: a refusal costs nothing
+        moves = self.key_stages()
+        for stage in moves:
+            if stage.check is not None:
+                stage.check(req.ctx.lm)  # before the scores: a refusal costs nothing
         scores = self.kept_scores(req)
         mode, source = self.allocation() or ("uniform", BUDGET_SOURCES["uniform"])
         head = HeadBudgets(self.head_budgets(req).clamp(self.min_head_budget, req.ctx.doc_len), mode, source)
@@ -178,14 +187,12 @@ class EvictionMethod(Method):
             for i, s in enumerate(scores)
         ]
         shift = 0
-        if rerotate:
-            layers, after = rerotate_keys(req.ctx.lm, layers)
+        for stage in moves:
+            layers, after = stage.kept(req.ctx.lm, layers)
             shift = req.ctx.length - after
         importance = document_importance(req, scores) if self.scores_are_importance else None
-        meta = {"method": self.name, **self.details(), **head.meta()}
-        if wrapped is not None:
-            meta.update(granularity=wrapped.granularity, critical=wrapped.critical)
-        meta.update(rerotate=rerotate)
+        meta = {"method": self.name, **self.details(), **head.meta(), **recorded(self.options)}
+        meta.update(rerotate=bool(moves))
         return CompressedKV(layers, req.ctx.length, meta=meta, importance=importance, position_shift=shift)
 
 

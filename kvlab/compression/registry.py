@@ -1,14 +1,14 @@
-"""The registered methods by name: :func:`register` adds one, :func:`discover` imports every
-module of the methods package (kvlab.methods calls it: a method is a file there, no import list).
+"""The registered methods by name: :func:`register` adds one, :func:`discover`
+(kvlab.compression.discovery's) imports every module of the methods package (kvlab.methods calls
+it: a method is a file there, no import list).
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import pkgutil
-from typing import Any, Iterable
+from typing import Any
 
 from kvlab import messages
+from kvlab.compression.discovery import discover as discover
 from kvlab.compression.interface import EvictionMethod, Method, keeping_windows
 from kvlab.compression.options import MethodError
 from kvlab.compression.selection import SELECTION_PRESETS, SelectionOptions
@@ -65,11 +65,3 @@ def get_method(name: str, preset: str | None = None, **options: Any) -> Method:
     except MethodError as exc:
         raise MethodError(f"{name}: {exc}") from None
 
-
-def discover(package: str, path: Iterable[str]) -> list[str]:
-    """Import every module of ``package`` (its folders ``path``), registering the methods they declare;
-    the names of the modules imported, sorted. Importing one twice is a no-op (Python's module cache)."""
-    names = sorted(info.name for info in pkgutil.iter_modules(list(path)) if not info.ispkg)
-    for name in names:
-        importlib.import_module(f"{package}.{name}")
-    return names

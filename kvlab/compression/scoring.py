@@ -3,23 +3,22 @@
 H2O and KVzip both need "how much attention does each key receive from a
 set of queries" (summed or maxed over the queries), TOVA a single query's
 row of it; the attention itself always comes from kvlab.runtime.attention.
-Scores that do not depend on the ratio are kept per context (``per_context``)
-so that a second ratio does not recompute them. This is the one memo of scores:
-a method's own scores go there through
-kvlab.compression.interface.EvictionMethod.kept_scores, parts that several
-methods share (KVzip's reconstruction scores, H2O's attention sums) through
-their own function.
+Scores that do not depend on the ratio are kept per context
+(kvlab.context.Context.cached) so that a second ratio does not recompute them:
+a method's own scores through kvlab.compression.interface.EvictionMethod.kept_scores
+(kvlab.compression.interface.MethodScores), parts that several methods share
+(KVzip's reconstruction scores, H2O's attention sums) through their own
+function, under a key class of their own beside it (e.g.
+kvlab.methods.families.scorers.KVzipScores). Nothing downstream changes a kept
+score's tensors in place.
 """
 from __future__ import annotations
 
-from typing import Callable, Hashable, Literal, TypeVar
+from typing import Literal
 
 import torch
 
-from kvlab.context import Context
 from kvlab.runtime.attention import attention_logits, future_mask, group_queries, softmax_
-
-T = TypeVar("T")
 
 # Logits per attention block (float32 elements, 16 MiB): bounds the transient
 # [H, rows, T] matrices whatever the length, instead of a fixed row count whose
@@ -75,18 +74,6 @@ def pool_group(scores: torch.Tensor, n_kv_heads: int, how: Literal["mean", "max"
     """[H, T] per query head -> [H_kv, T]: pooled over each KV head's query-head group (GQA)."""
     grouped = scores.reshape(n_kv_heads, scores.shape[0] // n_kv_heads, -1)
     return grouped.mean(dim=1) if how == "mean" else grouped.amax(dim=1)
-
-
-def per_context(ctx: Context, key: tuple[Hashable, ...], make: Callable[[], T], question: str | None = None) -> T:
-    """``make()`` computed once per context and key (ratio-independent scores), kept in ``ctx.memos``.
-
-    key: the memo's name, then every value the result depends on, e.g.
-    ``("kvzip", n_sink, instruction)``. Racing first calls compute it once
-    (kvlab.context.Context.cached); a ``question`` in the key must be passed
-    too, so the memo is forgotten with it. Nothing downstream changes a
-    memo's tensors in place.
-    """
-    return ctx.cached("memos", key, make, question)
 
 
 def protect(score: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:

@@ -39,34 +39,22 @@ def token_shares(attention: Sequence[Sequence[Sequence[float]]]) -> list[float]:
     return [sum(r[p] for r in rows) / len(rows) for p in range(len(rows[0]))] if rows else []
 
 
-def needle_figure(trace: Mapping[str, Any]) -> go.Figure:
-    """Four panels, top to bottom: each traced token's fate per (layer, KV head); the share of the
-    held-out queries' attention on the span per (layer, KV head), full and compressed cache; each
-    token's share averaged over heads; the log-probability of each answer token under both caches
-    (the value's tokens in bold)."""
-    fates, span = trace["fates"], trace["span_texts"]
-    heads = _head_labels(fates)
+def _fate_panel(fig: go.Figure, trace: Mapping[str, Any], heads: list[str], tokens: list[str]) -> None:
+    """Row 1: each traced token's fate per (layer, KV head), one colour per fate, with its legend."""
+    fates = trace["fates"]
     names = list(dict.fromkeys(f for layer in fates for head in layer for f in head))
     colors = fate_colors(names)
     code = {name: i for i, name in enumerate(names)}
     k = max(1, len(names))
     # A step colourscale: code i takes the band [i, i + 1) / k, so each fate keeps its own colour.
-    scale = [[stop, colors[name]] for i, name in enumerate(names) for stop in (i / k, (i + 1) / k)] or [[0, "#fff"], [1, "#fff"]]
-    tokens = [_token_label(i, t, v) for i, (t, v) in enumerate(zip(span, trace["span_value"]))]
+    scale = [[stop, colors[name]] for i, name in enumerate(names) for stop in (i / k, (i + 1) / k)]
+    scale = scale or [[0, "#fff"], [1, "#fff"]]
     flat = [(layer, head) for layer, hs in enumerate(fates) for head in range(len(hs))]
-    z = [[code[fates[layer][head][p]] for layer, head in flat] for p in range(len(span))]
+    positions = range(len(trace["span_texts"]))
+    z = [[code[fates[layer][head][p]] for layer, head in flat] for p in positions]
     hover = [[f"{fates[layer][head][p]}<br>attention share full {trace['attention_full'][layer][head][p]:.4f}, "
               f"compressed {trace['attention_compressed'][layer][head][p]:.4f}" for layer, head in flat]
-             for p in range(len(span))]
-    fig = make_subplots(
-        rows=4, cols=1, vertical_spacing=0.09, row_heights=[0.34, 0.22, 0.2, 0.24],
-        subplot_titles=(
-            "fate of each needle token per layer and KV head",
-            "the needle's share of the question's attention, per layer and KV head",
-            "each needle token's share, mean over heads",
-            "log-probability of the full cache's answer (value tokens in bold)",
-        ),
-    )
+             for p in positions]
     fig.add_trace(go.Heatmap(
         z=z, x=heads, y=tokens, colorscale=scale, zmin=0, zmax=k, showscale=False, text=hover,
         hovertemplate="%{y}, %{x}<br>%{text}<extra></extra>", xgap=1, ygap=1,
@@ -74,6 +62,10 @@ def needle_figure(trace: Mapping[str, Any]) -> go.Figure:
     for name in names:  # the legend of the fates (a heatmap has none)
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name, legendgroup="fates",
                                  marker=dict(symbol="square", size=12, color=colors[name])), row=1, col=1)
+
+
+def _share_panels(fig: go.Figure, trace: Mapping[str, Any], heads: list[str], tokens: list[str]) -> None:
+    """Rows 2 and 3: the span's share of the attention per (layer, KV head), and per token over heads."""
     for which, color, label in (("attention_full", FULL_COLOR, "full cache"),
                                 ("attention_compressed", COMPRESSED_COLOR, "compressed")):
         fig.add_trace(go.Scatter(
@@ -85,6 +77,10 @@ def needle_figure(trace: Mapping[str, Any]) -> go.Figure:
             x=tokens, y=token_shares(trace[which]), name=label, legendgroup=label, showlegend=False,
             marker_color=color, hovertemplate=label + ", %{x}: %{y:.4f}<extra></extra>",
         ), row=3, col=1)
+
+
+def _answer_panel(fig: go.Figure, trace: Mapping[str, Any]) -> None:
+    """Row 4: each answer token's log-probability under both caches."""
     answer = [_token_label(i, t, v) for i, (t, v) in enumerate(zip(trace["answer_texts"], trace["answer_value"]))]
     for which, color, label in (("logprob_full", FULL_COLOR, "full cache"),
                                 ("logprob_compressed", COMPRESSED_COLOR, "compressed")):
@@ -92,6 +88,27 @@ def needle_figure(trace: Mapping[str, Any]) -> go.Figure:
             x=answer, y=trace[which], name=label, legendgroup=label, showlegend=False, marker_color=color,
             hovertemplate=label + ", %{x}: log p %{y:.3f}<extra></extra>",
         ), row=4, col=1)
+
+
+def needle_figure(trace: Mapping[str, Any]) -> go.Figure:
+    """Four panels, top to bottom: each traced token's fate per (layer, KV head); the share of the
+    held-out queries' attention on the span per (layer, KV head), full and compressed cache; each
+    token's share averaged over heads; the log-probability of each answer token under both caches
+    (the value's tokens in bold)."""
+    heads = _head_labels(trace["fates"])
+    tokens = [_token_label(i, t, v) for i, (t, v) in enumerate(zip(trace["span_texts"], trace["span_value"]))]
+    fig = make_subplots(
+        rows=4, cols=1, vertical_spacing=0.09, row_heights=[0.34, 0.22, 0.2, 0.24],
+        subplot_titles=(
+            "fate of each needle token per layer and KV head",
+            "the needle's share of the question's attention, per layer and KV head",
+            "each needle token's share, mean over heads",
+            "log-probability of the full cache's answer (value tokens in bold)",
+        ),
+    )
+    _fate_panel(fig, trace, heads, tokens)
+    _share_panels(fig, trace, heads, tokens)
+    _answer_panel(fig, trace)
     # Every token labelled (plotly would thin out the labels of a tall category axis).
     fig.update_yaxes(autorange="reversed", tickmode="array", tickvals=tokens, ticktext=tokens, row=1, col=1)
     fig.update_yaxes(title_text="share", row=2, col=1)

@@ -23,10 +23,11 @@ from typing import Callable
 
 import torch
 
-from kvlab.cancel import checkpoint
+from kvlab.cancellation import checkpoint
 from kvlab.compression.budget_profiles import cap_shares, profile_path
-from kvlab.compression.compaction import AMOptions, compact_cache
 from kvlab.context import Context
+from kvlab.methods.families.attention_matching import AMOptions
+from kvlab.methods.families.compaction import compact_cache
 from kvlab.metrics import log_perplexity
 from kvlab.pipeline import Evaluation
 from kvlab.queries import repeat_queries

@@ -6,7 +6,7 @@ import time
 import typing
 from dataclasses import dataclass, field
 
-from kvlab import cancel, limits
+from kvlab import cancellation, limits
 from kvlab import models as models_module
 from kvlab.compression.budget_profiles import BUDGET_AXIS, axis_knob
 from kvlab.compression.options import option_types
@@ -113,6 +113,67 @@ def budget_variants(names: list[str], axis: typing.Sequence[str]) -> list[Method
     return out
 
 
+@dataclass
+class _Request:
+    """A checked sweep request: the models (specs; None: the default), the method runs (budget variants)
+    and ratios, the question, the answer length and the document's text."""
+
+    specs: list[str | None]
+    axis: list[str]
+    chosen: list[Method]
+    ratios: list[float]
+    question: str
+    max_new_tokens: int
+    document: str
+
+    @property
+    def per_model(self) -> int:
+        """(method, ratio) runs on each model."""
+        return len(self.chosen) * len(self.ratios)
+
+    @property
+    def runs(self) -> list[tuple[str | None, Method, float]]:
+        """Every (model spec, method, ratio) run, in order, model after model."""
+        return [(spec, m, r) for spec in self.specs for m in self.chosen for r in self.ratios]
+
+
+@dataclass
+class _Tally:
+    """A sweep so far: the runs done (counted, failed or not), their results, and each model's ceiling."""
+
+    results: list[RunResult] = field(default_factory=list)
+    aware: list[bool] = field(default_factory=list)
+    errors: list[SweepError] = field(default_factory=list)
+    ceilings: list[Ceiling] = field(default_factory=list)
+    done: int = 0
+    stopped: str = ""
+
+
+def _check_request(
+    text: str | None,
+    file: str | None,
+    methods: list[str],
+    ratios: list[float],
+    question: str,
+    max_new_tokens: int,
+    model: str | None,
+    models: typing.Sequence[str] | None,
+    budgets: typing.Sequence[str],
+) -> _Request:
+    """:func:`compare`'s arguments checked (InputError for a bad one, the sweep's size first)."""
+    methods, ratios = check_sweep(methods, ratios)
+    specs: list[str | None] = list(dict.fromkeys(s.strip() for s in models or [] if s.strip())) or [model or None]
+    axis = list(dict.fromkeys(budgets))
+    chosen = budget_variants(methods, axis)
+    points = len(chosen) * len(ratios) * len(specs)
+    if points > MAX_SWEEP_POINTS:
+        raise InputError(f"{points} runs is too many for one sweep: pick at most {MAX_SWEEP_POINTS} "
+                         "(methods x head budgets x ratios x models)")
+    question = check_question(question)
+    max_new_tokens = check_answer_length(max_new_tokens)
+    return _Request(specs, axis, chosen, ratios, question, max_new_tokens, document_text(text, file))
+
+
 def compare(
     text: str | None,
     file: str | None,
@@ -136,78 +197,74 @@ def compare(
     and the full cache's answer are computed once and shared. A (method,
     ratio) that fails is recorded in ``Sweep.errors`` and the sweep goes on;
     if every one fails, raises MethodError with the reasons. Each run is a
-    unit of the request (kvlab.cancel.between_units): others' runs may take
+    unit of the request (kvlab.cancellation.between_units): others' runs may take
     the compute slot in between, and when the time limit passes after at
     least one run, the sweep returns what it has (``stopped`` says what was
-    not run); stopped otherwise, it raises kvlab.cancel.Cancelled.
+    not run); stopped otherwise, it raises kvlab.cancellation.Cancelled.
     """
     start = time.perf_counter()
-    methods, ratios = check_sweep(methods, ratios)
-    specs: list[str | None] = list(dict.fromkeys(s.strip() for s in models or [] if s.strip())) or [model or None]
-    axis = list(dict.fromkeys(budgets))
-    chosen = budget_variants(methods, axis)
-    points = len(chosen) * len(ratios) * len(specs)
-    if points > MAX_SWEEP_POINTS:
-        raise InputError(f"{points} runs is too many for one sweep: pick at most {MAX_SWEEP_POINTS} "
-                         "(methods x head budgets x ratios x models)")
-    question = check_question(question)
-    max_new_tokens = check_answer_length(max_new_tokens)
-    document = document_text(text, file)
-    errors: list[SweepError] = []
-    results, aware, ceilings = [], [], []
-    plan = [(spec, m, r) for spec in specs for m in chosen for r in ratios]
-    stopped, done, share = "", 0, 1.0 / len(specs)
-    for k, spec in enumerate(specs):
-        base = k * share
-        progress(base, f"loading the model {spec or ''} (the first use of a model takes a while)")
-        lm = models_module.get_model(spec)
-        check_question_tokens(lm.tokenizer, question)
-        ctx, prefilled = prepared_context(lm, document, sub_progress(progress, base + 0.02 * share, 0.16 * share))
-        first: RunResult | None = None
-        for method_obj, ratio in ((m, r) for s, m, r in plan[done:] if s == spec):
-            name = method_label(method_obj, bool(axis))
-            label = f"{name} at {ratio:g}x ({done + 1}/{points}){f' on {lm.name}' if len(specs) > 1 else ''}: "
-            at = base + share * (0.2 + 0.8 * (done - k * len(chosen) * len(ratios)) / (len(chosen) * len(ratios)))
-            point_progress = sub_progress(progress, at, 0.8 * share / (len(chosen) * len(ratios)), label)
-            try:
-                if done:
-                    cancel.between_units(f"{done} of {points} runs done")
-                res = run(ctx, method_obj, float(ratio), question, max_new_tokens, point_progress).result
-            except cancel.Cancelled as exc:
-                if exc.reason != cancel.TIME or not results:
-                    raise
-                stopped = not_run(exc, done, [(m, r) for _, m, r in plan[done:]])
-                break
-            except Exception as exc:  # noqa: BLE001 - one failing point must not lose the sweep
-                if not isinstance(exc, (MethodError, ValueError)):
-                    log.exception("sweep point failed (%s at %gx)", method_obj.name, ratio)
-                errors.append(SweepError(name, float(ratio), f"{type(exc).__name__}: {exc}",
-                                         lm.name if len(specs) > 1 else ""))
-            else:
-                results.append(res)
-                aware.append(method_obj.uses_question())
-                first = first or res
-            finally:
-                done += 1
-        if first is not None:
-            ceilings.append(Ceiling(first.model, spec or "",
-                                    first.doc_tokens, first.context_tokens, first.answer_full, first.logppl_full,
-                                    first.prefill_s, not prefilled))
-        if stopped:
+    request = _check_request(text, file, methods, ratios, question, max_new_tokens, model, models, budgets)
+    tally = _Tally()
+    for k, spec in enumerate(request.specs):
+        _sweep_model(request, k, spec, tally, progress)
+        if tally.stopped:
             break
-    if not results:
-        reasons = "; ".join(f"{e.method} at {e.ratio:g}x: {e.message}" for e in errors[:5])
+    if not tally.results:
+        reasons = "; ".join(f"{e.method} at {e.ratio:g}x: {e.message}" for e in tally.errors[:5])
         raise MethodError(f"every run of the sweep failed: {reasons}")
-    top = ceilings[0]
+    top = tally.ceilings[0]
     return Sweep(
-        model=top.model, question=question, doc_tokens=top.doc_tokens, context_tokens=top.context_tokens,
+        model=top.model, question=request.question, doc_tokens=top.doc_tokens, context_tokens=top.context_tokens,
         answer_full=top.answer_full, logppl_full=top.logppl_full, prefill_s=top.prefill_s,
-        prefill_reused=top.prefill_reused, results=results, query_aware=aware, errors=errors,
-        wall_s=time.perf_counter() - start, stopped=stopped, ceilings=ceilings, budgets=axis,
+        prefill_reused=top.prefill_reused, results=tally.results, query_aware=tally.aware, errors=tally.errors,
+        wall_s=time.perf_counter() - start, stopped=tally.stopped, ceilings=tally.ceilings, budgets=request.axis,
     )
 
 
-def not_run(exc: cancel.Cancelled, done: int, left: list[tuple[Method, float]]) -> str:
+def _sweep_model(request: _Request, k: int, spec: str | None, tally: _Tally, progress: Progress) -> None:
+    """The sweep's runs on its ``k``-th model (``spec``), added to ``tally``, and that model's
+    :class:`Ceiling` once one run succeeded; ``tally.stopped`` set when the time limit cut it short."""
+    points, per_model = len(request.runs), request.per_model
+    share = 1.0 / len(request.specs)
+    base = k * share
+    progress(base, f"loading the model {spec or ''} (the first use of a model takes a while)")
+    lm = models_module.get_model(spec)
+    check_question_tokens(lm.tokenizer, request.question)
+    ctx, prefilled = prepared_context(lm, request.document, sub_progress(progress, base + 0.02 * share, 0.16 * share))
+    first: RunResult | None = None
+    for method_obj, ratio in ((m, r) for s, m, r in request.runs[tally.done:] if s == spec):
+        done = tally.done
+        name = method_label(method_obj, bool(request.axis))
+        label = f"{name} at {ratio:g}x ({done + 1}/{points}){f' on {lm.name}' if len(request.specs) > 1 else ''}: "
+        at = base + share * (0.2 + 0.8 * (done - k * per_model) / per_model)
+        point_progress = sub_progress(progress, at, 0.8 * share / per_model, label)
+        try:
+            if done:
+                cancellation.between_units(f"{done} of {points} runs done")
+            res = run(ctx, method_obj, float(ratio), request.question, request.max_new_tokens, point_progress).result
+        except cancellation.Cancelled as exc:
+            if exc.reason != cancellation.TIME or not tally.results:
+                raise
+            tally.stopped = not_run(exc, done, [(m, r) for _, m, r in request.runs[done:]])
+            break
+        except Exception as exc:  # noqa: BLE001 - one failing point must not lose the sweep
+            if not isinstance(exc, (MethodError, ValueError)):
+                log.exception("sweep point failed (%s at %gx)", method_obj.name, ratio)
+            tally.errors.append(SweepError(name, float(ratio), f"{type(exc).__name__}: {exc}",
+                                           lm.name if len(request.specs) > 1 else ""))
+        else:
+            tally.results.append(res)
+            tally.aware.append(method_obj.uses_question())
+            first = first or res
+        finally:
+            tally.done += 1
+    if first is not None:
+        tally.ceilings.append(Ceiling(first.model, spec or "",
+                                      first.doc_tokens, first.context_tokens, first.answer_full, first.logppl_full,
+                                      first.prefill_s, not prefilled))
+
+
+def not_run(exc: cancellation.Cancelled, done: int, left: list[tuple[Method, float]]) -> str:
     """What a sweep cut short by its time limit tells the user: the runs done, and those not run."""
     names = ", ".join(f"{m.name} at {r:g}x" for m, r in left[:8]) + (" and more" if len(left) > 8 else "")
     return (f"Stopped after {exc.elapsed_s:.0f} s because {exc.why}: {done} of {done + len(left)} runs done; "

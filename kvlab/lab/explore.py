@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlab import models
-from kvlab.context import Context, Progress, no_progress
+from kvlab.context import Context, Memo, Progress, no_progress
 from kvlab.contexts import CONTEXTS
 from kvlab.lab.inputs import (
     check_answer_length,
@@ -60,6 +60,11 @@ class Explored:
     @property
     def n_kv_heads(self) -> int:
         return self.run.ctx.lm.n_kv_heads
+
+
+@dataclass(frozen=True)
+class TokenTexts(Memo):
+    """Where :func:`explore` keeps each document token's text (:func:`token_texts`; the same for every run)."""
 
 
 def token_texts(tokenizer: Any, ids: list[int]) -> list[str]:
@@ -174,7 +179,7 @@ def explore(
         record_importance=True,
     )
     return Explored(
-        result, ctx.cached("memos", "token texts", lambda: token_texts(lm.tokenizer, ctx.tokens.ids.tolist())),
+        result, ctx.cached(TokenTexts(), lambda: token_texts(lm.tokenizer, ctx.tokens.ids.tolist())),
         expected_answer(question),
         method_obj.uses_question(),
         prefill_reused=not prefilled,

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from kvlab.context import Context
+from kvlab.context import Context, Memo
 from kvlab.figures import EVICTED
 from kvlab.lab.explore import Explored, token_texts
 from kvlab.metrics import percentile_levels, question_attention, scored_view
@@ -22,6 +22,14 @@ def level_bytes(per_layer: list[torch.Tensor]) -> list[list[bytes]]:
     """Per layer [H_kv, T] scores -> [layer][head] one level byte per token (kvlab.metrics.percentile_levels)."""
     levels = percentile_levels(torch.stack(per_layer)).cpu()  # [L, H_kv, T] bytes, for the front end
     return [[bytes(row.numpy()) for row in layer] for layer in levels]
+
+
+@dataclass(frozen=True)
+class QuestionLevels(Memo):
+    """Where :meth:`TokenFates.of` keeps the full cache's attention levels of ``question`` (asked and
+    answered as ``answer_ids``): the same for every method's run on it."""
+
+    answer_ids: tuple[int, ...]
 
 
 @dataclass
@@ -70,10 +78,10 @@ class TokenFates:
         run, ev = ex.run, ex.run.evaluation
         # The same for every method's run on this question (the full cache's attention): made once per context.
         levels = {"question": run.ctx.cached(
-            "memos", ("question levels", ev.question, tuple(ev.answer.ids)),
+            QuestionLevels(tuple(ev.answer.ids), question=ev.question),
             # At each layer's own scaling (Gemma 3's query_pre_attn_scalar), as the runtime attends.
             lambda: level_bytes(question_attention(ev.queries, run.ctx.full.keys,
-                                                   [g.scaling for g in run.ctx.lm.geometry])), ev.question,
+                                                   [g.scaling for g in run.ctx.lm.geometry])),
         )}
         if run.stored.importance is not None:
             levels["score"] = level_bytes(run.stored.importance)

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlab import cancel, limits, messages, models
+from kvlab import cancellation, limits, messages, models
 from kvlab.bounded.generate import PROMPT_CHUNK, BoundedRun, run_policy
-from kvlab.bounded.policies import BOUNDED, POLICIES, make_policy
+from kvlab.bounded.policies import REFERENCE, bounded_policies, make_policy, policy_class
 from kvlab.context import Progress, no_progress
 from kvlab.lab.explore import token_texts
 from kvlab.lab.inputs import (
@@ -91,14 +91,15 @@ def prompt_ids(tokenizer, prompt: str | None, document: str | None, question: st
 
 
 def check_methods(methods: list[str] | None) -> list[str]:
-    """The bounded policies asked for, in the catalogue's order (default: all); InputError for unknown ones."""
-    chosen = list(BOUNDED) if methods is None else [m for m in methods if m != "unbounded"]
-    unknown = [m for m in chosen if m not in POLICIES]
+    """The bounded policies asked for, in the registry's order (default: all); InputError for unknown ones."""
+    offered = bounded_policies()
+    chosen = offered if methods is None else [m for m in methods if m != REFERENCE]
+    unknown = [m for m in chosen if m not in offered]
     if unknown:
-        raise InputError(messages.unknown("generation method", unknown, BOUNDED))
+        raise InputError(messages.unknown("generation method", unknown, offered))
     if not chosen:
         raise InputError("Pick at least one bounded-cache method.")
-    return [m for m in BOUNDED if m in chosen]
+    return [m for m in offered if m in chosen]
 
 
 def _beside(lm, name: str, run: BoundedRun, forced: list[float], reference: list[int], codes) -> MethodGeneration:
@@ -107,7 +108,7 @@ def _beside(lm, name: str, run: BoundedRun, forced: list[float], reference: list
     split = len(pieces) if cut is None else cut
     logppl = -sum(forced) / len(forced) if forced else 0.0
     return MethodGeneration(
-        name, POLICIES[name][0], run, forced, cut, logppl, "".join(pieces[:split]), "".join(pieces[split:]),
+        name, policy_class(name).label, run, forced, cut, logppl, "".join(pieces[:split]), "".join(pieces[split:]),
         score_copy(run.text, codes) if codes else None,
     )
 
@@ -160,17 +161,17 @@ def generate(
                 progress(min(1.0, (done + tokens) / total), f"{desc}: {tokens} tokens")
         return report
 
-    progress(0.01, f"unbounded: reading {ids.numel()} prompt tokens")
-    ref_run = run_policy(make_policy("unbounded", lm, None, protected), ids, max_new_tokens,
-                         on_token=reporter("unbounded, writing"))
+    progress(0.01, f"{REFERENCE}: reading {ids.numel()} prompt tokens")
+    ref_run = run_policy(make_policy(REFERENCE, lm, None, protected), ids, max_new_tokens,
+                         on_token=reporter(f"{REFERENCE}, writing"))
     done += max_new_tokens
-    reference = _beside(lm, "unbounded", ref_run, ref_run.logprobs, ref_run.ids, codes)
+    reference = _beside(lm, REFERENCE, ref_run, ref_run.logprobs, ref_run.ids, codes)
     budget = int(budget) if budget is not None else max(1, (ids.numel() + len(ref_run.ids)) // 4)
     out = Generated(lm.name, ids.numel(), protected, budget, max_new_tokens, reference)
     for name in chosen:
-        label = POLICIES[name][0]
+        label = policy_class(name).label
         # Each policy's run is a unit of the request: others' runs may take the compute slot in between.
-        cancel.between_units(f"{len(out.runs) + 1} of {1 + len(chosen)} methods written")
+        cancellation.between_units(f"{len(out.runs) + 1} of {1 + len(chosen)} methods written")
         run = run_policy(make_policy(name, lm, budget, protected), ids, max_new_tokens,
                          on_token=reporter(f"{label}, writing"))
         done += max_new_tokens

@@ -77,18 +77,8 @@ def _names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
 
 
-def parse_link(params: Mapping[str, str], choices: LinkChoices) -> Link:
-    """The configuration ``params`` (a page's query parameters) asks for, each checked against ``choices``."""
-    notes: list[str] = []
-    got = {k: str(v).strip() for k, v in params.items()}
-    for key in sorted(set(got) - set(PARAMETERS)):
-        notes.append(f"`{key}` is not a parameter (use {', '.join(PARAMETERS)}).")
-    values: dict[str, object] = {}
-
-    tab = got.get("tab", "").lower() or "explore"
-    if tab not in TABS:
-        notes.append(f"tab `{tab}` does not exist (one of {', '.join(TABS)}): Explore opens.")
-        tab = "explore"
+def _read_document(got: dict[str, str], choices: LinkChoices, values: dict, notes: list[str]) -> None:
+    """The example, the question and the model, for every tab."""
     if got.get("example"):
         if got["example"] in choices.examples:
             values["example"] = got["example"]
@@ -105,22 +95,22 @@ def parse_link(params: Mapping[str, str], choices: LinkChoices) -> Link:
         else:
             notes.append(f"model `{got['model']}` is not offered here.")
 
-    if got.get("models") and tab == "compare":
-        names = _names(got["models"])
-        unknown = [n for n in names if n not in choices.models]
-        if unknown:
-            notes.append(f"model {', '.join(f'`{n}`' for n in unknown)} is not offered here.")
-        offered_models = tuple(dict.fromkeys(n for n in names if n in choices.models))
-        if offered_models:
-            values["models"] = offered_models
 
-    method_text = got.get("methods") or got.get("method") or ""
-    ratio_text = got.get("ratios") or got.get("ratio") or ""
-    if tab == "generate":
-        offered = choices.generate_methods
-    else:
-        offered = choices.methods
-    names = _names(method_text)
+def _read_models(got: dict[str, str], choices: LinkChoices, values: dict, notes: list[str]) -> None:
+    """Compare's models (only Compare reads them)."""
+    names = _names(got["models"])
+    unknown = [n for n in names if n not in choices.models]
+    if unknown:
+        notes.append(f"model {', '.join(f'`{n}`' for n in unknown)} is not offered here.")
+    offered_models = tuple(dict.fromkeys(n for n in names if n in choices.models))
+    if offered_models:
+        values["models"] = offered_models
+
+
+def _read_methods(got: dict[str, str], tab: str, choices: LinkChoices, values: dict, notes: list[str]) -> None:
+    """The method (Explore runs one) or methods, each offered by the tab."""
+    offered = choices.generate_methods if tab == "generate" else choices.methods
+    names = _names(got.get("methods") or got.get("method") or "")
     unknown = [n for n in names if n not in offered]
     if unknown:
         notes.append(f"method {', '.join(f'`{n}`' for n in unknown)} is not offered here (one of {', '.join(offered)}).")
@@ -132,29 +122,56 @@ def parse_link(params: Mapping[str, str], choices: LinkChoices) -> Link:
     elif tab in ("compare", "generate") and known:
         values["methods"] = known
 
-    if ratio_text and tab in ("explore", "compare"):
-        low, high = choices.ratio_range if tab == "explore" else choices.sweep_range
-        numbers = [(t, number(t)) for t in _names(ratio_text)]
-        bad = [t for t, x in numbers if x is None or not low <= x <= high]
-        if bad:
-            notes.append(f"ratio {', '.join(f'`{t}`' for t in bad)} is not a number from {low:g} to {high:g}.")
-        good = tuple(dict.fromkeys(x for _, x in numbers if x is not None and low <= x <= high))
-        if tab == "explore" and good:
-            values["ratio"] = good[0]
-        elif good:
-            values["ratios"] = good
 
-    if got.get("budget") and tab == "generate":
+def _read_ratios(ratio_text: str, tab: str, choices: LinkChoices, values: dict, notes: list[str]) -> None:
+    """Explore's ratio (the first good one) or Compare's ratios, each within the tab's range."""
+    low, high = choices.ratio_range if tab == "explore" else choices.sweep_range
+    numbers = [(t, number(t)) for t in _names(ratio_text)]
+    bad = [t for t, x in numbers if x is None or not low <= x <= high]
+    if bad:
+        notes.append(f"ratio {', '.join(f'`{t}`' for t in bad)} is not a number from {low:g} to {high:g}.")
+    good = tuple(dict.fromkeys(x for _, x in numbers if x is not None and low <= x <= high))
+    if tab == "explore" and good:
+        values["ratio"] = good[0]
+    elif good:
+        values["ratios"] = good
+
+
+def _read_generation(got: dict[str, str], values: dict, notes: list[str]) -> None:
+    """Generate's budget and source."""
+    if got.get("budget"):
         budget = number(got["budget"])
         if budget is None or budget < 0 or budget != int(budget):
             notes.append(f"budget `{got['budget']}` is not a whole number of keys (0: a quarter of the text).")
         else:
             values["budget"] = int(budget)
-    if got.get("source") and tab == "generate":
+    if got.get("source"):
         if got["source"] in SOURCES:
             values["source"] = got["source"]
         else:
             notes.append(f"source `{got['source']}` is not one of {', '.join(SOURCES)}.")
+
+
+def parse_link(params: Mapping[str, str], choices: LinkChoices) -> Link:
+    """The configuration ``params`` (a page's query parameters) asks for, each checked against ``choices``."""
+    notes: list[str] = []
+    got = {k: str(v).strip() for k, v in params.items()}
+    for key in sorted(set(got) - set(PARAMETERS)):
+        notes.append(f"`{key}` is not a parameter (use {', '.join(PARAMETERS)}).")
+    values: dict[str, object] = {}
+    tab = got.get("tab", "").lower() or "explore"
+    if tab not in TABS:
+        notes.append(f"tab `{tab}` does not exist (one of {', '.join(TABS)}): Explore opens.")
+        tab = "explore"
+    _read_document(got, choices, values, notes)
+    if got.get("models") and tab == "compare":
+        _read_models(got, choices, values, notes)
+    _read_methods(got, tab, choices, values, notes)
+    ratio_text = got.get("ratios") or got.get("ratio") or ""
+    if ratio_text and tab in ("explore", "compare"):
+        _read_ratios(ratio_text, tab, choices, values, notes)
+    if tab == "generate":
+        _read_generation(got, values, notes)
     return Link(tab=tab, notes=tuple(notes), **values)  # type: ignore[arg-type]
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from kvlab import cancel, messages, models
+from kvlab import cancellation, messages, models
 from kvlab.context import Progress, no_progress
 from kvlab.lab.explore import sub_progress
 from kvlab.lab.inputs import InputError, check_count, check_sweep, document_text
@@ -63,20 +63,20 @@ def answered(
     """(results, stopped) of kvlab.tasks.runner.run_items, each answer a unit of the request.
 
     Between answers others' runs may take the compute slot
-    (kvlab.cancel.between_units). When the time limit passes after some
+    (kvlab.cancellation.between_units). When the time limit passes after some
     answers, those come back with ``stopped`` saying how many were not
-    given; stopped otherwise, kvlab.cancel.Cancelled is raised.
+    given; stopped otherwise, kvlab.cancellation.Cancelled is raised.
     """
     results: list[TaskResult] = []
 
     def unit(fraction: float, desc: str) -> None:
-        cancel.between_units(desc)
+        cancellation.between_units(desc)
         progress(fraction, desc)
 
     try:
         run_items(lm, items, [MethodSpec(name) for name in methods], ratios, unit, on_result=results.append)
-    except cancel.Cancelled as exc:
-        if exc.reason != cancel.TIME or not results:
+    except cancellation.Cancelled as exc:
+        if exc.reason != cancellation.TIME or not results:
             raise
         total = len(items) * (1 + len(Plan.of([MethodSpec(name) for name in methods], ratios).runs))
         return results, (f"Stopped after {exc.elapsed_s:.0f} s because {exc.why}: {len(results)} of {total} "

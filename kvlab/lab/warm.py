@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager
 from urllib.parse import parse_qsl
 
-from kvlab.compression.catalog import method_spec
+from kvlab.catalog import method_spec
 from kvlab.compression.request import MAX_RATIO, MIN_RATIO
 from kvlab.documents import DocumentError
 from kvlab.examples import Example

@@ -2,7 +2,9 @@
 
 Importing this package imports every module in it (:func:`kvlab.compression.registry.discover`),
 each registering its method: a method is a file here and nothing else. What the methods stand on
-(options, the interface, selection, the registry, shared maths) is kvlab.compression.
+(options, the interface, selection, the registry, shared maths) is kvlab.compression; what a family
+of methods shares (the shared scorers, a family's base and machinery) is kvlab.methods.families, a
+subpackage that discovery skips. A method imports those, never another method.
 """
 from kvlab.compression.interface import Method
 from kvlab.compression.options import MethodError

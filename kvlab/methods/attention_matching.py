@@ -3,10 +3,11 @@
 Each KV head's document block is replaced by t compact keys (a subset of the
 original keys, RoPE phases kept), one bias beta per key and refitted values,
 chosen in closed form so that, for reference queries, the block's attention
-output and attention mass are preserved (kvlab.compression.compaction). The
+output and attention mass are preserved (kvlab.methods.families.compaction). The
 chat-template prefix stays as it is.
 
-PRESETS holds the published configurations under the public code's names.
+The published configurations are presets under the public code's names
+(kvlab.methods.families.attention_matching.PRESETS, which summary_am shares).
 The defaults are ``AM-HighestAttnKeys-basic`` (HighestAttnKeys, not
 on-policy): on-policy fitting reads the document once more per layer, which
 on a CPU multiplies the compression time by the number of layers, for what
@@ -14,47 +15,12 @@ the paper reports as a small gain.
 """
 from __future__ import annotations
 
-import time
-from typing import Any
-
-import torch
-
-from kvlab.compression.compaction import (
-    AMOptions,
-    LayerFit,
-    QuerySourced,
-    am_budgets,
-    compact_cache,
-    compact_layer,
-    fitted_cache,
-    is_window,
-    reference_queries,
-    source_tokens,
-    window_fit,
-)
 from kvlab.compression.interface import Method
-from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
-from kvlab.methods.kvzip import KVzipOptions, kvzip_scores
-from kvlab.queries import read_after, self_study_queries
+from kvlab.methods.families.attention_matching import PAPER, PRESETS, AMOptions, QuerySourced
+from kvlab.methods.families.compaction import compact_document
 from kvlab.runtime.cache import CompressedKV
-
-# The published configurations (the public code's algorithm configs). The
-# beta bounds follow the key selection: [-3, 3] for HighestAttnKeys, at most
-# 7 above and ``drop_below`` below for OMP (kvlab.compression.solvers.compact.compact_block);
-# the values are always refitted by least squares. Plain OMP adds one key per
-# iteration and refits every time; the fast variant four keys and every other time.
-_HIGHEST_ATTN: dict[str, Any] = {"key_selection": "highest_attn", "scoring": "rms", "nnls_iters": 2}
-_OMP: dict[str, Any] = {"key_selection": "omp", "keys_per_iter": 1, "refit_every": 1, "drop_below": -7.0}
-PRESETS: dict[str, dict[str, Any]] = {
-    "AM-HighestAttnKeys-basic": {**_HIGHEST_ATTN, "on_policy": False},
-    "AM-HighestAttnKeys": {**_HIGHEST_ATTN, "on_policy": True},
-    "AM-OMP-basic": {**_OMP, "on_policy": False},
-    "AM-OMP": {**_OMP, "on_policy": True},
-    "AM-OMP-fast": {**_OMP, "keys_per_iter": 4, "refit_every": 2, "on_policy": True},
-}
-
 
 
 @register
@@ -122,64 +88,11 @@ class AttentionMatching(QuerySourced, Method):
         "and none from 5x on, as every eviction tried there; `beaconkv_mixed`, which quantises what it does "
         "not keep, keeps 24/24/21/15."
     )
-    paper = Paper("Zweiger, Fu, Guo, Kim", 2026, "Fast KV Compaction via Attention Matching", arxiv="2602.16284")
+    paper = PAPER
     family = "compaction"
     bf16_tolerance = "fit"  # a least-squares fit absorbs the rounding of its inputs (test_bf16's drift check sees a solver run in bf16)
     Options = AMOptions
     presets = PRESETS
 
     def compress(self, req: Request) -> CompressedKV:
-        ctx, opts = req.ctx, self.options
-        req.progress(0.3, f"reference queries: {opts.query_source}")
-        start = time.perf_counter()
-        # KVzip's scores need the reconstruction pass: timed with the queries.
-        exact_kvzip = opts.exact_share > 0 and opts.exact_keys == "kvzip"
-        scores = kvzip_scores(req, KVzipOptions()) if opts.key_selection in ("kvzip", "kvzip_union") or exact_kvzip else None
-        key_scores = scores if opts.key_selection in ("kvzip", "kvzip_union") else None
-        exact_scores = scores if exact_kvzip else None
-        if opts.on_policy:
-            scores_s = time.perf_counter() - start
-            head = am_budgets(req, opts)
-            stored, queries_s = self._on_policy(req, head.budgets, key_scores, exact_scores)
-            queries_s += scores_s
-        else:
-            queries = reference_queries(ctx, opts, req.question)
-            extra = self_study_queries(ctx, opts.self_study_tokens) if opts.self_study_weight > 0 else None
-            head = am_budgets(req, opts, queries)
-            queries_s = time.perf_counter() - start
-            req.progress(0.4, "fitting keys, biases and values")
-            stored = compact_cache(ctx.full.stored, queries, head.budgets, opts, ctx.prefix_len, req.record_importance,
-                                   key_scores, extra, exact_scores)
-        stored.meta = {
-            "method": self.name,
-            "query_source": opts.query_source,
-            "key_selection": opts.key_selection,
-            **head.meta(),
-            **stored.meta,
-            "fit_s": {"queries": queries_s, **stored.meta["fit_s"]},
-        }
-        return stored
-
-    def _on_policy(
-        self, req: Request, budgets: torch.Tensor, key_scores: list[torch.Tensor] | None,
-        exact_scores: list[torch.Tensor] | None = None,
-    ) -> tuple[CompressedKV, float]:
-        """Compact layer by layer, each layer's queries read with the layers before it compacted."""
-        ctx, opts = req.ctx, self.options
-        ids = source_tokens(ctx, opts, req.question)
-        full = ctx.full.stored
-        length = full.logical_len if req.record_importance else None
-        fits: list[LayerFit] = []
-        queries_s = 0.0
-        for layer in range(ctx.lm.n_layers):
-            start = time.perf_counter()
-            mixed = CompressedKV([f.segments for f in fits] + full.layers[layer:], full.logical_len)
-            q = read_after(ctx, ids, mixed, layers=layer + 1)[layer]
-            queries_s += time.perf_counter() - start
-            fits.append(window_fit(full.layers[layer], q.shape[1], length) if is_window(full.layers[layer]) else
-                        compact_layer(full.layer_view(layer), q, budgets[layer], opts, ctx.prefix_len, length,
-                                      None if key_scores is None else key_scores[layer],
-                                      scale=ctx.lm.geometry[layer].scaling,
-                                      exact_scores=None if exact_scores is None else exact_scores[layer]))
-            req.progress(0.3 + 0.3 * (layer + 1) / ctx.lm.n_layers, f"on-policy: layer {layer + 1}")
-        return fitted_cache(fits, full.logical_len), queries_s
+        return compact_document(req, self.options, self.name)

@@ -6,13 +6,18 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.compression.compaction import QuerySourced, ScoredOptions, fitting_queries, reference_queries
 from kvlab.compression.interface import EvictionMethod
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.compression.selection import SelectionOptions
 from kvlab.kernels import dispatch as kernels
-from kvlab.methods.attention_matching import AttentionMatching
+from kvlab.methods.families.attention_matching import (
+    PAPER,
+    QuerySourced,
+    ScoredOptions,
+    fitting_queries,
+    reference_queries,
+)
 
 
 @dataclass(frozen=True)
@@ -33,7 +38,7 @@ class AttentionTopK(QuerySourced, EvictionMethod):
         "subsample it shares), with no bias and the original values. The gap between this and "
         "`attention_matching` is what fitting $\\beta$ and the values buys."
     )
-    paper = dataclasses.replace(AttentionMatching.paper, note="the eviction baseline of its ablations")
+    paper = dataclasses.replace(PAPER, note="the eviction baseline of its ablations")
     family = "selection"
     bf16_tolerance = "near_ties"  # random weights: near-uniform attention, scores within a few bf16 roundings
     Options = AttentionTopKOptions

@@ -13,7 +13,7 @@ end of the document). It is merged with the probability the paper derives from i
 where ``A`` is the attention a token received (the paper's and kvpress's cumulative attention
 of the decoding queries). kvlab compresses once, after the document's prefill, so ``A`` is the
 attention received from the prefill's own queries per query that could see the token
-(kvlab.methods.h2o.h2o_scores): in decoding every cached token is seen by every query, and a
+(kvlab.methods.families.scorers.h2o_scores): in decoding every cached token is seen by every query, and a
 causal prefill's plain sum would favour early tokens only for being early. Keys are kept as
 they are. Every evicted token is a merge candidate (kvpress's per-step algorithm merges the
 token a step evicts; its batched one the ``compression_interval`` best-scored evicted tokens;
@@ -27,13 +27,13 @@ from typing import Literal
 
 import torch
 
-from kvlab.compression.merging_core import MergingMethod, kept_mask
 from kvlab.compression.options import knob
 from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.compression.selection import SelectionOptions
-from kvlab.methods.h2o import h2o_scores
+from kvlab.methods.families.merging import MergingMethod, kept_mask
+from kvlab.methods.families.scorers import h2o_scores
 
 
 def cam_windows(kept: torch.Tensor, lengths: torch.Tensor, merge_budget: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,7 @@ from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.compression.scoring import pool_group, protect
 from kvlab.compression.selection import SelectionOptions
-from kvlab.methods.expected_attention import ExpectedAttentionOptions, query_statistics
+from kvlab.methods.families.scorers import ExpectedAttentionOptions, query_statistics
 from kvlab.runtime.attention import expand_kv_heads
 
 

@@ -3,8 +3,8 @@ with Approximate Leverage Scores", arXiv 2507.08143; kvpress's CompactorPress).
 
 Two query-agnostic signals blended: the approximate leverage of the pre-RoPE keys (outliers
 of the key matrix, kvlab.methods.leverage) and non-causal chunked attention x ||v||
-(kvlab.methods.non_causal_attn), each z-scored over the layer, s = lambda * z_leverage +
-z_attention. The first ``sink_size_start`` context tokens and the last ``sink_size_end`` are
+(kvlab.methods.non_causal_attn; their maths in kvlab.methods.families.scorers), each z-scored over
+the layer, s = lambda * z_leverage + z_attention. The first ``sink_size_start`` context tokens and the last ``sink_size_end`` are
 left out of both computations (their centring, chunks and z-scores) and always kept. As in
 kvpress, lambda defaults to the share of tokens evicted (there 1 - kept/context; here of the
 document, 1 - 1/ratio), "a good heuristic" by kvpress's docstring; ``blend_by_ratio=false``
@@ -24,10 +24,9 @@ from kvlab.compression.options import knob
 from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
-from kvlab.compression.scoring import per_context
 from kvlab.compression.selection import SelectionOptions
-from kvlab.methods.leverage import gaussian_sketches, leverage, pre_rope_keys, z_score
-from kvlab.methods.non_causal_attn import non_causal_layer
+from kvlab.context import Memo
+from kvlab.methods.families.scorers import gaussian_sketches, leverage, non_causal_layer, pre_rope_keys, z_score
 
 
 @dataclass(frozen=True)
@@ -39,6 +38,17 @@ class CompactorOptions(SelectionOptions):
     blend_by_ratio: bool = knob(True, "lambda = the share of document tokens evicted, 1 - 1/ratio (kvpress's default)")
     blending: float = knob(0.35, "lambda, the weight of the leverage z-scores, when blend_by_ratio=false", low=0.0)
     seed: int = knob(0, "seed of the Gaussian sketch", low=0)
+
+
+@dataclass(frozen=True)
+class CompactorParts(Memo):
+    """Where :func:`compactor_parts` keeps its z-scores: the knobs they depend on (not the blend)."""
+
+    sink_size_start: int
+    sink_size_end: int
+    attention_chunk: int
+    sketch_dimension: int
+    seed: int
 
 
 def compactor_parts(req: Request, opts: CompactorOptions) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -57,8 +67,8 @@ def compactor_parts(req: Request, opts: CompactorOptions) -> list[tuple[torch.Te
             out.append((z_score(lev), z_score(att)))
         return out
 
-    key = ("compactor", opts.sink_size_start, opts.sink_size_end, opts.attention_chunk, opts.sketch_dimension, opts.seed)
-    return per_context(ctx, key, make)
+    key = CompactorParts(opts.sink_size_start, opts.sink_size_end, opts.attention_chunk, opts.sketch_dimension, opts.seed)
+    return ctx.cached(key, make)
 
 
 def middle(length: int, opts: CompactorOptions) -> tuple[int, int]:

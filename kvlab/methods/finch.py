@@ -27,7 +27,7 @@ from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.compression.scoring import pool_group
 from kvlab.compression.selection import SelectionOptions
-from kvlab.context import Context
+from kvlab.context import Context, Memo
 from kvlab.prompts import question_tokens
 from kvlab.queries import RepeatPass
 from kvlab.runtime.attention import attention_weights, expand_kv_heads
@@ -40,6 +40,13 @@ class FinchOptions(SelectionOptions):
     normalize_scores: bool = knob(True, "multiply each window query's weights by the number of keys before it")
 
 
+@dataclass(frozen=True)
+class FinchPass(Memo):
+    """Where :func:`question_pass` keeps the pass that read ``question`` after the full cache."""
+
+    store = "queries"
+
+
 def question_pass(ctx: Context, question: str) -> RepeatPass:
     """The question read after the full cache: its queries and its own keys per layer, kept on ``ctx``."""
 
@@ -50,7 +57,7 @@ def question_pass(ctx: Context, question: str) -> RepeatPass:
         keys = [layer.keys[0, :, ctx.length :].clone() for layer in session.cache.layers]
         return RepeatPass(capture.per_layer(), keys)
 
-    return ctx.cached("queries", "finch:" + question, make, question)
+    return ctx.cached(FinchPass(question=question), make)
 
 
 def finch_scores(req: Request, normalize: bool) -> list[torch.Tensor]:

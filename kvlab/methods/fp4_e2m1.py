@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.compression.engine_format import EVICT_LEARN, FP4Format
 from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.context import Context
+from kvlab.methods.families.engine_format import EVICT_LEARN, FP4Format
 from kvlab.runtime.cache import Segment
 from kvlab.runtime.engine_formats import FP4Segment
 

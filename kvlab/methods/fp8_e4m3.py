@@ -3,13 +3,13 @@
 Every stored key and value element is one float8 e4m3 byte of ``x / scale``, with one float32
 scale per layer for the keys and one for the values (:class:`~kvlab.runtime.engine_formats.FP8Segment`).
 The storage, the scales and the ratio's meaning are those of every FP8 format
-(:mod:`kvlab.compression.engine_format`, whose docstring cites the vLLM source read).
+(:mod:`kvlab.methods.families.engine_format`, whose docstring cites the vLLM source read).
 """
 from __future__ import annotations
 
-from kvlab.compression.engine_format import EVICT_LEARN, FP8_SCALE_LEARN, FP8Format, FP8Options
 from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
+from kvlab.methods.families.engine_format import EVICT_LEARN, FP8_SCALE_LEARN, FP8Format, FP8Options
 
 
 @register

@@ -11,9 +11,9 @@ does not look at the format).
 """
 from __future__ import annotations
 
-from kvlab.compression.engine_format import EVICT_LEARN, FP8_SCALE_LEARN, FP8Format, FP8Options
 from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
+from kvlab.methods.families.engine_format import EVICT_LEARN, FP8_SCALE_LEARN, FP8Format, FP8Options
 
 
 @register

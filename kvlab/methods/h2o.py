@@ -7,7 +7,8 @@ it: a plain sum would favour early tokens only because more queries come
 after them. Scores are averaged over the query heads of each KV head's
 group (kvpress's ObservedAttentionPress does the same). As in the paper, part
 of each head's budget (``recent_share``) goes to the most recent tokens
-("heavy hitters + recent window").
+("heavy hitters + recent window"). The scores are shared (kvlab.methods.families.scorers:
+observed_attention and cam read the heavy hitters too).
 """
 from __future__ import annotations
 
@@ -20,32 +21,16 @@ from kvlab.compression.options import knob
 from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
-from kvlab.compression.scoring import per_context, pool_group, protect, received_attention
 from kvlab.compression.selection import SelectionOptions
+from kvlab.methods.families.scorers import H2O_RECENT_SHARE, h2o_recent_scores
 
 
 @dataclass(frozen=True)
 class H2OOptions(SelectionOptions):
     recent_share: float = knob(
-        0.5, "share of each head's budget kept as the most recent tokens (the paper: 0.5; 0: heavy hitters only)",
+        H2O_RECENT_SHARE,
+        "share of each head's budget kept as the most recent tokens (the paper: 0.5; 0: heavy hitters only)",
         low=0.0, high=1.0)
-
-
-def h2o_scores(req: Request) -> list[torch.Tensor]:
-    """Per layer [H_kv, T_doc]: mean attention received from the queries that can see each key."""
-    ctx = req.ctx
-
-    def make() -> list[torch.Tensor]:
-        # Key j is seen by queries j..N-1.
-        seen_by = torch.arange(ctx.length, 0, -1, dtype=torch.float32, device=ctx.lm.device)
-        out = []
-        for layer, q in enumerate(ctx.queries["context"]):
-            received = received_attention(q, ctx.full.keys[layer], reduce="sum", causal=True,
-                                          scale=ctx.lm.geometry[layer].scaling)
-            out.append(pool_group(received / seen_by, ctx.lm.n_kv_heads, "mean")[:, ctx.prefix_len :])
-        return out
-
-    return per_context(ctx, ("h2o",), make)
 
 
 @register
@@ -69,11 +54,4 @@ class H2O(EvictionMethod):
     keep_scores = False
 
     def scores(self, req: Request) -> list[torch.Tensor]:
-        recent = min(round(self.options.recent_share * req.doc_budget), req.ctx.doc_len)
-        out = []
-        for score in h2o_scores(req):
-            score = score.clone()
-            if recent:
-                protect(score, slice(req.ctx.doc_len - recent, None))
-            out.append(score)
-        return out
+        return h2o_recent_scores(req, self.options.recent_share)

@@ -11,7 +11,7 @@ Ratio semantics: the memory this takes is fixed by ``bits``, not by the
 requested ratio, which only caps it: ratio 1 means no compression (the full
 cache, like every method); above 1 the quantised cache is used, and if it is
 still larger than full bytes / ratio, the oldest document tokens are evicted
-until it fits (kvlab.compression.memory_plan, which may give some heads one token
+until it fits (kvlab.methods.families.memory_plan, which may give some heads one token
 more than others to use the bytes rounding leaves). The actual memory ratio
 is what RunResult reports (and ``meta["memory_ratio"]``); it can be far above
 the requested one.
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvlab.compression.interface import Method
-from kvlab.compression.memory_plan import TokenSplit, build_layer, context_plan
 from kvlab.compression.options import MethodError, Options, knob
 from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
+from kvlab.methods.families.memory_plan import TokenSplit, build_layer, context_plan
 from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.quant import SUPPORTED_BITS
 

@@ -4,7 +4,8 @@ Strategy for KV Cache Compression", EMNLP 2024, arXiv 2406.11430).
 Keys with a small L2 norm draw high attention (the paper's observation), so a
 token's score is minus its key's norm, s_j = -||k_j||_2. No attention, no
 query, no knob (as the paper and kvpress's KnormPress). RoPE rotates each key
-without changing its norm, so kvlab's post-RoPE keys give the paper's scores.
+without changing its norm, so kvlab's post-RoPE keys give the paper's scores. The scores are
+shared with the merging family's ``scorer`` knob (kvlab.methods.families.scorers).
 """
 from __future__ import annotations
 
@@ -15,12 +16,7 @@ from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.compression.selection import SelectionOptions
-
-
-def knorm_scores(req: Request) -> list[torch.Tensor]:
-    """Per layer [H_kv, T_doc]: minus each document key's L2 norm."""
-    ctx = req.ctx
-    return [-keys[:, ctx.prefix_len :].float().norm(dim=-1) for keys in ctx.full.keys]
+from kvlab.methods.families.scorers import knorm_scores
 
 
 @register

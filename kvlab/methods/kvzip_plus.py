@@ -12,21 +12,24 @@ s_j = max_i max_(h in group) a^(h)_ij ||v_j W_o^(h)||_2 / ||h_i||, each softmax 
 ``n_sink`` context tokens, the document and the reconstruction's own tokens (causal), then
 pruned as KVzip's (``prune``).
 
-The queries and their softmax are KVzip's (kvlab.methods.kvzip, the recorded repeat pass);
+The queries and their softmax are KVzip's (kvlab.methods.families.scorers, the recorded repeat pass);
 the attention inputs' norms need one more pass over the same tokens, through transformers'
 modules (``output_hidden_states``), kept per context beside it. The differences from kvpress
 are KVzip's (the template prefix kept, the document replayed in one chunk).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
-from kvlab.compression.scoring import BLOCK_ELEMENTS, per_context, pool_group, protect
-from kvlab.context import Context
-from kvlab.methods.kvzip import KVzip, KVzipOptions
+from kvlab.compression.scoring import BLOCK_ELEMENTS, pool_group, protect
+from kvlab.context import Context, Memo
+from kvlab.methods.families.kvzip import KVzipPruning
+from kvlab.methods.families.scorers import KVzipOptions
 from kvlab.prompts import repeat_tokens
 from kvlab.queries import repeat_pass
 from kvlab.runtime.attention import attention_logits, future_mask, group_queries, output_projection, softmax_
@@ -91,6 +94,14 @@ def weighted_max(queries: torch.Tensor, keys: torch.Tensor, row: torch.Tensor, s
     return out
 
 
+@dataclass(frozen=True)
+class KVzipPlusScores(Memo):
+    """Where :func:`kvzip_plus_scores` keeps its scores: the knobs they depend on."""
+
+    n_sink: int
+    instruction: str
+
+
 def kvzip_plus_scores(req: Request, opts: KVzipOptions) -> list[torch.Tensor]:
     """Per layer [H_kv, T_doc]: max over the reconstruction queries and the group of a_ij ||v_j W_o|| / ||h_i||."""
     ctx = req.ctx
@@ -112,13 +123,13 @@ def kvzip_plus_scores(req: Request, opts: KVzipOptions) -> list[torch.Tensor]:
             out.append(pool_group(scored, ctx.lm.n_kv_heads, "max"))
         return out
 
-    scores = per_context(ctx, ("kvzip_plus", opts.n_sink, opts.instruction), make)
+    scores = ctx.cached(KVzipPlusScores(opts.n_sink, opts.instruction), make)
     doc_sinks = max(0, opts.n_sink - ctx.prefix_len)
     return [protect(s.clone(), slice(0, doc_sinks)) for s in scores]
 
 
 @register
-class KVzipPlus(KVzip):
+class KVzipPlus(KVzipPruning):
     name = "kvzip_plus"
     summary = "KVzip's reconstruction attention x ||v W_o|| / ||h||: weighted by what a key adds to the output"
     learn = (
@@ -133,7 +144,7 @@ class KVzipPlus(KVzip):
                   note="KVzip+, the scores KVzap's surrogates are trained to predict")
     family = "selection"
     bf16_tolerance = "near_ties"
-    Options = KVzipOptions  # KVzip's own knobs (register adds the wrappers' to them, as to KVzip's)
+    Options = KVzipOptions  # KVzip's own knobs, its pruning too (kvlab.methods.families.kvzip)
 
     def scores(self, req: Request) -> list[torch.Tensor]:
         return kvzip_plus_scores(req, self.options)

@@ -13,11 +13,11 @@ thousand tokens is far larger: the ridge only guards a rank-deficient head).
 As in kvpress the keys are the whole context's (template prefix included) before RoPE; kvlab
 stores them post-RoPE and rotates them back with the layer's own tables. The sketch is drawn
 from a CPU generator seeded with ``seed`` (one draw per layer, in layer order), so a seed
-means the same scores on every device; kvpress draws it from torch's global generator.
+means the same scores on every device; kvpress draws it from torch's global generator. The maths
+is shared with compactor (kvlab.methods.families.scorers).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -28,44 +28,13 @@ from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.compression.selection import SelectionOptions
-from kvlab.runtime.rope import rope_cos_sin, unrotate
-
-#: Ridge added to the sketched Gram matrix: kvpress's first Cholesky jitter.
-RIDGE = 1e-2
+from kvlab.methods.families.scorers import gaussian_sketches, leverage, pre_rope_keys, z_score
 
 
 @dataclass(frozen=True)
 class LeverageOptions(SelectionOptions):
     sketch_dimension: int = knob(48, "columns k of the right Gaussian sketch Phi [d, k]", low=1)
     seed: int = knob(0, "seed of the Gaussian sketch", low=0)
-
-
-def gaussian_sketches(seed: int, n_layers: int, n_kv_heads: int, head_dim: int, k: int) -> list[torch.Tensor]:
-    """Per layer [H_kv, d, k] float32 sketches with N(0, 1/k) entries, on the CPU (moved where used)."""
-    # Drawn on the CPU on purpose: a seeded CPU generator gives the same sketch on every device.
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    return [torch.randn(n_kv_heads, head_dim, k, generator=gen, device="cpu") / math.sqrt(k) for _ in range(n_layers)]
-
-
-def leverage(keys: torch.Tensor, sketch: torch.Tensor) -> torch.Tensor:
-    """Approximate leverage of each key: [H, N, d] pre-RoPE keys, [H, d, k] sketch -> [H, N] float32."""
-    x = keys.float() - keys.float().mean(dim=1, keepdim=True)
-    y = x @ sketch.to(x.device)  # [H, N, k]
-    gram = y.transpose(1, 2) @ y + RIDGE * torch.eye(y.shape[-1], device=y.device)
-    solved = torch.linalg.solve(gram, y.transpose(1, 2))  # (Y^T Y + lambda I)^{-1} Y^T: [H, k, N]
-    return (y * solved.transpose(1, 2)).sum(dim=-1).clamp_min(0)
-
-
-def z_score(scores: torch.Tensor) -> torch.Tensor:
-    """(s - mean) / std over the whole layer [H, N] (kvpress's normalisation; std floored at 1e-6)."""
-    return (scores - scores.mean()) / scores.std().clamp_min(1e-6)
-
-
-def pre_rope_keys(req: Request, layer: int) -> torch.Tensor:
-    """[H_kv, N, d] float32: the context's keys of ``layer`` rotated back to before RoPE."""
-    ctx = req.ctx
-    cos, sin = rope_cos_sin(ctx.lm, torch.arange(ctx.length, device=ctx.lm.device), layer)
-    return unrotate(ctx.full.keys[layer].float(), cos, sin)
 
 
 def leverage_scores(req: Request, opts: LeverageOptions) -> list[torch.Tensor]:

@@ -27,13 +27,13 @@ from typing import Literal
 
 import torch
 
-from kvlab.compression.merging_core import MergingMethod, kept_mask
 from kvlab.compression.options import MethodError, knob
 from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.compression.scoring import BLOCK_ELEMENTS
 from kvlab.compression.selection import SelectionOptions
+from kvlab.methods.families.merging import MergingMethod, kept_mask
 
 #: kvpress's epsilon: the floor of a key's norm in the cosine and the guard of the weights' denominator.
 EPS = 1e-6

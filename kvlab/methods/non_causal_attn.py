@@ -12,53 +12,26 @@ Deliberate differences from kvpress 0.5.5: the logits carry the layer's own atte
 (1/sqrt(d), the model's attention; kvpress's press multiplies q.k unscaled), and a last chunk
 shorter than ``attention_chunk`` is its own softmax over its real keys (kvpress pads it with zero
 queries and keys whose padded rows and columns still take part in the softmax and the sums).
+The per-layer maths is shared with compactor (kvlab.methods.families.scorers).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvlab.compression.interface import EvictionMethod
 from kvlab.compression.options import knob
 from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
-from kvlab.compression.scoring import pool_group
 from kvlab.compression.selection import SelectionOptions
-from kvlab.methods.leverage import z_score
-from kvlab.runtime.attention import attention_weights, expand_kv_heads
-
-#: Tokens of the average pooling over the scores (kvpress's kernel_size=3, padding 1).
-POOL = 3
+from kvlab.methods.families.scorers import non_causal_layer, z_score
 
 
 @dataclass(frozen=True)
 class NonCausalAttnOptions(SelectionOptions):
     attention_chunk: int = knob(256, "non-causal attention: consecutive tokens per chunk; queries attend to every key of their chunk", low=1)
-
-
-def chunk_attention(queries: torch.Tensor, keys: torch.Tensor, chunk_size: int, scale: float) -> torch.Tensor:
-    """Attention each key receives from the queries of its chunk, non-causal, summed over them.
-
-    queries: [H, N, d], keys: [H_kv, N, d] (the same N tokens) -> [H, N] float32.
-    """
-    n_heads, n = queries.shape[0], queries.shape[1]
-    out = torch.empty(n_heads, n, device=keys.device)
-    for start in range(0, n, chunk_size):
-        end = min(start + chunk_size, n)
-        k = expand_kv_heads(keys[:, start:end].float(), n_heads)
-        out[:, start:end] = attention_weights(queries[:, start:end].float(), k, scale=scale).sum(dim=1)
-    return out
-
-
-def non_causal_layer(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, chunk_size: int,
-                     scale: float) -> torch.Tensor:
-    """One layer's scores before the z-score: [H, N, d] queries, [H_kv, N, d] keys and values -> [H_kv, N]."""
-    received = pool_group(chunk_attention(queries, keys, chunk_size, scale), keys.shape[0], "mean")
-    weighted = received * values.float().norm(dim=-1)
-    return F.avg_pool1d(weighted.unsqueeze(1), POOL, stride=1, padding=POOL // 2).squeeze(1)
 
 
 def non_causal_scores(req: Request, chunk_size: int) -> list[torch.Tensor]:

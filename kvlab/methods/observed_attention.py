@@ -2,7 +2,8 @@
 
 The attention a key received from the prefill's own queries, divided by the number of
 queries that could see it, averaged over the query heads of its GQA group: H2O's heavy-hitter
-score (kvlab.methods.h2o) with no recent window, every token of the budget chosen by it.
+score (kvlab.methods.h2o, kvlab.methods.families.scorers.h2o_scores) with no recent window, every
+token of the budget chosen by it.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.compression.selection import SelectionOptions
-from kvlab.methods.h2o import h2o_scores
+from kvlab.methods.families.scorers import h2o_scores
 
 
 @register

@@ -29,7 +29,7 @@ from kvlab.compression.options import knob
 from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
-from kvlab.methods.snapkv import SnapKVOptions, snap_scores
+from kvlab.methods.families.scorers import SnapKVOptions, snap_scores
 
 
 @dataclass(frozen=True)

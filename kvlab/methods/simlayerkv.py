@@ -47,8 +47,9 @@ import torch
 from kvlab.compression.interface import EvictionMethod
 from kvlab.compression.options import Options, knob
 from kvlab.compression.paper import Paper
-from kvlab.compression.registry import get_method, register
+from kvlab.compression.registry import register
 from kvlab.compression.request import Request
+from kvlab.methods.families.scorers import recency_scores
 from kvlab.runtime.attention import attention_weights, expand_kv_heads
 from kvlab.runtime.cache import CompressedKV
 
@@ -173,7 +174,7 @@ class SimLayerKV(EvictionMethod):
 
     def scores(self, req: Request) -> list[torch.Tensor]:
         # Within a lazy layer: the sinks, then recency (streaming_llm's scores with n_sink = n_initial).
-        return get_method("streaming_llm", n_sink=self.options.n_initial).scores(req)
+        return recency_scores(req, self.options.n_initial)
 
     def compress(self, req: Request) -> CompressedKV:
         stored = super().compress(req)

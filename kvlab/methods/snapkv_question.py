@@ -1,17 +1,13 @@
 """SnapKV whose observation window is the user's question (Li et al., 2024): the paper's own setting,
-where the question ends the prompt. The scores are :func:`kvlab.methods.snapkv.snap_scores`'s."""
+where the question ends the prompt. The scores are :func:`kvlab.methods.families.scorers.snap_scores`'s."""
 from __future__ import annotations
 
-import torch
-
-from kvlab.compression.interface import EvictionMethod
 from kvlab.compression.registry import register
-from kvlab.compression.request import Request
-from kvlab.methods.snapkv import SnapKV, SnapKVOptions, snap_scores
+from kvlab.methods.families.snapkv import SnapKVWindow
 
 
 @register
-class SnapKVQuestion(EvictionMethod):
+class SnapKVQuestion(SnapKVWindow):
     name = "snapkv_question"
     summary = "query-aware SnapKV: the window is the user's question (the compression depends on it)"
     learn = (
@@ -20,11 +16,7 @@ class SnapKVQuestion(EvictionMethod):
         "setting of the SnapKV paper, where the question is at the end of the prompt: excellent for that "
         "question, but the cache must be rebuilt for every new question. `window` is not used here."
     )
-    paper = SnapKV.paper
     family = "selection"
     bf16_tolerance = "near_ties"  # scored by the question's few tokens alone
     query_aware = True
-    Options = SnapKVOptions
-
-    def scores(self, req: Request) -> list[torch.Tensor]:
-        return snap_scores(req, self.options.window, self.options.kernel, from_question=True)
+    from_question = True

@@ -25,12 +25,10 @@ from kvlab.compression.options import MethodError, Options, knob
 from kvlab.compression.paper import Baseline
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
+from kvlab.methods.families.summary import SUMMARY_PROMPT, write_summary
 from kvlab.prompts import question_tokens
 from kvlab.runtime.cache import CompressedKV, DenseSegment, FullKV, template_segment
-from kvlab.runtime.decode import extend, open_session, prefill, stop_token_ids
-from kvlab.runtime.model import LoadedModel
-
-SUMMARY_PROMPT = "Summarise the text above in about {words} words. Keep the names, numbers and dates."
+from kvlab.runtime.decode import prefill
 
 
 @dataclass(frozen=True)
@@ -46,25 +44,6 @@ class SummaryOptions(Options):
             self.prompt.format(words=1)
         except (KeyError, IndexError, ValueError) as exc:
             raise MethodError(f"prompt must be a text whose only {{field}} is {{words}}, got {self.prompt!r}") from exc
-
-
-def write_summary(lm: LoadedModel, stored: CompressedKV, prompt_ids: torch.Tensor, n_tokens: int, fill: bool) -> list[int]:
-    """Greedy summary ids after ``prompt_ids``: 1 to ``n_tokens`` of them, exactly ``n_tokens`` with ``fill``."""
-    session = open_session(lm, stored)
-    stops = stop_token_ids(lm)
-    banned = torch.tensor(sorted(stops), dtype=torch.long, device=lm.device)
-    logits = extend(lm, session, prompt_ids, logits_to_keep=1)[-1]
-    ids: list[int] = []
-    while len(ids) < n_tokens:
-        if (fill or not ids) and banned.numel():  # never an empty summary
-            logits = logits.index_fill(0, banned, float("-inf"))
-        token = int(torch.argmax(logits))
-        if token in stops:
-            break
-        ids.append(token)
-        if len(ids) < n_tokens:
-            logits = extend(lm, session, torch.tensor([token], device=lm.device), logits_to_keep=1)[-1]
-    return ids
 
 
 def summary_cache(full: FullKV, prefix_len: int, fate: str = "summary") -> list[list[DenseSegment]]:

@@ -11,16 +11,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvlab.compression.compaction import AMOptions, QuerySourced
 from kvlab.compression.interface import Method
 from kvlab.compression.options import knob
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.context import prepare_context
-from kvlab.methods.attention_matching import PRESETS, AttentionMatching
-from kvlab.methods.summarisation import SUMMARY_PROMPT, write_summary
+from kvlab.methods.families.attention_matching import PAPER, PRESETS, AMOptions, QuerySourced
+from kvlab.methods.families.compaction import compact_document
+from kvlab.methods.families.summary import SUMMARY_PROMPT, write_summary
 from kvlab.prompts import question_tokens
-from kvlab.runtime.cache import CompressedKV
+from kvlab.runtime.cache import CompressedKV, keep_windows
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class SummaryThenAM(QuerySourced, Method):
         "reports that this reaches very high ratios with the accuracy of the summary alone."
     )
     paper = dataclasses.replace(
-        AttentionMatching.paper, note="summarise, then compact: Attention Matching on the summarisation baseline")
+        PAPER, note="summarise, then compact: Attention Matching on the summarisation baseline")
     family = "compaction"
     bf16_tolerance = "code_flips"  # the summary pinned, Attention Matching's fit of it then moves like a selection
     Options = SummaryAMOptions
@@ -57,7 +57,10 @@ class SummaryThenAM(QuerySourced, Method):
         inner = max(1.0, summary_ctx.doc_len / target)
         req.progress(0.5, f"compacting the {summary_ctx.doc_len}-token summary {inner:.1f}x")
         am_fields = {f: getattr(opts, f) for f in AMOptions.__dataclass_fields__}
-        stored = AttentionMatching(AMOptions(**am_fields)).compress(Request(summary_ctx, inner, req.question))
+        stored = compact_document(Request(summary_ctx, inner, req.question), AMOptions(**am_fields), self.name)
+        # The summary's sliding-window layers as the model keeps them, as a registered method's cache of
+        # its own document is (kvlab.compression.interface.keeping_windows).
+        stored = keep_windows(stored, summary_ctx.full)
         for layer in stored.layers:
             for seg in layer:
                 if seg.fate != "template":
@@ -65,5 +68,4 @@ class SummaryThenAM(QuerySourced, Method):
                     seg.token_index = seg.token_index.new_full(seg.token_index.shape, -1)
                     seg.fate = "summary"
         stored.meta.update(summary=summary, summary_tokens=summary_ctx.doc_len, inner_ratio=inner)
-        stored.meta["method"] = self.name
         return stored

@@ -45,12 +45,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.compression.engine_format import scorers
 from kvlab.compression.interface import EvictionMethod, Method
 from kvlab.compression.options import MethodError, Options, knob
 from kvlab.compression.paper import Paper
 from kvlab.compression.registry import get_method, register
 from kvlab.compression.request import Request
+from kvlab.methods.families.engine_format import scoring_methods
 from kvlab.runtime.attention import group_queries
 from kvlab.runtime.cache import CompressedKV, Segment, concat_views, segment_from_view, select_keys
 from kvlab.runtime.channel_segment import ChannelSegment
@@ -69,8 +69,8 @@ class ThinKOptions(Options):
         super().__post_init__()
         if self.key_channel_compression_ratio >= 1.0:
             raise MethodError("key_channel_compression_ratio must be below 1: a head keeps at least one channel")
-        if self.evict_with not in scorers():
-            raise MethodError(f"evict_with must be a scoring method ({', '.join(scorers())}), got {self.evict_with!r}")
+        if self.evict_with not in scoring_methods():
+            raise MethodError(f"evict_with must be a scoring method ({', '.join(scoring_methods())}), got {self.evict_with!r}")
 
 
 def channel_scores(queries: torch.Tensor, keys: torch.Tensor, real: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Token Omission Via Attention: a token's score is the attention the last
 context token pays it, averaged over all the query heads of the layer, so
 every KV head of a layer keeps the same tokens (kvpress's TOVAPress does the
-same). The last token itself is always kept.
+same). The last token itself is always kept. The scores are shared with the merging family's
+``scorer`` knob (kvlab.methods.families.scorers).
 """
 from __future__ import annotations
 
@@ -13,23 +14,8 @@ from kvlab.compression.interface import EvictionMethod
 from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
-from kvlab.compression.scoring import protect
 from kvlab.compression.selection import SelectionOptions
-from kvlab.runtime.attention import attention_weights, expand_kv_heads
-
-
-def tova_scores(req: Request) -> list[torch.Tensor]:
-    """Per layer [H_kv, T_doc]: the last context query's attention, mean over all query heads."""
-    ctx = req.ctx
-    out = []
-    for layer, q in enumerate(ctx.queries["context"]):
-        keys = expand_kv_heads(ctx.full.keys[layer], q.shape[0])
-        # The last token sees every key: no causal mask needed.
-        weights = attention_weights(q[:, -1:], keys, scale=ctx.lm.geometry[layer].scaling)[:, 0]  # [H, T]
-        score = weights.mean(dim=0)[ctx.prefix_len :].clone()
-        protect(score, slice(ctx.doc_len - 1, None))
-        out.append(score.expand(ctx.lm.n_kv_heads, -1))
-    return out
+from kvlab.methods.families.scorers import tova_scores
 
 
 @register

@@ -49,17 +49,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.compression.engine_format import (
-    EVICT_LEARN,
-    EngineFormat,
-    check_evict_with,
-    evict_with_knob,
-)
 from kvlab.compression.options import MethodError, Options, knob
 from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.context import Context
+from kvlab.methods.families.engine_format import (
+    EVICT_LEARN,
+    EngineFormat,
+    check_evict_with,
+    evict_with_knob,
+)
 from kvlab.runtime.cache import (
     CompressedKV,
     DenseSegment,

@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvlab.cancel import checkpoint, leave_slot
+from kvlab.cancellation import checkpoint, leave_slot
 from kvlab.prompts import answer_end_ids
 from kvlab.runtime.batching import batcher
 from kvlab.runtime.cache import CompressedKV, FullKV

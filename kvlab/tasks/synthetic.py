@@ -41,16 +41,15 @@ from kvlab.tasks.items import TaskError, TaskItem, TokenCounter
 #: The noise line repeated as filler (RULER's "noise" haystack, our sentences).
 NOISE = "The river runs past the old mill. The hills are quiet. A cart rolls down the lane. The bell rings at noon."
 
-_ADJECTIVES = (
-    "amber", "brave", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly",
-    "kind", "lucky", "mellow", "narrow", "odd", "pale", "quick", "rusty", "silent", "tall",
-    "upper", "vivid", "warm", "young", "zesty", "bold", "crisp", "deep", "early", "fancy",
-)
-_NOUNS = (
-    "anchor", "basket", "candle", "dragon", "engine", "feather", "garden", "harbor", "island", "jacket",
-    "kettle", "ladder", "meadow", "needle", "orchard", "pillow", "quarry", "rocket", "saddle", "tunnel",
-    "umbrella", "valley", "window", "yarrow", "zipper", "button", "cellar", "falcon", "lantern", "marble",
-)
+_ADJECTIVES = tuple((
+    "amber brave calm dusty eager faint gentle hollow icy jolly kind lucky mellow narrow odd pale quick "
+    "rusty silent tall upper vivid warm young zesty bold crisp deep early fancy"
+).split())
+_NOUNS = tuple((
+    "anchor basket candle dragon engine feather garden harbor island jacket kettle ladder meadow needle "
+    "orchard pillow quarry rocket saddle tunnel umbrella valley window yarrow zipper button cellar falcon "
+    "lantern marble"
+).split())
 
 #: What fills the document around the needles.
 Haystack = Literal["noise", "prose", "books"]
@@ -61,20 +60,20 @@ VALUE_SHAPES: tuple[ValueShape, ...] = ("number", "code", "name", "mixed")
 MIXED_SHAPES: tuple[ValueShape, ...] = ("number", "code", "name")
 
 #: The word half of a code; the prose filler may use these words, never with digits.
-_CODE_WORDS = (
-    "violet", "azure", "cobalt", "crimson", "olive", "scarlet", "indigo", "ivory", "copper", "jade",
-    "maroon", "ochre", "silver", "teal", "umber", "saffron", "coral", "slate", "pearl", "russet",
-)
+_CODE_WORDS = tuple((
+    "violet azure cobalt crimson olive scarlet indigo ivory copper jade maroon ochre silver teal umber "
+    "saffron coral slate pearl russet"
+).split())
 #: Given names and family names for the name shape; the prose filler names no one.
-_GIVEN_NAMES = (
-    "Amara", "Bertil", "Cosima", "Dario", "Elif", "Fintan", "Greta", "Hamid", "Ines", "Jonah",
-    "Kalina", "Lucan", "Mireille", "Nikolai", "Odile", "Pavel", "Quilla", "Rosalind", "Soren", "Thandiwe",
-)
-_FAMILY_NAMES = (
-    "Abernathy", "Brandvold", "Castellanos", "Delacroix", "Eriksdottir", "Fairweather", "Grabowski",
-    "Hollingsworth", "Iwasaki", "Jaramillo", "Kowalczyk", "Lindqvist", "Montgomery", "Nakashima",
-    "Okonkwo", "Pemberton", "Quintero", "Rasmussen", "Szymanski", "Thorvaldsen",
-)
+_GIVEN_NAMES = tuple((
+    "Amara Bertil Cosima Dario Elif Fintan Greta Hamid Ines Jonah Kalina Lucan Mireille Nikolai Odile "
+    "Pavel Quilla Rosalind Soren Thandiwe"
+).split())
+_FAMILY_NAMES = tuple((
+    "Abernathy Brandvold Castellanos Delacroix Eriksdottir Fairweather Grabowski Hollingsworth Iwasaki "
+    "Jaramillo Kowalczyk Lindqvist Montgomery Nakashima Okonkwo Pemberton Quintero Rasmussen Szymanski "
+    "Thorvaldsen"
+).split())
 
 #: RULER's 40 needle depths (0 to 100 %, rounded), as fractions.
 RULER_DEPTHS = tuple(round(100 * i / 39) / 100 for i in range(40))

@@ -36,8 +36,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from kvlab.runtime.hooks import use_kvlab_attention
-from kvlab.runtime.model import LoadedModel, check_supported
+from kvlab.runtime.adopt import take_over
+from kvlab.runtime.model import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -161,9 +161,7 @@ def random_weights(
         model = spec.model_class._from_config(spec.config_class(**config), dtype=dtype)
         if perturb:
             perturb_constant_init(model)
-    check_supported(model, name or f"random {family}")
-    use_kvlab_attention(model)
-    return model.eval()
+    return take_over(model, name or f"random {family}")
 
 
 def random_llama(config: dict[str, Any], device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:

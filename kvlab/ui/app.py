@@ -22,9 +22,9 @@ from typing import Any
 import gradio as gr
 from huggingface_hub.constants import HF_HUB_OFFLINE
 
-from kvlab import cancel, figures, limits, results
-from kvlab.bounded.policies import BOUNDED
-from kvlab.compression.catalog import all_knobs, query_awareness
+from kvlab import cancellation, figures, limits, results
+from kvlab.bounded.policies import bounded_policies
+from kvlab.catalog import all_knobs, query_awareness
 from kvlab.documents import DocumentError
 from kvlab.examples import Example
 from kvlab.lab import examples as bundled_examples
@@ -128,8 +128,75 @@ def link_choices(examples: list[Example], specs: list[str]) -> links.LinkChoices
     return links.LinkChoices(
         examples=tuple(ex.id for ex in examples), methods=tuple(sorted(REGISTRY)),
         ratio_range=(RATIO_MIN, RATIO_MAX), sweep_ratios=tuple(SWEEP_RATIOS), sweep_range=(MIN_RATIO, MAX_RATIO),
-        generate_methods=tuple(BOUNDED), models=tuple(specs), question_chars=limits.LIMITS.question_chars,
+        generate_methods=tuple(bounded_policies()), models=tuple(specs), question_chars=limits.LIMITS.question_chars,
     )
+
+
+def _read_link(request: gr.Request | None, choices: links.LinkChoices,
+               by_id: dict[str, Example]) -> tuple[links.Link, Example | None, str | None]:
+    """The page's link (its notes say what could not be applied), its example and that example's text."""
+    try:
+        link = links.parse_link(dict(request.query_params or {}) if request else {}, choices)
+    except Exception:  # noqa: BLE001 - a link never breaks the page: it opens on its defaults
+        log.exception("reading the page's link failed")
+        link = links.Link(notes=("the link could not be read: the page opens on its defaults.",))
+    ex = by_id.get(link.example) if link.example else None
+    if ex is None:
+        return link, None, None
+    try:
+        return link, ex, ex.text()
+    except DocumentError as exc:
+        return dataclasses.replace(link, notes=(*link.notes, f"example `{ex.id}` is unreadable ({exc}).")), None, None
+
+
+def _link_updates(link: links.Link, ex: Example | None, doc: str | None, choices: links.LinkChoices) -> tuple:
+    """What the page's components become for ``link`` (``gr.update()``: left as they are), in the order
+    :func:`wire_links` lists them."""
+    keep = gr.update()
+    suggested = keep
+    if ex is not None:
+        suggested = gr.Dropdown(choices=list(ex.questions), value=link.question if link.question in ex.questions
+                                else ex.questions[0])
+    question = link.question or (ex.questions[0] if ex is not None else keep)
+    ticked = more = keep
+    if link.ratios is not None:
+        ticked = [r for r in link.ratios if r in choices.sweep_ratios]
+        more = ", ".join(f"{r:g}" for r in link.ratios if r not in choices.sweep_ratios)
+    source = keep if link.source is None else GENERATE_SOURCES[links.SOURCES.index(link.source)]
+    compare_methods = list(link.methods) if link.tab == "compare" and link.methods else keep
+    generate_methods = list(link.methods) if link.tab == "generate" and link.methods else keep
+    return (
+        link.note(), gr.Tabs(selected=link.tab), link.tab,
+        ex.id if ex is not None else keep, keep if doc is None else doc, suggested, question,
+        link.method or keep, keep if link.ratio is None else link.ratio, link.model or keep,
+        compare_methods, ticked, more,
+        keep if link.models is None else list(link.models), source, generate_methods,
+        keep if link.budget is None else link.budget,
+    )
+
+
+def _settings_link(by_id: dict[str, Example], specs: list[str], tab_, example_id, text, question, method, ratio,
+                   model, methods, ticked, more, compare_models, source, gen_methods, budget) -> gr.Textbox:
+    """"Link to this": the tab's current settings as a link query (kvlab.lab.links); a document of the
+    visitor's own is not part of it (the box says so)."""
+    ex = by_id.get(example_id)
+    own = ex is None or _example_body(ex) != (text or "").strip()
+    ratios = [float(r) for r in ticked or []] + [x for x in (links.number(t) for t in (more or "").split(","))
+                                                  if x is not None]
+    link = links.Link(
+        tab=tab_ or "explore", example=None if own else ex.id, question=(question or "").strip() or None,
+        model=None if not model or model == specs[0] else model,
+        method=method if tab_ == "explore" else None,
+        ratio=float(ratio) if tab_ == "explore" and ratio is not None else None,
+        methods=tuple(methods or ()) if tab_ == "compare" else tuple(gen_methods or ()) if tab_ == "generate" else None,
+        ratios=tuple(ratios) if tab_ == "compare" else None,
+        models=tuple(compare_models) if tab_ == "compare" and compare_models else None,
+        budget=int(budget or 0) if tab_ == "generate" else None,
+        source=links.SOURCES[GENERATE_SOURCES.index(source)] if tab_ == "generate" and source in GENERATE_SOURCES else None,
+    )
+    info = ("Your own document is not part of a link: it opens on the bundled example's." if own and text
+            else "Opens the lab on these settings")
+    return gr.Textbox(value=links.link_query(link), info=info)
 
 
 def wire_links(
@@ -142,39 +209,7 @@ def wire_links(
     by_id = {ex.id: ex for ex in examples}
 
     def open_link(request: gr.Request):
-        try:
-            link = links.parse_link(dict(request.query_params or {}) if request else {}, choices)
-        except Exception:  # noqa: BLE001 - a link never breaks the page: it opens on its defaults
-            log.exception("reading the page's link failed")
-            link = links.Link(notes=("the link could not be read: the page opens on its defaults.",))
-        keep = gr.update()
-        ex = by_id.get(link.example) if link.example else None
-        doc, suggested = keep, keep
-        if ex is not None:
-            try:
-                doc = ex.text()
-            except DocumentError as exc:
-                link = dataclasses.replace(link, notes=(*link.notes, f"example `{ex.id}` is unreadable ({exc})."))
-                ex = None
-        if ex is not None:
-            suggested = gr.Dropdown(choices=list(ex.questions), value=link.question if link.question in ex.questions
-                                    else ex.questions[0])
-        question = link.question or (ex.questions[0] if ex is not None else keep)
-        ticked = more = keep
-        if link.ratios is not None:
-            ticked = [r for r in link.ratios if r in choices.sweep_ratios]
-            more = ", ".join(f"{r:g}" for r in link.ratios if r not in choices.sweep_ratios)
-        source = keep if link.source is None else GENERATE_SOURCES[links.SOURCES.index(link.source)]
-        compare_methods = link.methods if link.tab == "compare" and link.methods else keep
-        generate_methods = link.methods if link.tab == "generate" and link.methods else keep
-        return (
-            link.note(), gr.Tabs(selected=link.tab), link.tab,
-            ex.id if ex is not None else keep, doc, suggested, question,
-            link.method or keep, keep if link.ratio is None else link.ratio, link.model or keep,
-            compare_methods if compare_methods is keep else list(compare_methods), ticked, more,
-            keep if link.models is None else list(link.models), source, generate_methods if generate_methods is keep else list(generate_methods),
-            keep if link.budget is None else link.budget,
-        )
+        return _link_updates(*_read_link(request, choices, by_id), choices)
 
     demo.load(
         open_link, None,
@@ -184,26 +219,8 @@ def wire_links(
         api_name=False, queue=False,
     ).then(api_name=False, **inputs.prepare)  # the document the page opens on
 
-    def make_link(tab_, example_id, text, question, method, ratio, model, methods, ticked, more, compare_models,
-                  source, gen_methods, budget):
-        ex = by_id.get(example_id)
-        own = ex is None or _example_body(ex) != (text or "").strip()
-        ratios = [float(r) for r in ticked or []] + [x for x in (links.number(t) for t in (more or "").split(","))
-                                                      if x is not None]
-        link = links.Link(
-            tab=tab_ or "explore", example=None if own else ex.id, question=(question or "").strip() or None,
-            model=None if not model or model == specs[0] else model,
-            method=method if tab_ == "explore" else None,
-            ratio=float(ratio) if tab_ == "explore" and ratio is not None else None,
-            methods=tuple(methods or ()) if tab_ == "compare" else tuple(gen_methods or ()) if tab_ == "generate" else None,
-            ratios=tuple(ratios) if tab_ == "compare" else None,
-            models=tuple(compare_models) if tab_ == "compare" and compare_models else None,
-            budget=int(budget or 0) if tab_ == "generate" else None,
-            source=links.SOURCES[GENERATE_SOURCES.index(source)] if tab_ == "generate" and source in GENERATE_SOURCES else None,
-        )
-        info = ("Your own document is not part of a link: it opens on the bundled example's." if own and text
-                else "Opens the lab on these settings")
-        return gr.Textbox(value=links.link_query(link), info=info)
+    def make_link(*settings):
+        return _settings_link(by_id, specs, *settings)
 
     button.click(
         make_link,
@@ -256,7 +273,7 @@ def warm_first_example(spec: str) -> threading.Thread | None:
 
     def work() -> None:
         try:
-            with cancel.scope(owner="warming", priority=cancel.BACKGROUND):
+            with cancellation.scope(owner="warming", priority=cancellation.BACKGROUND):
                 with common.COMPUTE.hold():
                     p = prepare_document(pool[0].text(), None, default_method(), model=spec,
                                          question=pool[0].questions[0])
@@ -296,7 +313,7 @@ def warm_in_background(items: list[WarmItem]) -> threading.Thread | None:
 
     def work() -> None:
         try:
-            with cancel.scope(owner="warming", priority=cancel.BACKGROUND):
+            with cancellation.scope(owner="warming", priority=cancellation.BACKGROUND):
                 done = warm(items, results.store(), report, hold=common.COMPUTE.hold)
             log.info("warming done: %d computed, %d stored already, %d failed",
                      sum(w.outcome == "computed" for w in done), sum(w.outcome in ("stored", "shared") for w in done),

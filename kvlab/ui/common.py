@@ -4,7 +4,7 @@ page styling.
 The compute slot: every heavy event (``/run``, ``/compare``, ``/tasks``,
 ``/needle_test``, ``/generate``) runs its work through :func:`guarded`,
 which holds :data:`COMPUTE` (one computation at a time, shared fairly between
-pages: kvlab.cancel.Slot) inside a kvlab.cancel scope: the work stops at its
+pages: kvlab.scheduler.Slot) inside a kvlab.cancellation scope: the work stops at its
 next progress step once it has computed for ``KVLAB_MAX_REQUEST_S``, once Stop
 is pressed (the tabs' Stop buttons cancel the event) or once its page or
 client disconnects (:func:`requester_gone`); a page's newer request of the
@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import gradio as gr
 from gradio import utils as gradio_utils
 
-from kvlab import cancel, limits, results
+from kvlab import cancellation, limits, results, scheduler
 from kvlab.documents import DocumentError, read_document
 from kvlab.lab import InputError
 from kvlab.methods import MethodError
@@ -59,11 +59,11 @@ GPU_RUN_S = limits.LIMITS.gpu_run_s
 GPU_SWEEP_BASE_S, GPU_SWEEP_POINT_S = 60, 15
 GPU_MAX_S = limits.LIMITS.gpu_max_s
 
-USER_ERRORS = (DocumentError, MethodError, ModelLoadError, InputError, cancel.Cancelled, cancel.Busy)
+USER_ERRORS = (DocumentError, MethodError, ModelLoadError, InputError, cancellation.Cancelled, scheduler.Busy)
 #: Heavy events Gradio starts at once (its concurrency limit of "compute"); they wait for COMPUTE.
 COMPUTE_ADMITTED = limits.LIMITS.compute_admitted
 #: The one compute slot of this server; more than KVLAB_QUEUE_SIZE visitors waiting are told it is busy.
-COMPUTE = cancel.Slot(max_waiting=limits.LIMITS.queue_size)
+COMPUTE = scheduler.Slot(max_waiting=limits.LIMITS.queue_size)
 #: Seconds between two updates of a waiting page's place in line (unless the place changes).
 WAIT_REPORT_S = 1.0
 
@@ -158,8 +158,8 @@ def as_gr_error(exc: Exception) -> gr.Error:
         ModelLoadError: "Model not available",
         MethodError: "Method problem",
         InputError: "Missing input",
-        cancel.Cancelled: "Stopped",
-        cancel.Busy: "Busy",
+        cancellation.Cancelled: "Stopped",
+        scheduler.Busy: "Busy",
     }.get(type(exc), "Document problem" if isinstance(exc, DocumentError) else "Error")
     return gr.Error(str(exc), title=title, print_exception=False)
 
@@ -175,7 +175,7 @@ _not_alive_since: OrderedDict[str, float] = OrderedDict()
 
 
 def requester_gone() -> str | None:
-    """Why the Gradio event running in this thread must stop (cancel.STOPPED, cancel.GONE), or None.
+    """Why the Gradio event running in this thread must stop (cancellation.STOPPED, cancellation.GONE), or None.
 
     Gradio runs a handler in a worker thread that it cannot interrupt: Stop
     (``cancels=``, or a client's ``/cancel``) only takes the event off the
@@ -198,9 +198,9 @@ def requester_gone() -> str | None:
                 first = _not_alive_since.setdefault(event_id, now)
                 while len(_not_alive_since) > 1024:  # events that ended within their grace: forget the oldest
                     _not_alive_since.popitem(last=False)
-                return cancel.GONE if now - first >= GONE_GRACE_S else None
+                return cancellation.GONE if now - first >= GONE_GRACE_S else None
     _not_alive_since.pop(event_id, None)
-    return cancel.STOPPED
+    return cancellation.STOPPED
 
 
 def session_of(request: gr.Request | None) -> str | None:
@@ -232,16 +232,16 @@ def wait_report(progress: Callable[..., Any] | None) -> Callable[[int, float | N
 
 @contextmanager
 def bounded(
-    slot: cancel.Slot | None = COMPUTE, owner: str | None = None, kind: str | None = None,
+    slot: scheduler.Slot | None = COMPUTE, owner: str | None = None, kind: str | None = None,
     progress: Callable[..., Any] | None = None,
-) -> Iterator[cancel.Scope]:
+) -> Iterator[cancellation.Scope]:
     """A request's bounds (``KVLAB_MAX_REQUEST_S``, Stop, a disconnect), holding ``slot`` inside (None: no slot).
 
     owner, kind: the page and the kind of request (what the slot shares fairly, and what a newer
     request replaces); progress: where the page hears its place in line while it waits.
     """
     handover = slot.handover if slot is not None else (lambda: None)
-    with cancel.scope(limits.LIMITS.request_s, requester_gone, handover,
+    with cancellation.scope(limits.LIMITS.request_s, requester_gone, handover,
                       owner=owner, kind=kind, on_wait=wait_report(progress)) as scope:
         if slot is None:
             yield scope
@@ -256,7 +256,7 @@ def user_facing(what: str) -> Iterator[None]:
     (:func:`as_gr_error`), anything else logged with an id (:func:`unexpected`); the server stays up."""
     try:
         yield
-    except cancel.Cancelled as exc:
+    except cancellation.Cancelled as exc:
         log.info("a run with %s stopped: %s", what, exc)
         raise as_gr_error(exc) from exc
     except USER_ERRORS as exc:
@@ -293,7 +293,7 @@ def served(
     def compute() -> T:
         # A run leaves the slot once its answer decodes step by step (batched with the other runs
         # decoding then): the next page's compression starts meanwhile.
-        with COMPUTE.hold(), cancel.may_leave(COMPUTE):
+        with COMPUTE.hold(), scheduler.may_leave(COMPUTE):
             return work()
 
     def shared() -> None:

@@ -14,10 +14,12 @@
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import gradio as gr
 
+from kvlab.catalog import aware_tag
 from kvlab.compression.budget_profiles import BUDGET_AXIS
-from kvlab.compression.catalog import aware_tag
 from kvlab.lab import load_results, parse_ratios, run_tasks, write_exports
 from kvlab.lab.inputs import MAX_RATIO, MIN_RATIO
 from kvlab.lab.tasks import MAX_LIVE_ITEMS, MAX_LIVE_LENGTH, MIN_LENGTH
@@ -38,7 +40,7 @@ from kvlab.ui.common import (
     on_gpu,
 )
 from kvlab.ui.present import COMPARE_COLUMNS, compare_rows, sweep_status, sweep_view
-from kvlab.ui.tasks import build_task_outputs, show
+from kvlab.ui.tasks import TaskOutputs, build_task_outputs, show
 
 #: Ratios offered, and those ticked at first.
 SWEEP_RATIOS = (2, 5, 10, 20, 50)
@@ -80,10 +82,51 @@ def tasks_view(task, n, length, methods, ratios, model, progress=None, haystack=
                      haystack=haystack)
 
 
+@dataclass
+class SweepChoices:
+    """What both modes sweep: the methods, the ratios (ticked and typed) and the head budgets."""
+
+    methods: gr.CheckboxGroup
+    ratios: gr.CheckboxGroup
+    more_ratios: gr.Textbox
+    budgets: gr.CheckboxGroup
+
+
+@dataclass
+class QuestionWidgets:
+    """The one-question mode: its column, the models, Run and Stop, and the sweep's results."""
+
+    box: gr.Column
+    models: gr.CheckboxGroup
+    run: gr.Button
+    stop: gr.Button
+    status: gr.Markdown
+    full: gr.Textbox
+    err: gr.Plot
+    mass: gr.Plot
+    ppl: gr.Plot
+    table: gr.Dataframe
+    csv: gr.File
+    json: gr.File
+
+
+@dataclass
+class TaskWidgets:
+    """The tasks mode: its column, the task and its sizes, Run and Stop, the results files and the views."""
+
+    box: gr.Column
+    task: gr.Dropdown
+    items: gr.Slider
+    length: gr.Slider
+    haystack: gr.Dropdown
+    run: gr.Button
+    stop: gr.Button
+    files: gr.File
+    views: TaskOutputs
+
+
 def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs:
     """The Compare tab's widgets and its ``/compare`` event (inside an open ``gr.Tab``); returns what a link sets."""
-    methods = sorted(REGISTRY)
-    ticked = [m for m in SWEEP_DEFAULT_METHODS if m in REGISTRY] or methods[:3]
     gr.Markdown(
         "Every chosen method, with its default knobs, at every chosen ratio. **One question**: a sweep on the "
         "**document, question, answer length and model of the Explore tab** (the prefill and the full cache's "
@@ -95,6 +138,23 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs
         [("One question: attention errors and answers", "question"), ("Tasks with known answers: accuracy", "tasks")],
         value="question", label="Compare on", elem_id="kvlab-compare-mode",
     )
+    choices = build_sweep_choices()
+    question = build_question_mode(inputs.model, specs)
+    tasks = build_tasks_mode()
+
+    mode.change(
+        lambda m: (gr.Column(visible=m == "question"), gr.Column(visible=m == "tasks")),
+        [mode], [question.box, tasks.box], api_name=False, concurrency_limit=None,
+    )
+    wire_tasks(choices, tasks, inputs.model, specs)
+    wire_sweep(inputs, choices, question, specs)
+    return CompareInputs(choices.methods, choices.ratios, choices.more_ratios, question.models)
+
+
+def build_sweep_choices() -> SweepChoices:
+    """The methods (SWEEP_DEFAULT_METHODS ticked, those registered), the ratios and the head budgets."""
+    methods = sorted(REGISTRY)
+    ticked = [m for m in SWEEP_DEFAULT_METHODS if m in REGISTRY] or methods[:3]
     with gr.Row():
         cmp_methods = gr.CheckboxGroup(
             choices=[(n + aware_tag(n), n) for n in methods],
@@ -114,9 +174,16 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs
                 info="None ticked: each method's default. Ticked: each method with a budgets knob once per value, "
                      "at the same bytes", elem_id="kvlab-compare-budgets",
             )
+    return SweepChoices(cmp_methods, cmp_ratios, cmp_more, cmp_budgets)
+
+
+def build_question_mode(model: gr.Dropdown, specs: list[str]) -> QuestionWidgets:
+    """The one-question mode's column (shown at first): the models to sweep (among ``model``'s choices,
+    offered when ``specs`` has several), Run and Stop, the status, the full cache's answer, the charts,
+    the table and the files."""
     with gr.Column(visible=True) as question_box:
         cmp_models = gr.CheckboxGroup(
-            choices=list(inputs.model.choices), value=[], label="Models",
+            choices=list(model.choices), value=[], label="Models",
             info="None ticked: the model chosen above. Several: the same sweep on each, each with its own full cache",
             elem_id="kvlab-compare-models", visible=len(specs) > 1,
         )
@@ -137,6 +204,15 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs
             cmp_csv = gr.File(label="Results as CSV", interactive=False, height=90, elem_id="kvlab-compare-csv")
             cmp_json = gr.File(label="Results as JSON (with per-head errors)", interactive=False, height=90,
                                elem_id="kvlab-compare-json")
+    return QuestionWidgets(
+        question_box, cmp_models, cmp_go, cmp_stop, cmp_status, cmp_full, cmp_err, cmp_mass, cmp_ppl, cmp_table,
+        cmp_csv, cmp_json,
+    )
+
+
+def build_tasks_mode() -> TaskWidgets:
+    """The tasks mode's column (hidden at first): the task, its items, length and haystack, Run and Stop,
+    the upload of ``kvlab bench`` results, and the views of a run."""
     with gr.Column(visible=False) as tasks_box:
         with gr.Row():
             task = gr.Dropdown(offered_tasks(), value=TASK_DEFAULT, label="Task", elem_id="kvlab-tasks-task-pick", scale=3)
@@ -156,7 +232,41 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs
             file_types=[".jsonl"], type="filepath", height=90, elem_id="kvlab-tasks-files",
         )
         views = build_task_outputs("tasks")
+    return TaskWidgets(tasks_box, task, items, length, haystack, tasks_go, tasks_stop, results_files, views)
 
+
+def wire_tasks(choices: SweepChoices, tasks: TaskWidgets, model: gr.Dropdown, specs: list[str]) -> None:
+    """``/tasks`` on its Run, its Stop, and ``/load_results`` on an upload of results files."""
+    def on_tasks(task=TASK_DEFAULT, items=TASK_ITEMS_DEFAULT, length=TASK_LENGTH_DEFAULT, methods=None,
+                 ratios=None, more_ratios="", model=None, haystack="noise", request: gr.Request = None,
+                 progress=gr.Progress()):
+        chosen = list(methods or [])
+        run = guarded(", ".join(chosen), lambda: tasks_view(
+            task, items, length, chosen, parse_ratios(ratios, more_ratios), checked_model(model, specs), progress,
+            haystack or "noise",
+        ), owner=common.session_of(request), kind="tasks", progress=progress)
+        return show(run)
+
+    tasks_run = tasks.run.click(
+        on_tasks,
+        [tasks.task, tasks.items, tasks.length, choices.methods, choices.ratios, choices.more_ratios, model,
+         tasks.haystack],
+        tasks.views.all,
+        api_name="tasks", concurrency_limit=common.COMPUTE_ADMITTED, concurrency_id="compute",
+    )
+    tasks.stop.click(None, None, None, cancels=[tasks_run], api_name=False)
+
+    def on_results(paths):
+        try:
+            return show(load_results(paths if isinstance(paths, list) else [paths]))
+        except USER_ERRORS as exc:
+            raise as_gr_error(exc) from exc
+
+    tasks.files.upload(on_results, [tasks.files], tasks.views.all, api_name="load_results", concurrency_limit=4)
+
+
+def wire_sweep(inputs: DocumentInputs, choices: SweepChoices, question: QuestionWidgets, specs: list[str]) -> None:
+    """``/compare`` on the sweep's Run (on the Explore tab's document, question and model), and its Stop."""
     def on_compare(text=None, file=None, methods=None, ratios=None, more_ratios="", question=None,
                    max_new_tokens=DEFAULT_MAX_NEW_TOKENS, model=None, models=None, budgets=None,
                    request: gr.Request = None, progress=gr.Progress()):
@@ -178,43 +288,14 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs
             json_path,
         )
 
-    mode.change(
-        lambda m: (gr.Column(visible=m == "question"), gr.Column(visible=m == "tasks")),
-        [mode], [question_box, tasks_box], api_name=False, concurrency_limit=None,
-    )
-
-    def on_tasks(task=TASK_DEFAULT, items=TASK_ITEMS_DEFAULT, length=TASK_LENGTH_DEFAULT, methods=None,
-                 ratios=None, more_ratios="", model=None, haystack="noise", request: gr.Request = None,
-                 progress=gr.Progress()):
-        chosen = list(methods or [])
-        run = guarded(", ".join(chosen), lambda: tasks_view(
-            task, items, length, chosen, parse_ratios(ratios, more_ratios), checked_model(model, specs), progress,
-            haystack or "noise",
-        ), owner=common.session_of(request), kind="tasks", progress=progress)
-        return show(run)
-
-    tasks_run = tasks_go.click(
-        on_tasks, [task, items, length, cmp_methods, cmp_ratios, cmp_more, inputs.model, haystack], views.all,
-        api_name="tasks", concurrency_limit=common.COMPUTE_ADMITTED, concurrency_id="compute",
-    )
-    tasks_stop.click(None, None, None, cancels=[tasks_run], api_name=False)
-
-    def on_results(paths):
-        try:
-            return show(load_results(paths if isinstance(paths, list) else [paths]))
-        except USER_ERRORS as exc:
-            raise as_gr_error(exc) from exc
-
-    results_files.upload(on_results, [results_files], views.all, api_name="load_results", concurrency_limit=4)
-
-    sweep_run = cmp_go.click(
+    sweep_run = question.run.click(
         on_compare,
-        [inputs.text, inputs.upload, cmp_methods, cmp_ratios, cmp_more, inputs.question, inputs.max_new, inputs.model,
-         cmp_models, cmp_budgets],
-        [cmp_status, cmp_full, cmp_err, cmp_mass, cmp_ppl, cmp_table, cmp_csv, cmp_json],
+        [inputs.text, inputs.upload, choices.methods, choices.ratios, choices.more_ratios, inputs.question,
+         inputs.max_new, inputs.model, question.models, choices.budgets],
+        [question.status, question.full, question.err, question.mass, question.ppl, question.table, question.csv,
+         question.json],
         api_name="compare",
         concurrency_limit=common.COMPUTE_ADMITTED,
         concurrency_id="compute",
     )
-    cmp_stop.click(None, None, None, cancels=[sweep_run], api_name=False)
-    return CompareInputs(cmp_methods, cmp_ratios, cmp_more, cmp_models)
+    question.stop.click(None, None, None, cancels=[sweep_run], api_name=False)

@@ -22,11 +22,13 @@ Endpoints (each event has an ``api_name``, so ``gradio_client`` can drive it):
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import gradio as gr
 
 from kvlab import figures
-from kvlab.compression.catalog import Knob, aware_tag, method_info, method_label, options_from, presets
+from kvlab.catalog import Knob, aware_tag, method_info, method_label, options_from, presets
 from kvlab.documents import DocumentError
 from kvlab.examples import Example
 from kvlab.lab import InputError, Prepared, needle_test, parse_ratios, prepare_document
@@ -48,7 +50,7 @@ from kvlab.ui.present import (
     token_view,
     token_view_for,
 )
-from kvlab.ui.tasks import build_task_outputs, show
+from kvlab.ui.tasks import TaskOutputs, build_task_outputs, show
 
 RATIO_MIN, RATIO_MAX, RATIO_DEFAULT = 2, 100, 10
 #: The needle test's first settings: methods besides the one chosen, ratios, depths.
@@ -82,6 +84,86 @@ def prepared_status(p: Prepared) -> str:
     )
 
 
+@dataclass
+class DocumentWidgets:
+    """The document column: the example menu, the upload, the document's text and the line saying it is prepared."""
+
+    example: gr.Dropdown
+    upload: gr.File
+    text: gr.Textbox
+    status: gr.Markdown
+
+
+@dataclass
+class KnobWidgets:
+    """The "Advanced" knobs: one column per method (shown for the method picked), each knob's
+    input by its key (``<method>__<field>``), and the published-configuration menu of each method that has one."""
+
+    groups: list[gr.Column]
+    inputs: dict[str, gr.components.Component]
+    presets: dict[str, gr.Dropdown]
+
+
+@dataclass
+class ChoiceWidgets:
+    """The method column: the method and its description, the ratio, the question, the answer length,
+    the knobs, Run and Stop."""
+
+    method: gr.Dropdown
+    info: gr.Markdown
+    ratio: gr.Slider
+    suggested: gr.Dropdown
+    question: gr.Textbox
+    max_new: gr.Slider
+    knobs: KnobWidgets
+    run: gr.Button
+    stop: gr.Button
+
+
+@dataclass
+class ResultWidgets:
+    """What a run shows above the token view: the summary, both answers with their marks, their diff, the figures."""
+
+    summary: gr.Markdown
+    mark_full: gr.Markdown
+    answer_full: gr.Textbox
+    mark_comp: gr.Markdown
+    answer_comp: gr.Textbox
+    diff: gr.HighlightedText
+    err: gr.Plot
+    mass: gr.Plot
+    kept: gr.Plot
+    memory: gr.Plot
+    time: gr.Plot
+    divergence: gr.Plot
+    fit_row: gr.Row
+    bias: gr.Plot
+    fit: gr.Plot
+
+
+@dataclass
+class TokenWidgets:
+    """The token view: its layer, KV head and intensity, the counts line and the coloured document."""
+
+    layer: gr.Slider
+    head: gr.Slider
+    intensity: gr.Radio
+    counts: gr.Markdown
+    tokens: gr.HTML
+
+
+@dataclass
+class NeedleWidgets:
+    """The needle test's settings, its Run and Stop, and the views of its results."""
+
+    methods: gr.CheckboxGroup
+    ratios: gr.Textbox
+    depths: gr.Slider
+    run: gr.Button
+    stop: gr.Button
+    views: TaskOutputs
+
+
 def build_explore_tab(
     demo: gr.Blocks,
     model: gr.Dropdown,
@@ -102,65 +184,102 @@ def build_explore_tab(
     last = gr.State(None, time_to_live=3600)
     with gr.Row(equal_height=False):
         with gr.Column(scale=5):
-            example = gr.Dropdown(
-                choices=[(f"{ex.title}" + (f" (~{ex.tokens:,} tokens)" if ex.tokens else ""), ex.id) for ex in examples],
-                value=first.id if first else None,
-                label="Bundled example",
-                info="Fills the document and offers questions about it",
-                elem_id="kvlab-example",
-            )
-            upload = gr.File(
-                label="Upload a document (.txt, .md, .pdf)", file_types=[".txt", ".md", ".pdf"],
-                type="filepath", height=110, elem_id="kvlab-file",
-            )
-            text = gr.Textbox(
-                label="Document", value=_example_text(first),
-                placeholder="Paste a document here, upload a file or pick an example.",
-                lines=9, max_lines=16, elem_id="kvlab-text",
-            )
-            doc_status = gr.Markdown(elem_id="kvlab-doc-status")
+            doc = build_document_column(examples, first)
         with gr.Column(scale=4):
-            method = gr.Dropdown(
-                choices=[(method_label(n), n) for n in methods], value=start_method, label="Method",
-                elem_id="kvlab-method",
-            )
-            info = gr.Markdown(method_info(start_method))
-            ratio = gr.Slider(
-                RATIO_MIN, RATIO_MAX, value=RATIO_DEFAULT, step=1, label="Compression ratio",
-                info="The document's tokens are reduced to about 1/ratio per KV head", elem_id="kvlab-ratio",
-            )
-            suggested = gr.Dropdown(
-                choices=list(first.questions) if first else [], value=first.questions[0] if first else None,
-                label="Suggested questions", info="From the bundled example", elem_id="kvlab-suggested",
-            )
-            question = gr.Textbox(
-                label="Question", value=first.questions[0] if first else "",
-                placeholder="Ask something the document answers.", lines=1, elem_id="kvlab-question",
-            )
-            with gr.Accordion("Advanced", open=False, elem_id="kvlab-advanced"):
-                max_new = gr.Slider(
-                    1, MAX_NEW_TOKENS_MAX, value=DEFAULT_MAX_NEW_TOKENS, step=1,
-                    label="Answer length (max new tokens)", elem_id="kvlab-max-new",
-                )
-                groups, knob_inputs, preset_menus = [], {}, {}
-                for name in methods:
-                    with gr.Column(visible=name == start_method, min_width=160) as group:
-                        gr.Markdown(f"Knobs of **{name}**" if knobs[name] else f"**{name}** has no knobs.")
-                        if presets(name):
-                            preset_menus[name] = gr.Dropdown(
-                                choices=[CUSTOM, *presets(name)], value=CUSTOM, label="Published configuration",
-                                info="Sets the knobs below to a configuration of the paper", elem_id=f"kvlab-preset-{name}",
-                            )
-                        # One wrapping row for all of a method's knobs: a row (and its form) per pair of knobs
-                        # made the page's config some 300 components larger, which every page open copies.
-                        with gr.Row():
-                            for knob in knobs[name]:
-                                knob_inputs[knob.key] = knob_component(knob)
-                    groups.append(group)
-            with gr.Row():
-                run_btn = gr.Button("Run", variant="primary", elem_id="kvlab-run", scale=4)
-                stop_btn = gr.Button("Stop", variant="stop", elem_id="kvlab-stop", scale=1)
+            choice = build_choice_column(methods, knobs, start_method, first)
+    results = build_results()
+    fates = build_token_view(n_layers, n_kv)
+    needle = build_needle_test(methods, start_method)
 
+    loaded, uploaded = wire_document(examples, doc, choice)
+    prepare_pick = wire_method(methods, knobs, choice)
+    prepare_args = wire_prepare(doc, choice, model, start_method, specs, loaded, uploaded, prepare_pick)
+    wire_run(doc, choice, results, fates, last, model, start_method, specs)
+    wire_needle(doc, needle, model, specs)
+    wire_token_view(last, fates)
+    # The page prepares the document it opens on after applying its link (kvlab.ui.app).
+    return DocumentInputs(
+        doc.text, doc.upload, choice.question, choice.max_new, model, doc.example, choice.suggested,
+        choice.method, choice.ratio, prepare_args,
+    )
+
+
+def build_document_column(examples: list[Example], first: Example | None) -> DocumentWidgets:
+    """The example menu, the upload and the document's text, opening on ``first``."""
+    example = gr.Dropdown(
+        choices=[(f"{ex.title}" + (f" (~{ex.tokens:,} tokens)" if ex.tokens else ""), ex.id) for ex in examples],
+        value=first.id if first else None,
+        label="Bundled example",
+        info="Fills the document and offers questions about it",
+        elem_id="kvlab-example",
+    )
+    upload = gr.File(
+        label="Upload a document (.txt, .md, .pdf)", file_types=[".txt", ".md", ".pdf"],
+        type="filepath", height=110, elem_id="kvlab-file",
+    )
+    text = gr.Textbox(
+        label="Document", value=_example_text(first),
+        placeholder="Paste a document here, upload a file or pick an example.",
+        lines=9, max_lines=16, elem_id="kvlab-text",
+    )
+    return DocumentWidgets(example, upload, text, gr.Markdown(elem_id="kvlab-doc-status"))
+
+
+def build_choice_column(
+    methods: list[str], knobs: dict[str, list[Knob]], start_method: str, first: Example | None,
+) -> ChoiceWidgets:
+    """The method, ratio and question (``first``'s first), the "Advanced" settings, Run and Stop."""
+    method = gr.Dropdown(
+        choices=[(method_label(n), n) for n in methods], value=start_method, label="Method",
+        elem_id="kvlab-method",
+    )
+    info = gr.Markdown(method_info(start_method))
+    ratio = gr.Slider(
+        RATIO_MIN, RATIO_MAX, value=RATIO_DEFAULT, step=1, label="Compression ratio",
+        info="The document's tokens are reduced to about 1/ratio per KV head", elem_id="kvlab-ratio",
+    )
+    suggested = gr.Dropdown(
+        choices=list(first.questions) if first else [], value=first.questions[0] if first else None,
+        label="Suggested questions", info="From the bundled example", elem_id="kvlab-suggested",
+    )
+    question = gr.Textbox(
+        label="Question", value=first.questions[0] if first else "",
+        placeholder="Ask something the document answers.", lines=1, elem_id="kvlab-question",
+    )
+    with gr.Accordion("Advanced", open=False, elem_id="kvlab-advanced"):
+        max_new = gr.Slider(
+            1, MAX_NEW_TOKENS_MAX, value=DEFAULT_MAX_NEW_TOKENS, step=1,
+            label="Answer length (max new tokens)", elem_id="kvlab-max-new",
+        )
+        method_knobs = build_knobs(methods, knobs, start_method)
+    with gr.Row():
+        run_btn = gr.Button("Run", variant="primary", elem_id="kvlab-run", scale=4)
+        stop_btn = gr.Button("Stop", variant="stop", elem_id="kvlab-stop", scale=1)
+    return ChoiceWidgets(method, info, ratio, suggested, question, max_new, method_knobs, run_btn, stop_btn)
+
+
+def build_knobs(methods: list[str], knobs: dict[str, list[Knob]], start_method: str) -> KnobWidgets:
+    """Each method's knobs in a column of its own, visible for ``start_method`` only."""
+    groups, knob_inputs, preset_menus = [], {}, {}
+    for name in methods:
+        with gr.Column(visible=name == start_method, min_width=160) as group:
+            gr.Markdown(f"Knobs of **{name}**" if knobs[name] else f"**{name}** has no knobs.")
+            if presets(name):
+                preset_menus[name] = gr.Dropdown(
+                    choices=[CUSTOM, *presets(name)], value=CUSTOM, label="Published configuration",
+                    info="Sets the knobs below to a configuration of the paper", elem_id=f"kvlab-preset-{name}",
+                )
+            # One wrapping row for all of a method's knobs: a row (and its form) per pair of knobs
+            # made the page's config some 300 components larger, which every page open copies.
+            with gr.Row():
+                for knob in knobs[name]:
+                    knob_inputs[knob.key] = knob_component(knob)
+        groups.append(group)
+    return KnobWidgets(groups, knob_inputs, preset_menus)
+
+
+def build_results() -> ResultWidgets:
+    """The summary, both answers and their diff, and the run's figures (the fitted ones hidden until a fit)."""
     summary = gr.Markdown(elem_id="kvlab-summary")
     with gr.Row():
         with gr.Column():
@@ -190,6 +309,14 @@ def build_explore_tab(
     with gr.Row(visible=False) as fit_row:
         bias_plot = gr.Plot(label="Fitted biases", elem_id="kvlab-bias")
         fit_plot = gr.Plot(label="Fitting vs evaluation queries", elem_id="kvlab-fit")
+    return ResultWidgets(
+        summary, mark_full, answer_full, mark_comp, answer_comp, diff, err_plot, mass_plot, kept_plot, mem_plot,
+        time_plot, divergence_plot, fit_row, bias_plot, fit_plot,
+    )
+
+
+def build_token_view(n_layers: int, n_kv: int) -> TokenWidgets:
+    """The document coloured by token fate, with sliders over the model's ``n_layers`` layers and ``n_kv`` KV heads."""
     gr.Markdown("### The document, coloured by token fate, shaded by importance")
     with gr.Row():
         # As index_slider: Gradio refuses a slider with one value (a model with one KV head).
@@ -203,6 +330,11 @@ def build_explore_tab(
         )
     counts = gr.Markdown(token_view(None, 0, 0)[0])
     tokens = gr.HTML(elem_id="kvlab-tokens", label="Token fates")
+    return TokenWidgets(layer, head, intensity, counts, tokens)
+
+
+def build_needle_test(methods: list[str], start_method: str) -> NeedleWidgets:
+    """The needle test's folded section: which methods and ratios, how many depths, and its results."""
     with gr.Accordion("Needle test on this document", open=False, elem_id="kvlab-needle"):
         gr.Markdown(
             "A sentence with a number (*\"The special magic number for ... is ...\"*) is inserted into **this "
@@ -224,8 +356,13 @@ def build_explore_tab(
             needle_go = gr.Button("Run the needle test", elem_id="kvlab-needle-run", scale=4)
             needle_stop = gr.Button("Stop", variant="stop", elem_id="kvlab-needle-stop", scale=1)
         needle_views = build_task_outputs("needle")
+    return NeedleWidgets(needle_methods, needle_ratios, needle_depths, needle_go, needle_stop, needle_views)
 
-    # ------------------------------------------------------------------ events
+
+def wire_document(
+    examples: list[Example], doc: DocumentWidgets, choice: ChoiceWidgets,
+) -> tuple[gr.events.Dependency, gr.events.Dependency]:
+    """``/load_example``, ``/pick_question`` and ``/load_file``; returns the example's and the upload's events."""
     def on_example(example_id: str | None):
         ex = next((e for e in examples if e.id == example_id), None)
         if ex is None:
@@ -237,11 +374,12 @@ def build_explore_tab(
         return body, gr.Dropdown(choices=list(ex.questions), value=ex.questions[0]), ex.questions[0], None
 
     # .input, not .change: a link sets the menu with its own question (kvlab.ui.app), which .change would undo.
-    loaded = example.input(
-        on_example, [example], [text, suggested, question, upload], api_name="load_example", concurrency_limit=None,
+    loaded = doc.example.input(
+        on_example, [doc.example], [doc.text, choice.suggested, choice.question, doc.upload],
+        api_name="load_example", concurrency_limit=None,
     )
-    suggested.input(lambda q: q or gr.Textbox(), [suggested], [question], api_name="pick_question",
-                    concurrency_limit=None)
+    choice.suggested.input(lambda q: q or gr.Textbox(), [choice.suggested], [choice.question],
+                           api_name="pick_question", concurrency_limit=None)
 
     def on_upload(path: str | None):
         if not path:
@@ -251,8 +389,12 @@ def build_explore_tab(
         except (DocumentError, InputError) as exc:
             raise as_gr_error(exc) from exc
 
-    uploaded = upload.upload(on_upload, [upload], [text], api_name="load_file", concurrency_limit=4)
+    uploaded = doc.upload.upload(on_upload, [doc.upload], [doc.text], api_name="load_file", concurrency_limit=4)
+    return loaded, uploaded
 
+
+def wire_method(methods: list[str], knobs: dict[str, list[Knob]], choice: ChoiceWidgets) -> gr.Textbox:
+    """``/select_method`` and the preset menus; returns the hidden value whose change prepares a picked method."""
     # Set by a pick of a method that has document-only work (KVzip's pass), to a new value each
     # time: its change event prepares that method. Every Gradio event costs the browser CPU time
     # (about a second for this page on a 2-core machine), so the other picks send none.
@@ -262,15 +404,25 @@ def build_explore_tab(
         pick = f"{name}@{time.monotonic_ns()}" if method_class(name).prepares() else gr.skip()
         return (method_info(name), *[gr.Column(visible=n == name) for n in methods], pick)
 
-    method.change(
-        on_method, [method], [info, *groups, prepare_pick], api_name="select_method", concurrency_limit=None,
+    choice.method.change(
+        on_method, [choice.method], [choice.info, *choice.knobs.groups, prepare_pick], api_name="select_method",
+        concurrency_limit=None,
     )
 
-    for name, menu in preset_menus.items():
+    for name, menu in choice.knobs.presets.items():
         menu.input(
             lambda preset, name=name: preset_values(knobs[name], preset),
-            [menu], [knob_inputs[k.key] for k in knobs[name]], api_name=False, concurrency_limit=None,
+            [menu], [choice.knobs.inputs[k.key] for k in knobs[name]], api_name=False, concurrency_limit=None,
         )
+    return prepare_pick
+
+
+def wire_prepare(
+    doc: DocumentWidgets, choice: ChoiceWidgets, model: gr.Dropdown, start_method: str, specs: list[str],
+    loaded: gr.events.Dependency, uploaded: gr.events.Dependency, prepare_pick: gr.Textbox,
+) -> dict:
+    """``/prepare``, after an example is ``loaded`` or a file ``uploaded``, when the text or question box is
+    left, and on a change of ``prepare_pick`` (a method that prepares picked); returns the event's keyword arguments."""
 
     def on_prepare(text=None, file=None, method=start_method, model=None, question=None,
                    max_new_tokens=DEFAULT_MAX_NEW_TOKENS, progress=gr.Progress(), **knob_values):
@@ -291,24 +443,48 @@ def build_explore_tab(
         return prepared_status(prepared)
 
     prepare_args = dict(
-        fn=on_prepare, inputs=[text, upload, method, model, question, max_new], outputs=[doc_status],
-        inputs_kwargs=knob_inputs,
-        concurrency_limit=1, concurrency_id="prepare", trigger_mode="always_last", show_progress_on=[doc_status],
+        fn=on_prepare, inputs=[doc.text, doc.upload, choice.method, model, choice.question, choice.max_new],
+        outputs=[doc.status], inputs_kwargs=choice.knobs.inputs,
+        concurrency_limit=1, concurrency_id="prepare", trigger_mode="always_last", show_progress_on=[doc.status],
     )
     loaded.then(api_name="prepare", **prepare_args)
     uploaded.then(api_name=False, **prepare_args)
-    text.blur(api_name=False, **prepare_args)
-    question.blur(api_name=False, **prepare_args)  # a new question: its full-cache answer in the background
+    doc.text.blur(api_name=False, **prepare_args)
+    choice.question.blur(api_name=False, **prepare_args)  # a new question: its full-cache answer in the background
     # A method with document-only work picked: that work too, quietly: a progress animation
     # beside the Run the user may click at once costs the browser, and a CPU machine's server, time.
     prepare_pick.change(api_name=False, **{**prepare_args, "show_progress": "hidden"})
+    return prepare_args
 
+
+def wire_run(
+    doc: DocumentWidgets, choice: ChoiceWidgets, results: ResultWidgets, fates: TokenWidgets, last: gr.State,
+    model: gr.Dropdown, start_method: str, specs: list[str],
+) -> None:
+    """``/run`` on Run, and Stop."""
     run_outputs = [
-        summary, answer_full, answer_comp, diff, err_plot, mass_plot, kept_plot, mem_plot,
-        time_plot, layer, head, counts, tokens, last, fit_row, bias_plot, fit_plot, divergence_plot,
-        mark_full, mark_comp,
+        results.summary, results.answer_full, results.answer_comp, results.diff, results.err, results.mass,
+        results.kept, results.memory, results.time, fates.layer, fates.head, fates.counts, fates.tokens, last,
+        results.fit_row, results.bias, results.fit, results.divergence, results.mark_full, results.mark_comp,
     ]
+    running = choice.run.click(
+        run_handler(start_method, specs, len(run_outputs)),
+        [doc.text, doc.upload, choice.method, choice.ratio, choice.question, choice.max_new, fates.layer, fates.head,
+         model, fates.intensity],
+        run_outputs,
+        inputs_kwargs=choice.knobs.inputs,
+        api_name="run",
+        concurrency_limit=common.COMPUTE_ADMITTED,
+        concurrency_id="compute",
+        # One progress bar where the answers will appear: an animated overlay on
+        # every output costs a CPU machine's browser (and the server beside it) time.
+        show_progress_on=[results.summary, results.answer_full, results.answer_comp],
+    )
+    choice.stop.click(None, None, None, cancels=[running], api_name=False)
 
+
+def run_handler(start_method: str, specs: list[str], n_outputs: int) -> Callable[..., Iterator[tuple]]:
+    """The function of ``/run``: it yields the ``n_outputs`` values of wire_run's outputs, the answers first."""
     def on_run(text=None, file=None, method=start_method, ratio=RATIO_DEFAULT, question=None,
                max_new_tokens=DEFAULT_MAX_NEW_TOKENS, layer=0, head=0, model=None,
                intensity=INTENSITY_DEFAULT, request: gr.Request = None, progress=gr.Progress(), **knob_values):
@@ -331,7 +507,7 @@ def build_explore_tab(
             # The answers and the summary first; the figures and the token view follow as they are drawn
             # (on the CPU, outside the compute slot, which the next visitor's run can take meanwhile).
             # Figures drawn already come in the same message: one update of the page instead of two.
-            yield (*view.texts, *[gr.skip()] * (len(run_outputs) - len(view.texts) - 2), *view.answer_marks)
+            yield (*view.texts, *[gr.skip()] * (n_outputs - len(view.texts) - 2), *view.answer_marks)
         drawn = drawn_for(digest, stored)
         fates = view.fates
         layer = min(max(int(layer or 0), 0), fates.n_layers - 1)
@@ -351,20 +527,11 @@ def build_explore_tab(
             *view.answer_marks,
         )
 
-    running = run_btn.click(
-        on_run,
-        [text, upload, method, ratio, question, max_new, layer, head, model, intensity],
-        run_outputs,
-        inputs_kwargs=knob_inputs,
-        api_name="run",
-        concurrency_limit=common.COMPUTE_ADMITTED,
-        concurrency_id="compute",
-        # One progress bar where the answers will appear: an animated overlay on
-        # every output costs a CPU machine's browser (and the server beside it) time.
-        show_progress_on=[summary, answer_full, answer_comp],
-    )
-    stop_btn.click(None, None, None, cancels=[running], api_name=False)
+    return on_run
 
+
+def wire_needle(doc: DocumentWidgets, needle: NeedleWidgets, model: gr.Dropdown, specs: list[str]) -> None:
+    """``/needle_test`` on its Run, and its Stop."""
     def on_needle(text=None, file=None, methods=None, ratios="", depths=NEEDLE_DEPTHS, model=None,
                   request: gr.Request = None, progress=gr.Progress()):
         chosen = list(methods or [])
@@ -373,21 +540,23 @@ def build_explore_tab(
         ), owner=common.session_of(request), kind="needle_test", progress=progress)
         return show(run)
 
-    needle_run = needle_go.click(
-        on_needle, [text, upload, needle_methods, needle_ratios, needle_depths, model], needle_views.all,
+    needle_run = needle.run.click(
+        on_needle, [doc.text, doc.upload, needle.methods, needle.ratios, needle.depths, model], needle.views.all,
         api_name="needle_test", concurrency_limit=common.COMPUTE_ADMITTED, concurrency_id="compute",
     )
-    needle_stop.click(None, None, None, cancels=[needle_run], api_name=False)
+    needle.stop.click(None, None, None, cancels=[needle_run], api_name=False)
 
+
+def wire_token_view(last: gr.State, fates: TokenWidgets) -> None:
+    """``/token_view``: the last run's token fates again, at another layer, head or intensity."""
     def on_view(view: TokenFates | None, layer: int, head: int, intensity: str = INTENSITY_DEFAULT):
         return token_view(view, layer, head, intensity)
 
     gr.on(
-        [layer.input, head.input, intensity.input], on_view, [last, layer, head, intensity], [counts, tokens],
+        [fates.layer.input, fates.head.input, fates.intensity.input], on_view,
+        [last, fates.layer, fates.head, fates.intensity], [fates.counts, fates.tokens],
         api_name="token_view", show_progress="minimal", trigger_mode="always_last", concurrency_limit=4,
     )
-    # The page prepares the document it opens on after applying its link (kvlab.ui.app).
-    return DocumentInputs(text, upload, question, max_new, model, example, suggested, method, ratio, prepare_args)
 
 
 def index_slider(count: int, value: int) -> gr.Slider:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from kvlab.bounded.policies import BOUNDED, POLICIES
+from kvlab.bounded.policies import bounded_policies, policy_class
 from kvlab.figures.generation import beacon_figure, cache_size_figure, logprob_figure, texts_html
 from kvlab.figures.plots import human_bytes
 from kvlab.lab.generate import DEFAULT_GENERATE_TOKENS, MAX_GENERATE_TOKENS, Generated, generate
@@ -61,7 +61,8 @@ def build_generate_tab(inputs: DocumentInputs, specs: list[str]) -> GenerateInpu
     )
     with gr.Row():
         source = gr.Radio(list(SOURCES), value=SOURCES[0], label="Write after", elem_id="kvlab-gen-source", scale=2)
-        methods = gr.CheckboxGroup([(POLICIES[m][0], m) for m in BOUNDED], value=list(BOUNDED),
+        offered = bounded_policies()
+        methods = gr.CheckboxGroup([(policy_class(m).label, m) for m in offered], value=offered,
                                    label="Bounded-cache methods", elem_id="kvlab-gen-methods", scale=3)
     prompt = gr.Textbox(value=DEFAULT_PROMPT, lines=6, max_lines=12, label="Prompt", elem_id="kvlab-gen-prompt")
     with gr.Row():

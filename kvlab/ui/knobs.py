@@ -1,9 +1,9 @@
-"""Method knobs as widgets: one input per field of a method's Options (kvlab.compression.catalog.Knob)."""
+"""Method knobs as widgets: one input per field of a method's Options (kvlab.catalog.Knob)."""
 from __future__ import annotations
 
 import gradio as gr
 
-from kvlab.compression.catalog import Knob
+from kvlab.catalog import Knob
 
 
 def knob_component(knob: Knob) -> gr.components.Component:

@@ -1,11 +1,11 @@
-"""The Learn tab: what the lab measures, then every method's own Learn text (kvlab.compression.catalog)."""
+"""The Learn tab: what the lab measures, then every method's own Learn text (kvlab.catalog)."""
 from __future__ import annotations
 
 import gradio as gr
 
 from kvlab import figures
+from kvlab.catalog import methods_markdown
 from kvlab.compression.budget_profiles import BUDGETS_LEARN, shipped_profiles
-from kvlab.compression.catalog import methods_markdown
 from kvlab.ui.common import LATEX
 
 LEARN_INTRO = """\

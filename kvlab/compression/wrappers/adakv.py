@@ -8,13 +8,25 @@ scores are concentrated gives keys to a head whose scores are spread out. A
 safeguard keeps each head at least ``alpha_safeguard`` of the mean per-head
 budget (the paper's and kvpress's default: 0.2), its own top scores first.
 
+The same knob (``budgets``) also places the budget by the model's head-budget profile
+(``nonuniform``) or by one ranking across every head and layer (``global``), both from
+kvlab.compression.budget_profiles.
+
 kvlab stores the result ragged (kvlab.runtime.cache.DenseSegment packs each
 head's own length), so the bytes stored are those of the tokens kept. kvpress's
 AdaKVPress masks the evicted keys instead and stores every key.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Literal
+
 import torch
+
+from kvlab.compression.budget_profiles import BUDGET_SOURCES, HeadBudgets, from_profile, global_ranking
+from kvlab.compression.options import MethodError, knob
+from kvlab.compression.request import Request
+from kvlab.compression.stage import Stage
 
 
 def safeguard(total: int, n_heads: int, alpha_safeguard: float) -> int:
@@ -35,3 +47,54 @@ def adakv_budgets(scores: torch.Tensor, total: int, floor: int) -> torch.Tensor:
         flat.scatter_(-1, torch.topk(flat, floor, dim=-1).indices, float("inf"))
     picked = torch.topk(flat.flatten(), total).indices
     return torch.bincount(picked // length, minlength=n_heads)
+
+
+@dataclass(frozen=True)
+class AllocationKnobs:
+    """Where each head's budget comes from (:func:`allocate`); on when ``budgets`` is not uniform."""
+
+    budgets: Literal["uniform", "adakv", "nonuniform", "global"] = knob(
+        "uniform", "uniform (the method's own per-head budgets), adakv (a layer's budget shared among its heads by "
+        "their scores), nonuniform (the model's head-budget profile, as Attention Matching's) or global (one "
+        "ranking of the scores across every head and layer, as KVzip's); the last three stored ragged")
+    alpha_safeguard: float = knob(
+        0.2, "adakv: fewest tokens a head keeps, as a share of the mean per-head budget", low=0.0, high=1.0)
+
+
+def allocate(
+    req: Request, scores: list[torch.Tensor], own: HeadBudgets, opts: Any
+) -> tuple[list[torch.Tensor], HeadBudgets]:
+    """The head budgets ``opts.budgets`` asks for in place of the method's own (``own``, [n_layers, H_kv]):
+    AdaKV's from the method's scores (per layer [H_kv, T_doc], unchanged), as kvpress's
+    CriticalAdaKVPress, over the layer totals of ``own``; the model's profile; the global ranking.
+
+    MethodError when a profile or the global ranking would replace an allocation the method makes
+    itself (``own.mode`` not uniform: PyramidKV's pyramid, KVzip's pruning).
+    """
+    if opts.budgets in ("nonuniform", "global"):
+        if own.mode != "uniform":
+            raise MethodError(f"budgets={opts.budgets} would replace the method's own allocation ({own.source}); "
+                              "use budgets=uniform or adakv with it")
+        return scores, from_profile(req) if opts.budgets == "nonuniform" else global_ranking(req, scores)
+    n_heads = own.budgets.shape[1]
+    return scores, HeadBudgets(torch.stack([
+        adakv_budgets(s, int(b.sum()), safeguard(int(b.sum()), n_heads, opts.alpha_safeguard))
+        for s, b in zip(scores, own.budgets)
+    ]), "adakv", BUDGET_SOURCES["adakv"] + ("" if own.mode == "uniform" else f", from {own.source}"))
+
+
+STAGE = Stage(
+    name="adakv",
+    order=10,
+    knobs=AllocationKnobs,
+    preset={"budgets": "adakv"},
+    learn=(
+        "`budgets` says where the budget goes, the total always T/r keys per head on average: `adakv` (AdaKV): "
+        "a layer's budget is shared among its heads by one top-k over all their scores, each head keeping at "
+        "least `alpha_safeguard` of the mean; `nonuniform`: the model's head-budget profile, the same one "
+        "Attention Matching uses; `global`: one top-k over every head's scores in every layer (KVzip's pruning), "
+        "each head keeping at least its best token. The heads are stored ragged, so the bytes are those of the "
+        "kept tokens."
+    ),
+    scores=allocate,
+)

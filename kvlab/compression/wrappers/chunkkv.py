@@ -16,7 +16,15 @@ included).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Literal
+
 import torch
+
+from kvlab.compression.budget_profiles import HeadBudgets
+from kvlab.compression.options import knob
+from kvlab.compression.request import Request
+from kvlab.compression.stage import Stage
 
 
 def chunk_means(token_scores: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -47,3 +55,38 @@ def chunk_ranks(scores: torch.Tensor, chunk_size: int) -> torch.Tensor:
     ranks = torch.empty(length, device=scores.device)
     ranks[order] = torch.arange(length, 0, -1, dtype=torch.float32, device=scores.device)
     return ranks.expand(scores.shape[0], -1)
+
+
+@dataclass(frozen=True)
+class ChunkKnobs:
+    """ChunkKV's knobs (:func:`chunks`); on with ``granularity=chunk``."""
+
+    granularity: Literal["token", "chunk"] = knob(
+        "token", "token, or chunk (ChunkKV: keep whole chunks of consecutive tokens, the same in every head)")
+    chunk_size: int = knob(10, "chunk: tokens per chunk", low=1)
+
+
+def chunks(
+    req: Request, scores: list[torch.Tensor], head: HeadBudgets, opts: Any
+) -> tuple[list[torch.Tensor], HeadBudgets]:
+    """Per layer [H_kv, T_doc] scores -> :func:`chunk_ranks` of ``opts.chunk_size``; the budgets as they are."""
+    return [chunk_ranks(s, opts.chunk_size) for s in scores], head
+
+
+#: Why ChunkKV runs alone: it picks chunks by one score shared by the heads, where head budgets
+#: (AdaKV's) and per-head first-stage picks (CriticalKV's) have no meaning.
+SHARED_CHUNKS = "ChunkKV keeps the same chunks in every head"
+
+STAGE = Stage(
+    name="chunkkv",
+    order=20,
+    knobs=ChunkKnobs,
+    preset={"granularity": "chunk"},
+    learn=(
+        "`granularity=chunk` (ChunkKV): chunks of `chunk_size` tokens scored by their mean, "
+        "$\\bar s_c=\\tfrac{1}{|c|}\\sum_{j\\in c}\\sum_h s^{(h)}_j$, whole chunks kept, the same in every head."
+    ),
+    excludes={"adakv": SHARED_CHUNKS, "criticalkv": SHARED_CHUNKS},
+    scores=chunks,
+    records=("granularity",),
+)

@@ -19,9 +19,17 @@ With Expected Attention, whose scores already carry ||v||, kvpress advises
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
+from kvlab.compression.budget_profiles import HeadBudgets
+from kvlab.compression.options import knob
+from kvlab.compression.request import Request
 from kvlab.compression.scoring import BLOCK_ELEMENTS, pool_group
+from kvlab.compression.stage import Stage
+from kvlab.runtime.attention import output_projection
 
 
 def projected_value_norm(values: torch.Tensor, o_weight: torch.Tensor, block_elements: int = BLOCK_ELEMENTS) -> torch.Tensor:
@@ -64,3 +72,43 @@ def critical_scores(
         mine = torch.arange(width, device=scores.device).unsqueeze(0) < first.unsqueeze(1)
         out.scatter_(-1, top, torch.where(mine, float("inf"), out.gather(-1, top)))
     return out
+
+
+@dataclass(frozen=True)
+class CriticalKnobs:
+    """CriticalKV's knobs (:func:`reweight`); on with ``critical=true``."""
+
+    critical: bool = knob(
+        False, "CriticalKV: after a first stage by the method's scores, reweight by the value's norm through o_proj")
+    first_stage_ratio: float = knob(
+        0.5, "critical: share of each head's budget chosen by the method's own scores", low=0.0, high=1.0)
+    critical_epsilon: float = knob(1e-4, "critical: added to the scores before the reweighting", low=0.0)
+
+
+def reweight(
+    req: Request, scores: list[torch.Tensor], head: HeadBudgets, opts: Any
+) -> tuple[list[torch.Tensor], HeadBudgets]:
+    """Per layer [H_kv, T_doc] scores -> :func:`critical_scores` with each head's budget in ``head``
+    (the allocation's, the stages before this one having run) and the document's values through the
+    layer's o_proj; the budgets as they are."""
+    ctx = req.ctx
+    return [
+        critical_scores(s, projected_value_norm(ctx.full.values[i][:, ctx.prefix_len :],
+                                                output_projection(ctx.lm.model, i)),
+                        head.budgets[i], opts.first_stage_ratio, opts.critical_epsilon)
+        for i, s in enumerate(scores)
+    ], head
+
+
+STAGE = Stage(
+    name="criticalkv",
+    order=30,
+    knobs=CriticalKnobs,
+    preset={"critical": True},
+    learn=(
+        "`critical=true` (CriticalKV): each head keeps a `first_stage_ratio` share of its budget by $s_j$, the rest "
+        "by $(s_j+\\epsilon)\\,\\lVert v_j W_o^{(h)}\\rVert_1$, what the value adds to the layer's output."
+    ),
+    scores=reweight,
+    records=("critical",),
+)

@@ -18,7 +18,16 @@ it was in the full cache: kvpress has one budget for all and never meets the cas
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
+
+from kvlab.compression.options import MethodError, knob
+from kvlab.compression.stage import Stage
+from kvlab.runtime.cache import DenseSegment, Segment
+from kvlab.runtime.model import LoadedModel
+from kvlab.runtime.rope import rotation_tables, turn_keys
 
 
 def packed_positions(lengths: list[torch.Tensor], total: int) -> list[torch.Tensor]:
@@ -38,3 +47,70 @@ def packed_positions(lengths: list[torch.Tensor], total: int) -> list[torch.Tens
         out.append(total - counts[heads] + before[heads] + within)
         before = before + seg_lengths
     return out
+
+
+#: RoPE kinds (transformers' rope_type) whose frequencies follow the longest position passed: a turn by a
+#: position difference is not the difference of two positions' turns there (and asking for its tables
+#: at small positions would reset the model's own frequencies).
+UNEVEN_ROPE = ("dynamic", "longrope")
+
+
+def check_rerotation(lm: LoadedModel) -> None:
+    """MethodError unless ``rerotate=true`` can hold for ``lm``: a sliding-window layer keeps its
+    window at the original positions and masks by them, which moved keys would break; and
+    :data:`UNEVEN_ROPE` cannot turn a key by a difference of positions."""
+    windowed = [i for i, g in enumerate(lm.geometry) if g.window is not None]
+    if windowed:
+        raise MethodError(f"rerotate=true needs full-attention layers only; {lm.name} has sliding-window layers "
+                          f"({', '.join(map(str, windowed))}), whose windows count original positions")
+    kinds = getattr(lm.model.model.rotary_emb, "rope_type", None)
+    kinds = set(kinds.values()) if isinstance(kinds, dict) else {kinds}
+    if kinds & set(UNEVEN_ROPE):
+        raise MethodError(f"rerotate=true needs a RoPE whose angle grows evenly with the position; {lm.name}'s "
+                          f"({', '.join(sorted(kinds & set(UNEVEN_ROPE)))}) picks its frequencies by the length read")
+
+
+def rerotate_keys(lm: LoadedModel, layers: list[list[Segment]]) -> tuple[list[list[Segment]], int]:
+    """Every layer's kept keys turned to right-aligned contiguous positions (:func:`packed_positions`);
+    values, token indices and the lists given stay as they are.
+
+    layers: per layer, segments of plain kept keys in reading order (the
+    template first), each key's token index its position -> (the new layers,
+    P: the position of the first token after the cache).
+    """
+    total = int(torch.stack([sum(seg.lengths() for seg in layer) for layer in layers]).max())
+    out = []
+    for i, layer in enumerate(layers):
+        if not all(isinstance(seg, DenseSegment) and bool((seg.token_index >= 0).all()) for seg in layer):
+            raise MethodError("rerotate=true needs segments of kept tokens, each key at its own token's position")
+        new = packed_positions([seg.lengths() for seg in layer], total)
+        out.append([
+            dataclasses.replace(seg, keys=turn_keys(seg.keys, *rotation_tables(lm, i, pos - seg.token_index)))
+            for seg, pos in zip(layer, new)
+        ])
+    return out, total
+
+
+@dataclass(frozen=True)
+class RerotationKnobs:
+    """Key re-rotation's knob (:func:`rerotate_keys`); on with ``rerotate=true``."""
+
+    rerotate: bool = knob(
+        False, "key re-rotation (kvpress's KeyRerotationPress): the kept keys moved to contiguous positions, "
+        "what follows the cache right after them")
+
+
+STAGE = Stage(
+    name="key_rerotation",
+    order=40,
+    knobs=RerotationKnobs,
+    preset={"rerotate": True},
+    learn=(
+        "`rerotate=true` (kvpress's KeyRerotationPress, the form of StreamingLLM's and Finch's caches): each kept "
+        "key is turned by RoPE from its position $p_j$ to a new one, $k_j\\leftarrow R_{p'_j-p_j}\\,k_j$, so that "
+        "a head's $n_h$ kept keys sit at $P-n_h,\\dots,P-1$ ($P$: the most keys any head keeps) and the question "
+        "starts at $P$: the positions after the cache become contiguous. Values are untouched."
+    ),
+    check=check_rerotation,
+    kept=rerotate_keys,
+)

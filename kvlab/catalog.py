@@ -1,6 +1,7 @@
 """The registered methods as any front end shows them: knobs, labels, Learn text.
 
-The methods are those registered (importing kvlab.methods registers them all).
+It sits above the methods: importing it imports kvlab.methods, which registers them all, so
+a front end reading the catalog sees every method file.
 Everything here is read off the method classes (``summary``, ``learn``,
 ``paper``, ``query_aware*``, ``presets``) and their Options dataclasses (each
 field's type, default, help and bounds), so that the app, the command line
@@ -14,6 +15,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import kvlab.methods  # noqa: F401 - every method registered before the catalog reads the registry
 from kvlab.compression.interface import FAMILIES
 from kvlab.compression.options import MethodError, allowed, option_types
 from kvlab.compression.paper import Baseline, Paper
@@ -257,7 +259,7 @@ def source_cell(paper: Paper | Baseline) -> str:
 
 
 #: Where docs/methods.md holds :func:`methods_table` (the lines between these two are generated).
-TABLE_BEGIN = "<!-- methods table: generated from the catalog (kvlab.compression.catalog.methods_table); do not edit -->"
+TABLE_BEGIN = "<!-- methods table: generated from the catalog (kvlab.catalog.methods_table); do not edit -->"
 TABLE_END = "<!-- end of the methods table -->"
 
 

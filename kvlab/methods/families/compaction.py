@@ -1,43 +1,35 @@
 """Attention Matching's compaction (Zweiger, Fu, Guo, Kim, 2026), shared by the methods that fit on
-reference queries (``attention_matching``, ``attention_topk``, ``summary_am``) and by bounded
-generation: the query knobs (:class:`QueryOptions`, :class:`ScoredOptions`, :class:`AMOptions`), the
-reference queries, and :func:`compact_cache`, which replaces each KV head's document block by t
-compact keys, one bias per key and refitted values (kvlab.compression.solvers).
+reference queries (``attention_matching``, ``summary_am``) and by bounded generation:
+:func:`compact_cache`, which replaces each KV head's document block by t compact keys, one bias per
+key and refitted values (the heads' batched solves: kvlab.compression.block_solve, on
+kvlab.compression.solvers), and :func:`compact_document`, the cache of a request's document
+(reference queries, per-head budgets, the fit; on-policy: layer by layer). The knobs, reference
+queries and budgets are kvlab.methods.families.attention_matching.
 """
 from __future__ import annotations
 
-import math
+import time
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
-from kvlab.cancel import checkpoint
+from kvlab.cancellation import checkpoint
 from kvlab.compression.block_solve import BlockJob, solve_ragged
-from kvlab.compression.budget_profiles import (
-    BUDGET_SOURCES,
-    HeadBudgets,
-    from_profile,
-    global_ranking,
-    resolve,
-    spread,
-    uniform,
-)
-from kvlab.compression.options import MethodError, Options, knob
+from kvlab.compression.options import MethodError
 from kvlab.compression.request import Request
 from kvlab.compression.solvers.compact import CompactBlock
-from kvlab.context import Context
 from kvlab.kernels import dispatch as kernels
-from kvlab.metrics import block_attention, block_errors
-from kvlab.prompts import question_tokens, repeat_tokens
-from kvlab.queries import (
-    context_queries,
-    question_queries,
-    random_queries,
-    repeat_queries,
-    self_study_queries,
+from kvlab.methods.families.attention_matching import (
+    AMOptions,
+    am_budgets,
+    mixed_queries,
+    reference_queries,
+    source_tokens,
+    subsample,
 )
-from kvlab.runtime.attention import attention_weights, group_queries
+from kvlab.methods.families.scorers import KVzipOptions, kvzip_scores
+from kvlab.metrics import block_attention, block_errors
+from kvlab.queries import read_after, self_study_queries
 from kvlab.runtime.cache import (
     CompressedKV,
     DenseSegment,
@@ -49,189 +41,6 @@ from kvlab.runtime.cache import (
     template_segment,
     token_importance,
 )
-
-QuerySource = Literal["repeat", "context", "self_study", "random", "question"]
-
-@dataclass(frozen=True)
-class QueryOptions(Options):
-    """Where reference queries come from (shared by the methods that use them)."""
-
-    query_source: QuerySource = knob(
-        "repeat", "reference queries: repeat (repeat-prefill), context (prefill), self_study, random, "
-                  "question (query-aware: the user's question)")
-    max_queries: int = knob(
-        2048, "cap on reference queries per KV head (seeded subsample; 50000, the published runs' cap, keeps "
-              "every repeat-pass query of the lab's documents)", low=1)
-    seed: int = knob(0, "seed of the query subsample and of random queries", low=0)
-    self_study_tokens: int = knob(256, "self-study: generated tokens over all prompts", low=1)
-
-
-@dataclass(frozen=True)
-class ScoredOptions(QueryOptions):
-    """Reference queries and the HighestAttnKeys score over them."""
-
-    # RMS is the published code's choice. On the embedded model, mean keeps the
-    # model's own answers closer to the full cache at the same attention error
-    # (`python -m benchmarks.attention_matching`); the default stays the paper's.
-    scoring: Literal["rms", "mean", "max"] = knob(
-        "rms", "HighestAttnKeys score over queries: rms (the published code's), mean or max attention")
-
-
-@dataclass(frozen=True)
-class AMOptions(ScoredOptions):
-    key_selection: Literal["highest_attn", "omp", "kvzip", "kvzip_union"] = knob(
-        "highest_attn", "highest_attn (HighestAttnKeys), omp (orthogonal matching pursuit on the mass), "
-                        "kvzip (KVzip's reconstruction scores per head, then the same bias and value fit) or "
-                        "kvzip_union (kvzip_share of each head's keys by KVzip's scores, the rest by HighestAttnKeys)")
-    kvzip_share: float = knob(0.5, "kvzip_union: share of each head's keys chosen by KVzip's scores", low=0.0, high=1.0)
-    keys_per_iter: int = knob(4, "OMP: keys added per iteration (the fast variant's 4; plain OMP: 1)", low=1)
-    refit_every: int = knob(2, "OMP: refit the weights every this many iterations (the fast variant's 2; plain OMP: 1)", low=1)
-    # Also OMP's lower bound on beta: above 0 it would drop keys standing for a whole original key.
-    drop_below: float = knob(-7.0, "OMP: drop and replace keys whose beta falls below this", high=0.0)
-    nnls_iters: int = knob(2, "projected-gradient steps of the bounded bias fit", low=0)
-    ridge: float = knob(1e-6, "ridge of the value and bias least squares, relative to the Gram's mean diagonal", low=0.0)
-    budgets: Literal["auto", "uniform", "nonuniform", "document", "global"] = knob(
-        "auto", "per-head budgets, the total always T/r per head on average: auto (the paper's recipe: the model's "
-                "profile where it has one, else uniform, said), uniform, nonuniform (the model's profile from its "
-                "sensitivity sweep, kvlab budgets), document (this document's reference queries: heads whose "
-                "attention is concentrated keep more) or global (one ranking of the reference queries' attention "
-                "across every head and layer)")
-    compaction_chunk: int = knob(0, "compact the document in chunks of this many tokens (0: one block)", low=0)
-    on_policy: bool = knob(
-        False, "re-extract each layer's queries with the layers before it already compacted (slow: one pass per layer)")
-    value_fit: Literal["least_squares", "original"] = knob(
-        "least_squares", "least_squares (the paper's refitted values) or original (keep the kept keys' own values, "
-                         "fit only beta)")
-    value_anchor: float = knob(
-        0.0, "ridge pulling the fitted values toward the kept keys' own values instead of toward 0, relative to "
-             "the Gram's mean diagonal (0: the paper's fit)", low=0.0)
-    self_study_weight: float = knob(
-        0.0, "self-study queries added to query_source's, each weighted this much in the fit (0: none)", low=0.0)
-    exact_share: float = knob(
-        0.0, "share of each head's budget kept as exact tokens (own key and value, bias 0, outside the fit); the "
-             "compact keys fit only what they leave unexplained (0: none; 1: eviction)", low=0.0, high=1.0)
-    exact_keys: Literal["kvzip", "attention"] = knob(
-        "kvzip", "exact_share: which keys stay exact: kvzip (KVzip's reconstruction scores) or attention (the "
-                 "reference queries' HighestAttnKeys scores)")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.exact_share > 0 and self.key_selection in ("omp", "kvzip_union"):
-            raise MethodError("exact_share needs key_selection=highest_attn or kvzip (the compact keys are the best "
-                              "remaining keys by one score)")
-        if self.budgets in ("document", "global") and self.on_policy:
-            raise MethodError(f"budgets={self.budgets} reads the reference queries before the fit: not on-policy")
-        if self.value_fit == "original" and self.value_anchor > 0:
-            raise MethodError("value_anchor needs value_fit=least_squares (value_fit=original fits no values)")
-        if self.self_study_weight > 0 and (self.query_source == "self_study" or self.on_policy):
-            raise MethodError("self_study_weight mixes self-study queries into another, not on-policy, query_source")
-
-
-def reference_queries(ctx: Context, opts: QueryOptions, question: str | None) -> list[torch.Tensor]:
-    """Per layer [H, n, d] fitting queries from the chosen source."""
-    if opts.query_source == "repeat":
-        return repeat_queries(ctx)
-    if opts.query_source == "context":
-        return context_queries(ctx)
-    if opts.query_source == "self_study":
-        return self_study_queries(ctx, opts.self_study_tokens)
-    if opts.query_source == "random":
-        return random_queries(ctx, n=opts.max_queries, seed=opts.seed)
-    if not question:
-        raise MethodError("query_source=question needs a question")
-    return question_queries(ctx, question)
-
-
-def source_tokens(ctx: Context, opts: QueryOptions, question: str | None) -> torch.Tensor:
-    """The tokens read after the document whose queries a source records (on-policy sources only)."""
-    if opts.query_source == "repeat":
-        return repeat_tokens(ctx.lm.tokenizer, ctx.tokens.ids[ctx.prefix_len :])
-    if opts.query_source == "question" and question:
-        return question_tokens(ctx.lm.tokenizer, question)
-    raise MethodError("on-policy queries need query_source=repeat (or question, with a question)")
-
-
-def subsample(q: torch.Tensor, cap: int, seed: int) -> torch.Tensor:
-    """[B, n, d] -> [B, min(n, cap), d]: the same seeded random subset of query slots for every head."""
-    n = q.shape[1]
-    if n <= cap:
-        return q
-    # Drawn on the CPU generator: the same subset on every device (a CPU index is fine for indexing).
-    keep = torch.randperm(n, generator=torch.Generator().manual_seed(seed), device="cpu")[:cap]
-    return q[:, torch.sort(keep).values]
-
-
-def fitting_queries(q: torch.Tensor, n_kv_heads: int, opts: QueryOptions) -> torch.Tensor:
-    """[H, n, d] one layer's reference queries -> [H_kv, min(g*n, max_queries), d].
-
-    Each KV head gets the queries of its whole GQA group, capped by a seeded
-    subsample; every layer draws with the same seed, so Attention Matching and
-    its eviction baseline fit on the same queries.
-    """
-    return subsample(group_queries(q, n_kv_heads), opts.max_queries, opts.seed)
-
-
-def concentration(q: torch.Tensor, keys: torch.Tensor, scale: float | None = None, rows: int = 256) -> torch.Tensor:
-    """How concentrated each head's attention is: [H_kv], log T minus the mean entropy (nats) of a query's
-    softmax over the T keys (0: every query spreads evenly; log T: each reads one key).
-
-    q: [H_kv, n, d] grouped queries, keys: [H_kv, T, d], at the layer's ``scale``;
-    ``rows`` queries at a time (never the whole [H_kv, n, T] matrix). A head that
-    copies (each repeat-pass query reads the token it repeats) scores high
-    although its attention averaged over the queries is spread: the entropy is
-    each query's own, then averaged.
-    """
-    total = torch.zeros(keys.shape[0], device=keys.device)
-    for a in range(0, q.shape[1], rows):
-        w = attention_weights(q[:, a : a + rows], keys, scale=scale)
-        total += -(w * w.clamp_min(torch.finfo(w.dtype).tiny).log()).sum(dim=(-1, -2))
-    return math.log(keys.shape[1]) - total / max(1, q.shape[1])
-
-
-def document_budgets(ctx: Context, queries: list[torch.Tensor], opts: QueryOptions, per_head: int) -> torch.Tensor:
-    """budgets=document: [n_layers, H_kv] compact keys per head from this document's reference queries
-    (per layer [H, n, d]): each head's share of the total in proportion to its :func:`concentration`, then
-    capped and rounded as the model profiles' shares are (kvlab.compression.budget_profiles.allocate), so
-    that the total stays ``per_head`` x the compressed layers' heads. The shares are a small plan made on
-    the CPU, the budgets used on the model's device."""
-    rows = torch.ones(ctx.lm.n_layers, ctx.lm.n_kv_heads, dtype=torch.float64, device="cpu")
-    for layer in ctx.lm.compressed_layers:
-        keys = ctx.full.keys[layer][:, ctx.prefix_len :]
-        grouped = fitting_queries(queries[layer], keys.shape[0], opts).to(keys.device)
-        rows[layer] = concentration(grouped, keys, ctx.lm.geometry[layer].scaling).cpu().double()
-    return spread(ctx.lm, rows, per_head, ctx.doc_len)
-
-
-def attention_scores(ctx: Context, queries: list[torch.Tensor], opts: ScoredOptions) -> list[torch.Tensor]:
-    """Per layer [H_kv, T_doc] each document key's HighestAttnKeys score (``scoring``) under the fitting
-    queries (per layer [H, n, d]): attention probabilities, comparable across heads and layers. A
-    sliding-window layer (not compacted) scores 0."""
-    out = []
-    for layer, q in enumerate(queries):
-        keys = ctx.full.keys[layer][:, ctx.prefix_len :]
-        if layer not in ctx.lm.compressed_layers:
-            out.append(torch.zeros(keys.shape[:2], device=keys.device))
-            continue
-        grouped = fitting_queries(q, keys.shape[0], opts).to(keys.device)
-        out.append(kernels.key_scores(grouped, keys, None, scale=ctx.lm.geometry[layer].scaling, scoring=opts.scoring))
-    return out
-
-
-def am_budgets(req: Request, opts: AMOptions, queries: list[torch.Tensor] | None = None) -> HeadBudgets:
-    """The compact keys per head for ``opts.budgets`` (kvlab.compression.budget_profiles): ``auto`` the
-    model's profile where it has one, else uniform with the reason; ``document`` and ``global`` read
-    the reference ``queries`` (per layer [H, n, d]; MethodError without them: not on-policy)."""
-    mode, why = resolve(req.ctx.lm, opts.budgets)
-    if mode == "uniform":
-        return uniform(req, why or BUDGET_SOURCES["uniform"])
-    if mode == "nonuniform":
-        return from_profile(req)
-    if queries is None:
-        raise MethodError(f"budgets={mode} reads the reference queries before the fit: not on-policy")
-    if mode == "document":
-        return HeadBudgets(document_budgets(req.ctx, queries, opts, req.doc_budget), "document",
-                           BUDGET_SOURCES["document"])
-    return global_ranking(req, attention_scores(req.ctx, queries, opts))
 
 
 def chunk_spans(length: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -328,25 +137,6 @@ def train_errors(
         return blocks[0].train_output, blocks[0].train_mass
     held = subsample(queries, n_max, 0)
     return block_errors(held, block_attention(held, block, scale), stored, scale)[:2]
-
-
-def mixed_queries(
-    q: torch.Tensor, extra: torch.Tensor | None, n_kv_heads: int, opts: AMOptions
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One layer's fitting queries [H_kv, n, d] and their weights [H_kv, n] (None: all 1).
-
-    q: [H, n1, d] the query source's; extra: [H, n2, d] self-study queries mixed
-    in, each capped like q (:func:`fitting_queries`) and weighted ``self_study_weight``.
-    """
-    grouped = fitting_queries(q, n_kv_heads, opts)
-    if extra is None or opts.self_study_weight == 0:
-        return grouped, None
-    more = fitting_queries(extra, n_kv_heads, opts).to(grouped.device)
-    weights = torch.cat([
-        torch.ones(grouped.shape[:2], device=grouped.device),
-        torch.full(more.shape[:2], opts.self_study_weight, device=grouped.device),
-    ], dim=1)
-    return torch.cat([grouped, more], dim=1), weights
 
 
 @dataclass
@@ -475,7 +265,6 @@ def diagnostics(fits: list[LayerFit]) -> dict:
     }
 
 
-
 def window_fit(segments: list[Segment], n_queries: int, importance_len: int | None = None) -> LayerFit:
     """A sliding-window layer left as the model keeps it (fate "window"): nothing fitted, no error,
     no token scored (importance NaN, when recorded: see CompressedKV.importance)."""
@@ -537,18 +326,62 @@ def compact_cache(
     return fitted_cache(fits, reference.logical_len)
 
 
-class QuerySourced:
-    """Methods fitted on QueryOptions' reference queries: query-aware only when those are the question's."""
+def compact_document(req: Request, opts: AMOptions, method: str) -> CompressedKV:
+    """Attention Matching's cache of ``req``'s document: reference queries, budgets, then the fit
+    (on-policy: layer by layer); ``method`` names it in the meta. Every layer is fitted here (a
+    window layer as the model keeps it, :func:`window_fit`)."""
+    ctx = req.ctx
+    req.progress(0.3, f"reference queries: {opts.query_source}")
+    start = time.perf_counter()
+    # KVzip's scores need the reconstruction pass: timed with the queries.
+    exact_kvzip = opts.exact_share > 0 and opts.exact_keys == "kvzip"
+    scores = kvzip_scores(req, KVzipOptions()) if opts.key_selection in ("kvzip", "kvzip_union") or exact_kvzip else None
+    key_scores = scores if opts.key_selection in ("kvzip", "kvzip_union") else None
+    exact_scores = scores if exact_kvzip else None
+    if opts.on_policy:
+        scores_s = time.perf_counter() - start
+        head = am_budgets(req, opts)
+        stored, queries_s = on_policy_cache(req, opts, head.budgets, key_scores, exact_scores)
+        queries_s += scores_s
+    else:
+        queries = reference_queries(ctx, opts, req.question)
+        extra = self_study_queries(ctx, opts.self_study_tokens) if opts.self_study_weight > 0 else None
+        head = am_budgets(req, opts, queries)
+        queries_s = time.perf_counter() - start
+        req.progress(0.4, "fitting keys, biases and values")
+        stored = compact_cache(ctx.full.stored, queries, head.budgets, opts, ctx.prefix_len, req.record_importance,
+                               key_scores, extra, exact_scores)
+    stored.meta = {
+        "method": method,
+        "query_source": opts.query_source,
+        "key_selection": opts.key_selection,
+        **head.meta(),
+        **stored.meta,
+        "fit_s": {"queries": queries_s, **stored.meta["fit_s"]},
+    }
+    return stored
 
-    query_aware_when = "query_source=question"
 
-    def uses_question(self) -> bool:
-        return self.options.query_source == "question"  # type: ignore[attr-defined]
-
-    def prepare(self, ctx: Context) -> None:
-        """Record the reference queries of a query-agnostic source (on-policy ones depend on the fit)."""
-        opts = self.options  # type: ignore[attr-defined]
-        if not self.uses_question() and not getattr(opts, "on_policy", False):
-            reference_queries(ctx, opts, None)
-        if getattr(opts, "self_study_weight", 0.0) > 0:
-            self_study_queries(ctx, opts.self_study_tokens)
+def on_policy_cache(
+    req: Request, opts: AMOptions, budgets: torch.Tensor, key_scores: list[torch.Tensor] | None,
+    exact_scores: list[torch.Tensor] | None = None,
+) -> tuple[CompressedKV, float]:
+    """Compact layer by layer, each layer's queries read with the layers before it compacted."""
+    ctx = req.ctx
+    ids = source_tokens(ctx, opts, req.question)
+    full = ctx.full.stored
+    length = full.logical_len if req.record_importance else None
+    fits: list[LayerFit] = []
+    queries_s = 0.0
+    for layer in range(ctx.lm.n_layers):
+        start = time.perf_counter()
+        mixed = CompressedKV([f.segments for f in fits] + full.layers[layer:], full.logical_len)
+        q = read_after(ctx, ids, mixed, layers=layer + 1)[layer]
+        queries_s += time.perf_counter() - start
+        fits.append(window_fit(full.layers[layer], q.shape[1], length) if is_window(full.layers[layer]) else
+                    compact_layer(full.layer_view(layer), q, budgets[layer], opts, ctx.prefix_len, length,
+                                  None if key_scores is None else key_scores[layer],
+                                  scale=ctx.lm.geometry[layer].scaling,
+                                  exact_scores=None if exact_scores is None else exact_scores[layer]))
+        req.progress(0.3 + 0.3 * (layer + 1) / ctx.lm.n_layers, f"on-policy: layer {layer + 1}")
+    return fitted_cache(fits, full.logical_len), queries_s

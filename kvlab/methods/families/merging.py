@@ -1,16 +1,59 @@
 """What the merging family shares (kvlab/methods/cam.py, kvlab/methods/merging.py): the scorer's
-selection, then a method's ``fold`` of the evicted values into the kept ones, stored as dense
-segments (fate "merged" for a kept token that absorbed others, "kept" otherwise)."""
+selection (the ``scorer`` knob: :data:`SCORERS`), then a method's ``fold`` of the evicted values into
+the kept ones, stored as dense segments (fate "merged" for a kept token that absorbed others, "kept"
+otherwise)."""
 from __future__ import annotations
 
 from abc import abstractmethod
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from kvlab.compression.interface import EvictionMethod, Method
-from kvlab.compression.registry import get_method
+from kvlab.compression.interface import EvictionMethod
 from kvlab.compression.request import Request
+from kvlab.context import Memo
+from kvlab.methods.families.scorers import (
+    H2O_RECENT_SHARE,
+    N_SINK,
+    ExpectedAttentionOptions,
+    SnapKVOptions,
+    expected_attention_scores,
+    h2o_recent_scores,
+    knorm_scores,
+    recency_scores,
+    snap_scores,
+    tova_scores,
+)
 from kvlab.runtime.cache import CompressedKV, DenseSegment, PaddedView, Segment, segment_from_view, select_keys
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """A scoring method's scores at its default knobs, as the ``scorer`` knob names it (kvpress's
+    wrapped press): ``scores(req)`` -> per layer [H_kv, T_doc]."""
+
+    scores: Callable[[Request], list[torch.Tensor]]
+    #: The same at every ratio, so kept per context (not H2O's: its recent window is a share of the budget).
+    ratio_free: bool = True
+
+
+#: The scorers the merging methods' ``scorer`` knobs name (each method's Literal lists its own).
+SCORERS: dict[str, Scorer] = {
+    "h2o": Scorer(lambda req: h2o_recent_scores(req, H2O_RECENT_SHARE), ratio_free=False),
+    "streaming_llm": Scorer(lambda req: recency_scores(req, N_SINK)),
+    "knorm": Scorer(knorm_scores),
+    "snapkv": Scorer(lambda req: snap_scores(req, SnapKVOptions().window, SnapKVOptions().kernel, from_question=False)),
+    "tova": Scorer(tova_scores),
+    "expected_attention": Scorer(lambda req: expected_attention_scores(req, ExpectedAttentionOptions())),
+}
+
+
+@dataclass(frozen=True)
+class ScorerScores(Memo):
+    """Where :meth:`MergingMethod.scores` keeps a ratio-free scorer's scores (its default knobs: the name says all)."""
+
+    scorer: str
 
 
 def kept_mask(kept_index: torch.Tensor, lengths: torch.Tensor, length: int) -> torch.Tensor:
@@ -45,21 +88,18 @@ def merged_segments(view: PaddedView, values: torch.Tensor, absorbed: torch.Tens
 
 class MergingMethod(EvictionMethod):
     """Select as the method named by the ``scorer`` option does (its default options; the selection
-    wrappers are this method's own knobs), then fold the evicted tokens into the kept ones."""
+    wrappers are this method's own knobs), then fold the evicted tokens into the kept ones. No
+    scorer reads the question."""
 
-    # The scorer keeps its own scores per context.
+    # The scorer's scores are kept per context below (once for every merging knob), when ratio-free.
     keep_scores = False
 
-    def scorer(self) -> Method:
-        return get_method(self.options.scorer)
-
-    def uses_question(self) -> bool:
-        return self.scorer().uses_question()
-
     def scores(self, req: Request) -> list[torch.Tensor]:
-        scorer = self.scorer()
-        assert isinstance(scorer, EvictionMethod)
-        return scorer.kept_scores(req)
+        name = self.options.scorer
+        scorer = SCORERS[name]
+        if not scorer.ratio_free:
+            return scorer.scores(req)
+        return req.ctx.cached(ScorerScores(name), lambda: scorer.scores(req))
 
     def details(self) -> dict:
         return {"scorer": self.options.scorer}

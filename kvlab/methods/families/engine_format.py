@@ -77,7 +77,7 @@ EVICT_LEARN = (
 )
 
 
-def scorers() -> list[str]:
+def scoring_methods() -> list[str]:
     """The registered methods whose scores can choose what to evict (the eviction methods)."""
     return sorted(name for name, cls in REGISTRY.items() if issubclass(cls, EvictionMethod))
 
@@ -90,8 +90,8 @@ def evict_with_knob() -> str:
 
 def check_evict_with(name: str) -> None:
     """Refuse an ``evict_with`` that is neither ``oldest`` nor a registered scoring method."""
-    if name != OLDEST and name not in scorers():
-        raise MethodError(f"evict_with must be oldest or a scoring method ({', '.join(scorers())}), got {name!r}")
+    if name != OLDEST and name not in scoring_methods():
+        raise MethodError(f"evict_with must be oldest or a scoring method ({', '.join(scoring_methods())}), got {name!r}")
 
 
 @dataclass(frozen=True)
