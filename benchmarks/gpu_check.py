@@ -49,7 +49,7 @@ from kvlab.methods import REGISTRY
 from kvlab.models import pick_device
 from kvlab.runtime.decode import GrowingLayer, _working_cache
 from kvlab.runtime.hooks import ForwardContext
-from kvlab.runtime.quant import quantize_keys, quantize_values
+from kvlab.runtime.low_bit import quantize_keys, quantize_values
 from kvlab.testing import device_suite
 from kvlab.testing.random_models import random_llama
 

@@ -25,7 +25,7 @@ from kvlab.examples import load_examples
 from kvlab.methods import Request, get_method
 from kvlab.models import get_model
 from kvlab.pipeline import run
-from kvlab.tasks.scoring import contains_match
+from kvlab.tasks.marking import contains_match
 
 
 def main(argv: list[str] | None = None) -> None:

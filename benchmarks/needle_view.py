@@ -84,8 +84,8 @@ def trace(args: argparse.Namespace) -> dict:
     from kvlab.lab.fates import trace_needle
     from kvlab.methods import Request
     from kvlab.models import get_model
-    from kvlab.tasks.registry import build_items
     from kvlab.tasks.runner import item_prompt_ids
+    from kvlab.tasks.task_registry import build_items
 
     lm = get_model()
     spec = method_specs([args.method], [])[0]

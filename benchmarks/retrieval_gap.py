@@ -58,10 +58,10 @@ from kvlab.runtime.decode import greedy
 from kvlab.runtime.hooks import QueryCapture
 from kvlab.runtime.model import LoadedModel
 from kvlab.tasks.items import TaskItem
-from kvlab.tasks.registry import build_items
+from kvlab.tasks.marking import contains_match
 from kvlab.tasks.runner import MethodSpec, answer_item, item_prompt_ids
-from kvlab.tasks.scoring import contains_match
 from kvlab.tasks.synthetic import HAYSTACKS, VALUE_SHAPES, Haystack, ValueShape
+from kvlab.tasks.task_registry import build_items
 
 # The answer is "...: 1234567." (digits are single tokens): 16 new tokens hold it.
 ANSWER_TOKENS = 16

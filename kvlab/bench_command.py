@@ -24,8 +24,8 @@ from kvlab.catalog import method_spec
 from kvlab.lab.inputs import parse_ratios
 from kvlab.methods import REGISTRY
 from kvlab.tasks.items import TaskError
-from kvlab.tasks.registry import DEFAULT_LENGTH, TASKS
 from kvlab.tasks.synthetic import HAYSTACKS, VALUE_SHAPES
+from kvlab.tasks.task_registry import DEFAULT_LENGTH, TASKS
 
 
 def _csv(text: str) -> list[str]:
@@ -126,8 +126,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         spec.instantiate()  # refuse a bad method or preset before the model loads
 
     from kvlab.models import get_model
-    from kvlab.tasks.registry import build_items
     from kvlab.tasks.runner import group_by_document, run_items
+    from kvlab.tasks.task_registry import build_items
 
     out = Path(args.out)
     lm = get_model(args.model)

@@ -258,7 +258,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_budgets(args: argparse.Namespace) -> int:
-    from kvlab.contexts import CONTEXTS
+    from kvlab.context_store import CONTEXTS
     from kvlab.documents import read_document
     from kvlab.examples import load_examples
     from kvlab.lab.budget_sweep import save_profile, sensitivity_sweep

@@ -10,7 +10,7 @@ of value has its own key class (a :class:`Memo`), defined beside its user.
 
 Memory is bounded two ways (limits in kvlab.limits): a document remembers at
 most ``remembered_questions`` questions (the least recently used one's
-entries go first), and kvlab.contexts.ContextStore holds a byte budget for all of
+entries go first), and kvlab.context_store.ContextStore holds a byte budget for all of
 it (contexts and everything cached on them), evicting least recently used
 entries, then whole contexts, when it is exceeded.
 """

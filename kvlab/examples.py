@@ -28,7 +28,7 @@ class Example:
         answers: The gold answer to each question, in the same order as ``questions``
             (the first of its aliases: what the UI shows as the expected answer).
         aliases: Every accepted form of each answer (``answers[i] == aliases[i][0]``),
-            for scorers such as :func:`kvlab.tasks.scoring.contains_match`.
+            for scorers such as :func:`kvlab.tasks.marking.contains_match`.
         tokens: Length of the cleaned document in SmolLM2 tokens, without special
             tokens (None if unknown).
     """

@@ -23,9 +23,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvlab.bounded.policies
 from conftest import tiny_tokenizer
-from kvlab.bounded.generate import run_policy
+from kvlab.bounded.loop import run_policy
 from kvlab.bounded.policies import POLICIES, bounded_policies, make_policy
-from kvlab.bounded.registry import policies_table
+from kvlab.bounded.policy_registry import policies_table
 from kvlab.cli import build_parser, main
 from kvlab.compression.registry import discover
 

@@ -16,7 +16,7 @@ from conftest import method_sections  # noqa: E402
 from kvlab import lab  # noqa: E402
 from kvlab.catalog import all_knobs  # noqa: E402
 from kvlab.compression.interface import FAMILIES  # noqa: E402
-from kvlab.contexts import CONTEXTS  # noqa: E402
+from kvlab.context_store import CONTEXTS  # noqa: E402
 from kvlab.figures.diff import DIFF_COMPRESSED, DIFF_FULL  # noqa: E402
 from kvlab.methods import REGISTRY  # noqa: E402
 from kvlab.models import EMBEDDED, EMBEDDED_LABEL, PACKAGED, installed_packaged  # noqa: E402
@@ -421,7 +421,7 @@ def test_prepare_then_run_reuses_the_prefill(client):
 
 def test_answers_are_marked_right_or_wrong_when_the_gold_answer_is_known(client):
     # A bundled example's question: the gold answer is known, so both answers get a mark, judged by
-    # whether they contain it (kvlab.tasks.scoring.contains_match, checked here by hand).
+    # whether they contain it (kvlab.tasks.marking.contains_match, checked here by hand).
     example = lab.examples()[0]
     out = _run(client, text=example.text(), question=example.questions[0], method=FAST, ratio=2, max_new_tokens=24)
     full, compressed, mark_full, mark_comp = out[1], out[2], out[-2], out[-1]

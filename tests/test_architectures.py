@@ -34,7 +34,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from kvlab.bounded.generate import run_policy
+from kvlab.bounded.loop import run_policy
 from kvlab.bounded.policies import bounded_policies, make_policy
 from kvlab.compression.scoring import received_attention
 from kvlab.context import prepare_context

@@ -179,7 +179,7 @@ def test_the_retrieval_knobs_compress_within_budget_and_refuse_contradictions(ct
 
 def test_the_retrieval_knobs_stay_on_the_models_device(monkeypatch: pytest.MonkeyPatch):
     """Under kvlab.testing.fake_cuda: no op of the new paths mixes devices (see tests/test_device_mixing.py)."""
-    from kvlab.contexts import CONTEXTS
+    from kvlab.context_store import CONTEXTS
     from kvlab.runtime.model import LoadedModel
     from kvlab.testing.device_suite import DOCUMENT, suite_model
     from kvlab.testing.fake_cuda import FAKE_DEVICE, fake_cuda, to_fake_cuda

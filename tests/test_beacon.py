@@ -10,7 +10,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from kvlab.bounded.beacon import beacon_generate
 from kvlab.context import Context
 from kvlab.methods import MethodError, Request, get_method
-from kvlab.methods.families.beacon import BeaconBank, BeaconOptions, farthest_point_sampling, max_attention_scores
+from kvlab.methods.families.beacon_core import BeaconBank, BeaconOptions, farthest_point_sampling, max_attention_scores
 from kvlab.methods.families.memory_plan import plan_memory
 from kvlab.metrics import head_errors
 from kvlab.pipeline import evaluation
@@ -155,7 +155,7 @@ def eager_beacon_scores(ctx, opts) -> list[torch.Tensor]:
     state), a softmax over the keys at or before its position, then the max over
     the queries and over the query heads of each KV head's group.
     """
-    from kvlab.methods.families.beacon import document_state
+    from kvlab.methods.families.beacon_core import document_state
     from kvlab.runtime.rope import rope_cos_sin
 
     state = document_state(ctx, opts, None)

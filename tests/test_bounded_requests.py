@@ -18,7 +18,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from kvlab import cancellation, lab, limits, models, scheduler  # noqa: E402
 from kvlab.context import prepare_context  # noqa: E402
-from kvlab.contexts import ContextStore  # noqa: E402
+from kvlab.context_store import ContextStore  # noqa: E402
 from kvlab.documents import DocumentError  # noqa: E402
 from kvlab.memo import MISSING, compute_once  # noqa: E402
 from kvlab.methods import MethodError  # noqa: E402

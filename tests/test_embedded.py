@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvlab.cli import main
-from kvlab.contexts import CONTEXTS
+from kvlab.context_store import CONTEXTS
 from kvlab.examples import load_examples
 from kvlab.methods import get_method
 from kvlab.pipeline import run

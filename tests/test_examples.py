@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.contexts import CONTEXTS
+from kvlab.context_store import CONTEXTS
 from kvlab.examples import load_examples
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS, evaluation
-from kvlab.tasks.scoring import contains_match
+from kvlab.tasks.marking import contains_match
 
 pytestmark = pytest.mark.slow  # the embedded model answers every suggested question: left out of make test-fast
 

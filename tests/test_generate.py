@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.bounded import generate
-from kvlab.bounded.generate import run_policy
+from kvlab.bounded import loop
+from kvlab.bounded.loop import run_policy
 from kvlab.bounded.policies import bounded_policies, make_policy, policy_names
 from kvlab.bounded.policies.h2o import H2OPolicy
 from kvlab.compression.scoring import pool_group
@@ -23,7 +23,7 @@ def _run(lm, name, budget, n_new=60, chunk=1, forced=None, stop=False):
 @pytest.mark.parametrize("name", bounded_policies())
 def test_the_cache_never_exceeds_its_budget(tiny, name, monkeypatch):
     budget, held = 48, []
-    real_extend = generate.extend
+    real_extend = loop.extend
 
     def watched(lm, session, ids, *args, **kwargs):
         # Keys are appended before attention runs: after the pass is the most the pass held.
@@ -31,7 +31,7 @@ def test_the_cache_never_exceeds_its_budget(tiny, name, monkeypatch):
         held.append(max(layer.keys.shape[-2] for layer in session.cache.layers))
         return out
 
-    monkeypatch.setattr(generate, "extend", watched)
+    monkeypatch.setattr(loop, "extend", watched)
     _, run = _run(tiny, name, budget, n_new=60, chunk=8)
     assert len(run.ids) == 60 and len(run.sizes) == 60
     assert len(held) == PROMPT.numel() // 8 + 59
@@ -119,7 +119,7 @@ def test_docs_policies_table_is_the_registrys():
     """docs/architecture.md holds policies_table() between its markers, every registered policy a row."""
     from pathlib import Path
 
-    from kvlab.bounded.registry import TABLE_BEGIN, TABLE_END, policies_table
+    from kvlab.bounded.policy_registry import TABLE_BEGIN, TABLE_END, policies_table
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
     block = f"{TABLE_BEGIN}\n{policies_table()}\n{TABLE_END}"

@@ -26,7 +26,7 @@ from kvlab.metrics import head_errors, output_shares, reference_attention, weigh
 from kvlab.pipeline import evaluation
 from kvlab.queries import repeat_queries
 from kvlab.tasks.items import TaskError
-from kvlab.tasks.registry import build_items
+from kvlab.tasks.task_registry import build_items
 
 DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(96))
 QUESTION = "w3 w5 w8"

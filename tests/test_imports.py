@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("loading models by name", ["kvlab.models"]),
     ("the result store (it keeps any value and knows no method)", ["kvlab.results"]),
     ("a document read by a model, its reference queries, the errors of a cache",
-     ["kvlab.context", "kvlab.contexts", "kvlab.queries", "kvlab.metrics"]),
+     ["kvlab.context", "kvlab.context_store", "kvlab.queries", "kvlab.metrics"]),
     ("the compression core", ["kvlab.compression"]),
     ("what the methods share, by family: the shared scorers, a family's base and machinery (not methods)",
      ["kvlab.methods.families"]),

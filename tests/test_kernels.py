@@ -50,7 +50,7 @@ from kvlab.kernels import reference
 from kvlab.runtime import kernel_launch as launch
 from kvlab.runtime import triton_decode
 from kvlab.runtime.attention import causal_attention
-from kvlab.runtime.quantized import QuantSegment
+from kvlab.runtime.quant_segment import QuantSegment
 
 # An empty key split has mass 0, and its log-sum-exp log(0) = -inf is the
 # intended value; numpy (the interpreter) warns about it.

@@ -13,7 +13,7 @@ from kvlab import lab, models
 from kvlab import queries as queries_module
 from kvlab.cli import main
 from kvlab.context import prepare_context
-from kvlab.contexts import ContextStore
+from kvlab.context_store import ContextStore
 from kvlab.methods import REGISTRY, Request
 
 DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(120))

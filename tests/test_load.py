@@ -34,10 +34,10 @@ httpx = pytest.importorskip("httpx")
 from benchmarks.browser import serve_app  # noqa: E402
 from kvlab import cancellation, lab, limits, models  # noqa: E402
 from kvlab.context import prepare_context  # noqa: E402
-from kvlab.contexts import CONTEXTS, ContextStore  # noqa: E402
+from kvlab.context_store import CONTEXTS, ContextStore  # noqa: E402
 from kvlab.pipeline import evaluation  # noqa: E402
 from kvlab.queries import question_queries  # noqa: E402
-from kvlab.tasks.scoring import contains_match  # noqa: E402
+from kvlab.tasks.marking import contains_match  # noqa: E402
 from kvlab.ui import common  # noqa: E402
 
 pytestmark = pytest.mark.load  # many concurrent requests against a served app: left out of make test-fast

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from kvlab.methods import MethodError, Request, get_method
 from kvlab.methods.cam import cam_merge, cam_merge_probability, cam_windows
-from kvlab.methods.families.merging import SCORERS, kept_mask
+from kvlab.methods.families.merging_core import SCORERS, kept_mask
 from kvlab.methods.merging import EPS, fold_into_targets, merge_weights, nearest_kept
 from kvlab.runtime.decode import extend, open_session
 
@@ -267,7 +267,7 @@ SCORER_CHOICES = [(name, scorer) for name in ("cam", "merging")
 @pytest.mark.parametrize(("name", "scorer"), SCORER_CHOICES)
 def test_the_scorer_knob_keeps_what_the_named_method_keeps(ctx, name, scorer):
     """Each value of a merging method's ``scorer`` knob selects the tokens the registered method of that
-    name keeps at its own defaults (kvlab.methods.families.merging.SCORERS, a table of the shared scorers,
+    name keeps at its own defaults (kvlab.methods.families.merging_core.SCORERS, a table of the shared scorers,
     not a look-up of the method): only the values change."""
     assert scorer in SCORERS
     merged = get_method(name, scorer=scorer).compress(Request(ctx, 4.0))

@@ -20,7 +20,7 @@ from hypothesis import strategies as st  # noqa: E402
 from kvlab.documents import DocumentError, read_document  # noqa: E402
 from kvlab.runtime.attention import attend  # noqa: E402
 from kvlab.runtime.cache import DenseSegment  # noqa: E402
-from kvlab.runtime.quant import quantize_keys, quantize_values  # noqa: E402
+from kvlab.runtime.low_bit import quantize_keys, quantize_values  # noqa: E402
 
 FEW = settings(max_examples=40, deadline=None)
 seeds = st.integers(0, 2**31 - 1)

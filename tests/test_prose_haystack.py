@@ -16,8 +16,8 @@ import pytest
 
 from kvlab.tasks import synthetic
 from kvlab.tasks.items import TaskError
-from kvlab.tasks.registry import build_items
-from kvlab.tasks.scoring import contains_match
+from kvlab.tasks.marking import contains_match
+from kvlab.tasks.task_registry import build_items
 
 ROOT = Path(__file__).resolve().parent.parent
 PROSE = ROOT / "assets" / "haystack" / "prose.txt"

@@ -1,4 +1,4 @@
-"""Tests for kvlab.runtime.quant (KIVI-style packed quantisation)."""
+"""Tests for kvlab.runtime.low_bit (KIVI-style packed quantisation)."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from kvlab.runtime.quant import (
+from kvlab.runtime.low_bit import (
     PackedTensor,
     pack_codes,
     quantize_keys,

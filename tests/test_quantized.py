@@ -11,7 +11,7 @@ from kvlab.metrics import head_errors
 from kvlab.pipeline import evaluation
 from kvlab.runtime.cache import CompressedKV, DenseSegment
 from kvlab.runtime.decode import extend, greedy, open_session
-from kvlab.runtime.quantized import QuantSegment, quant_nbytes
+from kvlab.runtime.quant_segment import QuantSegment, quant_nbytes
 
 DOC = " ".join(f"w{(i * 11) % 60 + 2}" for i in range(80))
 QUESTION = "w3 w5 w8"

@@ -16,7 +16,7 @@ import torch
 from conftest import tiny_llama
 from kvlab import lab, limits, models, pipeline
 from kvlab.context import Memo, prepare_context
-from kvlab.contexts import CONTEXTS, ContextStore
+from kvlab.context_store import CONTEXTS, ContextStore
 from kvlab.documents import DocumentError
 from kvlab.memo import held_bytes
 from kvlab.queries import QuestionQueries, question_queries
@@ -223,15 +223,15 @@ def test_the_store_evicts_least_recently_used_contexts_by_bytes(tiny):
 def test_the_default_budget_follows_free_memory_unless_set(monkeypatch):
     import psutil
 
-    from kvlab import contexts
+    from kvlab import context_store
 
     monkeypatch.setenv("KVLAB_DEVICE", "cpu")
     with_limits(monkeypatch, cache_bytes=0)
     # A quarter of the RAM available at the moment it is asked (a fixed figure: free memory moves).
     monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=8_000_000_003))
-    assert contexts.default_budget() == 2_000_000_000
+    assert context_store.default_budget() == 2_000_000_000
     with_limits(monkeypatch, cache_bytes=12345)
-    assert contexts.default_budget() == 12345
+    assert context_store.default_budget() == 12345
 
 
 # --------------------------------------------------------------------------- models

@@ -13,9 +13,14 @@ from kvlab.cli import main
 from kvlab.context import prepare_context
 from kvlab.methods import Request, get_method
 from kvlab.prompts import context_tokens
-from kvlab.tasks import datasets, registry, synthetic
+from kvlab.tasks import datasets, synthetic, task_registry
 from kvlab.tasks.items import TaskError, TaskItem, token_counter
-from kvlab.tasks.registry import build_items
+from kvlab.tasks.marking import (
+    contains_match,
+    exact_match,
+    normalize_answer,
+    token_f1,
+)
 from kvlab.tasks.report import needle_heatmap, table_markdown
 from kvlab.tasks.runner import (
     FLOOR,
@@ -29,13 +34,8 @@ from kvlab.tasks.runner import (
     summarise,
     wilson_interval,
 )
-from kvlab.tasks.scoring import (
-    contains_match,
-    exact_match,
-    normalize_answer,
-    token_f1,
-)
 from kvlab.tasks.store import ResultWriter, Shard, read_results
+from kvlab.tasks.task_registry import build_items
 
 # --- scoring, against hand-worked SQuAD-style cases -------------------------
 
@@ -337,8 +337,8 @@ def test_shard_parse_and_split():
 def tiny_cli(tiny, monkeypatch):
     """The CLI with ``get_model`` answering the tiny model."""
     monkeypatch.setattr("kvlab.models.get_model", lambda spec=None: tiny)
-    build = registry.build_items
-    monkeypatch.setattr(registry, "build_items", lambda *a, **k: short(build(*a, **k)))
+    build = task_registry.build_items
+    monkeypatch.setattr(task_registry, "build_items", lambda *a, **k: short(build(*a, **k)))
     return ["bench", "--tasks", "needle_grid,niah_single", "--methods", "snapkv", "--ratios", "2,4",
             "--limit", "2", "--length", str(LENGTH), "--seed", "1"]
 
@@ -393,7 +393,7 @@ def test_bench_knob_overrides_run_the_configured_method(tiny_cli, tiny, tmp_path
     assert {p for _, p, _ in rows} == {"", "window=2 kernel=1"}
     # Each configured row against the same item answered directly from that configuration.
     method = get_method("snapkv", window=2, kernel=1)
-    for item in registry.build_items("niah_single", tiny, 2, 1, LENGTH):  # shortened by tiny_cli
+    for item in task_registry.build_items("niah_single", tiny, 2, 1, LENGTH):  # shortened by tiny_cli
         ctx = prepare_context(tiny, item.document)
         stored = method.compress(Request(ctx, 4.0, item.question))
         direct = answer_item(tiny, stored, item, item_prompt_ids(tiny, item))

@@ -3,7 +3,7 @@
 This is the paper's own setting (long reasoning outputs): the cache never
 holds more than ``budget`` keys per layer and head; before it would, each
 layer evicts by the beacon scores of the running query history
-(kvlab.methods.families.beacon: the recent queries + beacons chosen by continual
+(kvlab.methods.families.beacon_core: the recent queries + beacons chosen by continual
 FPS over everything read and written), keeping the template prefix and a
 recent window. It evicts ``evict_chunk`` tokens at a time, so it scores once
 every ``evict_chunk`` written tokens rather than at every step. The policy itself is
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.bounded.generate import run_policy
+from kvlab.bounded.loop import run_policy
 from kvlab.bounded.policies.beaconkv import EVICT_CHUNK, BeaconPolicy
 from kvlab.context import Context
 from kvlab.methods import MethodError
-from kvlab.methods.families.beacon import BeaconOptions, document_state
+from kvlab.methods.families.beacon_core import BeaconOptions, document_state
 from kvlab.runtime.decode import Generation
 from kvlab.runtime.model import LoadedModel
 

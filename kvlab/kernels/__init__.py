@@ -8,7 +8,7 @@ Three kernels (see their modules for the maths and layouts):
   :mod:`kvlab.runtime.triton_decode`, and launch, :mod:`kvlab.runtime.kernel_launch`, are the
   runtime's: the model's forward pass launches it; this package sits above the runtime);
 * :func:`mixed_attention`: KIVI-packed 2/4/8-bit keys and values
-  (:class:`~kvlab.runtime.quant.PackedTensor`), dequantised in registers,
+  (:class:`~kvlab.runtime.low_bit.PackedTensor`), dequantised in registers,
   followed by full-precision tokens;
 * :func:`key_scores`: Attention Matching's RMS / mean / max key scores
   without the n-by-T attention matrix.

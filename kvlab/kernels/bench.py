@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from kvlab.kernels import dispatch as kernels
 from kvlab.kernels import reference
 from kvlab.runtime.attention import causal_bias_mask
-from kvlab.runtime.quant import PackedTensor, quantize_keys, quantize_values
+from kvlab.runtime.low_bit import PackedTensor, quantize_keys, quantize_values
 
 # Published peak HBM bandwidth (bytes/s) of GPUs whose name contains the key.
 PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}

@@ -10,7 +10,7 @@ import torch
 
 from kvlab.runtime import kernel_launch as launch
 from kvlab.runtime.kernel_launch import KernelAttention, backend, check_heads, decode_inputs, unit_stride
-from kvlab.runtime.quant import PackedTensor
+from kvlab.runtime.low_bit import PackedTensor
 
 
 def decode_attention(
@@ -59,7 +59,7 @@ def mixed_attention(
     """New queries over KIVI-packed tokens followed by full-precision ones.
 
     q [H, n, d]; keys/values: PackedTensor [H_kv, T, d] from
-    :func:`~kvlab.runtime.quant.quantize_keys` / ``quantize_values`` (fold a
+    :func:`~kvlab.runtime.low_bit.quantize_keys` / ``quantize_values`` (fold a
     batch into the heads); k_full/v_full [H_kv, S, d] (S may be 0);
     bias_full float32 [H_kv, L <= S] or None. With ``causal`` the queries are
     the last n full-precision tokens.

@@ -8,7 +8,7 @@ kernel's shapes:
   [B or 1, H_kv, L] for the first L <= S keys (later keys: bias 0), the
   queries being the last n of the S tokens when ``causal``;
 * mixed-precision attention: the same over KIVI-packed keys/values
-  (:class:`~kvlab.runtime.quant.PackedTensor`, [H_kv, T, d]) followed by
+  (:class:`~kvlab.runtime.low_bit.PackedTensor`, [H_kv, T, d]) followed by
   full-precision keys, batch folded into heads;
 * key scores: HighestAttnKeys scores of ``n`` queries over ``T`` keys,
   reduced per key, computed in key chunks so that the n-by-T matrix is
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.runtime.attention import attend, attention_logits
-from kvlab.runtime.quant import PackedTensor
+from kvlab.runtime.low_bit import PackedTensor
 
 # Keys per chunk of the chunked key scores: n x 1024 float32 logits at a time.
 SCORE_CHUNK = 1024

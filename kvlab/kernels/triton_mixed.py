@@ -1,9 +1,9 @@
 """Kernel 2: attention over KIVI-packed codes plus full-precision tokens (BeaconKV, KIVI).
 
 The quantised tokens are read straight from the project's
-:class:`~kvlab.runtime.quant.PackedTensor` buffers and dequantised in
+:class:`~kvlab.runtime.low_bit.PackedTensor` buffers and dequantised in
 registers, tile by tile; no dequantised key or value is ever written to
-memory. Code layout (see :mod:`kvlab.runtime.quant`): codes packed
+memory. Code layout (see :mod:`kvlab.runtime.low_bit`): codes packed
 ``8 // bits`` per byte, first code in the low bits, in the row-major order
 of the grouped layout:
 
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlab.runtime.quant import PackedTensor
+from kvlab.runtime.low_bit import PackedTensor
 from kvlab.runtime.triton_decode import (
     BLOCK_N,
     block_m,

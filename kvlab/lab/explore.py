@@ -7,7 +7,7 @@ from typing import Any
 
 from kvlab import models
 from kvlab.context import Context, Memo, Progress, no_progress
-from kvlab.contexts import CONTEXTS
+from kvlab.context_store import CONTEXTS
 from kvlab.lab.inputs import (
     check_answer_length,
     check_question,
@@ -20,7 +20,7 @@ from kvlab.methods import Method, get_method
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS, Run, has_evaluation, run
 from kvlab.results import RunKey, code_identity, model_identity, options_text, text_digest
 from kvlab.runtime.model import LoadedModel
-from kvlab.tasks.scoring import contains_match
+from kvlab.tasks.marking import contains_match
 
 
 @dataclass
@@ -29,7 +29,7 @@ class Explored:
 
     expected: the gold answer when the question is a bundled example's (its aliases);
     full_right / compressed_right: whether each answer contains the gold one
-    (kvlab.tasks.scoring.contains_match), None when no gold answer is known;
+    (kvlab.tasks.marking.contains_match), None when no gold answer is known;
     query_aware: the method compressed for this question;
     prefill_reused: the document's prefill was not run by this call (an
     earlier run, or the background preparation, did it);
@@ -96,7 +96,7 @@ def prepared_context(lm: LoadedModel, document: str, progress: Progress = no_pro
     """(the document's context for ``lm``, whether this call ran its prefill) through the shared cache.
 
     The prefill runs only for a (model, document) pair not seen recently
-    (kvlab.contexts.CONTEXTS); changing the method, ratio or question reuses it.
+    (kvlab.context_store.CONTEXTS); changing the method, ratio or question reuses it.
     """
     prefilled = False
 

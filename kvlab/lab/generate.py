@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab import cancellation, limits, messages, models
-from kvlab.bounded.generate import PROMPT_CHUNK, BoundedRun, run_policy
+from kvlab.bounded.loop import PROMPT_CHUNK, BoundedRun, run_policy
 from kvlab.bounded.policies import REFERENCE, bounded_policies, make_policy, policy_class
 from kvlab.context import Progress, no_progress
 from kvlab.lab.explore import token_texts

@@ -3,7 +3,7 @@
 A front end calls :func:`prepare_document` as soon as a document is chosen,
 so that the user's Run finds the slow part done. A Run that starts while the
 preparation is still going waits for it rather than doing it again
-(kvlab.contexts.ContextStore keeps one computation per document in flight,
+(kvlab.context_store.ContextStore keeps one computation per document in flight,
 and recorded query sources are made once per context under its lock).
 """
 from __future__ import annotations

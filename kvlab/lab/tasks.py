@@ -19,10 +19,10 @@ from kvlab.lab.explore import sub_progress
 from kvlab.lab.inputs import InputError, check_count, check_sweep, document_text
 from kvlab.runtime.model import LoadedModel
 from kvlab.tasks.items import TaskError, TaskItem
-from kvlab.tasks.registry import TASKS, build_items
 from kvlab.tasks.runner import MethodSpec, Plan, SummaryRow, TaskResult, run_items, summarise
 from kvlab.tasks.store import read_results
 from kvlab.tasks.synthetic import needle_items
+from kvlab.tasks.task_registry import TASKS, build_items
 
 #: At most this many items in a live run (each item is a prefill: seconds on a CPU).
 MAX_LIVE_ITEMS = 20

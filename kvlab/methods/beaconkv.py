@@ -1,7 +1,7 @@
 """BeaconKV as published (Kim, Kim, Shim, Choi, 2026, "BeaconKV: Key-Value Cache Compression
 Guided by Beacon Queries for Efficient Large Reasoning Model Inference"; details from secondary
 summaries, the code was not available): KV *eviction* by the beacon scores of
-kvlab.methods.families.beacon (the family's knobs and scoring too). The template prefix and a
+kvlab.methods.families.beacon_core (the family's knobs and scoring too). The template prefix and a
 recent window are always kept.
 :func:`kvlab.bounded.beacon.beacon_generate` is the paper's setting: greedy decoding under a token
 budget, evicting by these scores with the running query history. ``beaconkv_mixed`` is the
@@ -22,7 +22,7 @@ import torch
 from kvlab.compression.interface import document_importance
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
-from kvlab.methods.families.beacon import BeaconBase, BeaconOptions, beacon_scores, split_head
+from kvlab.methods.families.beacon_core import BeaconBase, BeaconOptions, beacon_scores, split_head
 from kvlab.methods.families.memory_plan import build_layer
 from kvlab.runtime.cache import CompressedKV
 

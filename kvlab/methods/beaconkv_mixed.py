@@ -1,6 +1,6 @@
 """``beaconkv_mixed``, the source article's reading of BeaconKV (Kim, Kim, Shim, Choi, 2026): the
 tokens the beacons select (scored as in ``beaconkv``) stay at full precision, the others are stored
-at 4 or 2 bits (KIVI, :class:`~kvlab.runtime.quantized.QuantSegment`) or evicted; the ratio is a
+at 4 or 2 bits (KIVI, :class:`~kvlab.runtime.quant_segment.QuantSegment`) or evicted; the ratio is a
 *memory* ratio (bytes stored ~= full bytes / ratio, kvlab.methods.families.memory_plan).
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from kvlab.compression.interface import document_importance
 from kvlab.compression.options import knob
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
-from kvlab.methods.families.beacon import BeaconBase, BeaconOptions, beacon_scores, split_head
+from kvlab.methods.families.beacon_core import BeaconBase, BeaconOptions, beacon_scores, split_head
 from kvlab.methods.families.memory_plan import build_layer, context_plan
 from kvlab.runtime.cache import CompressedKV
 

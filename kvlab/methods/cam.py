@@ -32,7 +32,7 @@ from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.compression.selection import SelectionOptions
-from kvlab.methods.families.merging import MergingMethod, kept_mask
+from kvlab.methods.families.merging_core import MergingMethod, kept_mask
 from kvlab.methods.families.scorers import h2o_scores
 
 

@@ -3,7 +3,7 @@
 Uniform low-bit quantisation of the whole document cache: keys per channel
 (groups of ``group_size`` tokens), values per token (groups of ``group_size``
 channels), float16 scale and zero per group, codes really packed
-(:class:`~kvlab.runtime.quantized.QuantSegment`). As in KIVI, the most recent
+(:class:`~kvlab.runtime.quant_segment.QuantSegment`). As in KIVI, the most recent
 tokens that do not yet fill a key group (the last ``T mod group_size``) stay
 at full precision, and so does the chat-template prefix.
 
@@ -28,7 +28,7 @@ from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.methods.families.memory_plan import TokenSplit, build_layer, context_plan
 from kvlab.runtime.cache import CompressedKV
-from kvlab.runtime.quant import SUPPORTED_BITS
+from kvlab.runtime.low_bit import SUPPORTED_BITS
 
 
 @dataclass(frozen=True)

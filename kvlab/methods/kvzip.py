@@ -29,7 +29,7 @@ import torch
 from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
-from kvlab.methods.families.kvzip import KVzipPruning
+from kvlab.methods.families.kvzip_pruning import KVzipPruning
 from kvlab.methods.families.scorers import KVzipOptions, kvzip_scores
 
 

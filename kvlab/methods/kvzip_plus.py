@@ -28,7 +28,7 @@ from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.compression.scoring import BLOCK_ELEMENTS, pool_group, protect
 from kvlab.context import Context, Memo
-from kvlab.methods.families.kvzip import KVzipPruning
+from kvlab.methods.families.kvzip_pruning import KVzipPruning
 from kvlab.methods.families.scorers import KVzipOptions
 from kvlab.prompts import repeat_tokens
 from kvlab.queries import repeat_pass
@@ -144,7 +144,7 @@ class KVzipPlus(KVzipPruning):
                   note="KVzip+, the scores KVzap's surrogates are trained to predict")
     family = "selection"
     bf16_tolerance = "near_ties"
-    Options = KVzipOptions  # KVzip's own knobs, its pruning too (kvlab.methods.families.kvzip)
+    Options = KVzipOptions  # KVzip's own knobs, its pruning too (kvlab.methods.families.kvzip_pruning)
 
     def scores(self, req: Request) -> list[torch.Tensor]:
         return kvzip_plus_scores(req, self.options)

@@ -33,7 +33,7 @@ from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.compression.scoring import BLOCK_ELEMENTS
 from kvlab.compression.selection import SelectionOptions
-from kvlab.methods.families.merging import MergingMethod, kept_mask
+from kvlab.methods.families.merging_core import MergingMethod, kept_mask
 
 #: kvpress's epsilon: the floor of a key's norm in the cosine and the guard of the weights' denominator.
 EPS = 1e-6

@@ -5,12 +5,12 @@ window of queries, averaged over the window and the query heads of its GQA
 group, smoothed by 1-D average pooling; the window's own tokens are kept.
 Query-agnostic when the window is the end of the document, query-aware when
 it is the user's question (snapkv_question). The scores and the knobs are shared:
-kvlab.methods.families.scorers, kvlab.methods.families.snapkv.
+kvlab.methods.families.scorers, kvlab.methods.families.snapkv_window.
 """
 from __future__ import annotations
 
 from kvlab.compression.registry import register
-from kvlab.methods.families.snapkv import SnapKVWindow
+from kvlab.methods.families.snapkv_window import SnapKVWindow
 
 
 @register

@@ -3,7 +3,7 @@ where the question ends the prompt. The scores are :func:`kvlab.methods.families
 from __future__ import annotations
 
 from kvlab.compression.registry import register
-from kvlab.methods.families.snapkv import SnapKVWindow
+from kvlab.methods.families.snapkv_window import SnapKVWindow
 
 
 @register

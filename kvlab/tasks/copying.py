@@ -9,7 +9,7 @@ block, about 20 tokens a code), so the scores read the codes out of the answer
 whatever surrounds them.
 
 Scores: token F1 of the answer's codes against the list (order-free, via
-kvlab.tasks.scoring) and how many of the list's codes the answer holds in the
+kvlab.tasks.marking) and how many of the list's codes the answer holds in the
 list's order (their longest common subsequence: one slip costs one code).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 
 from kvlab.tasks.items import TaskItem, TokenCounter
-from kvlab.tasks.scoring import token_f1
+from kvlab.tasks.marking import token_f1
 
 #: Letters of the codes (no I or O: they read like digits).
 LETTERS = "ABCDEFGHJKLMNPQRSTUVWXYZ"

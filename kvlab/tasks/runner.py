@@ -23,7 +23,7 @@ from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.decode import continuation_logprobs, greedy
 from kvlab.runtime.model import LoadedModel
 from kvlab.tasks.items import TaskItem
-from kvlab.tasks.scoring import contains_match, exact_match, normalize_answer, token_f1
+from kvlab.tasks.marking import contains_match, exact_match, normalize_answer, token_f1
 
 FULL = "full"
 """The uncompressed cache: the ceiling (not a registered method)."""

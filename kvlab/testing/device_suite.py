@@ -29,7 +29,7 @@ import torch
 
 from kvlab import models
 from kvlab.compression.selection import SELECTION_PRESETS
-from kvlab.contexts import CONTEXTS
+from kvlab.context_store import CONTEXTS
 from kvlab.methods import REGISTRY, get_method
 from kvlab.runtime.model import LoadedModel
 from kvlab.testing.random_models import byte_tokenizer, synthetic_lm

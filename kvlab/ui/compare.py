@@ -26,8 +26,8 @@ from kvlab.lab.tasks import MAX_LIVE_ITEMS, MAX_LIVE_LENGTH, MIN_LENGTH
 from kvlab.methods import REGISTRY
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
 from kvlab.tasks.datasets import data_dir
-from kvlab.tasks.registry import TASKS
 from kvlab.tasks.synthetic import books_dir
+from kvlab.tasks.task_registry import TASKS
 from kvlab.ui import common
 from kvlab.ui.common import (
     GPU_MAX_S,

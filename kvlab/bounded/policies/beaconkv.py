@@ -1,5 +1,5 @@
 """BeaconKV under a budget while writing: keys scored by the query history (the method's own
-maths, kvlab.methods.families.beacon, and its options), the template prefix and a window kept.
+maths, kvlab.methods.families.beacon_core, and its options), the template prefix and a window kept.
 :func:`kvlab.bounded.beacon.beacon_generate` runs it after a document (the paper's setting)."""
 from __future__ import annotations
 
@@ -7,11 +7,17 @@ from collections import Counter
 
 import torch
 
-from kvlab.bounded.generate import BeaconSnapshot, EvictionPolicy
-from kvlab.bounded.registry import register_policy
+from kvlab.bounded.loop import BeaconSnapshot, EvictionPolicy
+from kvlab.bounded.policy_registry import register_policy
 from kvlab.compression.selection import top_k_per_head
 from kvlab.methods import MethodError
-from kvlab.methods.families.beacon import BeaconBank, BeaconOptions, BeaconState, max_attention_scores, stack_layers
+from kvlab.methods.families.beacon_core import (
+    BeaconBank,
+    BeaconOptions,
+    BeaconState,
+    max_attention_scores,
+    stack_layers,
+)
 from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.model import LoadedModel
 from kvlab.runtime.rope import row_cos_sin

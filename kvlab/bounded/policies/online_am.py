@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.bounded.generate import CacheEvent, CachePolicy
+from kvlab.bounded.loop import CacheEvent, CachePolicy
 from kvlab.bounded.online import Compactor, am_compactor, read_so_far, with_appended
-from kvlab.bounded.registry import register_policy
+from kvlab.bounded.policy_registry import register_policy
 from kvlab.methods import MethodError
 from kvlab.methods.families.attention_matching import AMOptions
 from kvlab.runtime.cache import CompressedKV

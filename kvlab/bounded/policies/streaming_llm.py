@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.bounded.generate import EvictionPolicy
-from kvlab.bounded.registry import register_policy
+from kvlab.bounded.loop import EvictionPolicy
+from kvlab.bounded.policy_registry import register_policy
 from kvlab.compression.selection import top_k_per_head
 from kvlab.methods.families.scorers import sink_window_scores
 from kvlab.methods.streaming_llm import StreamingOptions

@@ -1,8 +1,8 @@
 """The unbounded cache: keeps every key, the reference every bounded policy is measured against."""
 from __future__ import annotations
 
-from kvlab.bounded.generate import CachePolicy
-from kvlab.bounded.registry import register_policy
+from kvlab.bounded.loop import CachePolicy
+from kvlab.bounded.policy_registry import register_policy
 
 
 @register_policy

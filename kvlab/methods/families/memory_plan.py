@@ -1,7 +1,7 @@
 """Mixed-precision storage under a byte budget, shared by KIVI and BeaconKV-mixed.
 
 Both store each KV head's document tokens in three ways: some at full
-precision, some as packed low-bit codes (:class:`~kvlab.runtime.quantized.QuantSegment`),
+precision, some as packed low-bit codes (:class:`~kvlab.runtime.quant_segment.QuantSegment`),
 the rest evicted, so that the whole cache takes at most ``full bytes / ratio``.
 :func:`plan_memory` says how many tokens of each kind every head can afford;
 the method says which tokens (:class:`TokenSplit`); :func:`build_layer` stores them.
@@ -15,7 +15,7 @@ import torch
 
 from kvlab.context import Context
 from kvlab.runtime.cache import DenseSegment, Segment, gather_tokens, template_segment
-from kvlab.runtime.quantized import QuantSegment, quant_nbytes
+from kvlab.runtime.quant_segment import QuantSegment, quant_nbytes
 
 
 @dataclass

@@ -8,7 +8,7 @@ attention (snapkv, snapkv_question, pyramidkv), H2O's heavy hitters (h2o, observ
 StreamingLLM's recency (streaming_llm, simlayerkv), Expected Attention's query statistics
 (expected_attention, capkv), leverage and non-causal attention (leverage, non_causal_attn,
 compactor), and KNorm's and TOVA's scores, which the merging family's ``scorer`` knob names
-(kvlab.methods.families.merging). The options a shared scorer reads live here with it.
+(kvlab.methods.families.merging_core). The options a shared scorer reads live here with it.
 """
 from __future__ import annotations
 

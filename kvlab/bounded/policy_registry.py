@@ -9,7 +9,7 @@ the app's Generate tab, :func:`kvlab.lab.generate.generate` and docs/architectur
 from __future__ import annotations
 
 from kvlab import messages
-from kvlab.bounded.generate import CachePolicy
+from kvlab.bounded.loop import CachePolicy
 from kvlab.methods import MethodError
 from kvlab.runtime.model import LoadedModel
 
@@ -53,7 +53,7 @@ def make_policy(name: str, lm: LoadedModel, budget: int | None, protected: int) 
 
 
 #: Where docs/architecture.md holds :func:`policies_table` (the lines between these two are generated).
-TABLE_BEGIN = "<!-- policies table: generated from the registry (kvlab.bounded.registry.policies_table); do not edit -->"
+TABLE_BEGIN = "<!-- policies table: generated from the registry (kvlab.bounded.policy_registry.policies_table); do not edit -->"
 TABLE_END = "<!-- end of the policies table -->"
 
 

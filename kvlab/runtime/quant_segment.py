@@ -2,7 +2,7 @@
 
 Storage (what :attr:`QuantSegment.nbytes` counts, nothing else): each KV
 head's stored tokens, in reading order, are quantised KIVI-style by
-:mod:`kvlab.runtime.quant`:
+:mod:`kvlab.runtime.low_bit`:
 
 * keys per channel: each channel's ``group_size`` consecutive stored tokens
   (of that head) share one float16 scale and zero;
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.runtime.cache import NEG_INF, PaddedView, pack_heads, unpack_heads
-from kvlab.runtime.quant import SUPPORTED_BITS, PackedTensor, quantize_keys, quantize_values
+from kvlab.runtime.low_bit import SUPPORTED_BITS, PackedTensor, quantize_keys, quantize_values
 
 
 def quant_nbytes(n_tokens: int, head_dim: int, bits: int, group_size: int) -> int:

@@ -7,7 +7,7 @@ longest head) never exceeds its budget, not even during the pass. Every
 shrink is recorded as a :class:`CacheEvent`.
 
 Policies are one file each in :mod:`kvlab.bounded.policies` (found by discovery,
-named in :mod:`kvlab.bounded.registry`); they build on :class:`CachePolicy`
+named in :mod:`kvlab.bounded.policy_registry`); they build on :class:`CachePolicy`
 (never shrinks) or :class:`EvictionPolicy` (evicts the keys it does not choose).
 
 Every policy works on its own session (kvlab.runtime.decode.open_session copies
@@ -63,7 +63,7 @@ class BeaconSnapshot:
 class CachePolicy:
     """A working cache and how it makes room; this base class never shrinks.
 
-    A registered policy (:func:`kvlab.bounded.registry.register_policy`) declares ``name`` (its file's
+    A registered policy (:func:`kvlab.bounded.policy_registry.register_policy`) declares ``name`` (its file's
     name), ``label`` (how the app and the CLI's tables show it) and ``summary`` (one line: what it keeps).
     budget: keys per KV head the cache may hold (None: unbounded);
     stored: a starting cache, copied (never changed);
