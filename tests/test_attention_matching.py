@@ -27,7 +27,7 @@ from kvlab.compression.solvers.keys import OMP, ExactFirst, GivenScores, GivenSc
 from kvlab.compression.solvers.scores import score_keys
 from kvlab.context import prepare_context
 from kvlab.methods import MethodError, Request, get_method
-from kvlab.methods.families.attention_matching import (
+from kvlab.methods.families.am_recipe import (
     AMOptions,
     concentration,
     document_budgets,

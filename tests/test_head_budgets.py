@@ -20,7 +20,7 @@ from kvlab.compression.solvers.compact import compact_block
 from kvlab.context import prepare_context
 from kvlab.lab.budget_sweep import save_profile, sensitivity_sweep
 from kvlab.methods import get_method
-from kvlab.methods.families.attention_matching import AMOptions
+from kvlab.methods.families.am_recipe import AMOptions
 from kvlab.methods.families.compaction import compact_cache
 from kvlab.metrics import head_errors, output_shares, reference_attention, weighted_output_error
 from kvlab.pipeline import evaluation

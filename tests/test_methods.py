@@ -16,7 +16,7 @@ from kvlab.compression.paper import Baseline, Paper
 from kvlab.compression.solvers.compact import FitSettings, compact_block
 from kvlab.context import prepare_context
 from kvlab.methods import REGISTRY, MethodError, Request, get_method
-from kvlab.methods.families.attention_matching import AMOptions, fitting_queries, reference_queries
+from kvlab.methods.families.am_recipe import AMOptions, fitting_queries, reference_queries
 from kvlab.methods.families.compaction import compact_cache
 from kvlab.metrics import head_errors, percentile_levels, question_attention
 from kvlab.pipeline import evaluation

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from kvlab.cancellation import checkpoint
-from kvlab.methods.families.attention_matching import AMOptions
+from kvlab.methods.families.am_recipe import AMOptions
 from kvlab.methods.families.compaction import compact_cache, is_window
 from kvlab.runtime.cache import CompressedKV, DenseSegment, Segment, segment_from_view, select_keys, window_segment
 from kvlab.runtime.decode import Session, extend, open_session

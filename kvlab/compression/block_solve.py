@@ -2,7 +2,7 @@
 :class:`BlockJob` per batch of heads, :func:`solve` for a batch, and :func:`solve_ragged`, which
 regroups the heads of many batches (every layer's) by budget so that non-uniform head budgets are solved
 batched, never padded to the largest budget. ``opts`` is Attention Matching's options
-(kvlab.methods.families.attention_matching.AMOptions, a layer above: typed here by their base).
+(kvlab.methods.families.am_recipe.AMOptions, a layer above: typed here by their base).
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ import torch
 from kvlab.cancellation import checkpoint
 from kvlab.compression.budget_profiles import cap_shares, profile_path
 from kvlab.context import Context
-from kvlab.methods.families.attention_matching import AMOptions
+from kvlab.methods.families.am_recipe import AMOptions
 from kvlab.methods.families.compaction import compact_cache
 from kvlab.metrics import log_perplexity
 from kvlab.pipeline import Evaluation

@@ -7,7 +7,7 @@ output and attention mass are preserved (kvlab.methods.families.compaction). The
 chat-template prefix stays as it is.
 
 The published configurations are presets under the public code's names
-(kvlab.methods.families.attention_matching.PRESETS, which summary_am shares).
+(kvlab.methods.families.am_recipe.PRESETS, which summary_am shares).
 The defaults are ``AM-HighestAttnKeys-basic`` (HighestAttnKeys, not
 on-policy): on-policy fitting reads the document once more per layer, which
 on a CPU multiplies the compression time by the number of layers, for what
@@ -18,7 +18,7 @@ from __future__ import annotations
 from kvlab.compression.interface import Method
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
-from kvlab.methods.families.attention_matching import PAPER, PRESETS, AMOptions, QuerySourced
+from kvlab.methods.families.am_recipe import PAPER, PRESETS, AMOptions, QuerySourced
 from kvlab.methods.families.compaction import compact_document
 from kvlab.runtime.cache import CompressedKV
 

@@ -11,7 +11,7 @@ from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.compression.selection import SelectionOptions
 from kvlab.kernels import dispatch as kernels
-from kvlab.methods.families.attention_matching import (
+from kvlab.methods.families.am_recipe import (
     PAPER,
     QuerySourced,
     ScoredOptions,

@@ -8,7 +8,7 @@ from kvlab.bounded.loop import CacheEvent, CachePolicy
 from kvlab.bounded.online import Compactor, am_compactor, read_so_far, with_appended
 from kvlab.bounded.policy_registry import register_policy
 from kvlab.methods import MethodError
-from kvlab.methods.families.attention_matching import AMOptions
+from kvlab.methods.families.am_recipe import AMOptions
 from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.decode import open_session
 from kvlab.runtime.model import LoadedModel

@@ -4,7 +4,7 @@ reference queries (``attention_matching``, ``summary_am``) and by bounded genera
 key and refitted values (the heads' batched solves: kvlab.compression.block_solve, on
 kvlab.compression.solvers), and :func:`compact_document`, the cache of a request's document
 (reference queries, per-head budgets, the fit; on-policy: layer by layer). The knobs, reference
-queries and budgets are kvlab.methods.families.attention_matching.
+queries and budgets are kvlab.methods.families.am_recipe.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from kvlab.compression.options import MethodError
 from kvlab.compression.request import Request
 from kvlab.compression.solvers.compact import CompactBlock
 from kvlab.kernels import dispatch as kernels
-from kvlab.methods.families.attention_matching import (
+from kvlab.methods.families.am_recipe import (
     AMOptions,
     am_budgets,
     mixed_queries,
