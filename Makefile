@@ -37,12 +37,14 @@ run: setup
 
 test: setup-dev browser
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests
 
 # A developer's quick answer: everything but the tests marked slow, browser, load or matrix (pyproject.toml's
 # markers; matrix = the per-method harnesses' cases beyond tests/conftest.py's QUICK_METHODS); `make test` runs all.
 test-fast: setup-dev
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow and not browser and not load and not matrix" tests
 
 # Regenerate README's assets/screenshot.png (the browser test writes its own to a temporary folder).

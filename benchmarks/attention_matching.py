@@ -15,6 +15,7 @@ Setting (issue #3): SmolLM2-135M-Instruct, the QuALITY story cut to its first
 1,500 tokens, repeat-prefill fitting queries, its five questions (with their
 options) asked after the document as held-out evaluation queries.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -94,13 +95,23 @@ def app_fit(ratio: float, options: dict, repeats: int) -> list[dict]:
     for _ in range(repeats):
         wall, cpu = time.perf_counter(), time.process_time()
         stored = method.compress(Request(ctx, ratio, story.questions[0], record_importance=True))
-        out.append({"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
-                    "fit_s": stored.meta["fit_s"], "queries_per_head": stored.meta["queries_per_head"][0],
-                    "doc_tokens": ctx.doc_len, "threads": torch.get_num_threads()})
-        print(f"  story ({ctx.doc_len} tokens) {ratio:g}x {options or 'defaults'}: {out[-1]['wall_s']:.2f} s wall, "
-              f"{out[-1]['cpu_s']:.2f} s CPU, {torch.get_num_threads()} thread(s), "
-              f"{out[-1]['queries_per_head']} queries per KV head; "
-              + ", ".join(f"{k} {v:.2f}" for k, v in out[-1]["fit_s"].items()), flush=True)
+        out.append(
+            {
+                "wall_s": time.perf_counter() - wall,
+                "cpu_s": time.process_time() - cpu,
+                "fit_s": stored.meta["fit_s"],
+                "queries_per_head": stored.meta["queries_per_head"][0],
+                "doc_tokens": ctx.doc_len,
+                "threads": torch.get_num_threads(),
+            }
+        )
+        print(
+            f"  story ({ctx.doc_len} tokens) {ratio:g}x {options or 'defaults'}: {out[-1]['wall_s']:.2f} s wall, "
+            f"{out[-1]['cpu_s']:.2f} s CPU, {torch.get_num_threads()} thread(s), "
+            f"{out[-1]['queries_per_head']} queries per KV head; "
+            + ", ".join(f"{k} {v:.2f}" for k, v in out[-1]["fit_s"].items()),
+            flush=True,
+        )
     return out
 
 
@@ -144,7 +155,9 @@ def plan(args: argparse.Namespace) -> list[tuple[str, dict, float]]:
     rows += [("attention_matching", {"key_selection": "omp"}, r) for r in args.omp_ratios]
     rows += [("attention_topk", {}, r) for r in args.ratios]
     # HighestAttnKeys scored by mean attention instead of the published RMS, with its own top-k.
-    rows += [(m, {"scoring": "mean"}, r) for m in ("attention_matching", "attention_topk") for r in args.downstream_ratios]
+    rows += [
+        (m, {"scoring": "mean"}, r) for m in ("attention_matching", "attention_topk") for r in args.downstream_ratios
+    ]
     rows += [(m, {}, r) for m in ("streaming_llm", "snapkv") for r in args.downstream_ratios]
     # The floor: shows how much of the answers' log-ppl the document explains at all.
     rows += [("no_context", {}, args.downstream_ratios[0])]
@@ -167,14 +180,24 @@ def verdicts(rows: list[Measured], args: argparse.Namespace, ref_ppl: float, pre
     for r in args.ratios:
         if r in (10, 20, 50):
             am, topk = by[("attention_matching", r)], by[("attention_topk", r)]
-            out.checks.append((f"AM/top-k error at {r:g}x = {am.output_err / topk.output_err:.2f} (<= 0.45)", am.output_err <= 0.45 * topk.output_err))
+            out.checks.append(
+                (
+                    f"AM/top-k error at {r:g}x = {am.output_err / topk.output_err:.2f} (<= 0.45)",
+                    am.output_err <= 0.45 * topk.output_err,
+                )
+            )
     for r in args.downstream_ratios:
         am, topk = by[("attention_matching/mean", r)], by[("attention_topk/mean", r)]
         out.notes.append(f"AM/top-k error with mean scoring at {r:g}x = {am.output_err / topk.output_err:.2f}")
     for r in args.omp_ratios:
         if r in (20, 50):
             omp, ha = by[("attention_matching/omp", r)], by[("attention_matching", r)]
-            out.checks.append((f"OMP {omp.output_err:.3f} < HighestAttnKeys {ha.output_err:.3f} at {r:g}x", omp.output_err < ha.output_err))
+            out.checks.append(
+                (
+                    f"OMP {omp.output_err:.3f} < HighestAttnKeys {ha.output_err:.3f} at {r:g}x",
+                    omp.output_err < ha.output_err,
+                )
+            )
     for r in args.downstream_ratios:
         others = [by[(other, r)] for other in ("streaming_llm", "snapkv")]
         for variant in ("attention_matching", "attention_matching/omp", "attention_matching/mean"):
@@ -189,7 +212,9 @@ def verdicts(rows: list[Measured], args: argparse.Namespace, ref_ppl: float, pre
                 ("per-token log-prob gap", lambda m: m.token_gap),
             ):
                 text = ", ".join(f"{o.method} {gap(o):.4f}" for o in others)
-                out.checks.append((f"{r:g}x {what}: {variant} {gap(am):.4f} vs {text}", all(gap(am) < gap(o) for o in others)))
+                out.checks.append(
+                    (f"{r:g}x {what}: {variant} {gap(am):.4f} vs {text}", all(gap(am) < gap(o) for o in others))
+                )
     speed = by[("attention_matching", 10.0)].compress_s / prefill_s
     out.checks.append((f"AM compaction at 10x / prefill = {speed:.2f} (<= 1.0)", speed <= 1.0))
     return out
@@ -210,14 +235,20 @@ def main() -> None:
     start = time.perf_counter()
     repeat_queries(ctx)
     repeat_s = time.perf_counter() - start
-    print(f"document: {ctx.doc_len} tokens; prefill {ctx.prefill_s:.2f}s; repeat-prefill queries {repeat_s:.2f}s", flush=True)
+    print(
+        f"document: {ctx.doc_len} tokens; prefill {ctx.prefill_s:.2f}s; repeat-prefill queries {repeat_s:.2f}s",
+        flush=True,
+    )
     queries = setting.eval_queries
     rows: list[Measured] = []
     for name, opts, ratio in plan(args):
         label = name + "".join(f"/{v}" for v in opts.values())
         row = measure(setting, label, get_method(name, **opts), ratio, queries)
         rows.append(row)
-        print(f"  {label} {ratio:g}x: err {row.output_err:.3f}, log-ppl {row.logppl:.3f}, {row.compress_s:.2f}s", flush=True)
+        print(
+            f"  {label} {ratio:g}x: err {row.output_err:.3f}, log-ppl {row.logppl:.3f}, {row.compress_s:.2f}s",
+            flush=True,
+        )
     ref_ppl = full_logppl(setting)
     print()
     print(table(rows, ref_ppl, full_first_nll(setting)))
@@ -231,7 +262,9 @@ def main() -> None:
             f"{online['logppl_unbounded']:.4f}, online AM {online['logppl_online_am']:.4f}, "
             f"streaming_llm {online['logppl_streaming_llm']:.4f}"
         )
-        found.checks.append((f"online compactions: {len(online['compactions'])} (>= 6)", len(online["compactions"]) >= 6))
+        found.checks.append(
+            (f"online compactions: {len(online['compactions'])} (>= 6)", len(online["compactions"]) >= 6)
+        )
     print()
     for text in found.notes:
         print("INFO " + text)
@@ -239,12 +272,19 @@ def main() -> None:
         print(("PASS " if ok else "FAIL ") + text)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({
-                "doc_tokens": ctx.doc_len, "prefill_s": ctx.prefill_s, "repeat_queries_s": repeat_s,
-                "full_logppl": ref_ppl,
-                "rows": [{k: v for k, v in vars(r).items() if k != "stored"} for r in rows],
-                "online": online, "checks": [{"check": t, "pass": ok} for t, ok in found.checks],
-            }, f, indent=1)
+            json.dump(
+                {
+                    "doc_tokens": ctx.doc_len,
+                    "prefill_s": ctx.prefill_s,
+                    "repeat_queries_s": repeat_s,
+                    "full_logppl": ref_ppl,
+                    "rows": [{k: v for k, v in vars(r).items() if k != "stored"} for r in rows],
+                    "online": online,
+                    "checks": [{"check": t, "pass": ok} for t, ok in found.checks],
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Serves the app on a free local port (:func:`serve_app`) and opens Debian's
 flags these machines need and a fresh profile. Never runs ``playwright
 install``: set KVLAB_CHROMIUM to use another Chromium binary.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,10 +53,7 @@ def serve_app(lm: LoadedModel | None = None, models: list[tuple[str, str]] | Non
 
     demo = ui.prepare(ui.build_app(lm, models))
     port = free_port()
-    demo.launch(
-        prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True,
-        **ui.launch_options(),
-    )
+    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True, **ui.launch_options())
     try:
         yield f"http://127.0.0.1:{port}/"
     finally:
@@ -152,8 +150,11 @@ _ANSWERS_JS = """([method, ratio]) => {
   return true;
 }"""
 
-_SHOWN_JS = """([ids, method, ratio]) => {
-  if (!(""" + _ANSWERS_JS + """)([method, ratio])) return false;
+_SHOWN_JS = (
+    """([ids, method, ratio]) => {
+  if (!("""
+    + _ANSWERS_JS
+    + """)([method, ratio])) return false;
   const old = window.__kvlabOldPlots || {};
   for (const id of ids) {
     const gd = document.querySelector('#' + id + ' .js-plotly-plot');
@@ -167,6 +168,7 @@ _SHOWN_JS = """([ids, method, ratio]) => {
   window.__kvlabShownAt = window.__kvlabShownAt || performance.now();
   return true;
 }"""
+)
 
 
 def mark_outputs(page: Any) -> None:

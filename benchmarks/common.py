@@ -3,6 +3,7 @@
 Reads the evaluation data (not part of the product) from ``$KVLAB_DATA``
 (:func:`kvlab.tasks.datasets.data_dir`).
 """
+
 from __future__ import annotations
 
 import json
@@ -89,15 +90,28 @@ def measure(setting: Setting, label: str, method: Method, ratio: float, eval_que
         seconds -= fit.get("queries", 0.0)
     errors = head_errors(ctx.full.stored, stored, eval_queries, block_start=ctx.prefix_len, lm=ctx.lm)
     whole = head_errors(ctx.full.stored, stored, eval_queries, lm=ctx.lm)
-    logps = [continuation_logprobs(ctx.lm, stored, ev.question_ids, torch.tensor(ev.answer.ids)) for ev in setting.evaluations]
+    logps = [
+        continuation_logprobs(ctx.lm, stored, ev.question_ids, torch.tensor(ev.answer.ids))
+        for ev in setting.evaluations
+    ]
     refs = [torch.tensor(ev.answer.logprobs) for ev in setting.evaluations]
     ppl = [log_perplexity(lp) for lp in logps]
     answer_gap = [abs(p - log_perplexity(ref)) for p, ref in zip(ppl, refs)]
     token_gap = [float((lp - ref).abs().mean()) for lp, ref in zip(logps, refs)]
     first = [float(-lp[0]) for lp in logps]
     return Measured(
-        label, ratio, errors.mean_output, errors.mean_mass, whole.mean_output, _mean(ppl), _mean(answer_gap),
-        _mean(token_gap), _mean(first), stored.nbytes, seconds, stored,
+        label,
+        ratio,
+        errors.mean_output,
+        errors.mean_mass,
+        whole.mean_output,
+        _mean(ppl),
+        _mean(answer_gap),
+        _mean(token_gap),
+        _mean(first),
+        stored.nbytes,
+        seconds,
+        stored,
     )
 
 

@@ -19,6 +19,7 @@ share of each 10 ms (``--duties``, in percent; 100 is a busy loop).
 Printed: the median answer time per setting and its ratio to the idle
 2-thread time of the same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,8 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--method", default="snapkv", help="the compressed cache's method (default snapkv)")
     parser.add_argument("--ratio", type=float, default=10.0, help="its compression ratio (default 10)")
     parser.add_argument("--repeats", type=int, default=2, help="answers per setting (default 2)")
-    parser.add_argument("--duties", default="0,30,100",
-                        help="the competitor's busy share of one core, in percent, comma-separated (default 0,30,100)")
+    parser.add_argument(
+        "--duties",
+        default="0,30,100",
+        help="the competitor's busy share of one core, in percent, comma-separated (default 0,30,100)",
+    )
     args = parser.parse_args(argv)
     if args.method not in REGISTRY:
         parser.error(f"unknown method {args.method!r}; choose from {', '.join(sorted(REGISTRY))}")
@@ -94,8 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     prompt = question_tokens(lm.tokenizer, question)
     draft = greedy(lm, ctx.full.stored, prompt, DEFAULT_MAX_NEW_TOKENS).ids
     stored = get_method(args.method).compress(Request(ctx, args.ratio, question))
-    print(f"{lm.name}; document {ctx.length:,} tokens; {args.method} at {args.ratio:g}x; question {question!r}; "
-          f"the full cache's answer ({len(draft)} tokens) as the draft", flush=True)
+    print(
+        f"{lm.name}; document {ctx.length:,} tokens; {args.method} at {args.ratio:g}x; question {question!r}; "
+        f"the full cache's answer ({len(draft)} tokens) as the draft",
+        flush=True,
+    )
 
     threads = torch.get_num_threads()
     counts = sorted({threads, 1}, reverse=True)
@@ -112,20 +119,30 @@ def main(argv: list[str] | None = None) -> int:
                         answer = greedy_from_draft(lm, stored, prompt, draft, DEFAULT_MAX_NEW_TOKENS)
                         times.setdefault((duty, n), []).append(time.perf_counter() - start)
                         written.add(tuple(answer.generation.ids))
-            print(f"competitor at {duty:.0%}: " + ", ".join(
-                f"{n} thread{'s' if n > 1 else ''} {statistics.median(times[(duty, n)]):.2f} s" for n in counts
-            ), flush=True)
+            print(
+                f"competitor at {duty:.0%}: "
+                + ", ".join(
+                    f"{n} thread{'s' if n > 1 else ''} {statistics.median(times[(duty, n)]):.2f} s" for n in counts
+                ),
+                flush=True,
+            )
     finally:
         torch.set_num_threads(threads)
     base = statistics.median(times[(duties[0], counts[0])])
-    print("\n| competitor (one core's share) | " + " | ".join(f"{n} thread{'s' if n > 1 else ''}" for n in counts) + " |")
+    print(
+        "\n| competitor (one core's share) | " + " | ".join(f"{n} thread{'s' if n > 1 else ''}" for n in counts) + " |"
+    )
     print("|---|" + "---|" * len(counts))
     for duty in duties:
-        cells = [f"{statistics.median(times[(duty, n)]):.2f} s ({statistics.median(times[(duty, n)]) / base:.2f}x)"
-                 for n in counts]
+        cells = [
+            f"{statistics.median(times[(duty, n)]):.2f} s ({statistics.median(times[(duty, n)]) / base:.2f}x)"
+            for n in counts
+        ]
         print(f"| {duty:.0%} | " + " | ".join(cells) + " |")
-    print(f"\nthe same answer every time: {'yes' if len(written) == 1 else f'no ({len(written)} different)'}; "
-          f"ratios against {counts[0]} threads with the competitor at {duties[0]:.0%}")
+    print(
+        f"\nthe same answer every time: {'yes' if len(written) == 1 else f'no ({len(written)} different)'}; "
+        f"ratios against {counts[0]} threads with the competitor at {duties[0]:.0%}"
+    )
     return 0
 
 

@@ -24,6 +24,7 @@ reaches; also the bound counting the KV cache's bytes read per token, and
 the fraction of each bound that the target (2x transformers' loop) needs;
 and the floor of a step: the model's weight matmuls alone for one token.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -147,13 +148,18 @@ def transformers_loop(bench: Bench) -> tuple[float, list[int]]:
     try:
         start = time.perf_counter()
         out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache,
-            max_new_tokens=bench.new_tokens, do_sample=False, eos_token_id=stops, pad_token_id=stops[0],
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            cache=cache,
+            max_new_tokens=bench.new_tokens,
+            do_sample=False,
+            eos_token_id=stops,
+            pad_token_id=stops[0],
         )
         elapsed = time.perf_counter() - start
     finally:
         model.set_attn_implementation("kvlab")
-    written = out[0, ids.shape[1]:].tolist()
+    written = out[0, ids.shape[1] :].tolist()
     return elapsed, [t for t in written if t not in stops]
 
 
@@ -193,27 +199,35 @@ def report(bench: Bench, times: dict[str, list[float]], written: dict[str, list[
     n_ref = len(written[reference])
     ref_rate = n_ref / statistics.median(times[reference])
     bound, bound_kv, kv_bytes, n_weights = bounds.tokens_s, bounds.tokens_s_kv, bounds.kv, bounds.weights
-    print(f"\nread bandwidth {bounds.bandwidth / 1e9:.1f} GB/s; weights {n_weights / 1e6:.0f} MB -> bound "
-          f"{bound:.1f} tokens/s (with the {kv_bytes / 1e6:.0f} MB KV cache read too: {bound_kv:.1f} tokens/s)\n")
+    print(
+        f"\nread bandwidth {bounds.bandwidth / 1e9:.1f} GB/s; weights {n_weights / 1e6:.0f} MB -> bound "
+        f"{bound:.1f} tokens/s (with the {kv_bytes / 1e6:.0f} MB KV cache read too: {bound_kv:.1f} tokens/s)\n"
+    )
     print("| loop | tokens | s (median) | tokens/s | vs transformers | of the weight bound | same tokens |")
     print("|---|---|---|---|---|---|---|")
     for name in times:
         n = len(written[name])
         rate = n / statistics.median(times[name])
         same = "yes" if written[name] == written[reference] else f"no (first {n} vs {n_ref})"
-        print(f"| {name} | {n} | {statistics.median(times[name]):.2f} | {rate:.1f} | {rate / ref_rate:.2f}x | "
-              f"{rate / bound:.0%} | {same} |")
+        print(
+            f"| {name} | {n} | {statistics.median(times[name]):.2f} | {rate:.1f} | {rate / ref_rate:.2f}x | "
+            f"{rate / bound:.0%} | {same} |"
+        )
     one, five, _ = os.getloadavg()
     needed = TARGET_RATIO * ref_rate
     if (floor_s := bounds.floor_s) is not None:
-        print(f"\nthe weight matmuls alone, one token: {floor_s * 1e3:.1f} ms ({1 / floor_s:.1f} tokens/s, "
-              f"{n_weights / floor_s / bounds.bandwidth:.0%} of the read bandwidth); the target leaves "
-              f"{(1 / needed - floor_s) * 1e3:.1f} ms per token for everything else (attention over the "
-              f"{kv_bytes / 1e6:.0f} MB cache alone takes {kv_bytes / bounds.bandwidth * 1e3:.1f} ms at the read "
-              "bandwidth)")
-    print(f"\ntarget: kvlab >= {TARGET_RATIO:g}x transformers' loop = {needed:.1f} tokens/s: {needed / bound:.0%} of the "
-          f"weight bound, {needed / bound_kv:.0%} of the bound with the cache; "
-          f"load average at the end {one:.2f}, {five:.2f}")
+        print(
+            f"\nthe weight matmuls alone, one token: {floor_s * 1e3:.1f} ms ({1 / floor_s:.1f} tokens/s, "
+            f"{n_weights / floor_s / bounds.bandwidth:.0%} of the read bandwidth); the target leaves "
+            f"{(1 / needed - floor_s) * 1e3:.1f} ms per token for everything else (attention over the "
+            f"{kv_bytes / 1e6:.0f} MB cache alone takes {kv_bytes / bounds.bandwidth * 1e3:.1f} ms at the read "
+            "bandwidth)"
+        )
+    print(
+        f"\ntarget: kvlab >= {TARGET_RATIO:g}x transformers' loop = {needed:.1f} tokens/s: {needed / bound:.0%} of the "
+        f"weight bound, {needed / bound_kv:.0%} of the bound with the cache; "
+        f"load average at the end {one:.2f}, {five:.2f}"
+    )
     print("answer:", bench.lm.tokenizer.decode(written["kvlab (lean forward)"])[:160].replace("\n", " "), "...")
 
 
@@ -226,14 +240,19 @@ def main(argv: list[str] | None = None) -> int:
     ctx = prepare_context(lm, example.text())
     question = "Retell the story in detail, event by event."
     bench = Bench(lm, ctx, question_tokens(lm.tokenizer, question), sorted(stop_token_ids(lm)), args.new_tokens)
-    print(f"{lm.name}, {lm.dtype}; document {ctx.length:,} tokens (prefill {ctx.prefill_s:.1f} s), "
-          f"question turn {bench.prompt.numel()} tokens, up to {args.new_tokens} new tokens")
+    print(
+        f"{lm.name}, {lm.dtype}; document {ctx.length:,} tokens (prefill {ctx.prefill_s:.1f} s), "
+        f"question turn {bench.prompt.numel()} tokens, up to {args.new_tokens} new tokens"
+    )
 
-    times, written = time_loops({
-        "kvlab (lean forward)": lambda: kvlab_loop(bench, True),
-        "kvlab through transformers' modules": lambda: kvlab_loop(bench, False),
-        "transformers generate (SDPA)": lambda: transformers_loop(bench),
-    }, args.repeats)
+    times, written = time_loops(
+        {
+            "kvlab (lean forward)": lambda: kvlab_loop(bench, True),
+            "kvlab through transformers' modules": lambda: kvlab_loop(bench, False),
+            "transformers generate (SDPA)": lambda: transformers_loop(bench),
+        },
+        args.repeats,
+    )
     bandwidth = read_bandwidth()
     lean = decode.lean_model(lm.model)
     floor_s = matmul_floor_s(lean) if lean is not None else None

@@ -12,6 +12,7 @@ per second. Rows are printed as soon as a budget is done. ``--screenshot`` inste
 serves the app, runs its Generate tab (default prompt and budget) in headless
 Chromium (benchmarks.browser) and saves the page.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,10 @@ def screenshot(path: str, new_tokens: int, budget: int | None) -> None:
         page.locator("#kvlab-gen-run").click()
         page.wait_for_function(
             "() => { const gd = document.querySelector('#kvlab-gen-beacons .js-plotly-plot');"
-            " return gd && gd.data && gd.data.length > 0; }", polling=500, timeout=30 * 60 * 1000)
+            " return gd && gd.data && gd.data.length > 0; }",
+            polling=500,
+            timeout=30 * 60 * 1000,
+        )
         page.wait_for_timeout(1500)  # let plotly finish laying out
         page.screenshot(path=path, full_page=True)
 
@@ -59,18 +63,26 @@ def main() -> None:
     codes = make_codes(args.codes or codes_for_tokens(args.new_tokens), seed=0)
     start = time.perf_counter()
     print(f"copy task: {len(codes)} codes; up to {args.new_tokens} new tokens", flush=True)
-    print(f"{'budget':>6} {'method':<16} {'diverges at':>11} {'log-ppl':>8} {'task F1':>8} {'in order':>9} "
-          f"{'shrinks':>7} {'max keys':>8} {'tok/s':>6}", flush=True)
+    print(
+        f"{'budget':>6} {'method':<16} {'diverges at':>11} {'log-ppl':>8} {'task F1':>8} {'in order':>9} "
+        f"{'shrinks':>7} {'max keys':>8} {'tok/s':>6}",
+        flush=True,
+    )
     for budget in (int(b) for b in args.budgets.split(",")):
         g = generate(prompt=copy_prompt(codes), budget=budget, max_new_tokens=args.new_tokens)
         record = generation_record(g)
         for m in record["methods"]:
             diverges = "-" if m["divergence"] is None else str(m["divergence"])
-            print(f"{budget:>6} {m['method']:<16} {diverges:>11} {m['logppl']:>8.3f} {m['task_f1']:>8.3f} "
-                  f"{m['task_in_order']:>5}/{len(codes):<3} {m['events']:>7} {m['max_keys']:>8} "
-                  f"{m['tokens_per_s']:>6.1f}", flush=True)
-        print(f"  (prompt {g.prompt_tokens} tokens, unbounded wrote {len(g.reference.run.ids)}; "
-              f"{g.wall_s:.0f} s)", flush=True)
+            print(
+                f"{budget:>6} {m['method']:<16} {diverges:>11} {m['logppl']:>8.3f} {m['task_f1']:>8.3f} "
+                f"{m['task_in_order']:>5}/{len(codes):<3} {m['events']:>7} {m['max_keys']:>8} "
+                f"{m['tokens_per_s']:>6.1f}",
+                flush=True,
+            )
+        print(
+            f"  (prompt {g.prompt_tokens} tokens, unbounded wrote {len(g.reference.run.ids)}; {g.wall_s:.0f} s)",
+            flush=True,
+        )
     print(f"wall time {time.perf_counter() - start:.0f} s", flush=True)
 
 

@@ -27,6 +27,7 @@ past ``--budget-s`` is skipped and says so. ``--dry-run`` runs every section
 on tiny sizes on whatever device there is (on a CPU: the torch paths; a few
 suite steps), which ``make test`` does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,14 +55,32 @@ from kvlab.testing import device_suite
 from kvlab.testing.random_models import random_llama
 
 LLAMA_31_8B = dict(
-    num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-    intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072,
-    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    num_hidden_layers=32,
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=14336,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
 )
 QWEN3_8B = dict(
-    num_hidden_layers=36, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-    intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960,
+    num_hidden_layers=36,
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=12288,
+    vocab_size=151936,
+    max_position_embeddings=40960,
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
 )
 #: Suite steps a dry run takes: one method, one preset, the bounded writers, the bench (the code path, not the matrix).
@@ -125,16 +144,26 @@ def run_explore(device: torch.device, dtype: torch.dtype, dry_run: bool, deadlin
                     rows.append(dict(model=label, method=name, status="skipped: time budget spent"))
                     continue
                 options = device_suite.QUICK_OPTIONS.get(name, {}) if dry_run else {}
-                out, seconds, error = timed(lambda: explore(
-                    document, None, name, 10.0, device_suite.QUESTION, max_new_tokens=16, options=options))
-                row = dict(model=label, method=name, status="ok" if error is None else "failed", wall_s=seconds,
-                           error=error)
+                out, seconds, error = timed(
+                    lambda: explore(
+                        document, None, name, 10.0, device_suite.QUESTION, max_new_tokens=16, options=options
+                    )
+                )
+                row = dict(
+                    model=label, method=name, status="ok" if error is None else "failed", wall_s=seconds, error=error
+                )
                 if out is not None:
                     r = out.run.result
-                    row.update(doc_tokens=r.doc_tokens, prefill_s=r.prefill_s, compress_s=r.compress_s,
-                               answer_full_s=r.answer_full_s, answer_compressed_s=r.answer_compressed_s,
-                               attn_output_rel_err=r.attn_output_rel_err, bytes_full=r.bytes_full,
-                               bytes_compressed=r.bytes_compressed)
+                    row.update(
+                        doc_tokens=r.doc_tokens,
+                        prefill_s=r.prefill_s,
+                        compress_s=r.compress_s,
+                        answer_full_s=r.answer_full_s,
+                        answer_compressed_s=r.answer_compressed_s,
+                        attn_output_rel_err=r.attn_output_rel_err,
+                        bytes_full=r.bytes_full,
+                        bytes_compressed=r.bytes_compressed,
+                    )
                 rows.append(row)
                 print(row, flush=True)
         del lm
@@ -172,8 +201,15 @@ def check_kernels(device: torch.device) -> list[dict]:
             bias[::2, 2000:] = float("-inf")
             got = kernels.decode_attention(q, k, v, bias)
             out, lse = reference.eager_decode_attention(q, k, v, bias[None], d**-0.5)
-            rows.append(dict(kernel="decode_attention", dtype=str(dtype), head_dim=d,
-                             max_abs_err_out=max_err(got.output, out), max_abs_err_lse=max_err(got.lse, lse)))
+            rows.append(
+                dict(
+                    kernel="decode_attention",
+                    dtype=str(dtype),
+                    head_dim=d,
+                    max_abs_err_out=max_err(got.output, out),
+                    max_abs_err_lse=max_err(got.lse, lse),
+                )
+            )
         for bits in (2, 4):
             keys = quantize_keys(torch.randn(8, 3000, 128, device=device, generator=gen), bits, 32)
             values = quantize_values(torch.randn(8, 3000, 128, device=device, generator=gen), bits, 32)
@@ -182,21 +218,43 @@ def check_kernels(device: torch.device) -> list[dict]:
             bf = torch.randn(8, 50, device=device, generator=gen)
             got = kernels.mixed_attention(q, keys, values, kf, vf, bf)
             out, lse = reference.mixed_attention(q, keys, values, kf, vf, bf, 128**-0.5)
-            rows.append(dict(kernel=f"mixed_attention_{bits}bit", dtype=str(dtype), head_dim=128,
-                             max_abs_err_out=max_err(got.output, out), max_abs_err_lse=max_err(got.lse, lse)))
+            rows.append(
+                dict(
+                    kernel=f"mixed_attention_{bits}bit",
+                    dtype=str(dtype),
+                    head_dim=128,
+                    max_abs_err_out=max_err(got.output, out),
+                    max_abs_err_lse=max_err(got.lse, lse),
+                )
+            )
         q = torch.randn(8, 500, 128, device=device, dtype=dtype, generator=gen)
         k = torch.randn(8, 3000, 128, device=device, dtype=dtype, generator=gen)
         bias = torch.randn(8, 3000, device=device, generator=gen)
         bias[:, 2500:] = float("-inf")
         for scoring in ("rms", "mean", "max"):
-            rows.append(dict(kernel=f"key_scores_{scoring}", dtype=str(dtype), head_dim=128,
-                             max_abs_err_out=max_err(kernels.key_scores(q, k, bias, scoring=scoring),
-                                                     score_keys(q, k, bias, scoring=scoring))))
+            rows.append(
+                dict(
+                    kernel=f"key_scores_{scoring}",
+                    dtype=str(dtype),
+                    head_dim=128,
+                    max_abs_err_out=max_err(
+                        kernels.key_scores(q, k, bias, scoring=scoring), score_keys(q, k, bias, scoring=scoring)
+                    ),
+                )
+            )
     return rows
 
 
-def compacted_cache(n_layers: int, batch: int, n_kv: int, stored: int, head_dim: int, device: torch.device,
-                    dtype: torch.dtype, biased: bool) -> tuple[list[GrowingLayer], list[torch.Tensor] | None]:
+def compacted_cache(
+    n_layers: int,
+    batch: int,
+    n_kv: int,
+    stored: int,
+    head_dim: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    biased: bool,
+) -> tuple[list[GrowingLayer], list[torch.Tensor] | None]:
     """Random cache of ``stored`` keys per head; with ``biased``, float32 betas and ragged heads.
 
     Raggedness as Attention Matching's non-uniform budgets give it: odd KV
@@ -214,8 +272,15 @@ def compacted_cache(n_layers: int, batch: int, n_kv: int, stored: int, head_dim:
 
 
 @torch.inference_mode()
-def decode_speed(model: PreTrainedModel, layers: list[GrowingLayer], bias: list[torch.Tensor] | None,
-                 batch: int, logical_len: int, steps: int, device: torch.device) -> float:
+def decode_speed(
+    model: PreTrainedModel,
+    layers: list[GrowingLayer],
+    bias: list[torch.Tensor] | None,
+    batch: int,
+    logical_len: int,
+    steps: int,
+    device: torch.device,
+) -> float:
     """Median-free plain timing: seconds per greedy step over ``steps`` steps (after 3 warm-up steps)."""
     cache = _working_cache(layers)
     ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -227,8 +292,14 @@ def decode_speed(model: PreTrainedModel, layers: list[GrowingLayer], bias: list[
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
-        out = model(input_ids=ids, position_ids=torch.full((batch, 1), position, device=device),
-                    cache=cache, use_cache=True, logits_to_keep=1, kvlab=ctx)
+        out = model(
+            input_ids=ids,
+            position_ids=torch.full((batch, 1), position, device=device),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            kvlab=ctx,
+        )
         ids = out.logits[:, -1].argmax(dim=-1, keepdim=True)
         position += 1
     if device.type == "cuda":
@@ -256,8 +327,16 @@ def end_to_end(device: torch.device, dry_run: bool, deadline: float) -> list[Dec
                 os.environ["KVLAB_KERNELS"] = attention if biased else "auto"
                 layers, bias = compacted_cache(n_layers, batch, n_kv, stored, head_dim, device, dtype, biased)
                 per_step = decode_speed(model, layers, bias, batch, seq_len, steps, device)
-                rows.append(DecodeRow(name, "sdpa" if attention == "torch" else attention, batch, stored,
-                                      batch / per_step, per_step * 1e3))
+                rows.append(
+                    DecodeRow(
+                        name,
+                        "sdpa" if attention == "torch" else attention,
+                        batch,
+                        stored,
+                        batch / per_step,
+                        per_step * 1e3,
+                    )
+                )
                 print(rows[-1], flush=True)
                 del layers, bias
     os.environ.pop("KVLAB_KERNELS", None)
@@ -269,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     default_out = Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else Path("gpu_check.json")
     parser.add_argument("--out", type=Path, default=default_out, help=f"JSON file to write (default {default_out})")
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes: checks that every section runs")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="no section or step starts after this many seconds")
+    parser.add_argument(
+        "--budget-s", type=float, default=420.0, help="no section or step starts after this many seconds"
+    )
     args = parser.parse_args(argv)
     if not args.out.parent.is_dir():
         parser.exit(2, f"error: {args.out.parent} is not a directory\n")
@@ -277,8 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     device, dtype = pick_device()
     on_gpu = device.type == "cuda"
     figures: dict[str, Any] = dict(
-        date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(device) if on_gpu else "CPU (no CUDA)",
-        torch=torch.__version__, dtype=str(dtype), dry_run=args.dry_run, notes=[],
+        date=time.strftime("%Y-%m-%d"),
+        device=torch.cuda.get_device_name(device) if on_gpu else "CPU (no CUDA)",
+        torch=torch.__version__,
+        dtype=str(dtype),
+        dry_run=args.dry_run,
+        notes=[],
     )
     small = args.dry_run or not on_gpu
 
@@ -302,8 +387,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(figures, indent=1))
     print(f"wrote {args.out}")
     failed = [k for k, v in figures.items() if isinstance(v, str) and v.startswith("failed")]
-    failed += [f"{k}: {r.get('step') or r.get('method')}" for k in ("suite", "explore") if isinstance(figures.get(k), list)
-               for r in figures[k] if r.get("status") == "failed"]
+    failed += [
+        f"{k}: {r.get('step') or r.get('method')}"
+        for k in ("suite", "explore")
+        if isinstance(figures.get(k), list)
+        for r in figures[k]
+        if r.get("status") == "failed"
+    ]
     if failed:
         print("failed: " + "; ".join(failed), file=sys.stderr)
     return 1 if failed else 0

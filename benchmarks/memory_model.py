@@ -25,6 +25,7 @@ glibc keeps freed blocks below its mmap threshold in the heap, where they
 still count as resident: run with ``MALLOC_MMAP_THRESHOLD_=65536`` (the test
 does) so freed tensors leave the resident set and peaks are not inflated.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,16 @@ T = TypeVar("T")
 # Llama-3.1-8B's attention (32 query heads, 8 KV heads, head dim 128). The
 # residual stream and MLP are narrow: they set the weights' bytes and the
 # projections' time, not the cache, the queries or any method's work.
-GEOMETRY = dict(num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                hidden_size=256, intermediate_size=512, vocab_size=512, rope_theta=500000.0)
+GEOMETRY = dict(
+    num_hidden_layers=4,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    hidden_size=256,
+    intermediate_size=512,
+    vocab_size=512,
+    rope_theta=500000.0,
+)
 QUESTION = "w1 w2 w3 w4 w5 w6 w7 w8"
 
 
@@ -105,8 +114,11 @@ def run(n_tokens: int, geometry: dict, ratio: float, methods: list[str], log: Ca
     geometry: LlamaConfig fields over :data:`GEOMETRY`'s.
     """
     config = {**GEOMETRY, **geometry, "max_position_embeddings": n_tokens + 1024}
-    lm = synthetic_lm(config, "random Llama ({num_hidden_layers} layers, {num_attention_heads}/"
-                              "{num_key_value_heads} heads, dim {head_dim})".format(**config))
+    lm = synthetic_lm(
+        config,
+        "random Llama ({num_hidden_layers} layers, {num_attention_heads}/"
+        "{num_key_value_heads} heads, dim {head_dim})".format(**config),
+    )
     text = document(n_tokens, config["vocab_size"])
     peaks: list[Peak] = []
     holder: dict[str, Context] = {}
@@ -133,8 +145,7 @@ def run(n_tokens: int, geometry: dict, ratio: float, methods: list[str], log: Ca
             _, peak, secs = measure(compress)
             peaks.append(Peak(name, peak, peak / kv, secs))
             log(f"{name:20s} peak {peak / 2**20:8.0f} MiB = {peak / kv:5.2f}x KV ({secs:.0f} s)")
-    return {"kv_bytes": kv, "tokens": ctx.length, "ratio": ratio, "config": config,
-            "peaks": [asdict(p) for p in peaks]}
+    return {"kv_bytes": kv, "tokens": ctx.length, "ratio": ratio, "config": config, "peaks": [asdict(p) for p in peaks]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,8 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown method(s): {', '.join(unknown)}", file=sys.stderr)
         return 2
-    geometry = dict(num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                    head_dim=args.head_dim, hidden_size=args.hidden)
+    geometry = dict(
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        hidden_size=args.hidden,
+    )
     figures = run(args.tokens, geometry, args.ratio, methods, lambda line: print(line, flush=True))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))

@@ -21,6 +21,7 @@ answer under both. Writes the trace as JSON, the figure
 (kvlab.figures.needle_figure) as HTML and as a PNG drawn by headless
 Chromium, and with ``--table`` prints it as markdown.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -89,20 +90,37 @@ def trace(args: argparse.Namespace) -> dict:
 
     lm = get_model()
     spec = method_specs([args.method], [])[0]
-    items = build_items(args.task or "niah_single", lm, args.item + 1, args.seed, args.length,
-                        args.haystack, args.needle_values)
+    items = build_items(
+        args.task or "niah_single", lm, args.item + 1, args.seed, args.length, args.haystack, args.needle_values
+    )
     if len(items) <= args.item:
         raise ValueError(f"{args.task or 'niah_single'} has {len(items)} items, no item {args.item}")
     item = items[args.item]
     ctx = prepare_context(lm, item.document)
     stored = spec.instantiate().compress(Request(ctx, args.ratio, item.question))
-    out = trace_needle(ctx, stored, item_prompt_ids(lm, item), needle_span(item.document, item.answers[0]),
-                       item.answers[0], item.max_new_tokens, args.method, args.ratio).to_dict()
+    out = trace_needle(
+        ctx,
+        stored,
+        item_prompt_ids(lm, item),
+        needle_span(item.document, item.answers[0]),
+        item.answers[0],
+        item.max_new_tokens,
+        args.method,
+        args.ratio,
+    ).to_dict()
     if not any(out["answer_value"]):
-        raise ValueError(f"the full cache's answer {out['answer_full']!r} misses the needle "
-                         f"{item.answers[0]!r}: nothing to follow; choose another item")
-    return {"item_id": item.item_id, "depth": item.depth, "haystack": args.haystack, "model": lm.name,
-            "doc_tokens": ctx.doc_len, **out}
+        raise ValueError(
+            f"the full cache's answer {out['answer_full']!r} misses the needle "
+            f"{item.answers[0]!r}: nothing to follow; choose another item"
+        )
+    return {
+        "item_id": item.item_id,
+        "depth": item.depth,
+        "haystack": args.haystack,
+        "model": lm.name,
+        "doc_tokens": ctx.doc_len,
+        **out,
+    }
 
 
 def draw(data: dict, out: Path | None, html_path: Path | None) -> None:
@@ -119,8 +137,10 @@ def draw(data: dict, out: Path | None, html_path: Path | None) -> None:
             source = Path(tmp) / "trace.html"
             source.write_text(page_html, encoding="utf-8")
             page.goto(source.as_uri())
-            page.wait_for_function("() => { const gd = document.querySelector('.js-plotly-plot');"
-                                   " return gd && gd._fullLayout; }", timeout=60_000)
+            page.wait_for_function(
+                "() => { const gd = document.querySelector('.js-plotly-plot'); return gd && gd._fullLayout; }",
+                timeout=60_000,
+            )
             page.wait_for_timeout(500)
             out.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(out), full_page=True)
@@ -132,15 +152,22 @@ def main() -> None:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--results", type=Path, help="a folder written by kvlab bench: screenshot the app's Tasks view")
     mode.add_argument("--item", type=int, help="trace the needle of this item (0-based) of the task")
-    parser.add_argument("--method", default="kvzip",
-                        help="the method of the needle heatmap; with --item, name[:knob=value...] as in kvlab bench")
-    parser.add_argument("--task", default=None, help="the task shown (default: the app's first; with --item niah_single)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="the PNG (default assets/needles.png; with --item none unless given)")
+    parser.add_argument(
+        "--method",
+        default="kvzip",
+        help="the method of the needle heatmap; with --item, name[:knob=value...] as in kvlab bench",
+    )
+    parser.add_argument(
+        "--task", default=None, help="the task shown (default: the app's first; with --item niah_single)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="the PNG (default assets/needles.png; with --item none unless given)"
+    )
     parser.add_argument("--ratio", type=float, default=5.0, help="with --item: the compression ratio (default 5)")
     parser.add_argument("--haystack", choices=HAYSTACKS, default="noise", help="with --item: the filler")
-    parser.add_argument("--needle-values", choices=VALUE_SHAPES, default="number",
-                        help="with --item: the needle value's shape")
+    parser.add_argument(
+        "--needle-values", choices=VALUE_SHAPES, default="number", help="with --item: the needle value's shape"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--length", type=int, default=1500, help="with --item: document tokens at most (default 1500)")
     parser.add_argument("--json", type=Path, default=None, help="with --item: write the trace here")

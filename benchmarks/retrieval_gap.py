@@ -36,6 +36,7 @@ knobs ``value_anchor`` (the anchored ridge), ``value_fit=original`` (bias
 only), ``max_queries=50000`` (every repeat-pass query), ``self_study_weight``
 (self-study queries mixed in) and ``key_selection=kvzip`` / ``kvzip_union``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,8 +84,10 @@ VARIANTS: tuple[tuple[str, MethodSpec], ...] = (
     ("AM OMP (AM-OMP-basic)", MethodSpec("attention_matching", preset="AM-OMP-basic")),
     # The fast variant's selection (4 keys a round, a refit every 2) without its on-policy
     # queries: plain OMP adds one key a round and takes over 20 minutes a document here.
-    ("AM OMP fast, not on-policy", MethodSpec("attention_matching", preset="AM-OMP-fast",
-                                              options=(("on_policy", False),))),
+    (
+        "AM OMP fast, not on-policy",
+        MethodSpec("attention_matching", preset="AM-OMP-fast", options=(("on_policy", False),)),
+    ),
     (ON_POLICY, MethodSpec("attention_matching", preset="AM-HighestAttnKeys")),
     # Issue #22: what the fit is pulled toward, which queries it sees, which keys it gets.
     ("AM bias only", MethodSpec("attention_matching", options=(("value_fit", "original"),))),
@@ -98,28 +101,49 @@ VARIANTS: tuple[tuple[str, MethodSpec], ...] = (
     ("AM self-study queries only", MethodSpec("attention_matching", options=(("query_source", "self_study"),))),
     # Stated before measuring: self-study queries mend the fit, KVzip's keys the selection at 20x,
     # so together they should keep KVzip's needles with AM's error.
-    ("AM kvzip union + self-study (w 4)", MethodSpec("attention_matching", options=(
-        ("key_selection", "kvzip_union"), ("self_study_weight", 4.0)))),
-    ("AM kvzip keys, bias only", MethodSpec("attention_matching", options=(
-        ("key_selection", "kvzip"), ("value_fit", "original")))),
-    ("AM kvzip keys, anchored 0.1", MethodSpec("attention_matching", options=(
-        ("key_selection", "kvzip"), ("value_anchor", 0.1)))),
-    ("AM kvzip union, bias only", MethodSpec("attention_matching", options=(
-        ("key_selection", "kvzip_union"), ("value_fit", "original")))),
-    ("AM kvzip union, anchored 0.1", MethodSpec("attention_matching", options=(
-        ("key_selection", "kvzip_union"), ("value_anchor", 0.1)))),
+    (
+        "AM kvzip union + self-study (w 4)",
+        MethodSpec("attention_matching", options=(("key_selection", "kvzip_union"), ("self_study_weight", 4.0))),
+    ),
+    (
+        "AM kvzip keys, bias only",
+        MethodSpec("attention_matching", options=(("key_selection", "kvzip"), ("value_fit", "original"))),
+    ),
+    (
+        "AM kvzip keys, anchored 0.1",
+        MethodSpec("attention_matching", options=(("key_selection", "kvzip"), ("value_anchor", 0.1))),
+    ),
+    (
+        "AM kvzip union, bias only",
+        MethodSpec("attention_matching", options=(("key_selection", "kvzip_union"), ("value_fit", "original"))),
+    ),
+    (
+        "AM kvzip union, anchored 0.1",
+        MethodSpec("attention_matching", options=(("key_selection", "kvzip_union"), ("value_anchor", 0.1))),
+    ),
     # Issue #33, stated before measuring. The needle trace (docs/retrieval-prose.md) shows the self-study fit
     # keeping the digits' keys and their attention but blurring their values: keeping half of each head's
     # budget exact (KVzip's best keys, own values) should keep KVzip's needles up to 5x (half of a 2x or 5x
     # budget is more than KVzip needs there) with a lower error than KVzip's, the compact half fitting the rest.
-    ("AM exact kvzip 0.5 + self-study (w 4)", MethodSpec("attention_matching", options=(
-        ("exact_share", 0.5), ("exact_keys", "kvzip"), ("self_study_weight", 4.0)))),
+    (
+        "AM exact kvzip 0.5 + self-study (w 4)",
+        MethodSpec(
+            "attention_matching", options=(("exact_share", 0.5), ("exact_keys", "kvzip"), ("self_study_weight", 4.0))
+        ),
+    ),
     # The same with the exact keys the fit's own queries attend to most: question-free, no reconstruction pass.
-    ("AM exact attention 0.5 + self-study (w 4)", MethodSpec("attention_matching", options=(
-        ("exact_share", 0.5), ("exact_keys", "attention"), ("self_study_weight", 4.0)))),
+    (
+        "AM exact attention 0.5 + self-study (w 4)",
+        MethodSpec(
+            "attention_matching",
+            options=(("exact_share", 0.5), ("exact_keys", "attention"), ("self_study_weight", 4.0)),
+        ),
+    ),
     # Budgets from the document: heads that copy in the repeat pass (concentrated per query) keep more.
-    ("AM document budgets + self-study (w 4)", MethodSpec("attention_matching", options=(
-        ("budgets", "document"), ("self_study_weight", 4.0)))),
+    (
+        "AM document budgets + self-study (w 4)",
+        MethodSpec("attention_matching", options=(("budgets", "document"), ("self_study_weight", 4.0))),
+    ),
 )
 
 
@@ -175,8 +199,14 @@ def prepare_needle(lm: LoadedModel, item: TaskItem) -> Needle | None:
     if not contains_match(answer.text, item.answers):
         return None
     queries = capture.per_layer()
-    return Needle(item, ctx, prompt, value_positions(lm, ctx, item), queries,
-                  question_attention(queries, ctx.full.keys, [g.scaling for g in lm.geometry]))
+    return Needle(
+        item,
+        ctx,
+        prompt,
+        value_positions(lm, ctx, item),
+        queries,
+        question_attention(queries, ctx.full.keys, [g.scaling for g in lm.geometry]),
+    )
 
 
 def needle_kept(needle: Needle, stored: CompressedKV) -> tuple[float, float]:
@@ -205,8 +235,15 @@ def measure(needle: Needle, label: str, spec: MethodSpec, ratio: float) -> Row:
 
 
 def needles(
-    lm: LoadedModel, n: int, seed: int, length: int, tries: int, skip: int = 0, task: str = "niah_single",
-    haystack: Haystack = "noise", values: ValueShape = "number",
+    lm: LoadedModel,
+    n: int,
+    seed: int,
+    length: int,
+    tries: int,
+    skip: int = 0,
+    task: str = "niah_single",
+    haystack: Haystack = "noise",
+    values: ValueShape = "number",
 ) -> tuple[list[Needle], int]:
     """The ``n`` seeded items of ``task`` (on ``haystack``, values of shape ``values``), after the first
     ``skip``, that the full cache answers right (of at most ``tries`` items), and how many were tried."""
@@ -220,8 +257,11 @@ def needles(
         if right <= skip:
             continue
         found.append(needle)
-        print(f"  {item.item_id}: depth {item.depth:.2f}, {needle.ctx.doc_len} tokens, needle at "
-              f"{needle.positions.tolist()}", flush=True)
+        print(
+            f"  {item.item_id}: depth {item.depth:.2f}, {needle.ctx.doc_len} tokens, needle at "
+            f"{needle.positions.tolist()}",
+            flush=True,
+        )
         if len(found) == n:
             break
     return found, tried
@@ -255,8 +295,10 @@ def compact_table(rows: list[Row], ratios: list[float]) -> str:
     """One line per variant: items right, then mean whole-cache error and needle attention kept, per ratio."""
     labels = list(dict.fromkeys(r.label for r in rows))
     head = " / ".join(f"{r:g}x" for r in ratios)
-    lines = [f"| variant | n | right {head} | err {head} | needle attention kept {head} | compress s {head} |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"| variant | n | right {head} | err {head} | needle attention kept {head} | compress s {head} |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for label in labels:
         cells: list[list[str]] = [[], [], [], []]
         counts = set()
@@ -268,20 +310,30 @@ def compact_table(rows: list[Row], ratios: list[float]) -> str:
             cells[1].append(f"{sum(r.err_cache for r in rs) / n:.3f}" if rs else "-")
             cells[2].append(f"{sum(r.attention_kept for r in rs) / n:.0%}" if rs else "-")
             cells[3].append(f"{sum(r.compress_s for r in rs) / n:.1f}" if rs else "-")
-        lines.append(f"| {label} | {'/'.join(str(c) for c in sorted(counts))} | " + " | ".join(" / ".join(c) for c in cells) + " |")
+        lines.append(
+            f"| {label} | {'/'.join(str(c) for c in sorted(counts))} | "
+            + " | ".join(" / ".join(c) for c in cells)
+            + " |"
+        )
     return "\n".join(lines)
 
 
-def resumed(path: str | None, task: str, seed: int, length: int, haystack: str = "noise",
-            values: str = "number") -> list[Row]:
+def resumed(
+    path: str | None, task: str, seed: int, length: int, haystack: str = "noise", values: str = "number"
+) -> list[Row]:
     """The rows of an earlier run written to ``path`` with the same task, seed, length, haystack and value
     shape (none otherwise)."""
     if not path or not Path(path).exists():
         return []
     with open(path) as f:
         data = json.load(f)
-    ran = (data.get("task", "niah_single"), data.get("seed"), data.get("length"), data.get("haystack", "noise"),
-           data.get("values", "number"))
+    ran = (
+        data.get("task", "niah_single"),
+        data.get("seed"),
+        data.get("length"),
+        data.get("haystack", "noise"),
+        data.get("values", "number"),
+    )
     if ran != (task, seed, length, haystack, values):
         raise SystemExit(f"{path} holds another run (task, seed, length, haystack or values): choose another --json")
     rows = [Row(**r) for r in data["rows"]]
@@ -292,22 +344,32 @@ def resumed(path: str | None, task: str, seed: int, length: int, haystack: str =
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--items", type=int, default=4, help="needle items the full cache answers right (default 4)")
-    parser.add_argument("--on-policy-items", type=int, default=1, help="of those, how many the on-policy preset runs on")
-    parser.add_argument("--skip", type=int, default=0,
-                        help="skip the first SKIP such items (to extend an earlier run to new items)")
+    parser.add_argument(
+        "--on-policy-items", type=int, default=1, help="of those, how many the on-policy preset runs on"
+    )
+    parser.add_argument(
+        "--skip", type=int, default=0, help="skip the first SKIP such items (to extend an earlier run to new items)"
+    )
     parser.add_argument("--tries", type=int, default=12, help="items generated at most to find them")
     parser.add_argument("--length", type=int, default=2000, help="document tokens at most (default 2000)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ratios", type=float, nargs="+", default=[5, 10, 20])
     parser.add_argument("--task", choices=["niah_single", "niah_multikey"], default="niah_single")
     parser.add_argument("--haystack", choices=HAYSTACKS, default="noise", help="the needles' filler (default noise)")
-    parser.add_argument("--needle-values", choices=VALUE_SHAPES, default="number",
-                        help="the needle values' shape (default number)")
+    parser.add_argument(
+        "--needle-values", choices=VALUE_SHAPES, default="number", help="the needle values' shape (default number)"
+    )
     parser.add_argument("--json", default=None, help="also write every row to this file, rewritten after each row")
-    parser.add_argument("--variants", default=None,
-                        help="only these variants, by label, separated by ';' (default: all)")
-    parser.add_argument("--report", nargs="+", default=None, metavar="JSON",
-                        help="only print the one-line-per-variant table of these result files (no model)")
+    parser.add_argument(
+        "--variants", default=None, help="only these variants, by label, separated by ';' (default: all)"
+    )
+    parser.add_argument(
+        "--report",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="only print the one-line-per-variant table of these result files (no model)",
+    )
     args = parser.parse_args()
     labels = [label for label, _ in VARIANTS]
     args.chosen = labels if args.variants is None else [v.strip() for v in args.variants.split(";") if v.strip()]
@@ -322,8 +384,10 @@ def report(args: argparse.Namespace) -> None:
     for path in args.report:
         with open(path) as f:
             data = json.load(f)
-        print(f"{path}: {data.get('task', 'niah_single')} on {data.get('haystack', 'noise')}, seed {data.get('seed')}, "
-              f"at most {data.get('length')} tokens")
+        print(
+            f"{path}: {data.get('task', 'niah_single')} on {data.get('haystack', 'noise')}, seed {data.get('seed')}, "
+            f"at most {data.get('length')} tokens"
+        )
         print(compact_table([Row(**r) for r in data["rows"]], args.ratios))
 
 
@@ -332,9 +396,20 @@ def save(args: argparse.Namespace, rows: list[Row], wall: float | None = None) -
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"task": args.task, "haystack": args.haystack, "values": args.needle_values,
-                       "seed": args.seed, "length": args.length, "skip": args.skip,
-                       "wall_s": wall, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+            json.dump(
+                {
+                    "task": args.task,
+                    "haystack": args.haystack,
+                    "values": args.needle_values,
+                    "seed": args.seed,
+                    "length": args.length,
+                    "skip": args.skip,
+                    "wall_s": wall,
+                    "rows": [dataclasses.asdict(r) for r in rows],
+                },
+                f,
+                indent=1,
+            )
 
 
 def main() -> None:
@@ -344,8 +419,9 @@ def main() -> None:
         return
     start = time.perf_counter()
     lm = get_model()
-    found, tried = needles(lm, args.items, args.seed, args.length, args.tries, args.skip, args.task,
-                           args.haystack, args.needle_values)
+    found, tried = needles(
+        lm, args.items, args.seed, args.length, args.tries, args.skip, args.task, args.haystack, args.needle_values
+    )
     print(f"{len(found)} of {tried} {args.task} items answered right by the full cache", flush=True)
     rows = resumed(args.json, args.task, args.seed, args.length, args.haystack, args.needle_values)
     done = {(r.item_id, r.label, r.ratio) for r in rows}
@@ -358,14 +434,19 @@ def main() -> None:
                     continue
                 row = measure(needle, label, spec, ratio)
                 rows.append(row)
-                print(f"  {needle.item.item_id} {label} {ratio:g}x: right {row.correct}, err {row.err_cache:.3f}, "
-                      f"heads {row.heads_kept:.0%}, attention {row.attention_kept:.0%}", flush=True)
+                print(
+                    f"  {needle.item.item_id} {label} {ratio:g}x: right {row.correct}, err {row.err_cache:.3f}, "
+                    f"heads {row.heads_kept:.0%}, attention {row.attention_kept:.0%}",
+                    flush=True,
+                )
                 save(args, rows)
     wall = time.perf_counter() - start
     print()
-    print(f"{args.task} on {args.haystack}, seed {args.seed}, at most {args.length} tokens: n = {len(found)} items "
-          f"(after the first {args.skip}) "
-          f"({args.on_policy_items} for the on-policy preset); wall time {wall / 60:.1f} min")
+    print(
+        f"{args.task} on {args.haystack}, seed {args.seed}, at most {args.length} tokens: n = {len(found)} items "
+        f"(after the first {args.skip}) "
+        f"({args.on_policy_items} for the on-policy preset); wall time {wall / 60:.1f} min"
+    )
     print(table(rows, args.ratios))
     save(args, rows, wall)
 

@@ -35,6 +35,7 @@ question turn is included), and the time of one token's weight matmuls
 alone in that format (the floor of a step). A format is adoptable only
 where no bundled answer changes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -225,8 +226,11 @@ def matmul_floor_ms(lean: LeanModel, steps: dict[int, Step] | None, repeats: int
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--new-tokens", type=int, default=48, help="answer length cap (the app's default, 48)")
-    parser.add_argument("--formats", default=",".join(FORMATS),
-                        help=f"comma-separated formats to try (default: all of {', '.join(FORMATS)})")
+    parser.add_argument(
+        "--formats",
+        default=",".join(FORMATS),
+        help=f"comma-separated formats to try (default: all of {', '.join(FORMATS)})",
+    )
     args = parser.parse_args(argv)
     chosen = [f.strip() for f in args.formats.split(",") if f.strip()]
     unknown = [f for f in chosen if f not in FORMATS]
@@ -240,8 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         print("the lean forward does not support this model", flush=True)
         return 2
     steps = {name: build_steps(lean, FORMATS[name]) for name in chosen}
-    print(f"{len(lean.layers) * 4} projections per format; int4: recovered exactly as Q4_1 groups of {GROUP}"
-          if "int4" in steps else f"{len(lean.layers) * 4} projections per format", flush=True)
+    print(
+        f"{len(lean.layers) * 4} projections per format; int4: recovered exactly as Q4_1 groups of {GROUP}"
+        if "int4" in steps
+        else f"{len(lean.layers) * 4} projections per format",
+        flush=True,
+    )
     contexts = {}
     answers: dict[str, list] = {name: [] for name in ["float32", *chosen]}
     seconds: dict[str, float] = {name: 0.0 for name in answers}
@@ -260,23 +268,33 @@ def main(argv: list[str] | None = None) -> int:
             seconds[name] += elapsed
             written[name] += len(lm.tokenizer(outcome.answer, add_special_tokens=False).input_ids)
             changed = name != "float32" and outcome.answer != answers["float32"][-1].answer
-            line.append(f"{name} {'right' if outcome.score >= 1 else 'wrong'} {elapsed:.1f} s{' (changed)' if changed else ''}")
+            line.append(
+                f"{name} {'right' if outcome.score >= 1 else 'wrong'} {elapsed:.1f} s{' (changed)' if changed else ''}"
+            )
         print(f"{item.item_id}: " + " | ".join(line), flush=True)
         for name in chosen:
             if answers[name][-1].answer != answers["float32"][-1].answer:
                 print(f"    float32: {answers['float32'][-1].answer!r}\n    {name}: {answers[name][-1].answer!r}")
     floors = {name: matmul_floor_ms(lean, steps.get(name)) for name in answers}
     n = len(answers["float32"])
-    print("\n| weights | bundled answers right | answers changed | answer time, all questions | "
-          "per written token | one token's weight matmuls |")
+    print(
+        "\n| weights | bundled answers right | answers changed | answer time, all questions | "
+        "per written token | one token's weight matmuls |"
+    )
     print("|---|---|---|---|---|---|")
     per_token = {name: seconds[name] / max(1, written[name]) * 1e3 for name in answers}
     for name in answers:
         right = sum(o.score >= 1 for o in answers[name])
         label = "float32 (the model as loaded)" if name == "float32" else FORMATS[name].label
-        changed = "-" if name == "float32" else f"{sum(a.answer != b.answer for a, b in zip(answers[name], answers['float32']))}/{n}"
-        print(f"| {label} | {right}/{n} | {changed} | {seconds[name]:.1f} s ({seconds['float32'] / seconds[name]:.2f}x) | "
-              f"{per_token[name]:.1f} ms ({per_token['float32'] / per_token[name]:.2f}x) | {floors[name]:.1f} ms ({floors['float32'] / floors[name]:.2f}x) |")
+        changed = (
+            "-"
+            if name == "float32"
+            else f"{sum(a.answer != b.answer for a, b in zip(answers[name], answers['float32']))}/{n}"
+        )
+        print(
+            f"| {label} | {right}/{n} | {changed} | {seconds[name]:.1f} s ({seconds['float32'] / seconds[name]:.2f}x) | "
+            f"{per_token[name]:.1f} ms ({per_token['float32'] / per_token[name]:.2f}x) | {floors[name]:.1f} ms ({floors['float32'] / floors[name]:.2f}x) |"
+        )
     holding = [name for name in chosen if all(a.answer == b.answer for a, b in zip(answers[name], answers["float32"]))]
     print(f"\nformats whose bundled answers all hold: {', '.join(holding) or 'none'}")
     return 0

@@ -19,6 +19,7 @@ running; by default the benchmark starts one itself (``python app.py``, as
 page's own preparation of the first example. ``--json FILE`` writes every
 click.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,9 @@ SHEET = ROOT / "assets" / "workshop.txt"
 #: What a page shows above a run it did not compute itself (kvlab.lab.views.SERVED_NOTES).
 SERVED_MARKS = {"stored": "Served from the result store", "shared": "Shared computation"}
 #: "**method**... at **10x** on 2,011 document tokens": what a run's summary says it ran.
-RAN = re.compile(r"\*\*(?P<method>[a-z0-9_]+)\*\*.*? at \*\*(?P<ratio>[0-9.]+)x\*\* on (?P<tokens>[0-9,]+) document tokens")
+RAN = re.compile(
+    r"\*\*(?P<method>[a-z0-9_]+)\*\*.*? at \*\*(?P<ratio>[0-9.]+)x\*\* on (?P<tokens>[0-9,]+) document tokens"
+)
 
 
 @dataclass
@@ -85,8 +88,11 @@ def click(client: Any, index: int, kind: str, label: str, asked: dict, origin: f
         c.served = served_of(summary)
         found = RAN.search(summary)
         if found:
-            c.ran = {"method": found["method"], "ratio": float(found["ratio"]),
-                     "doc_tokens": int(found["tokens"].replace(",", ""))}
+            c.ran = {
+                "method": found["method"],
+                "ratio": float(found["ratio"]),
+                "doc_tokens": int(found["tokens"].replace(",", "")),
+            }
     except Exception as exc:  # noqa: BLE001 - an error is a result of the benchmark
         c.served, c.error = "error", f"{type(exc).__name__}: {exc}"[:300]
     c.seconds = time.perf_counter() - start
@@ -94,8 +100,15 @@ def click(client: Any, index: int, kind: str, label: str, asked: dict, origin: f
 
 
 def simulate(
-    url: str, clients: int, link: tuple[str, dict], further: list[tuple[str, dict]], clicks: int,
-    spread_s: float = 20.0, think_s: tuple[float, float] = (5.0, 15.0), seed: int = 0, limit_s: float = 900.0,
+    url: str,
+    clients: int,
+    link: tuple[str, dict],
+    further: list[tuple[str, dict]],
+    clicks: int,
+    spread_s: float = 20.0,
+    think_s: tuple[float, float] = (5.0, 15.0),
+    seed: int = 0,
+    limit_s: float = 900.0,
 ) -> list[Click]:
     """Every participant's clicks (each a thread with its own session), within ``limit_s`` in all.
 
@@ -105,8 +118,14 @@ def simulate(
     from gradio_client import Client
 
     rng = random.Random(seed)
-    plans = [(rng.uniform(0, spread_s), [rng.choice(further) for _ in range(clicks)],
-              [rng.uniform(*think_s) for _ in range(clicks)]) for _ in range(clients)]
+    plans = [
+        (
+            rng.uniform(0, spread_s),
+            [rng.choice(further) for _ in range(clicks)],
+            [rng.uniform(*think_s) for _ in range(clicks)],
+        )
+        for _ in range(clients)
+    ]
     done: list[Click] = []
     lock = threading.Lock()
     start = time.monotonic()
@@ -157,25 +176,33 @@ def table(clicks: list[Click]) -> list[dict]:
     for label, counts in ROWS:
         mine = [c for c in clicks if counts(c)]
         secs = [c.seconds for c in mine if c.served != "error"]
-        rows.append({
-            "click": label, "n": len(mine),
-            "p50_s": round(statistics.median(secs), 2) if secs else None,
-            "p95_s": round(percentile(secs, 95), 2) if secs else None,
-            "max_s": round(max(secs), 2) if secs else None,
-            **{how: sum(c.served == how for c in mine) for how in ("error", "stored", "shared", "computed")},
-        })
+        rows.append(
+            {
+                "click": label,
+                "n": len(mine),
+                "p50_s": round(statistics.median(secs), 2) if secs else None,
+                "p95_s": round(percentile(secs, 95), 2) if secs else None,
+                "max_s": round(max(secs), 2) if secs else None,
+                **{how: sum(c.served == how for c in mine) for how in ("error", "stored", "shared", "computed")},
+            }
+        )
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
     """The table as markdown (docs/workshop.md)."""
+
     def secs(value: float | None) -> str:
         return "-" if value is None else f"{value:g} s"
 
-    head = "| click | n | p50 | p95 | max | errors | stored | shared | computed |\n|---|---|---|---|---|---|---|---|---|\n"
+    head = (
+        "| click | n | p50 | p95 | max | errors | stored | shared | computed |\n|---|---|---|---|---|---|---|---|---|\n"
+    )
     return head + "\n".join(
         f"| {r['click']} | {r['n']} | {secs(r['p50_s'])} | {secs(r['p95_s'])} | {secs(r['max_s'])} | {r['error']} | "
-        f"{r['stored']} | {r['shared']} | {r['computed']} |" for r in rows)
+        f"{r['stored']} | {r['shared']} | {r['computed']} |"
+        for r in rows
+    )
 
 
 def sheet_runs(path: Path) -> tuple[tuple[str, dict], list[tuple[str, dict]]]:
@@ -195,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sheet", type=Path, default=SHEET)
     parser.add_argument("--spread", type=float, default=20.0, help="seconds over which participants arrive")
     parser.add_argument("--think", default="5,15", help="seconds between a participant's clicks: low,high")
-    parser.add_argument("--together", action="store_true", help="everyone clicks the link within one second, and only it")
+    parser.add_argument(
+        "--together", action="store_true", help="everyone clicks the link within one second, and only it"
+    )
     parser.add_argument("--url", default=None, help="a running server (default: start `python app.py`)")
     parser.add_argument("--store-dir", type=Path, default=Path("/tmp/kvlab-workshop-store"))
     parser.add_argument("--fresh-store", action="store_true", help="empty --store-dir before starting the server")
@@ -212,8 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     spread = 1.0 if args.together else args.spread
 
     def measure(url: str) -> list[Click]:
-        print(f"{args.clients} participants, {clicks} further click(s) each, arrivals over {spread:g} s, "
-              f"thinking {low:g}-{high:g} s; {os.getloadavg()[0]:.2f} load average", file=sys.stderr)
+        print(
+            f"{args.clients} participants, {clicks} further click(s) each, arrivals over {spread:g} s, "
+            f"thinking {low:g}-{high:g} s; {os.getloadavg()[0]:.2f} load average",
+            file=sys.stderr,
+        )
         return simulate(url, args.clients, link, further, clicks, spread, (low, high), args.seed, args.limit_s)
 
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -224,8 +256,13 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.fresh_store:
             shutil.rmtree(args.store_dir, ignore_errors=True)
-        env = {**os.environ, "GRADIO_SERVER_PORT": str(free_port()), "KVLAB_STORE_DIR": str(args.store_dir),
-               "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
+        env = {
+            **os.environ,
+            "GRADIO_SERVER_PORT": str(free_port()),
+            "KVLAB_STORE_DIR": str(args.store_dir),
+            "GRADIO_ANALYTICS_ENABLED": "False",
+            "HF_HUB_OFFLINE": "1",
+        }
         log_path = Path("/tmp/kvlab-workshop-server.log")
         with serve_process([sys.executable, "app.py"], ROOT, env, log_path, start_s=300) as url:
             time.sleep(args.settle)

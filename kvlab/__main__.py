@@ -1,4 +1,5 @@
 """Entry point for `python -m kvlab`."""
+
 import sys
 
 from kvlab.cli import main

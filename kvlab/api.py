@@ -25,6 +25,7 @@ This module is ``kvlab.api``, not re-exported by ``kvlab`` itself: the package's
 ``__init__`` imports nothing (tests/test_imports.py), so that a light module
 of kvlab never loads the methods and transformers.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -135,8 +136,9 @@ class KVCache:
         """
         if model is not self.lm.model:
             raise ValueError(f"this cache reads on with the model it was made with ({self.info.model}), not another")
-        return generate_from(self.lm, self.stored, input_ids, logits_processor, stopping_criteria,
-                             generation_config, model_kwargs)
+        return generate_from(
+            self.lm, self.stored, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs
+        )
 
     def answer(self, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Generation:
         """kvlab's own greedy answer (kvlab.runtime.decode.greedy: it stops at end-of-turn, and at a base model's line end)."""
@@ -153,23 +155,30 @@ class KVCache:
         return write_cache_file(path, layout, tensors)
 
 
-def cache_for(ctx: Context, method: Method, ratio: float, question: str | None, stored: CompressedKV,
-              source: str | None = None) -> KVCache:
+def cache_for(
+    ctx: Context, method: Method, ratio: float, question: str | None, stored: CompressedKV, source: str | None = None
+) -> KVCache:
     """``stored``, made by ``method`` at ``ratio`` from ``ctx``, as a KVCache (the lab's runs become one too).
 
     source: where the model loads from (default: where transformers loaded it from).
     """
     info = CacheInfo(
-        method=method.name, options=method_options(method), ratio=float(ratio),
+        method=method.name,
+        options=method_options(method),
+        ratio=float(ratio),
         question=question if method.uses_question() else None,
-        document_sha256=text_sha256(ctx.text), context_tokens=ctx.length, prefix_len=ctx.prefix_len,
-        model=ctx.lm.name, source=source or model_label(ctx.lm.model),
+        document_sha256=text_sha256(ctx.text),
+        context_tokens=ctx.length,
+        prefix_len=ctx.prefix_len,
+        model=ctx.lm.name,
+        source=source or model_label(ctx.lm.model),
     )
     return KVCache(stored, ctx.lm, info)
 
 
-def compress_loaded(lm: LoadedModel, document: str, method: Method, ratio: float,
-                    question: str | None = None) -> KVCache:
+def compress_loaded(
+    lm: LoadedModel, document: str, method: Method, ratio: float, question: str | None = None
+) -> KVCache:
     """Read ``document`` with ``lm`` and compress its cache with ``method`` at ``ratio`` (as a lab run does)."""
     ctx = prepare_context(lm, document)
     stored = method.compress(Request(ctx, float(ratio), question))
@@ -205,9 +214,16 @@ def check_identity(path: Path, layout: dict, lm: LoadedModel) -> None:
     made, here = layout.get("model_identity") or {}, model_identity(lm)
     differ = [key for key in here if made.get(key) != here[key]]
     if differ:
-        what = "its weights differ" if differ == ["weights_sha256"] else ", ".join(
-            f"{key} {made.get(key)} there, {here[key]} here" for key in differ if key != "weights_sha256")
-        raise CacheFileError(f"{path} was made with another model ({layout.get('model')}; {what}): load it with that model")
+        what = (
+            "its weights differ"
+            if differ == ["weights_sha256"]
+            else ", ".join(
+                f"{key} {made.get(key)} there, {here[key]} here" for key in differ if key != "weights_sha256"
+            )
+        )
+        raise CacheFileError(
+            f"{path} was made with another model ({layout.get('model')}; {what}): load it with that model"
+        )
 
 
 def load_into(path: str | Path, lm: LoadedModel) -> KVCache:

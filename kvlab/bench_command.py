@@ -11,6 +11,7 @@ Results go to OUT/results*.jsonl, one line per (task, item, method, ratio,
 preset and knob overrides); a rerun skips what is there, and shards (separate files) merge in
 the report. The full cache (ceiling) and no_context (floor) always run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,22 +35,49 @@ def _csv(text: str) -> list[str]:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register the ``bench`` subcommand on the CLI's subparsers."""
-    p = subparsers.add_parser("bench", help="accuracy on tasks with known answers, per method and ratio (JSONL, CSV, HTML)")
-    p.add_argument("--tasks", default="niah_single,needle_grid", help=f"comma-separated: {', '.join(TASKS)} (default niah_single,needle_grid)")
-    p.add_argument("--methods", default="", help="comma-separated method names, each optionally with knob overrides as "
-                   "name:knob=value:knob=value (the full cache and no_context always run)")
+    p = subparsers.add_parser(
+        "bench", help="accuracy on tasks with known answers, per method and ratio (JSONL, CSV, HTML)"
+    )
+    p.add_argument(
+        "--tasks",
+        default="niah_single,needle_grid",
+        help=f"comma-separated: {', '.join(TASKS)} (default niah_single,needle_grid)",
+    )
+    p.add_argument(
+        "--methods",
+        default="",
+        help="comma-separated method names, each optionally with knob overrides as "
+        "name:knob=value:knob=value (the full cache and no_context always run)",
+    )
     p.add_argument("--ratios", default="2,5,10,20", help="comma-separated compression ratios (default 2,5,10,20)")
     p.add_argument("--limit", type=int, default=10, help="items per task (default 10)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic items and shuffles (default 0)")
-    p.add_argument("--length", type=int, default=DEFAULT_LENGTH, help=f"synthetic document length in model tokens (default {DEFAULT_LENGTH})")
-    p.add_argument("--haystack", choices=HAYSTACKS, default="noise",
-                   help="the needle tasks' filler: noise (one repeated line, RULER's noise; default), prose "
-                   "(the bundled essay text, written with no digits or names) or books (public-domain books from "
-                   "$KVLAB_DATA/prose, their own numbers, dates and names the distractors)")
-    p.add_argument("--needle-values", choices=VALUE_SHAPES, default="number",
-                   help="the needles' values: number (7 digits; default), code (4821-violet), name (a person's) "
-                   "or mixed (the three in turn, item by item)")
-    p.add_argument("--model", default=None, help="embedded (default), a .gguf file, a local directory or a hub id; also KVLAB_MODEL")
+    p.add_argument(
+        "--length",
+        type=int,
+        default=DEFAULT_LENGTH,
+        help=f"synthetic document length in model tokens (default {DEFAULT_LENGTH})",
+    )
+    p.add_argument(
+        "--haystack",
+        choices=HAYSTACKS,
+        default="noise",
+        help="the needle tasks' filler: noise (one repeated line, RULER's noise; default), prose "
+        "(the bundled essay text, written with no digits or names) or books (public-domain books from "
+        "$KVLAB_DATA/prose, their own numbers, dates and names the distractors)",
+    )
+    p.add_argument(
+        "--needle-values",
+        choices=VALUE_SHAPES,
+        default="number",
+        help="the needles' values: number (7 digits; default), code (4821-violet), name (a person's) "
+        "or mixed (the three in turn, item by item)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="embedded (default), a .gguf file, a local directory or a hub id; also KVLAB_MODEL",
+    )
     p.add_argument("--out", default=None, help="results folder (JSONL, results.csv, summary.csv, report.html)")
     p.add_argument("--shard", default=None, help="K/N: run only items i with i %% N == K-1 (its own JSONL file)")
     p.add_argument("--preset", default="", help="comma-separated presets, each run for the methods that have it")
@@ -131,8 +159,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     lm = get_model(args.model)
-    items = [it for t in tasks
-             for it in build_items(t, lm, args.limit, args.seed, args.length, args.haystack, args.needle_values)]
+    items = [
+        it
+        for t in tasks
+        for it in build_items(t, lm, args.limit, args.seed, args.length, args.haystack, args.needle_values)
+    ]
     if shard is not None:
         # Whole documents go to one shard, so each document is prefilled once across the shards.
         items = [it for group in shard.select(group_by_document(items)) for it in group]
@@ -145,7 +176,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     finally:
         close()
     rows = write_report(out)
-    print(f"{len(new)} new results ({len(items)} items, {time.perf_counter() - start:.0f}s); "
-          f"{len(rows)} table rows; wrote {out / 'report.html'}")
+    print(
+        f"{len(new)} new results ({len(items)} items, {time.perf_counter() - start:.0f}s); "
+        f"{len(rows)} table rows; wrote {out / 'report.html'}"
+    )
     return 0
-

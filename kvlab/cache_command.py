@@ -9,6 +9,7 @@ layout as JSON in its header). ``ask`` loads the model the cache names
 reading the document again. A file made with another model, of another
 format version, truncated or not a cache: one line on stderr, exit status 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,11 +29,16 @@ from kvlab.runtime.cache_file import CacheFileError, read_cache_file
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register the ``ask`` subcommand on the CLI's subparsers."""
     ask = subparsers.add_parser("ask", help="answer a question from a compressed cache saved by `run --save-cache`")
-    ask.add_argument("--cache", required=True, metavar="FILE",
-                     help="a cache file written by `kvlab run --save-cache` (or kvlab.api's KVCache.save)")
+    ask.add_argument(
+        "--cache",
+        required=True,
+        metavar="FILE",
+        help="a cache file written by `kvlab run --save-cache` (or kvlab.api's KVCache.save)",
+    )
     ask.add_argument("--question", required=True, help="the question asked after the cached document")
-    ask.add_argument("--model", default=None,
-                     help="the model the cache was made with (default: the one the file names)")
+    ask.add_argument(
+        "--model", default=None, help="the model the cache was made with (default: the one the file names)"
+    )
     ask.add_argument("--max-new-tokens", type=int, default=48, help="answer length cap (default 48)")
     ask.add_argument("--json", action="store_true", help="print one JSON object")
     return ask
@@ -69,10 +75,21 @@ def cmd_ask(args: argparse.Namespace) -> int:
     cache = load_into(args.cache, lm)
     answer = cache.answer(question, max_new_tokens)
     if args.json:
-        print(json.dumps({"answer": answer.text, "answer_ids": answer.ids, "question": question,
-                          "model": lm.name, "method": cache.info.method, "options": cache.info.options,
-                          "ratio": cache.info.ratio, "bytes_compressed": cache.nbytes,
-                          "document_sha256": cache.info.document_sha256}))
+        print(
+            json.dumps(
+                {
+                    "answer": answer.text,
+                    "answer_ids": answer.ids,
+                    "question": question,
+                    "model": lm.name,
+                    "method": cache.info.method,
+                    "options": cache.info.options,
+                    "ratio": cache.info.ratio,
+                    "bytes_compressed": cache.nbytes,
+                    "document_sha256": cache.info.document_sha256,
+                }
+            )
+        )
     else:
         print(f"{cache.info.method} at {cache.info.ratio:g}x, {cache.nbytes:,} B stored, {lm.name}")
         print(f"answer  {answer.text}")

@@ -16,6 +16,7 @@ computation that is cancelled computes it itself (see compute_once).
 
 The compute slot these scopes wait for is :mod:`kvlab.scheduler`'s.
 """
+
 from __future__ import annotations
 
 import contextvars

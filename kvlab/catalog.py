@@ -8,6 +8,7 @@ field's type, default, help and bounds), so that the app, the command line
 and the docs cannot drift apart. No gradio here: the app turns a
 :class:`Knob` into a widget, the CLI into a flag.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -122,8 +123,10 @@ def method_spec(entry: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
     for pair in pairs:
         knob, sep, text = pair.partition("=")
         if not sep or knob.strip() not in by_name:
-            raise MethodError(f"{entry!r}: {pair!r} is not knob=value for one of {name}'s knobs "
-                              f"({', '.join(by_name) or 'it has none'})")
+            raise MethodError(
+                f"{entry!r}: {pair!r} is not knob=value for one of {name}'s knobs "
+                f"({', '.join(by_name) or 'it has none'})"
+            )
         options.append((knob.strip(), by_name[knob.strip()].convert(text.strip())))
     return name, tuple(options)
 
@@ -153,7 +156,7 @@ def presets(name: str) -> dict[str, dict[str, Any]]:
 
 
 def query_awareness(name: str) -> Awareness:
-    """"yes", "no", or "options" when only some knob settings make the method query-aware."""
+    """ "yes", "no", or "options" when only some knob settings make the method query-aware."""
     cls = method_class(name)
     if cls.query_aware:
         return "yes"
@@ -188,7 +191,7 @@ def method_info(name: str) -> str:
 
 
 def source_line(paper: Paper | Baseline) -> str:
-    """"Paper: *...*." with the citation, or "This is a baseline: ..." for a baseline."""
+    """ "Paper: *...*." with the citation, or "This is a baseline: ..." for a baseline."""
     return f"This is {paper}." if isinstance(paper, Baseline) else f"Paper: *{paper}*."
 
 
@@ -199,9 +202,7 @@ def _cell(text: str) -> str:
 
 def knob_table(name: str) -> str:
     """A markdown table of the method's knobs: default (from Options), what is allowed, what it does."""
-    rows = [
-        f"| `{k.name}` | `{k.default!r}` | {_cell(k.allowed)} | {_cell(k.help)} |" for k in knobs(name)
-    ]
+    rows = [f"| `{k.name}` | `{k.default!r}` | {_cell(k.allowed)} | {_cell(k.help)} |" for k in knobs(name)]
     if not rows:
         return ""
     return "\n".join(["| knob | default | allowed | what it does |", "|---|---|---|---|", *rows])

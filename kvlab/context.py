@@ -14,6 +14,7 @@ entries go first), and kvlab.context_store.ContextStore holds a byte budget for 
 it (contexts and everything cached on them), evicting least recently used
 entries, then whole contexts, when it is exceeded.
 """
+
 from __future__ import annotations
 
 import threading
@@ -92,7 +93,9 @@ class Context:
     tokens: ContextTokens
     full: FullKV
     prefill_s: float
-    queries: dict[str | Memo, object] = field(default_factory=dict)  # values: see above (RepeatPass lives in kvlab.queries, which imports this module)
+    queries: dict[str | Memo, object] = field(
+        default_factory=dict
+    )  # values: see above (RepeatPass lives in kvlab.queries, which imports this module)
     evaluations: dict[Memo, object] = field(default_factory=dict)
     memos: dict[Memo, object] = field(default_factory=dict)
     runs: dict[Memo, object] = field(default_factory=dict)
@@ -226,7 +229,10 @@ def prepare_context(lm: LoadedModel, text: str, progress: Progress = no_progress
     start = time.perf_counter()
     report = cancellation.checked(progress)  # each chunk is a step a stopped request ends at
     full = prefill(
-        lm, tokens.ids, capture, on_chunk=lambda done, total: report(done / total, f"prefill, {done:,}/{total:,} tokens")
+        lm,
+        tokens.ids,
+        capture,
+        on_chunk=lambda done, total: report(done / total, f"prefill, {done:,}/{total:,} tokens"),
     )
     elapsed = time.perf_counter() - start
     return Context(lm, text, tokens, full, elapsed, queries={"context": capture.per_layer()})

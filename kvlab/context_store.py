@@ -1,4 +1,5 @@
 """The documents prepared recently: one Context per (model, document), shared by every user, within a byte budget."""
+
 from __future__ import annotations
 
 import hashlib
@@ -90,8 +91,14 @@ class ContextStore:
             self._items[key] = ctx
             self._trim()
 
-        return compute_once(self._lock, self._flights, key, lambda: recently_used(self._items, key),
-                            lambda: prepare_context(lm, text, progress), keep)
+        return compute_once(
+            self._lock,
+            self._flights,
+            key,
+            lambda: recently_used(self._items, key),
+            lambda: prepare_context(lm, text, progress),
+            keep,
+        )
 
     def grew(self, key: tuple[int, str]) -> None:
         """A context grew while in use: it becomes the most recently used, and the others go if need be."""

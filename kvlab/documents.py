@@ -15,13 +15,7 @@ from pathlib import Path
 
 from kvlab.limits import LIMITS
 
-__all__ = [
-    "DocumentError",
-    "MAX_FILE_BYTES",
-    "SUPPORTED_SUFFIXES",
-    "clean_text",
-    "read_document",
-]
+__all__ = ["DocumentError", "MAX_FILE_BYTES", "SUPPORTED_SUFFIXES", "clean_text", "read_document"]
 
 #: Largest file :func:`read_document` accepts, in bytes (``KVLAB_MAX_UPLOAD_BYTES``, kvlab.limits).
 MAX_FILE_BYTES: int = LIMITS.upload_bytes
@@ -86,8 +80,7 @@ def read_document(path: str | Path) -> str:
     size = p.stat().st_size
     if size > MAX_FILE_BYTES:
         raise DocumentError(
-            f"'{name}' is too large ({size / 1_000_000:.1f} MB); "
-            f"the limit is {MAX_FILE_BYTES // (1024 * 1024)} MB."
+            f"'{name}' is too large ({size / 1_000_000:.1f} MB); the limit is {MAX_FILE_BYTES // (1024 * 1024)} MB."
         )
     if size == 0:
         raise DocumentError(f"'{name}' is empty (0 bytes).")
@@ -101,32 +94,25 @@ def read_document(path: str | Path) -> str:
         text = _pdf_text(data, name)
     else:
         if data.startswith(b"%PDF-"):
-            raise DocumentError(
-                f"'{name}' looks like a PDF file, not plain text. Rename it to end in .pdf."
-            )
+            raise DocumentError(f"'{name}' looks like a PDF file, not plain text. Rename it to end in .pdf.")
         text = _decode_text(data, name)
     try:
         return clean_text(text)
     except DocumentError:
-        raise DocumentError(
-            f"'{name}' contains no readable text (the document is empty)."
-        ) from None
+        raise DocumentError(f"'{name}' contains no readable text (the document is empty).") from None
 
 
 def _control_ratio(text: str) -> float:
     """Return the share of control characters in ``text`` other than common whitespace."""
     if not text:
         return 0.0
-    bad = sum(
-        1 for ch in text if ch not in _ALLOWED_CONTROLS and unicodedata.category(ch) == "Cc"
-    )
+    bad = sum(1 for ch in text if ch not in _ALLOWED_CONTROLS and unicodedata.category(ch) == "Cc")
     return bad / len(text)
 
 
 def _binary_error(name: str) -> DocumentError:
     return DocumentError(
-        f"'{name}' does not look like a text file (it contains binary data). "
-        "Upload a .txt, .md or .pdf document."
+        f"'{name}' does not look like a text file (it contains binary data). Upload a .txt, .md or .pdf document."
     )
 
 
@@ -145,9 +131,7 @@ def _decode_text(data: bytes, name: str) -> str:
         except UnicodeDecodeError:
             # Not UTF-8. Only fall back to a single-byte encoding when the bytes look
             # like text: few raw control bytes (bytes 0x80-0x9f are text in cp1252).
-            raw_controls = sum(
-                1 for b in data if (b < 0x20 and b not in b"\t\n\r\f\v") or b == 0x7F
-            )
+            raw_controls = sum(1 for b in data if (b < 0x20 and b not in b"\t\n\r\f\v") or b == 0x7F)
             if raw_controls / len(data) > _MAX_CONTROL_RATIO:
                 raise _binary_error(name) from None
             try:
@@ -166,9 +150,7 @@ def _pdf_text(data: bytes, name: str) -> str:
     try:
         from pypdf import PdfReader
     except ImportError as exc:  # pragma: no cover - pypdf is a hard requirement
-        raise DocumentError(
-            "PDF support is not installed (the 'pypdf' package is missing)."
-        ) from exc
+        raise DocumentError("PDF support is not installed (the 'pypdf' package is missing).") from exc
 
     # pypdf logs every recoverable oddity of a malformed file; keep the console quiet.
     pypdf_logger = logging.getLogger("pypdf")
@@ -183,16 +165,12 @@ def _pdf_text(data: bytes, name: str) -> str:
                 except Exception:  # noqa: BLE001 - e.g. missing AES backend
                     unlocked = 0
                 if not unlocked:
-                    raise DocumentError(
-                        f"'{name}' is a password-protected PDF; remove the password and try again."
-                    )
+                    raise DocumentError(f"'{name}' is a password-protected PDF; remove the password and try again.")
             pages = list(reader.pages)
         except DocumentError:
             raise
         except Exception as exc:  # noqa: BLE001 - pypdf raises many exception types
-            raise DocumentError(
-                f"'{name}' could not be read as a PDF (the file may be damaged): {exc}"
-            ) from exc
+            raise DocumentError(f"'{name}' could not be read as a PDF (the file may be damaged): {exc}") from exc
 
         if not pages:
             raise DocumentError(f"'{name}' is a PDF with no pages.")
@@ -240,11 +218,7 @@ def clean_text(text: str) -> str:
     """
     text = text.replace("\r\n", "\n")
     text = text.translate(_NEWLINES)
-    text = "".join(
-        ch
-        for ch in text
-        if ch in "\n\t" or (unicodedata.category(ch) != "Cc" and ch != "\ufeff")
-    )
+    text = "".join(ch for ch in text if ch in "\n\t" or (unicodedata.category(ch) != "Cc" and ch != "\ufeff"))
     text = "\n".join(line.rstrip() for line in text.split("\n"))
     text = _BLANK_RUN.sub("\n\n\n", text).strip()
     if not text:

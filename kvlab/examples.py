@@ -1,5 +1,6 @@
 """The bundled example documents: ``assets/examples``, described by ``examples.json``
 (:func:`load_examples`), each with short factual questions and their gold answers."""
+
 from __future__ import annotations
 
 import json
@@ -122,13 +123,9 @@ def load_examples(root: Path | None = None) -> list[Example]:
         aliases = _answer_aliases(entry, where)
         answers = tuple(group[0] for group in aliases)
         if len(questions) != len(answers):
-            raise DocumentError(
-                f"{where}: {len(questions)} questions but {len(answers)} answers."
-            )
+            raise DocumentError(f"{where}: {len(questions)} questions but {len(answers)} answers.")
         tokens = entry.get("tokens")
-        if tokens is not None and (
-            isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0
-        ):
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
             raise DocumentError(f"{where}: 'tokens' must be a non-negative integer.")
 
         examples.append(

@@ -11,6 +11,7 @@ exit status 2), never a traceback. The settings that are not numbers (where
 the result store lives, the sheet to warm it with) are read here too
 (:func:`store_dir`, :func:`warm_sheet`).
 """
+
 from __future__ import annotations
 
 import os

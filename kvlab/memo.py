@@ -4,6 +4,7 @@
 is built on (a document's prepared context, what runs derive from it, the
 result store); :func:`held_bytes` is how those caches count their memory.
 """
+
 from __future__ import annotations
 
 import dataclasses

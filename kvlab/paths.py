@@ -5,6 +5,7 @@ editable) maps that folder to the data package ``kvlab.assets``, which
 importlib finds. A checkout used without installing has no such package, and
 the folder is then the one beside ``kvlab/``.
 """
+
 from __future__ import annotations
 
 import os

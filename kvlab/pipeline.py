@@ -3,6 +3,7 @@
 The CLI and the app both call :func:`run`; the numbers they show come from
 the :class:`RunResult` it returns.
 """
+
 from __future__ import annotations
 
 import time
@@ -127,8 +128,10 @@ class RunResult:
         ``nonfinite_replaced`` (kvlab.methods.families.compaction.diagnostics).
         """
         parts = []
-        for key, what in (("solver_fallbacks", "a solve fell back to zeros"),
-                          ("nonfinite_replaced", "non-finite values were replaced")):
+        for key, what in (
+            ("solver_fallbacks", "a solve fell back to zeros"),
+            ("nonfinite_replaced", "non-finite values were replaced"),
+        ):
             rows = self.details.get(key) or []
             heads = [f"layer {i} head {h}" for i, row in enumerate(rows) for h, n in enumerate(row) if n]
             if heads:
@@ -233,8 +236,9 @@ class StoredCache(Memo):
     @classmethod
     def of(cls, method: Method, ratio: float, question: str, record_importance: bool) -> StoredCache:
         """The key of ``method``'s stored cache at ``ratio`` for ``question``."""
-        return cls(method.name, method.options, ratio, record_importance,
-                   question=question if method.uses_question() else None)
+        return cls(
+            method.name, method.options, ratio, record_importance, question=question if method.uses_question() else None
+        )
 
 
 @dataclass(frozen=True)
@@ -264,6 +268,7 @@ def compressed(
 ) -> tuple[Compressed, bool]:
     """The stored cache for these settings, made once and kept on the context (least recently
     used first out, within the byte budget), and whether it was reused."""
+
     def make() -> Compressed:
         start = time.perf_counter()
         stored = method.compress(Request(ctx, ratio, question, progress, record_importance))
@@ -291,8 +296,9 @@ def answered(
         drafted = greedy_from_draft(ctx.lm, stored, ev.question_ids, ev.answer.ids, max_new_tokens)
         answer_s = time.perf_counter() - start
         # The full cache's side of the errors is the same for every cache compared on this question.
-        full, shares = ctx.cached(ReferenceAttention(max_new_tokens, question=ev.question),
-                                  lambda: reference_and_shares(ctx, ev.queries))
+        full, shares = ctx.cached(
+            ReferenceAttention(max_new_tokens, question=ev.question), lambda: reference_and_shares(ctx, ev.queries)
+        )
         errors = head_errors(ctx.full.stored, stored, ev.queries, full=full, lm=ctx.lm)
         return Answered(drafted.generation, answer_s, errors, drafted.draft_logprobs, shares)
 

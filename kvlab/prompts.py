@@ -5,6 +5,7 @@ instruction) continues that turn after the cached context, then the assistant
 turn opens. Each piece is tokenised on its own, so the document's token span
 is exact and the context cache can be reused for any continuation.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

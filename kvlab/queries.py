@@ -5,6 +5,7 @@ the model reads something after the full document cache. Results are kept on
 the Context, so a source is computed once per document. The user's question
 is a source only for methods that say they are query-aware.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,7 +49,9 @@ class SelfStudyQueries(Memo):
     token_budget: int
 
 
-def _session_after(ctx: Context, ids: torch.Tensor, capture: QueryCapture, stored: CompressedKV | None = None) -> Session:
+def _session_after(
+    ctx: Context, ids: torch.Tensor, capture: QueryCapture, stored: CompressedKV | None = None
+) -> Session:
     """The working session after the model read ``ids`` after a stored cache (default: the full one)."""
     session = open_session(ctx.lm, stored or ctx.full.stored)
     read_chunked(ctx.lm, session, ids, capture)
@@ -95,8 +98,10 @@ def repeat_pass(ctx: Context, instruction: str = REPEAT_INSTRUCTION) -> RepeatPa
         capture = QueryCapture(ctx.lm.n_layers)
         session = _session_after(ctx, ids, capture)
         # A copy: a slice would keep the whole working cache (document included) alive.
-        keys = [None if g.window is not None else layer.keys[0, :, ctx.length :].clone()
-                for g, layer in zip(ctx.lm.geometry, session.cache.layers)]
+        keys = [
+            None if g.window is not None else layer.keys[0, :, ctx.length :].clone()
+            for g, layer in zip(ctx.lm.geometry, session.cache.layers)
+        ]
         return RepeatPass(capture.per_layer(), keys)
 
     return ctx.cached(RepeatQueries(instruction), make)

@@ -24,6 +24,7 @@ foreign entry is never shown. Least recently used entries go while the
 folder holds more than ``KVLAB_STORE_BYTES``. The payload is a pickle: the
 folder must be the server's own (it is created readable by its owner only).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -120,8 +121,11 @@ def file_digest(path: Path) -> str:
 def folder_digest(path: Path) -> str:
     """The sha256 over every file of a folder (names and contents, hidden files skipped)."""
     h = hashlib.sha256()
-    for file in sorted(p for p in path.rglob("*") if p.is_file() and not any(
-            part.startswith(".") for part in p.relative_to(path).parts)):
+    for file in sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    ):
         h.update(file.relative_to(path).as_posix().encode() + b"\0" + file_digest(file).encode())
     return h.hexdigest()
 
@@ -193,8 +197,12 @@ class ResultStore:
             with tempfile.NamedTemporaryFile(dir=directory, prefix=".probe-"):
                 pass
         except OSError as exc:
-            log.warning("the result store %s is not usable (%s): finished runs are kept in memory only "
-                        "(set KVLAB_STORE_DIR to a writable folder, or to 'off')", directory, exc.strerror or exc)
+            log.warning(
+                "the result store %s is not usable (%s): finished runs are kept in memory only "
+                "(set KVLAB_STORE_DIR to a writable folder, or to 'off')",
+                directory,
+                exc.strerror or exc,
+            )
             return None
         return directory
 
@@ -262,7 +270,7 @@ class ResultStore:
             os.utime(path)  # recently used: last to go
         except OSError:
             pass
-        return raw[raw.index(b"\n", len(MAGIC)) + 1:]
+        return raw[raw.index(b"\n", len(MAGIC)) + 1 :]
 
     # ------------------------------------------------------------------ writes
     def put(self, key: RunKey, value: object) -> None:
@@ -321,7 +329,9 @@ class ResultStore:
                 total -= size
 
     # ------------------------------------------------------------------ serving
-    def serve(self, key: RunKey, make: Callable[[], Any], on_share: Callable[[], None] | None = None) -> tuple[Any, Served]:
+    def serve(
+        self, key: RunKey, make: Callable[[], Any], on_share: Callable[[], None] | None = None
+    ) -> tuple[Any, Served]:
         """(``key``'s value, how it was served): stored, else computed by ``make()`` once and kept.
 
         A request for a key already being computed waits for that computation
@@ -384,11 +394,11 @@ def entry_problem(raw: bytes, key: RunKey) -> str | None:
     if end < 0:
         return "no header"
     try:
-        header = json.loads(raw[len(MAGIC):end])
+        header = json.loads(raw[len(MAGIC) : end])
     except ValueError:
         return "a damaged header"
     if not isinstance(header, dict) or header.get("key") != key.canonical():
         return "another configuration's entry"
-    if hashlib.sha256(raw[end + 1:]).hexdigest() != header.get("sha256"):
+    if hashlib.sha256(raw[end + 1 :]).hexdigest() != header.get("sha256"):
         return "a damaged payload"
     return None

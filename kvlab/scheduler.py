@@ -6,6 +6,7 @@ requester's newer request of a kind supersedes their older one still waiting, an
 request hears its place in line and an estimate of its wait (``Scope.on_wait``). A waiting
 request is bounded like any other (:mod:`kvlab.cancellation`): stopped, it leaves the line.
 """
+
 from __future__ import annotations
 
 import threading
@@ -19,6 +20,8 @@ from kvlab.cancellation import SUPERSEDED, VISITOR, Cancelled, Scope, current, w
 
 #: Weight of the newest hold in the slot's running estimate of one hold's cost.
 COST_WEIGHT = 0.3
+
+
 @contextmanager
 def may_leave(slot: Slot) -> Iterator[None]:
     """Inside, holding ``slot``, the current request may give it up early (:func:`leave_slot`).
@@ -35,7 +38,6 @@ def may_leave(slot: Slot) -> Iterator[None]:
         yield
     finally:
         s.leave = lambda: None
-
 
 
 class Busy(Exception):
@@ -151,14 +153,20 @@ class Slot:
         newer request of the same owner and kind arrives while this one waits.
         """
         s = current()
-        ticket = Ticket(s.owner if s else None, s.kind if s else None, s.priority if s else VISITOR,
-                        s.start if s else time.monotonic())
+        ticket = Ticket(
+            s.owner if s else None,
+            s.kind if s else None,
+            s.priority if s else VISITOR,
+            s.start if s else time.monotonic(),
+        )
         start = time.monotonic()
         with self._cond:
             visitors = sum(t.priority == VISITOR for t in self._waiting)
             if ticket.priority == VISITOR and self.max_waiting is not None and visitors >= self.max_waiting:
-                raise Busy(f"The lab is busy: {visitors} requests are waiting for its compute slot. Try again "
-                           "in a minute; a configuration someone has run already is answered at once.")
+                raise Busy(
+                    f"The lab is busy: {visitors} requests are waiting for its compute slot. Try again "
+                    "in a minute; a configuration someone has run already is answered at once."
+                )
             if ticket.owner is not None and ticket.kind is not None:
                 for older in self._waiting:
                     if (older.owner, older.kind) == (ticket.owner, ticket.kind) and older.started < ticket.started:

@@ -1,4 +1,5 @@
 """Shared fixtures: a tiny random Llama built in code, and the embedded model."""
+
 from __future__ import annotations
 
 import copy
@@ -71,7 +72,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 #: A chat template in the tiny word vocabulary: 2 template tokens before the document, as real models keep a prefix.
-TINY_TEMPLATE = "w60 w61 {% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %} w59{% endif %}"
+TINY_TEMPLATE = (
+    "w60 w61 {% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %} w59{% endif %}"
+)
 
 
 def with_template(lm: LoadedModel) -> LoadedModel:

@@ -1,4 +1,5 @@
 """Random problems shared by the solver tests (tests/test_solvers.py, tests/test_compact_block.py)."""
+
 from __future__ import annotations
 
 import torch

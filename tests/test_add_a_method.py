@@ -7,6 +7,7 @@ appended to the package's ``__path__``, so that other test runs sharing this che
 The package's own discovery (``kvlab.compression.registry.discover``, what
 ``kvlab/methods/__init__.py`` calls) then imports it like any method file.
 """
+
 from __future__ import annotations
 
 import json
@@ -79,9 +80,19 @@ def tiny_folder(tmp_path_factory):
     """A 2-layer random Llama with the tests' word tokenizer, saved as a model folder for ``--model``."""
     out = tmp_path_factory.mktemp("model") / "tiny"
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                         eos_token_id=1, bos_token_id=None, pad_token_id=None)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        eos_token_id=1,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     LlamaForCausalLM(config).save_pretrained(out)
     tiny_tokenizer().save_pretrained(out)
     return out
@@ -90,8 +101,26 @@ def tiny_folder(tmp_path_factory):
 def test_kvlab_run_runs_it_with_its_knob(folder, tiny_folder, tmp_path, capsys):
     doc = tmp_path / "doc.txt"
     doc.write_text(" ".join(f"w{(i * 7) % 60 + 2}" for i in range(60)))
-    code = main(["run", "--doc", str(doc), "--method", NAME, "--ratio", "4", "--question", "w3 w5",
-                 "--window", "0", "--max-new-tokens", "2", "--model", str(tiny_folder), "--json"])
+    code = main(
+        [
+            "run",
+            "--doc",
+            str(doc),
+            "--method",
+            NAME,
+            "--ratio",
+            "4",
+            "--question",
+            "w3 w5",
+            "--window",
+            "0",
+            "--max-new-tokens",
+            "2",
+            "--model",
+            str(tiny_folder),
+            "--json",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     result = json.loads(out)
@@ -119,17 +148,29 @@ def test_every_per_method_test_runs_it(folder):
         "import kvlab.methods\n"
         "from kvlab.compression.registry import discover\n"
         f"kvlab.methods.__path__.append({str(folder)!r})\n"
-        "discover(kvlab.methods.__name__, kvlab.methods.__path__)\n", encoding="utf-8")
+        "discover(kvlab.methods.__name__, kvlab.methods.__path__)\n",
+        encoding="utf-8",
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(ROOT)])}
     base = [sys.executable, "-m", "pytest", "-p", "add_my_method", "-p", "no:cacheprovider", "-q"]
     collected = subprocess.run(
         [*base, "--collect-only", "tests/test_methods.py", "tests/test_bf16.py", "tests/test_catalog.py"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert collected.returncode == 0, collected.stdout[-2000:] + collected.stderr[-2000:]
     ids = [line for line in collected.stdout.splitlines() if NAME in line]
-    for test in ("test_every_method_meets_its_budget", "test_ratio_one_keeps_everything_and_reproduces_logits",
-                 "test_importance_is_recorded_only_when_asked", "test_bf16_attention_error_stays_within_its_bound"):
+    for test in (
+        "test_every_method_meets_its_budget",
+        "test_ratio_one_keeps_everything_and_reproduces_logits",
+        "test_importance_is_recorded_only_when_asked",
+        "test_bf16_attention_error_stays_within_its_bound",
+    ):
         assert any(test in line for line in ids), (test, ids)
-    ran = subprocess.run([*base, "tests/test_methods.py", "-k", NAME], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
+    ran = subprocess.run(
+        [*base, "tests/test_methods.py", "-k", NAME], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert ran.returncode == 0 and " passed" in ran.stdout, ran.stdout[-2000:]

@@ -7,6 +7,7 @@ appended to the package's ``__path__``, so that other test runs sharing this che
 The package's own discovery (``kvlab.compression.registry.discover``, what
 ``kvlab/bounded/policies/__init__.py`` calls) then imports it like any policy file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -89,8 +90,22 @@ def test_kvlab_generate_offers_it_and_runs_it(folder, tiny_folder, capsys):
     args = build_parser().parse_args(["generate", "--prompt", "w2 w3", "--method", NAME])
     assert args.method == NAME
     prompt = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(40))  # 40 tokens and the template's: past the budget
-    code = main(["generate", "--prompt", prompt, "--method", NAME, "--budget", "24", "--max-new-tokens", "4",
-                 "--model", str(tiny_folder), "--json"])
+    code = main(
+        [
+            "generate",
+            "--prompt",
+            prompt,
+            "--method",
+            NAME,
+            "--budget",
+            "24",
+            "--max-new-tokens",
+            "4",
+            "--model",
+            str(tiny_folder),
+            "--json",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     record = json.loads(out)
@@ -104,8 +119,11 @@ def test_the_apps_generate_tab_offers_it(folder):
     from kvlab.ui.app import build_app
 
     demo = build_app(models=[("tiny", "unused-spec")])
-    boxes = [block for block in demo.blocks.values()
-             if isinstance(block, gr.CheckboxGroup) and block.label == "Bounded-cache methods"]
+    boxes = [
+        block
+        for block in demo.blocks.values()
+        if isinstance(block, gr.CheckboxGroup) and block.label == "Bounded-cache methods"
+    ]
     assert len(boxes) == 1 and ("Most recent only", NAME) in [tuple(c) for c in boxes[0].choices]
 
 
@@ -119,9 +137,19 @@ def tiny_folder(tmp_path_factory):
     """A 2-layer random Llama with the tests' word tokenizer, saved as a model folder for ``--model``."""
     out = tmp_path_factory.mktemp("model") / "tiny"
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                         eos_token_id=1, bos_token_id=None, pad_token_id=None)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        eos_token_id=1,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     LlamaForCausalLM(config).save_pretrained(out)
     tiny_tokenizer().save_pretrained(out)
     return out
@@ -136,11 +164,34 @@ def test_every_per_policy_test_runs_it(folder):
         "import kvlab.bounded.policies\n"
         "from kvlab.compression.registry import discover\n"
         f"kvlab.bounded.policies.__path__.append({str(folder)!r})\n"
-        "discover(kvlab.bounded.policies.__name__, kvlab.bounded.policies.__path__)\n", encoding="utf-8")
+        "discover(kvlab.bounded.policies.__name__, kvlab.bounded.policies.__path__)\n",
+        encoding="utf-8",
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(ROOT)])}
     ran = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "add_my_policy", "-p", "no:cacheprovider", "-q", "-rA",
-         "tests/test_generate.py", "-k", NAME], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "add_my_policy",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-rA",
+            "tests/test_generate.py",
+            "-k",
+            NAME,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
-    for test in ("test_the_cache_never_exceeds_its_budget", "test_with_room_for_everything_every_method_is_plain_greedy"):
+    for test in (
+        "test_the_cache_never_exceeds_its_budget",
+        "test_with_room_for_everything_every_method_is_plain_greedy",
+    ):
         assert f"PASSED tests/test_generate.py::{test}[{NAME}]" in ran.stdout, (test, ran.stdout[-2000:])

@@ -9,6 +9,7 @@ never see it. kvlab.compression.selection assembles its knobs when it is importe
 appended in a fresh interpreter (:data:`CHILD`) before anything imports the methods; the test reads
 back what that interpreter saw, as JSON.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,7 +62,7 @@ STAGE = Stage(
 '''
 
 #: The fresh interpreter: argv = [the wrapper's folder, the tiny model's folder, a document file].
-CHILD = '''
+CHILD = """
 import contextlib, io, json, sys
 import kvlab.compression.wrappers
 kvlab.compression.wrappers.__path__.append(sys.argv[1])
@@ -99,7 +100,7 @@ seen["keys"] = [k[:, ctx.prefix_len:].double().tolist() for k in ctx.full.keys]
 seen["kept"] = [[sorted(i - ctx.prefix_len for i in stored.fates(layer, head) if i >= ctx.prefix_len)
                  for head in range(ctx.lm.n_kv_heads)] for layer in range(ctx.lm.n_layers)]
 print(json.dumps(seen))
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +110,13 @@ def seen(tmp_path_factory, tiny_folder):  # noqa: F811
     (folder / "oldest.py").write_text(WRAPPER, encoding="utf-8")
     doc = folder / "doc.txt"
     doc.write_text(" ".join(f"w{(i * 7) % 60 + 2}" for i in range(60)))
-    ran = subprocess.run([sys.executable, "-c", CHILD, str(folder), str(tiny_folder), str(doc)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
+    ran = subprocess.run(
+        [sys.executable, "-c", CHILD, str(folder), str(tiny_folder), str(doc)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
     return json.loads(ran.stdout.splitlines()[-1])
 
@@ -132,8 +138,12 @@ def test_the_knobs_every_scoring_method_gets_include_it_in_its_order(seen):
         if name in wrapped:
             assert [f"{name}__oldest_share", 0.0, "a number from 0 to 1"] in knobs
             at = keys.index(f"{name}__oldest_share")
-            assert keys[at - 2 : at + 2] == [f"{name}__granularity", f"{name}__chunk_size", f"{name}__oldest_share",
-                                             f"{name}__critical"]
+            assert keys[at - 2 : at + 2] == [
+                f"{name}__granularity",
+                f"{name}__chunk_size",
+                f"{name}__oldest_share",
+                f"{name}__critical",
+            ]
         else:
             assert f"{name}__oldest_share" not in keys
 

@@ -11,6 +11,7 @@ cache saved, loaded back, and the file refused when it must be. README's
 the architecture matrix and on the embedded model, and the CLI's
 ``run --save-cache`` / ``ask`` on a tiny model folder.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -71,10 +72,11 @@ def strip_stop(tokens: list[int], stops: set[int]) -> list[int]:
 def generated(model, cache: api.KVCache, question: str, stops: set[int], max_new_tokens: int = NEW_TOKENS) -> list[int]:
     """The new tokens of ``model.generate`` from ``cache`` (greedy), end-of-sequence token dropped."""
     ids = cache.prompt(question)
-    out = model.generate(ids, custom_generate=cache.decode, max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=sorted(stops))
+    out = model.generate(
+        ids, custom_generate=cache.decode, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(stops)
+    )
     assert torch.equal(out[0, : ids.shape[1]].cpu(), ids[0].cpu())
-    return strip_stop(out[0, ids.shape[1]:].tolist(), stops)
+    return strip_stop(out[0, ids.shape[1] :].tolist(), stops)
 
 
 def theirs(family: str, overrides: dict) -> tuple[torch.nn.Module, object]:
@@ -151,12 +153,25 @@ def test_generate_follows_transformers_settings():
     cache = api.compress(model, tokenizer, DOC, "snapkv", 4)
     ids = cache.prompt(QUESTION)
     eos = model.generation_config.eos_token_id
-    raw = model.generate(ids, custom_generate=cache.decode, max_new_tokens=4, do_sample=False,
-                         return_dict_in_generate=True, output_logits=True)
+    raw = model.generate(
+        ids,
+        custom_generate=cache.decode,
+        max_new_tokens=4,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
     assert int(raw.logits[0].argmax()) != eos, "the first greedy token is end-of-sequence: nothing would be kept away"
-    out = model.generate(ids, custom_generate=cache.decode, max_new_tokens=4, min_new_tokens=4, do_sample=False,
-                         return_dict_in_generate=True, output_scores=True)
-    new = out.sequences[0, ids.shape[1]:].tolist()
+    out = model.generate(
+        ids,
+        custom_generate=cache.decode,
+        max_new_tokens=4,
+        min_new_tokens=4,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
+    new = out.sequences[0, ids.shape[1] :].tolist()
     assert len(new) == 4 and len(out.scores) == 4 and eos not in new
     assert [int(s.argmax()) for s in out.scores] == new
     assert all(float(s[0, eos]) == float("-inf") for s in out.scores)
@@ -241,7 +256,9 @@ def refused(path: Path, lm: LoadedModel) -> str:
 @pytest.fixture
 def saved(tiny_ctx, tmp_path) -> Path:
     method = get_method("snapkv")
-    return api.cache_for(tiny_ctx, method, 4.0, None, method.compress(Request(tiny_ctx, 4.0))).save(tmp_path / "s.kvcache")
+    return api.cache_for(tiny_ctx, method, 4.0, None, method.compress(Request(tiny_ctx, 4.0))).save(
+        tmp_path / "s.kvcache"
+    )
 
 
 def test_a_cache_is_refused_by_another_model(saved, tiny_ctx):
@@ -293,14 +310,18 @@ def test_save_and_load_keep_every_tensor_on_the_models_device(tmp_path, monkeypa
     lm = suite_model(name="fake-cuda-llama")
     to_fake_cuda(lm.model)
     with fake_cuda():
-        cache = api.compress(lm.model, lm.tokenizer, "The ferry crosses the river at dawn. " * 6, "attention_matching", 4)
+        cache = api.compress(
+            lm.model, lm.tokenizer, "The ferry crosses the river at dawn. " * 6, "attention_matching", 4
+        )
         assert cache.lm.device.type == "cuda"
         ids = cache.prompt("Who?")
         out = lm.model.generate(ids, custom_generate=cache.decode, max_new_tokens=3, do_sample=False)
         back = api.load_cache(cache.save(tmp_path / "c.kvcache"), lm.model, lm.tokenizer)
         again = lm.model.generate(ids, custom_generate=back.decode, max_new_tokens=3, do_sample=False)
     assert torch.equal(out, again)
-    loaded = [t for layer in back.stored.layers for seg in layer for t in vars(seg).values() if isinstance(t, torch.Tensor)]
+    loaded = [
+        t for layer in back.stored.layers for seg in layer for t in vars(seg).values() if isinstance(t, torch.Tensor)
+    ]
     assert loaded and all(is_fake(t) for t in loaded)
 
 
@@ -319,7 +340,9 @@ def run_readme(lm: LoadedModel, monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     name = re.search(r'name = "([^"]+)"', readme_example()).group(1)
     loaders = {AutoModelForCausalLM: lm.model, AutoTokenizer: lm.tokenizer}
     for cls, value in loaders.items():
-        monkeypatch.setattr(cls, "from_pretrained", classmethod(lambda c, spec, _v=value, **_: _v if spec == name else None))
+        monkeypatch.setattr(
+            cls, "from_pretrained", classmethod(lambda c, spec, _v=value, **_: _v if spec == name else None)
+        )
     made = []
     compress = api.compress
     monkeypatch.setattr(api, "compress", lambda *a, **k: made.append(compress(*a, **k)) or made[-1])
@@ -334,7 +357,7 @@ def check_readme_run(ns: dict, lm: LoadedModel) -> None:
     back stores the same bytes and answers the same."""
     made, loaded, ids, out = ns["made"], ns["cache"], ns["ids"], ns["out"]
     eos = lm.model.generation_config.eos_token_id
-    new = strip_stop(out[0, ids.shape[1]:].tolist(), set(eos if isinstance(eos, list) else [eos]))
+    new = strip_stop(out[0, ids.shape[1] :].tolist(), set(eos if isinstance(eos, list) else [eos]))
     want = greedy(lm, made.stored, ids[0].cpu(), 24).ids
     # kvlab's own loop also stops at end-of-turn markers the generation config may not name.
     assert new[: len(want)] == want and (len(new) == len(want) or new[len(want)] in stop_token_ids(lm))
@@ -388,14 +411,35 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
 def test_run_saves_the_cache_and_ask_answers_from_it(folders, tmp_path, capsys):
     doc, file = tmp_path / "doc.txt", tmp_path / "caches" / "doc.kvcache"
     doc.write_text(DOC)
-    code, out, err = run_cli(["run", "--doc", str(doc), "--method", "snapkv", "--ratio", "4", "--question", QUESTION,
-                              "--window", "8", "--max-new-tokens", "6", "--model", str(folders[0]), "--json",
-                              "--save-cache", str(file)], capsys)
+    code, out, err = run_cli(
+        [
+            "run",
+            "--doc",
+            str(doc),
+            "--method",
+            "snapkv",
+            "--ratio",
+            "4",
+            "--question",
+            QUESTION,
+            "--window",
+            "8",
+            "--max-new-tokens",
+            "6",
+            "--model",
+            str(folders[0]),
+            "--json",
+            "--save-cache",
+            str(file),
+        ],
+        capsys,
+    )
     assert code == 0, err
     result = json.loads(out)
     assert file.is_file() and str(file) in err
-    code, out, err = run_cli(["ask", "--cache", str(file), "--question", QUESTION, "--max-new-tokens", "6", "--json"],
-                             capsys)  # no --model: the one the file names
+    code, out, err = run_cli(
+        ["ask", "--cache", str(file), "--question", QUESTION, "--max-new-tokens", "6", "--json"], capsys
+    )  # no --model: the one the file names
     assert code == 0, err
     asked = json.loads(out)
     assert asked["answer"] == result["answer_compressed"]
@@ -406,8 +450,21 @@ def test_run_saves_the_cache_and_ask_answers_from_it(folders, tmp_path, capsys):
 def test_cli_refuses_a_bad_cache_in_one_line_with_status_2(folders, tmp_path, capsys):
     doc, file = tmp_path / "doc.txt", tmp_path / "doc.kvcache"
     doc.write_text(DOC)
-    base = ["run", "--doc", str(doc), "--method", "kivi", "--ratio", "4", "--question", QUESTION,
-            "--max-new-tokens", "2", "--model", str(folders[0])]
+    base = [
+        "run",
+        "--doc",
+        str(doc),
+        "--method",
+        "kivi",
+        "--ratio",
+        "4",
+        "--question",
+        QUESTION,
+        "--max-new-tokens",
+        "2",
+        "--model",
+        str(folders[0]),
+    ]
     code, _, err = run_cli([*base, "--save-cache", str(tmp_path)], capsys)
     assert (code, err.count("\n")) == (2, 1) and "is a folder" in err
     assert run_cli([*base, "--save-cache", str(file)], capsys)[0] == 0

@@ -1,4 +1,5 @@
 """The real app, served and driven through its API with gradio_client (the embedded model)."""
+
 from __future__ import annotations
 
 import csv
@@ -56,9 +57,17 @@ def tiny_dir(embedded, tmp_path_factory):
     folder = tmp_path_factory.mktemp("models") / "kvlab-tiny-llama"
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(embedded.tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-        eos_token_id=embedded.tokenizer.eos_token_id, bos_token_id=None, pad_token_id=None,
+        vocab_size=len(embedded.tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        eos_token_id=embedded.tokenizer.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=None,
     )
     LlamaForCausalLM(config).save_pretrained(folder)
     embedded.tokenizer.save_pretrained(folder)
@@ -107,7 +116,12 @@ def test_model_choices_come_from_the_environment():
     assert lab.model_choices({}) == [(f"{EMBEDDED_LABEL} (default)", EMBEDDED), *packaged]
     env = {"KVLAB_MODEL": "/models/big.gguf", "KVLAB_MODELS": " Qwen/Qwen3-4B, /models/big.gguf,,/data/llama "}
     assert [spec for _, spec in lab.model_choices(env)] == [
-        "/models/big.gguf", EMBEDDED, *[spec for _, spec in packaged], "Qwen/Qwen3-4B", "/data/llama"]
+        "/models/big.gguf",
+        EMBEDDED,
+        *[spec for _, spec in packaged],
+        "Qwen/Qwen3-4B",
+        "/data/llama",
+    ]
     assert lab.model_choices(env)[0][0].endswith("(default)")
 
 
@@ -133,8 +147,16 @@ def test_learn_tab_explains_every_method():
     assert headings == [f.capitalize() for f in FAMILIES if any(c.family == f for c in REGISTRY.values())]
     # BeaconKV's details come from secondary summaries of the paper; its Learn text must say so.
     assert "secondary summaries" in REGISTRY["beaconkv"].learn
-    for plot in ("Attention-output error", "Attention mass, full vs compressed", "Keys per head", "Memory", "Time per stage",
-                 "Token fates", "**intensity**", "log-ppl"):
+    for plot in (
+        "Attention-output error",
+        "Attention mass, full vs compressed",
+        "Keys per head",
+        "Memory",
+        "Time per stage",
+        "Token fates",
+        "**intensity**",
+        "log-ppl",
+    ):
         assert plot in text
 
 
@@ -191,7 +213,15 @@ def test_models_sharing_a_name_never_share_a_context(tiny):
 
 def test_endpoints_have_names(client):
     names = set(client.view_api(print_info=False, return_format="dict")["named_endpoints"])
-    assert {"/run", "/compare", "/token_view", "/load_example", "/pick_question", "/load_file", "/select_method"} <= names
+    assert {
+        "/run",
+        "/compare",
+        "/token_view",
+        "/load_example",
+        "/pick_question",
+        "/load_file",
+        "/select_method",
+    } <= names
 
 
 def test_run_gives_two_answers_and_figures(client, embedded):
@@ -199,6 +229,7 @@ def test_run_gives_two_answers_and_figures(client, embedded):
     summary, full, compressed, diff, err_plot = out[:5]
     assert full.strip() and compressed.strip()
     assert "at **4x**" in summary
+
     # The word diff holds both answers: shared words plus each side's own spell each answer again.
     def spelled(side):
         return "".join(part["token"] for part in diff if part["class_or_confidence"] in (None, side)).split()
@@ -218,8 +249,10 @@ def test_run_gives_two_answers_and_figures(client, embedded):
 def test_token_view_shades_by_the_chosen_intensity(client, embedded):
     _run(client, method=OTHER)  # a method that scores tokens
     last = embedded.n_layers - 1
-    views = {value: client.predict(layer=last, head=0, intensity=value, api_name="/token_view")
-             for _, value in present.INTENSITIES}
+    views = {
+        value: client.predict(layer=last, head=0, intensity=value, api_name="/token_view")
+        for _, value in present.INTENSITIES
+    }
     line, tokens = views["score"]
     assert "Intensity: the method's own score" in line
     assert "intensity = the method&#x27;s own score" in tokens and 'title="kept, percentile ' in tokens
@@ -289,8 +322,13 @@ def test_switching_models_keeps_each_models_prefill(app_url, embedded, tiny_dir)
 
 def test_compare_sweeps_methods_and_ratios(client):
     status, full, err_plot, mass_plot, ppl_plot, table, csv_file, json_file = client.predict(
-        text=DOCUMENT, methods=[FAST, OTHER], ratios=[2, 5], more_ratios="3", question=QUESTION,
-        max_new_tokens=8, api_name="/compare",
+        text=DOCUMENT,
+        methods=[FAST, OTHER],
+        ratios=[2, 5],
+        more_ratios="3",
+        question=QUESTION,
+        max_new_tokens=8,
+        api_name="/compare",
     )
     pairs = [(FAST, 2), (FAST, 3), (FAST, 5), (OTHER, 2), (OTHER, 3), (OTHER, 5)]
     pairs = list(dict.fromkeys(pairs))
@@ -310,8 +348,14 @@ def test_compare_sweeps_methods_and_ratios(client):
 def test_compare_runs_the_same_sweep_on_each_model_ticked(client, tiny_dir):
     """Models as an axis: each model's runs named by it, each with its own full cache (ceiling)."""
     status, full, _err, _mass, _ppl, table, _csv, json_file = client.predict(
-        text=DOCUMENT, methods=[FAST], ratios=[2], more_ratios="", question=QUESTION, max_new_tokens=4,
-        models=[EMBEDDED, tiny_dir], api_name="/compare",
+        text=DOCUMENT,
+        methods=[FAST],
+        ratios=[2],
+        more_ratios="",
+        question=QUESTION,
+        max_new_tokens=4,
+        models=[EMBEDDED, tiny_dir],
+        api_name="/compare",
     )
     labels = [row[0] for row in table["data"]]
     assert labels == [f"{FAST} · {EMBEDDED_LABEL}", f"{FAST} · kvlab-tiny-llama"]
@@ -321,14 +365,21 @@ def test_compare_runs_the_same_sweep_on_each_model_ticked(client, tiny_dir):
     assert [r["model"] for r in data["results"]] == [c["model"] for c in data["ceilings"]]
     # A model the menu does not offer is refused before any work (by the menu's own list of choices).
     with pytest.raises(AppError, match="not in the list of choices"):
-        client.predict(text=DOCUMENT, methods=[FAST], ratios=[2], more_ratios="", question=QUESTION,
-                       models=["/elsewhere"], api_name="/compare")
+        client.predict(
+            text=DOCUMENT,
+            methods=[FAST],
+            ratios=[2],
+            more_ratios="",
+            question=QUESTION,
+            models=["/elsewhere"],
+            api_name="/compare",
+        )
 
 
 def test_compare_bad_ratio_is_a_clear_error(client):
     with pytest.raises(AppError, match="not a compression ratio"):
         client.predict(
-            text=DOCUMENT, methods=[FAST], ratios=[], more_ratios="lots", question=QUESTION, api_name="/compare",
+            text=DOCUMENT, methods=[FAST], ratios=[], more_ratios="lots", question=QUESTION, api_name="/compare"
         )
 
 
@@ -345,8 +396,13 @@ def test_uploaded_file_is_read_and_run(client, tmp_path):
     assert client.predict(gradio_client.handle_file(str(doc)), api_name="/load_file").startswith("Harbor Street")
     # With an empty text box the file is the document (same text: the prefill is reused).
     out = client.predict(
-        text="", file=gradio_client.handle_file(str(doc)), method=FAST, ratio=4, question=QUESTION,
-        max_new_tokens=12, api_name="/run",
+        text="",
+        file=gradio_client.handle_file(str(doc)),
+        method=FAST,
+        ratio=4,
+        question=QUESTION,
+        max_new_tokens=12,
+        api_name="/run",
     )
     assert out[1].strip() and out[2].strip()
 
@@ -370,7 +426,7 @@ def test_tasks_mode_scores_answers_against_known_ones(client, tmp_path):
     # One short needle document, one cheap method at one ratio: the views come back filled,
     # with the full cache (ceiling) and no context (floor) in the table.
     status, task, accuracy, method, heatmap, table = client.predict(  # the per-user state is not returned
-        task="needle_grid", items=1, length=150, methods=[FAST], ratios=[2], more_ratios="", api_name="/tasks",
+        task="needle_grid", items=1, length=150, methods=[FAST], ratios=[2], more_ratios="", api_name="/tasks"
     )
     assert "needle_grid" in status and "ceiling" in status and "floor" in status
     rows = {(r[1], r[2]) for r in table["data"]}
@@ -379,12 +435,28 @@ def test_tasks_mode_scores_answers_against_known_ones(client, tmp_path):
 
 
 def test_tasks_mode_hides_needles_in_prose_when_asked(client):
-    status, task, *_ = client.predict(task="needle_grid", items=1, length=150, methods=[FAST], ratios=[2],
-                                      more_ratios="", haystack="prose", api_name="/tasks")
+    status, task, *_ = client.predict(
+        task="needle_grid",
+        items=1,
+        length=150,
+        methods=[FAST],
+        ratios=[2],
+        more_ratios="",
+        haystack="prose",
+        api_name="/tasks",
+    )
     assert "needle_grid on a prose haystack" in status and task["value"] == "needle_grid[prose]"
     with pytest.raises(AppError, match="has no haystack or needle values to choose"):
-        client.predict(task="copy_codes", items=1, length=150, methods=[FAST], ratios=[2], more_ratios="",
-                       haystack="prose", api_name="/tasks")
+        client.predict(
+            task="copy_codes",
+            items=1,
+            length=150,
+            methods=[FAST],
+            ratios=[2],
+            more_ratios="",
+            haystack="prose",
+            api_name="/tasks",
+        )
 
 
 def test_tasks_mode_loads_a_bench_results_file(client, tiny, tmp_path):
@@ -399,8 +471,9 @@ def test_tasks_mode_loads_a_bench_results_file(client, tiny, tmp_path):
     out = client.predict([gradio_client.handle_file(str(results_path(tmp_path)))], api_name="/load_results")
     status, table = out[0], out[5]
     assert f"{len(written)} answers scored" in status
-    assert sorted((r[1], r[2]) for r in table["data"]) == sorted({
-        (r.method, "-" if r.ratio is None else r.ratio) for r in written})
+    assert sorted((r[1], r[2]) for r in table["data"]) == sorted(
+        {(r.method, "-" if r.ratio is None else r.ratio) for r in written}
+    )
 
 
 def test_needle_test_on_the_users_document(client):

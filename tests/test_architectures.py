@@ -14,6 +14,7 @@ masks, sliding windows included), never kvlab's own output. What kvlab does
 not handle (logit softcapping, bidirectional attention) is refused in one
 line at load time.
 """
+
 from __future__ import annotations
 
 import copy
@@ -56,8 +57,10 @@ T = 40
 W = 16  # the windowed layouts' sliding window: shorter than T and than the document
 
 #: Gemma 3's two RoPEs as released: local layers theta 10,000, global ones 1,000,000.
-GEMMA3_ROPES = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
+GEMMA3_ROPES = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+}
 
 #: The layouts with sliding-window layers: (family, config on top of the family's tiny one).
 WINDOWED = {
@@ -68,8 +71,15 @@ WINDOWED = {
     "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": W, "max_window_layers": 1}),
 }
 #: GPT-OSS's YaRN (factor 32, as released) over a 16-token original context: 512 positions in all.
-GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                "original_max_position_embeddings": 16, "rope_theta": 150000.0}
+GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 16,
+    "rope_theta": 150000.0,
+}
 #: Every architecture of the matrix: name -> (family, config overrides).
 ARCHITECTURES = {name: (name, {}) for name in FAMILIES} | WINDOWED | {"gpt-oss": ("gpt_oss", {})}
 
@@ -79,9 +89,17 @@ def tiny_gpt_oss() -> LoadedModel:
     (2 per token), a local layer (window W) and a global one, and sinks large enough to matter (the
     released model's are of order 1 to 5, transformers initialises them near 0)."""
     torch.manual_seed(0)
-    config = GptOssConfig(**{**TINY, **SPECIAL_IDS, "num_local_experts": 4, "num_experts_per_tok": 2,
-                             "sliding_window": W, "layer_types": ["sliding_attention", "full_attention"],
-                             "rope_parameters": copy.deepcopy(GPT_OSS_ROPE)})
+    config = GptOssConfig(
+        **{
+            **TINY,
+            **SPECIAL_IDS,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": W,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": copy.deepcopy(GPT_OSS_ROPE),
+        }
+    )
     model = GptOssForCausalLM(config).eval()
     perturb_constant_init(model)
     with torch.no_grad():
@@ -90,6 +108,8 @@ def tiny_gpt_oss() -> LoadedModel:
     check_supported(model, "tiny-gpt-oss")
     use_kvlab_attention(model)
     return LoadedModel("tiny-gpt-oss", model, word_tokenizer(64), torch.device("cpu"), torch.float32)
+
+
 # Longer than SnapKV's default 64-query observation window (a shorter document fails there).
 DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(72))
 QUESTION = "w3 w5 w8"
@@ -167,13 +187,13 @@ def test_each_tiny_model_has_its_familys_features(arch, family, lm):
         assert rotary.rope_type == "llama3" and scaled.any() and not scaled.all()  # some bands scaled
     if arch == "gemma3":
         assert [a.sliding_window for a in attn] == [512, 512, None]  # interleaved local and global
-        assert all(a.scaling == lm.head_dim ** -0.5 for a in attn)
+        assert all(a.scaling == lm.head_dim**-0.5 for a in attn)
     if family == "gpt_oss":
         assert all(a.sinks.abs().min() > 0.05 for a in attn) and lm.model.model.rotary_emb.attention_scaling != 1
     windows = {"gemma3-released": [W, W, None], "mistral-v0.1": [W, W], "qwen2-window": [None, W], "gpt-oss": [W, None]}
     assert [g.window for g in lm.geometry] == windows.get(arch, [None] * lm.n_layers)
     if arch == "gemma3-released":
-        assert all(a.scaling == 8 ** -0.5 != lm.head_dim ** -0.5 for a in attn)
+        assert all(a.scaling == 8**-0.5 != lm.head_dim**-0.5 for a in attn)
         assert [g.scaling for g in lm.geometry] == [a.scaling for a in attn]
         local, world = rope_cos_sin(lm, torch.arange(T), 0), rope_cos_sin(lm, torch.arange(T), 2)
         assert not torch.allclose(local[0], world[0], atol=1e-3)  # two RoPEs
@@ -215,7 +235,7 @@ def test_a_key_with_bias_minus_inf_is_that_key_absent(lm):
     probe = question[:1] if any(full.window(i) is not None for i in range(lm.n_layers)) else question
     removed_layers, masked_layers = [], []
     for layer, drop in enumerate(drops):
-        index = every if full.window(layer) is None else every[T - (W - 1):]
+        index = every if full.window(layer) is None else every[T - (W - 1) :]
         bias = torch.zeros(index.numel())
         bias[index == drop] = float("-inf")
         removed_layers.append([index[index != drop]] * lm.n_kv_heads)
@@ -451,16 +471,22 @@ def test_bounded_generation_stays_within_its_budget(lm, policy_name):
 # --- what kvlab refuses, in one line, before any work ----------------------------------------------
 
 
-@pytest.mark.parametrize("family, overrides, message", [
-    (  # Gemma 2's cap (Gemma 3 has none): a tanh on every logit, which kvlab's attention does not apply
-        "gemma3", {"attn_logit_softcapping": 50.0},
-        "tiny-gemma3: attention logit softcapping (50) is not supported by kvlab (kvlab's attention applies no tanh cap)",
-    ),
-    (
-        "gemma3", {"use_bidirectional_attention": True},
-        "tiny-gemma3: bidirectional attention is not supported by kvlab (kvlab's attention is causal)",
-    ),
-], ids=["gemma3-softcap", "gemma3-bidirectional"])
+@pytest.mark.parametrize(
+    "family, overrides, message",
+    [
+        (  # Gemma 2's cap (Gemma 3 has none): a tanh on every logit, which kvlab's attention does not apply
+            "gemma3",
+            {"attn_logit_softcapping": 50.0},
+            "tiny-gemma3: attention logit softcapping (50) is not supported by kvlab (kvlab's attention applies no tanh cap)",
+        ),
+        (
+            "gemma3",
+            {"use_bidirectional_attention": True},
+            "tiny-gemma3: bidirectional attention is not supported by kvlab (kvlab's attention is causal)",
+        ),
+    ],
+    ids=["gemma3-softcap", "gemma3-bidirectional"],
+)
 def test_unsupported_attention_is_refused_in_one_line(family, overrides, message):
     with pytest.raises(ModelLoadError) as refused:
         random_model(family, overrides)
@@ -486,7 +512,10 @@ def test_load_model_reads_a_saved_real_gemma3_layout_with_each_layers_geometry(t
     monkeypatch.setenv("KVLAB_DEVICE", "cpu")
     lm = load_model(str(tmp_path))
     assert [(g.window, g.scaling, g.rope_type) for g in lm.geometry] == [
-        (W, 8 ** -0.5, "sliding_attention"), (W, 8 ** -0.5, "sliding_attention"), (None, 8 ** -0.5, "full_attention")]
+        (W, 8**-0.5, "sliding_attention"),
+        (W, 8**-0.5, "sliding_attention"),
+        (None, 8**-0.5, "full_attention"),
+    ]
     ids = ids_of(T, seed=1)
     with torch.inference_mode():
         theirs = eager_twin(lm)(input_ids=ids.unsqueeze(0)).logits[0]
@@ -497,7 +526,9 @@ def test_load_model_refuses_a_saved_softcapped_gemma3(tmp_path, monkeypatch):
     _gemma3_unchecked(attn_logit_softcapping=50.0).model.save_pretrained(tmp_path)
     word_tokenizer(64).save_pretrained(tmp_path)
     monkeypatch.setenv("KVLAB_DEVICE", "cpu")
-    with pytest.raises(ModelLoadError, match=r"^[^\n]*: attention logit softcapping \(50\) is not supported by kvlab [^\n]*$"):
+    with pytest.raises(
+        ModelLoadError, match=r"^[^\n]*: attention logit softcapping \(50\) is not supported by kvlab [^\n]*$"
+    ):
         load_model(str(tmp_path))
 
 

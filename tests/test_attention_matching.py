@@ -14,6 +14,7 @@
 - document budgets (``budgets=document``): the concentration against the entropy by hand, the total
   kept, more keys to more concentrated heads.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -27,13 +28,7 @@ from kvlab.compression.solvers.keys import OMP, ExactFirst, GivenScores, GivenSc
 from kvlab.compression.solvers.scores import score_keys
 from kvlab.context import prepare_context
 from kvlab.methods import MethodError, Request, get_method
-from kvlab.methods.families.am_recipe import (
-    AMOptions,
-    concentration,
-    document_budgets,
-    fitting_queries,
-    mixed_queries,
-)
+from kvlab.methods.families.am_recipe import AMOptions, concentration, document_budgets, fitting_queries, mixed_queries
 from kvlab.methods.families.scorers import KVzipOptions, kvzip_scores
 from kvlab.queries import repeat_queries, self_study_queries
 from kvlab.runtime.attention import attend
@@ -48,8 +43,11 @@ def ctx(tiny):
 
 def _qkv(B: int, n: int, T: int, d: int = 16, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, n, d, generator=gen) * 2.0, torch.randn(B, T, d, generator=gen),
-            torch.randn(B, T, d, generator=gen))
+    return (
+        torch.randn(B, n, d, generator=gen) * 2.0,
+        torch.randn(B, T, d, generator=gen),
+        torch.randn(B, T, d, generator=gen),
+    )
 
 
 def _compact_attention(q, cb):
@@ -150,8 +148,13 @@ def test_mixed_queries_are_both_sources_capped_and_weighted(ctx):
 
 def test_the_retrieval_knobs_compress_within_budget_and_refuse_contradictions(ctx):
     budget = round(ctx.doc_len / 4)
-    for options in ({"value_fit": "original"}, {"value_anchor": 0.1}, {"self_study_weight": 1.0, "self_study_tokens": 8},
-                    {"key_selection": "kvzip_union"}, {"key_selection": "kvzip", "value_fit": "original"}):
+    for options in (
+        {"value_fit": "original"},
+        {"value_anchor": 0.1},
+        {"self_study_weight": 1.0, "self_study_tokens": 8},
+        {"key_selection": "kvzip_union"},
+        {"key_selection": "kvzip", "value_fit": "original"},
+    ):
         stored = get_method("attention_matching", **options).compress(Request(ctx, 4.0))
         assert int(stored.kept_per_head().max()) <= budget + ctx.prefix_len, options
     original = get_method("attention_matching", value_fit="original").compress(Request(ctx, 4.0))
@@ -169,10 +172,13 @@ def test_the_retrieval_knobs_compress_within_budget_and_refuse_contradictions(ct
             kept = set(view.token_index[h][view.token_index[h] >= 0].tolist())
             top = scores[layer][h].topk(math.ceil(0.5 * budget)).indices + ctx.prefix_len
             assert set(top.tolist()) <= kept
-    for bad, match in (({"value_fit": "original", "value_anchor": 0.1}, "value_anchor"),
-                       ({"self_study_weight": 1.0, "on_policy": True}, "self_study_weight"),
-                       ({"self_study_weight": 1.0, "query_source": "self_study"}, "self_study_weight"),
-                       ({"kvzip_share": 1.5}, "kvzip_share"), ({"value_anchor": -1.0}, "value_anchor")):
+    for bad, match in (
+        ({"value_fit": "original", "value_anchor": 0.1}, "value_anchor"),
+        ({"self_study_weight": 1.0, "on_policy": True}, "self_study_weight"),
+        ({"self_study_weight": 1.0, "query_source": "self_study"}, "self_study_weight"),
+        ({"kvzip_share": 1.5}, "kvzip_share"),
+        ({"value_anchor": -1.0}, "value_anchor"),
+    ):
         with pytest.raises(MethodError, match=match):
             get_method("attention_matching", **bad)
 
@@ -191,8 +197,10 @@ def test_the_retrieval_knobs_stay_on_the_models_device(monkeypatch: pytest.Monke
     try:
         with fake_cuda() as mode:
             ctx = CONTEXTS.get(lm, DOCUMENT)
-            for options in ({"value_fit": "original", "key_selection": "kvzip_union"},
-                            {"value_anchor": 0.1, "self_study_weight": 0.5, "self_study_tokens": 8}):
+            for options in (
+                {"value_fit": "original", "key_selection": "kvzip_union"},
+                {"value_anchor": 0.1, "self_study_weight": 0.5, "self_study_tokens": 8},
+            ):
                 get_method("attention_matching", **options).compress(Request(ctx, 4.0, record_importance=True))
         assert mode.on_cuda > 0
     finally:
@@ -253,8 +261,9 @@ def test_exact_keys_fit_only_the_residual_brute_force():
     attention among the rest; the biases are the box-bounded least squares of the residual mass, the
     values the least squares of the residual output, recomputed here in float64 from the definitions."""
     q, k, v, order = _exact_block(2)
-    out = compact_block(q, k, v, 5, keys=ExactFirst(HighestAttn(), 0.4, order),
-                        fit=FitSettings(nnls_iters=400, ridge=0.0))
+    out = compact_block(
+        q, k, v, 5, keys=ExactFirst(HighestAttn(), 0.4, order), fit=FitSettings(nnls_iters=400, ridge=0.0)
+    )
     qd, kd, vd = q[0].double(), k[0].double(), v[0].double()
     s = qd @ kd.T / math.sqrt(4)  # [n, T]
     exact = order[0].topk(2).indices.tolist()
@@ -306,8 +315,10 @@ def test_exact_tokens_in_the_method_are_kvzips_own_keys_and_values(ctx):
             index = view.token_index[head]
             assert torch.equal(view.keys[head], ctx.full.keys[layer][head, index])
             assert torch.equal(view.values[head], ctx.full.values[layer][head, index])
-        assert torch.equal(kept.lengths() + compacted.lengths(),
-                           torch.full((ctx.lm.n_kv_heads,), req.doc_budget, device=kept.lengths().device))
+        assert torch.equal(
+            kept.lengths() + compacted.lengths(),
+            torch.full((ctx.lm.n_kv_heads,), req.doc_budget, device=kept.lengths().device),
+        )
 
 
 def test_concentration_against_the_entropy_by_hand():
@@ -329,8 +340,16 @@ def test_document_budgets_move_keys_to_concentrated_heads_and_keep_the_total(ctx
     opts = AMOptions(budgets="document")
     budgets = document_budgets(ctx, queries, opts, req.doc_budget)
     assert int(budgets.sum()) == req.doc_budget * ctx.lm.n_layers * ctx.lm.n_kv_heads
-    focus = torch.stack([concentration(fitting_queries(q, ctx.lm.n_kv_heads, opts), ctx.full.keys[i][:, ctx.prefix_len:],
-                                       ctx.lm.geometry[i].scaling) for i, q in enumerate(queries)]).flatten()
+    focus = torch.stack(
+        [
+            concentration(
+                fitting_queries(q, ctx.lm.n_kv_heads, opts),
+                ctx.full.keys[i][:, ctx.prefix_len :],
+                ctx.lm.geometry[i].scaling,
+            )
+            for i, q in enumerate(queries)
+        ]
+    ).flatten()
     flat = budgets.flatten().cpu()
     # More concentrated, never fewer keys (rounding aside: at most one).
     for i in range(flat.numel()):

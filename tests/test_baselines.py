@@ -1,6 +1,7 @@
 """The baseline methods (H2O, TOVA, PyramidKV, KVzip, Expected Attention, random, no
 context, summarisation) on the tiny random Llama: kept sets, scores against a naive
 computation with transformers' eager attention, budgets."""
+
 from __future__ import annotations
 
 import pytest
@@ -67,7 +68,7 @@ def test_received_attention_in_small_blocks_matches_one_dense_softmax(reduce, ca
     # against one dense [H, n, T] softmax written out with the keys copied per head.
     gen = torch.Generator().manual_seed(3)
     q, k = torch.randn(6, 7, 8, generator=gen), torch.randn(2, 11, 8, generator=gen)
-    logits = q @ k.repeat_interleave(3, dim=0).transpose(1, 2) / 8 ** 0.5  # [6, 7, 11]
+    logits = q @ k.repeat_interleave(3, dim=0).transpose(1, 2) / 8**0.5  # [6, 7, 11]
     if causal:  # query i is token 4 + i of the 11
         logits = logits.masked_fill(torch.arange(11) > 4 + torch.arange(7).unsqueeze(1), float("-inf"))
     dense = torch.softmax(logits, dim=-1)
@@ -120,7 +121,8 @@ def test_kvzip_global_pruning_is_ragged_with_the_uniform_total(ctx):
     top = torch.topk(scores.flatten(), int(budgets.sum())).indices
     kept = {
         (layer * ctx.lm.n_kv_heads + head) * ctx.doc_len + i
-        for layer in range(ctx.lm.n_layers) for head in range(ctx.lm.n_kv_heads)
+        for layer in range(ctx.lm.n_layers)
+        for head in range(ctx.lm.n_kv_heads)
         for i in kept_doc(stored, ctx, layer, head)
     }
     assert kept == set(top.tolist())
@@ -173,4 +175,6 @@ def test_summarisation_cache_is_the_summary_context(ctx, fill):
     fresh = prefill(lm, torch.cat([ctx.tokens.ids[: ctx.prefix_len], torch.tensor(ids, dtype=torch.long)])).stored
     probe = torch.tensor([5, 9, 11])
     assert len(ids) == n_summary and opts.fill_budget == fill
-    assert torch.allclose(extend(lm, open_session(lm, stored), probe), extend(lm, open_session(lm, fresh), probe), atol=1e-5)
+    assert torch.allclose(
+        extend(lm, open_session(lm, stored), probe), extend(lm, open_session(lm, fresh), probe), atol=1e-5
+    )

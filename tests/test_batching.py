@@ -6,6 +6,7 @@ checks against transformers' eager forward. A batched pass computes each row by 
 instead of a matrix-vector one: the tolerance is float32 rounding (eps) for sums of D products per
 projection, over the layers, times the logits' size.
 """
+
 from __future__ import annotations
 
 import threading
@@ -60,14 +61,19 @@ def test_one_pass_over_several_sequences_gives_each_its_lone_logits(lm, caches):
     alone, together = [open_session(lm, c) for c in caches], [open_session(lm, c) for c in caches]
     want = [extend(lm, s, ids) for s, ids in zip(alone, feeds)]
     with torch.inference_mode():
-        got = lean_forward_many(lean, [
-            LeanItem(s.cache, ids, torch.arange(s.position, s.position + ids.numel()), s.key_bias)
-            for s, ids in zip(together, feeds)
-        ])
+        got = lean_forward_many(
+            lean,
+            [
+                LeanItem(s.cache, ids, torch.arange(s.position, s.position + ids.numel()), s.key_bias)
+                for s, ids in zip(together, feeds)
+            ],
+        )
     for w, g, a, t in zip(want, got, alone, together):
         assert g.shape == w.shape
         assert torch.allclose(g.float(), w, atol=tolerance(lm, w))
-        assert torch.allclose(t.cache.layers[1].keys, a.cache.layers[1].keys, atol=tolerance(lm, a.cache.layers[1].keys))
+        assert torch.allclose(
+            t.cache.layers[1].keys, a.cache.layers[1].keys, atol=tolerance(lm, a.cache.layers[1].keys)
+        )
 
 
 def steps_in_threads(lm, caches, feeds):

@@ -1,4 +1,5 @@
 """BeaconKV (eviction and mixed precision) and its beacon core, on the tiny random Llama."""
+
 from __future__ import annotations
 
 import math
@@ -170,7 +171,7 @@ def eager_beacon_scores(ctx, opts) -> list[torch.Tensor]:
             g = h // (n_heads // n_kv)
             for i in range(queries.shape[1]):
                 seen = int(min(q_pos[i] + 1, ctx.length))
-                logits = keys[g, :seen] @ queries[layer * n_heads + h, i].double() / d ** 0.5
+                logits = keys[g, :seen] @ queries[layer * n_heads + h, i].double() / d**0.5
                 best[g, :seen] = torch.maximum(best[g, :seen], torch.softmax(logits, dim=0))
         out.append(best[:, ctx.prefix_len :])
     return out
@@ -202,16 +203,19 @@ def test_beacon_sources(ctx):
         get_method("beaconkv", beacon_source="nope")
 
 
-@pytest.mark.parametrize(("name", "options", "field"), [
-    ("beaconkv", {"n_beacons": -1}, "n_beacons"),
-    ("beaconkv", {"n_beacons": 0, "n_recent": 0}, "n_beacons \\+ n_recent"),
-    ("beaconkv", {"buffer": 0}, "buffer"),
-    ("beaconkv", {"window": 2.5}, "window"),
-    ("beaconkv", {"beacon_instruction": " "}, "beacon_instruction"),
-    ("beaconkv_mixed", {"rest": "1bit"}, "rest"),
-    ("beaconkv_mixed", {"group_size": 0}, "group_size"),
-    ("beaconkv_mixed", {"n_recent": -3}, "n_recent"),
-])
+@pytest.mark.parametrize(
+    ("name", "options", "field"),
+    [
+        ("beaconkv", {"n_beacons": -1}, "n_beacons"),
+        ("beaconkv", {"n_beacons": 0, "n_recent": 0}, "n_beacons \\+ n_recent"),
+        ("beaconkv", {"buffer": 0}, "buffer"),
+        ("beaconkv", {"window": 2.5}, "window"),
+        ("beaconkv", {"beacon_instruction": " "}, "beacon_instruction"),
+        ("beaconkv_mixed", {"rest": "1bit"}, "rest"),
+        ("beaconkv_mixed", {"group_size": 0}, "group_size"),
+        ("beaconkv_mixed", {"n_recent": -3}, "n_recent"),
+    ],
+)
 def test_bad_options_are_refused_with_their_name(name, options, field):
     with pytest.raises(MethodError, match=f"^{name}: {field} must"):
         get_method(name, **options)

@@ -51,6 +51,7 @@ the model's dtype; a float32 copy would double the bytes), every stored bias
 stays float32, and the bf16 runtime reads each compressed cache to finite
 logits (bf16 keys with float32 biases in one attention call).
 """
+
 from __future__ import annotations
 
 import copy
@@ -170,7 +171,9 @@ def compress_both(name: str, twins: Twins, monkeypatch: pytest.MonkeyPatch) -> t
     """(float32, bf16) stored caches of ``name``; a PINNED decision is the bf16 run's in both."""
     method = get_method(name, **OPTIONS.get(name, {}))
     if name not in PINNED:
-        return method.compress(Request(twins.fp32, RATIO, QUESTION)), method.compress(Request(twins.bf16, RATIO, QUESTION))
+        return method.compress(Request(twins.fp32, RATIO, QUESTION)), method.compress(
+            Request(twins.bf16, RATIO, QUESTION)
+        )
     module, attr = PINNED[name]
     decide: Callable[..., Any] = getattr(module, attr)
     taken: list[Any] = []
@@ -196,7 +199,9 @@ def outputs(stored: CompressedKV, queries: list[torch.Tensor]) -> list[torch.Ten
     return out
 
 
-def drift(reference: CompressedKV, stored32: CompressedKV, stored16: CompressedKV, queries: list[torch.Tensor]) -> float:
+def drift(
+    reference: CompressedKV, stored32: CompressedKV, stored16: CompressedKV, queries: list[torch.Tensor]
+) -> float:
     """mean ||y(stored16) - y(stored32)|| / ||y(reference)|| over layers, KV heads and queries."""
     ratios = [
         (y16 - y32).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-12)
@@ -213,14 +218,17 @@ def test_every_method_has_a_bound():
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
-def test_bf16_attention_error_stays_within_its_bound_of_float32(twins: Twins, name: str, monkeypatch: pytest.MonkeyPatch):
+def test_bf16_attention_error_stays_within_its_bound_of_float32(
+    twins: Twins, name: str, monkeypatch: pytest.MonkeyPatch
+):
     stored32, stored16 = compress_both(name, twins, monkeypatch)
     err32 = head_errors(twins.fp32.full.stored, stored32, twins.queries).mean_output
     err16 = head_errors(twins.bf16.full.stored, stored16, twins.queries).mean_output
     allowed = bound(name) * max(1.0, err32)
     assert abs(err16 - err32) <= allowed, (
         f"{name}: attention-output error {err16:.4f} in bf16, {err32:.4f} in float32 "
-        f"(|difference| {abs(err16 - err32):.4f} > {allowed:.4f})")
+        f"(|difference| {abs(err16 - err32):.4f} > {allowed:.4f})"
+    )
 
     if name in DRIFT:
         full32, full16 = twins.fp32.full.stored, twins.bf16.full.stored
@@ -228,7 +236,8 @@ def test_bf16_attention_error_stays_within_its_bound_of_float32(twins: Twins, na
         moved = drift(full32, stored32, stored16, twins.queries)
         assert moved <= DRIFT[name] * floor, (
             f"{name}: bf16 moved the compressed cache's outputs by {moved:.4f}, "
-            f"{moved / floor:.1f}x what it moves the full cache's ({floor:.4f}; allowed {DRIFT[name]}x)")
+            f"{moved / floor:.1f}x what it moves the full cache's ({floor:.4f}; allowed {DRIFT[name]}x)"
+        )
 
     for layer in stored16.layers:
         for seg in layer:

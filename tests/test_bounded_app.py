@@ -10,6 +10,7 @@ are counts of steps and server-side events, never a race against a clock:
 - with a 40-run sweep running, another client's Explore run starts after at most one unit of the sweep
   (the measured wait and unit time are printed).
 """
+
 from __future__ import annotations
 
 import logging
@@ -116,8 +117,16 @@ def with_limit(monkeypatch, seconds: int) -> None:
 
 
 def explore_args(**kw) -> dict:
-    return dict(text=DOC, method="streaming_llm", ratio=4, question=QUESTION, max_new_tokens=4, model=SPEC,
-                api_name="/run", **kw)
+    return dict(
+        text=DOC,
+        method="streaming_llm",
+        ratio=4,
+        question=QUESTION,
+        max_new_tokens=4,
+        model=SPEC,
+        api_name="/run",
+        **kw,
+    )
 
 
 def answered_right(client) -> None:
@@ -147,8 +156,16 @@ def test_stop_ends_the_work_at_its_next_step_and_the_server_goes_on(app):
     client = gradio_client.Client(url, verbose=False)
     # A document of its own: runs another test made on DOC are kept (kvlab.pipeline.compressed) and
     # would come back at once, with no step of work to stop.
-    job = client.submit(text=DOC + " w7 w7", methods=SWEEP_METHODS, ratios=[], more_ratios=FEW_RATIOS,
-                        question=QUESTION, max_new_tokens=4, model=SPEC, api_name="/compare")
+    job = client.submit(
+        text=DOC + " w7 w7",
+        methods=SWEEP_METHODS,
+        ratios=[],
+        more_ratios=FEW_RATIOS,
+        question=QUESTION,
+        max_new_tokens=4,
+        model=SPEC,
+        api_name="/compare",
+    )
     assert steps.started.wait(60)
     job.cancel()
     line = stops.wait()
@@ -160,13 +177,25 @@ def test_stop_ends_the_work_at_its_next_step_and_the_server_goes_on(app):
 def test_a_client_that_disconnects_stops_within_one_step(app):
     url, steps, stops = app
     steps.reset(0.05)
-    data = [DOC + " w8 w8", None, SWEEP_METHODS, [], FEW_RATIOS, QUESTION, 4, SPEC, [], []]  # its own document, as above; no other models, no budgets axis
+    data = [
+        DOC + " w8 w8",
+        None,
+        SWEEP_METHODS,
+        [],
+        FEW_RATIOS,
+        QUESTION,
+        4,
+        SPEC,
+        [],
+        [],
+    ]  # its own document, as above; no other models, no budgets axis
     with httpx.Client(timeout=60) as http:
         # What a browser tab does: join the queue, then listen to the session's stream.
         config = http.get(f"{url}config").json()
         fn_index = next(d["id"] for d in config["dependencies"] if d.get("api_name") == "compare")
-        joined = http.post(f"{url}gradio_api/queue/join",
-                           json={"data": data, "fn_index": fn_index, "session_hash": "kvlab-leaver"})
+        joined = http.post(
+            f"{url}gradio_api/queue/join", json={"data": data, "fn_index": fn_index, "session_hash": "kvlab-leaver"}
+        )
         assert joined.status_code == 200, joined.text
         with http.stream("GET", f"{url}gradio_api/queue/data?session_hash=kvlab-leaver") as stream:
             assert steps.started.wait(60)
@@ -204,8 +233,16 @@ def test_another_clients_run_starts_within_one_unit_of_a_forty_run_sweep(app, mo
     monkeypatch.setattr(explore_tab, "run_view", timed_run_view)
     monkeypatch.setattr(common, "bounded", timed_bounded)
     sweeper, visitor = gradio_client.Client(url, verbose=False), gradio_client.Client(url, verbose=False)
-    sweep = sweeper.submit(text=DOC, methods=SWEEP_METHODS, ratios=[], more_ratios=SWEEP_RATIOS, question=QUESTION,
-                           max_new_tokens=4, model=SPEC, api_name="/compare")
+    sweep = sweeper.submit(
+        text=DOC,
+        methods=SWEEP_METHODS,
+        ratios=[],
+        more_ratios=SWEEP_RATIOS,
+        question=QUESTION,
+        max_new_tokens=4,
+        model=SPEC,
+        api_name="/compare",
+    )
     deadline = time.monotonic() + 300  # far above three units' time anywhere; a hang fails instead of waiting
     while len(ends) < 3:  # the sweep is well under way
         assert not sweep.done(), sweep.exception()
@@ -217,9 +254,11 @@ def test_another_clients_run_starts_within_one_unit_of_a_forty_run_sweep(app, mo
     units = [b - a for a, b in zip(resumes, ends[1:])]  # each unit's own time, waits for the slot excluded
     arrived = arrivals[-1]  # the visitor's run reached the slot (the sweep's came first)
     during = sum(arrived < t < started["at"] for t in ends)
-    print(f"\nfair slot: 40-run sweep, unit median {statistics.median(units) * 1000:.0f} ms "
-          f"(max {max(units) * 1000:.0f} ms); the other client's run waited {(started['at'] - arrived) * 1000:.0f} ms "
-          f"at the slot ({(started['at'] - asked) * 1000:.0f} ms from its request, Gradio's queue included), "
-          f"{during} sweep unit(s) finishing meanwhile")
+    print(
+        f"\nfair slot: 40-run sweep, unit median {statistics.median(units) * 1000:.0f} ms "
+        f"(max {max(units) * 1000:.0f} ms); the other client's run waited {(started['at'] - arrived) * 1000:.0f} ms "
+        f"at the slot ({(started['at'] - asked) * 1000:.0f} ms from its request, Gradio's queue included), "
+        f"{during} sweep unit(s) finishing meanwhile"
+    )
     assert len(arrivals) == 2 and len(ends) == 39  # 40 runs: 39 boundaries, the sweep ran to its end
     assert during <= 1 and started["at"] < ends[-1]  # one unit at most, well before the sweep's end

@@ -4,6 +4,7 @@ inputs checked before work (a hypothesis property over each one).
 The app-level checks (a request past the time limit, Stop, a client that disconnects, a sweep sharing the
 slot with another client's run) drive a served app through gradio_client: tests/test_bounded_app.py.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,7 +57,9 @@ def test_a_request_past_its_time_limit_stops_at_its_next_step_naming_the_limit_a
     with cancellation.scope(limit_s=0.0) as s, pytest.raises(cancellation.Cancelled) as caught:
         cancellation.checkpoint("prefill, 2,048/8,000 tokens")
     assert caught.value.reason == cancellation.TIME and s.steps == 1
-    assert "time limit of 0 s per request (KVLAB_MAX_REQUEST_S) during: prefill, 2,048/8,000 tokens" in str(caught.value)
+    assert "time limit of 0 s per request (KVLAB_MAX_REQUEST_S) during: prefill, 2,048/8,000 tokens" in str(
+        caught.value
+    )
     assert cancellation.current() is None  # the scope ends with the block
 
 
@@ -181,7 +184,10 @@ def test_a_stopped_leader_resolves_its_future_keeps_nothing_and_its_waiter_compu
 
 def test_a_run_stopped_mid_prefill_keeps_no_context_and_the_next_run_prepares_it(tiny):
     store = ContextStore(budget=1 << 30)
-    with cancellation.scope(stopped=stop_after(1, cancellation.GONE)), pytest.raises(cancellation.Cancelled, match="prefill"):
+    with (
+        cancellation.scope(stopped=stop_after(1, cancellation.GONE)),
+        pytest.raises(cancellation.Cancelled, match="prefill"),
+    ):
         store.get(tiny, DOC)
     assert store.peek(tiny, DOC) is None and not store._flights
     assert store.get(tiny, DOC).length == prepare_context(tiny, DOC).length
@@ -191,8 +197,9 @@ def test_a_sweep_past_its_time_limit_returns_the_runs_done_and_names_those_not_r
     monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
     full = lab.compare(DOC, None, ["streaming_llm"], [2, 4, 8], "w2 w3", max_new_tokens=3)
     units = []
-    with cancellation.scope(stopped=lambda: cancellation.TIME if len(units) >= 2 else None,
-                      handover=lambda: units.append(1)):
+    with cancellation.scope(
+        stopped=lambda: cancellation.TIME if len(units) >= 2 else None, handover=lambda: units.append(1)
+    ):
         cut = lab.compare(DOC, None, ["streaming_llm"], [2, 4, 8], "w2 w3", max_new_tokens=3)
     # Two runs, each as the uncut sweep's (an independent sweep on the same inputs); the third named as not run.
     assert [r.ratio for r in cut.results] == [2, 4]
@@ -203,7 +210,10 @@ def test_a_sweep_past_its_time_limit_returns_the_runs_done_and_names_those_not_r
 def test_a_stopped_sweep_with_nothing_done_says_so_and_stop_never_returns_partial_results(tiny, monkeypatch):
     monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
     fresh = " ".join(f"w{(i * 11) % 60 + 2}" for i in range(90))  # nothing of it computed yet
-    with cancellation.scope(stopped=stop_after(1, cancellation.TIME)), pytest.raises(cancellation.Cancelled, match="time limit"):
+    with (
+        cancellation.scope(stopped=stop_after(1, cancellation.TIME)),
+        pytest.raises(cancellation.Cancelled, match="time limit"),
+    ):
         lab.compare(fresh, None, ["streaming_llm"], [2, 4], "w2 w3", max_new_tokens=3)
     units = []
     with cancellation.scope(stopped=lambda: cancellation.STOPPED if units else None, handover=lambda: units.append(1)):
@@ -216,10 +226,21 @@ def test_a_stopped_sweep_with_nothing_done_says_so_and_stop_never_returns_partia
 
 def small_limits(monkeypatch) -> None:
     """Limits small enough that hypothesis reaches both sides of each often."""
-    monkeypatch.setattr(limits, "LIMITS", limits.Limits(**{
-        **vars(limits.LIMITS), "document_chars": 3000, "question_chars": 60, "question_tokens": 6,
-        "new_tokens": 6, "generate_tokens": 24, "sweep_points": 4,
-    }))
+    monkeypatch.setattr(
+        limits,
+        "LIMITS",
+        limits.Limits(
+            **{
+                **vars(limits.LIMITS),
+                "document_chars": 3000,
+                "question_chars": 60,
+                "question_tokens": 6,
+                "new_tokens": 6,
+                "generate_tokens": 24,
+                "sweep_points": 4,
+            }
+        ),
+    )
 
 
 def tiny_words(low: int, high: int) -> st.SearchStrategy[str]:
@@ -228,15 +249,26 @@ def tiny_words(low: int, high: int) -> st.SearchStrategy[str]:
 
 
 #: Bad values of every kind: missing, blank, garbage text, huge, out of range, not numbers, NaN.
-junk = st.one_of(st.none(), st.just(""), st.just("   "), st.text(max_size=12), st.just("x" * 3001),
-                 st.integers(-3, 5000), st.floats(allow_nan=True, allow_infinity=True), st.just(2.5))
+junk = st.one_of(
+    st.none(),
+    st.just(""),
+    st.just("   "),
+    st.text(max_size=12),
+    st.just("x" * 3001),
+    st.integers(-3, 5000),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.just(2.5),
+)
 FAST = ["streaming_llm", "snapkv", "tova", "no_context", "kivi"]
 good = {
-    "text": tiny_words(20, 150), "question": tiny_words(1, 4), "method": st.sampled_from(FAST),
+    "text": tiny_words(20, 150),
+    "question": tiny_words(1, 4),
+    "method": st.sampled_from(FAST),
     "methods": st.lists(st.sampled_from(FAST), min_size=1, max_size=2, unique=True),
     "ratio": st.one_of(st.integers(1, 50), st.floats(1, 50), st.just("4")),
     "ratios": st.lists(st.integers(1, 50), min_size=1, max_size=2, unique=True),
-    "max_new": st.integers(1, 6), "options": st.none(),
+    "max_new": st.integers(1, 6),
+    "options": st.none(),
 }
 bad = {
     **{name: junk for name in ("text", "question", "method", "ratio", "max_new")},
@@ -246,8 +278,12 @@ bad = {
     "ratios": st.one_of(st.just([]), st.lists(junk, min_size=1, max_size=2), st.just([2, 3, 4, 5, 6])),
     "options": st.dictionaries(st.sampled_from(["n_sink", "window", "nope"]), junk, min_size=1, max_size=2),
 }
-CHECKED = settings(max_examples=30, deadline=None, derandomize=True,
-                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+CHECKED = settings(
+    max_examples=30,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 
 def drawn(data: st.DataObject, names: list[str], valid: dict | None = None, invalid: dict | None = None) -> dict:
@@ -290,8 +326,9 @@ def lab_on_tiny(tiny, monkeypatch):
 @given(data=st.data())
 def test_explore_answers_or_refuses_any_input(lab_on_tiny, data):
     v = drawn(data, ["text", "method", "ratio", "question", "max_new", "options"])
-    got = answers_or_refuses(lambda: lab.explore(v["text"], None, v["method"], v["ratio"], v["question"],
-                                                 v["max_new"], v["options"]))
+    got = answers_or_refuses(
+        lambda: lab.explore(v["text"], None, v["method"], v["ratio"], v["question"], v["max_new"], v["options"])
+    )
     assert got is None or got.run.result.ratio == float(v["ratio"])
 
 
@@ -299,18 +336,25 @@ def test_explore_answers_or_refuses_any_input(lab_on_tiny, data):
 @given(data=st.data())
 def test_compare_answers_or_refuses_any_input(lab_on_tiny, data):
     v = drawn(data, ["text", "methods", "ratios", "question", "max_new"])
-    got = answers_or_refuses(lambda: lab.compare(v["text"], None, v["methods"], v["ratios"], v["question"],
-                                                 v["max_new"]))
+    got = answers_or_refuses(
+        lambda: lab.compare(v["text"], None, v["methods"], v["ratios"], v["question"], v["max_new"])
+    )
     assert got is None or len(got.results) + len(got.errors) == len(v["methods"]) * len(v["ratios"])
 
 
 @CHECKED
 @given(data=st.data())
 def test_tasks_answer_or_refuse_any_input(lab_on_tiny, data):
-    v = drawn(data, ["task", "n", "length", "methods", "ratios"],
-              valid={"task": st.just("needle_grid"), "n": st.integers(1, 2), "length": st.integers(100, 200)},
-              invalid={"task": st.one_of(junk.map(str), st.just("quality")), "n": st.one_of(junk, st.just(21)),
-                       "length": st.one_of(junk, st.just(99), st.just(4001))})
+    v = drawn(
+        data,
+        ["task", "n", "length", "methods", "ratios"],
+        valid={"task": st.just("needle_grid"), "n": st.integers(1, 2), "length": st.integers(100, 200)},
+        invalid={
+            "task": st.one_of(junk.map(str), st.just("quality")),
+            "n": st.one_of(junk, st.just(21)),
+            "length": st.one_of(junk, st.just(99), st.just(4001)),
+        },
+    )
     got = answers_or_refuses(lambda: lab.run_tasks(v["task"], v["n"], v["methods"], v["ratios"], v["length"]))
     assert got is None or got.results
 
@@ -318,8 +362,12 @@ def test_tasks_answer_or_refuse_any_input(lab_on_tiny, data):
 @CHECKED
 @given(data=st.data())
 def test_the_needle_test_answers_or_refuses_any_input(lab_on_tiny, data):
-    v = drawn(data, ["text", "methods", "ratios", "depths"],
-              valid={"depths": st.integers(1, 2)}, invalid={"depths": st.one_of(junk, st.just(10))})
+    v = drawn(
+        data,
+        ["text", "methods", "ratios", "depths"],
+        valid={"depths": st.integers(1, 2)},
+        invalid={"depths": st.one_of(junk, st.just(10))},
+    )
     got = answers_or_refuses(lambda: lab.needle_test(v["text"], None, v["methods"], v["ratios"], v["depths"]))
     assert got is None or got.results
 
@@ -328,16 +376,27 @@ def test_the_needle_test_answers_or_refuses_any_input(lab_on_tiny, data):
 @given(data=st.data())
 def test_generate_answers_or_refuses_any_input(lab_on_tiny, data):
     gen_methods = st.lists(st.sampled_from(["h2o", "beaconkv", "online_am"]), min_size=1, max_size=2, unique=True)
-    v = drawn(data, ["prompt", "gen_methods", "budget", "max_new"],
-              valid={"prompt": tiny_words(5, 60), "gen_methods": gen_methods,
-                     "budget": st.one_of(st.none(), st.integers(40, 80)), "max_new": st.integers(1, 24)},
-              invalid={"prompt": st.one_of(junk.filter(lambda x: x is None or isinstance(x, str)), tiny_words(490, 600)),
-                       "gen_methods": st.one_of(st.just([]), st.lists(st.text(max_size=6), min_size=1, max_size=2)),
-                       "budget": st.one_of(junk, st.integers(-2, 8)), "max_new": st.one_of(junk, st.just(25))})
+    v = drawn(
+        data,
+        ["prompt", "gen_methods", "budget", "max_new"],
+        valid={
+            "prompt": tiny_words(5, 60),
+            "gen_methods": gen_methods,
+            "budget": st.one_of(st.none(), st.integers(40, 80)),
+            "max_new": st.integers(1, 24),
+        },
+        invalid={
+            "prompt": st.one_of(junk.filter(lambda x: x is None or isinstance(x, str)), tiny_words(490, 600)),
+            "gen_methods": st.one_of(st.just([]), st.lists(st.text(max_size=6), min_size=1, max_size=2)),
+            "budget": st.one_of(junk, st.integers(-2, 8)),
+            "max_new": st.one_of(junk, st.just(25)),
+        },
+    )
     # No prompt: the document path (the tiny words' document and question) in place of the prompt.
     document, question = data.draw(tiny_words(20, 100), label="document"), data.draw(tiny_words(1, 4), label="question")
-    got = answers_or_refuses(lambda: lab.generate(v["prompt"], document, None, question, v["gen_methods"],
-                                                  v["budget"], v["max_new"]))
+    got = answers_or_refuses(
+        lambda: lab.generate(v["prompt"], document, None, question, v["gen_methods"], v["budget"], v["max_new"])
+    )
     assert got is None or len(got.runs) == len(v["gen_methods"])
 
 
@@ -349,8 +408,20 @@ def test_the_cli_answers_or_refuses_any_input_in_one_line(lab_on_tiny, tmp_path_
     v = drawn(data, ["text", "method", "ratio", "question", "max_new"])
     doc = tmp_path_factory.mktemp("doc") / "doc.txt"
     doc.write_text(v["text"] if isinstance(v["text"], str) else "", encoding="utf-8")
-    argv = ["run", "--doc", str(doc), "--method", str(v["method"]), "--ratio", str(v["ratio"]),
-            "--question", str(v["question"]), "--max-new-tokens", str(v["max_new"]), "--json"]
+    argv = [
+        "run",
+        "--doc",
+        str(doc),
+        "--method",
+        str(v["method"]),
+        "--ratio",
+        str(v["ratio"]),
+        "--question",
+        str(v["question"]),
+        "--max-new-tokens",
+        str(v["max_new"]),
+        "--json",
+    ]
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), cancellation.scope(limit_s=60):
         code = main(argv)

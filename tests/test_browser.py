@@ -9,6 +9,7 @@ this" gives the link back, a bad parameter gets a note. Never runs
 `playwright install`. The browser helpers are shared with
 `python -m benchmarks.app_speed` (benchmarks/browser.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -20,14 +21,7 @@ import pytest
 
 sync_api = pytest.importorskip("playwright.sync_api")
 
-from benchmarks.browser import (  # noqa: E402
-    chromium_page,
-    chromium_path,
-    mark_outputs,
-    pick_method,
-    serve_app,
-    wait_for_run,
-)
+from benchmarks.browser import chromium_page, chromium_path, mark_outputs, pick_method, serve_app, wait_for_run  # noqa: E402
 from kvlab import lab  # noqa: E402
 from kvlab.ui import default_method  # noqa: E402
 from kvlab.ui.compare import SWEEP_DEFAULT_METHODS, SWEEP_DEFAULT_RATIOS, SWEEP_RATIOS  # noqa: E402
@@ -37,10 +31,13 @@ from kvlab.ui.explore import RATIO_DEFAULT  # noqa: E402
 SCREENSHOT_ENV = "KVLAB_SCREENSHOT"
 RUN_TIMEOUT_MS = 240_000
 
-pytestmark = [pytest.mark.browser, pytest.mark.skipif(
-    chromium_path() is None,
-    reason="Debian's chromium is not installed (`make browser` or apt-get install chromium)",
-)]
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(
+        chromium_path() is None,
+        reason="Debian's chromium is not installed (`make browser` or apt-get install chromium)",
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -190,8 +187,10 @@ def test_links_open_a_configuration_and_link_to_this_gives_it_back(app_url, page
     expect = sync_api.expect
     story, contract = (next(e for e in lab.examples() if e.id == i) for i in ("story", "contract"))
     question = contract.questions[1]
-    page.goto(f"{app_url}?tab=compare&example=contract&methods=snapkv,kvzip&ratios=2,7"
-              f"&question={quote(question)}", wait_until="domcontentloaded")
+    page.goto(
+        f"{app_url}?tab=compare&example=contract&methods=snapkv,kvzip&ratios=2,7&question={quote(question)}",
+        wait_until="domcontentloaded",
+    )
     tab_is_open(page, "Compare")
     methods, ratios = page.locator("#kvlab-compare-methods"), page.locator("#kvlab-compare-ratios")
 
@@ -218,8 +217,10 @@ def test_links_open_a_configuration_and_link_to_this_gives_it_back(app_url, page
     tab_is_open(page, "Compare")
     shows_the_link()
 
-    page.goto(f"{app_url}?example=story&method=kvzip&ratio=10&question={quote(story.questions[2])}&tab=explore",
-              wait_until="domcontentloaded")
+    page.goto(
+        f"{app_url}?example=story&method=kvzip&ratio=10&question={quote(story.questions[2])}&tab=explore",
+        wait_until="domcontentloaded",
+    )
     tab_is_open(page, "Explore")
     expect(page.locator("#kvlab-method input")).to_have_value(re.compile(r"^kvzip"), timeout=20_000)
     expect(page.locator("#kvlab-ratio input[type=number]")).to_have_value("10")

@@ -1,6 +1,7 @@
 """kvlab.catalog and option validation: knobs reflected from the Options
 dataclasses, bad values refused in one line (library and CLI), the published
 Attention Matching presets, and the methods' own Learn text."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,11 +63,15 @@ def test_bad_option_values_are_refused_in_one_line(name, options, field):
 
 # (method, option, the edge of what it allows, the nearest value past it).
 EDGES = [
-    ("snapkv", "kernel", 1, -1), ("snapkv", "window", 1, 0),
-    ("h2o", "recent_share", 0.0, -0.01), ("h2o", "recent_share", 1, 1.01),
+    ("snapkv", "kernel", 1, -1),
+    ("snapkv", "window", 1, 0),
+    ("h2o", "recent_share", 0.0, -0.01),
+    ("h2o", "recent_share", 1, 1.01),
     ("pyramidkv", "beta", 1, 0.99),
-    ("attention_matching", "max_queries", 1, 0), ("attention_matching", "nnls_iters", 0, -1),
-    ("attention_matching", "compaction_chunk", 0, -1), ("attention_matching", "drop_below", 0.0, 0.01),
+    ("attention_matching", "max_queries", 1, 0),
+    ("attention_matching", "nnls_iters", 0, -1),
+    ("attention_matching", "compaction_chunk", 0, -1),
+    ("attention_matching", "drop_below", 0.0, 0.01),
     ("summarisation", "prompt", "Summarise in {words} words", "Summarise in {n} words"),
 ]
 
@@ -98,20 +103,26 @@ def test_odd_kernels_average_each_token_with_its_neighbours(tiny):
                 torch.testing.assert_close(sk[:, j], near.sum(dim=1) / kernel)
 
 
-@pytest.mark.parametrize(("argv", "fragment"), [
-    (["--method", "snapkv", "--kernel", "4"], "kernel must be an odd whole number"),
-    (["--method", "snapkv", "--window", "-3"], "window must be"),
-    (["--method", "attention_matching", "--max-queries", "0"], "max_queries must be"),
-    (["--method", "attention_matching", "--query-source", "bogus"], "invalid choice: 'bogus'"),
-    (["--method", "attention_matching", "--on-policy", "maybe"], "true or false"),
-    (["--method", "attention_matching", "--max-queries", "2.5"], "whole number"),
-    (["--method", "attention_matching", "--preset", "AM-Nope"], "invalid choice"),
-    (["--method", "snapkv", "--preset", "AM-OMP"], "snapkv has no preset"),
-    # One --budgets flag serves Attention Matching's choices and the selection wrappers'.
-    (["--method", "snapkv", "--budgets", "adakv", "--granularity", "chunk"], "budgets=adakv needs granularity=token"),
-    (["--method", "attention_matching", "--budgets", "adakv"], "budgets must be one of auto, uniform, nonuniform"),
-    (["--method", "knorm", "--budgets", "document"], "budgets must be one of uniform, adakv, nonuniform, global"),
-])
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--method", "snapkv", "--kernel", "4"], "kernel must be an odd whole number"),
+        (["--method", "snapkv", "--window", "-3"], "window must be"),
+        (["--method", "attention_matching", "--max-queries", "0"], "max_queries must be"),
+        (["--method", "attention_matching", "--query-source", "bogus"], "invalid choice: 'bogus'"),
+        (["--method", "attention_matching", "--on-policy", "maybe"], "true or false"),
+        (["--method", "attention_matching", "--max-queries", "2.5"], "whole number"),
+        (["--method", "attention_matching", "--preset", "AM-Nope"], "invalid choice"),
+        (["--method", "snapkv", "--preset", "AM-OMP"], "snapkv has no preset"),
+        # One --budgets flag serves Attention Matching's choices and the selection wrappers'.
+        (
+            ["--method", "snapkv", "--budgets", "adakv", "--granularity", "chunk"],
+            "budgets=adakv needs granularity=token",
+        ),
+        (["--method", "attention_matching", "--budgets", "adakv"], "budgets must be one of auto, uniform, nonuniform"),
+        (["--method", "knorm", "--budgets", "document"], "budgets must be one of uniform, adakv, nonuniform, global"),
+    ],
+)
 def test_cli_refuses_bad_option_values_with_exit_2_and_one_line(tmp_path, capsys, argv, fragment):
     doc = tmp_path / "doc.txt"
     doc.write_text("A short document.")
@@ -132,8 +143,9 @@ def test_cli_flags_come_from_the_knobs():
     assert tuple(_action(parser, "--prune").choices) == ("global", "layer", "head")
     assert set(_action(parser, "--preset").choices) >= {"AM-HighestAttnKeys", "AM-OMP", "AM-OMP-fast"}
     base = ["run", "--doc", "d", "--method", "m", "--ratio", "2", "--question", "q"]
-    args = parser.parse_args(base + ["--on-policy", "false", "--max-queries", "64", "--drop-below", "-5",
-                                     "--key-selection", "omp"])
+    args = parser.parse_args(
+        base + ["--on-policy", "false", "--max-queries", "64", "--drop-below", "-5", "--key-selection", "omp"]
+    )
     assert args.opt_on_policy is False and args.opt_max_queries == 64 and args.opt_drop_below == -5.0
     assert args.opt_key_selection == "omp"
     assert parser.parse_args(base + ["--fill-budget", "TRUE"]).opt_fill_budget is True
@@ -165,8 +177,9 @@ def test_knobs_reflect_types_and_choices_and_defaults_read_back():
 
 
 def test_knob_conversion_and_options_from():
-    max_queries, on_policy = (next(k for k in catalog.knobs("attention_matching") if k.name == n)
-                              for n in ("max_queries", "on_policy"))
+    max_queries, on_policy = (
+        next(k for k in catalog.knobs("attention_matching") if k.name == n) for n in ("max_queries", "on_policy")
+    )
     assert max_queries.convert("64") == 64 and max_queries.convert(64.0) == 64 and max_queries.convert(" ") is None
     with pytest.raises(MethodError, match="max_queries must be a whole number"):
         max_queries.convert(2.5)
@@ -188,11 +201,28 @@ def test_knob_conversion_and_options_from():
 # dropped, one key per iteration and a refit each time unless "fast" (4 keys, refit
 # every 2); the names without "-basic" re-read each layer's queries on-policy.
 PUBLISHED = {
-    "AM-HighestAttnKeys-basic": {"key_selection": "highest_attn", "scoring": "rms", "nnls_iters": 2, "on_policy": False},
+    "AM-HighestAttnKeys-basic": {
+        "key_selection": "highest_attn",
+        "scoring": "rms",
+        "nnls_iters": 2,
+        "on_policy": False,
+    },
     "AM-HighestAttnKeys": {"key_selection": "highest_attn", "scoring": "rms", "nnls_iters": 2, "on_policy": True},
-    "AM-OMP-basic": {"key_selection": "omp", "drop_below": -7.0, "keys_per_iter": 1, "refit_every": 1, "on_policy": False},
+    "AM-OMP-basic": {
+        "key_selection": "omp",
+        "drop_below": -7.0,
+        "keys_per_iter": 1,
+        "refit_every": 1,
+        "on_policy": False,
+    },
     "AM-OMP": {"key_selection": "omp", "drop_below": -7.0, "keys_per_iter": 1, "refit_every": 1, "on_policy": True},
-    "AM-OMP-fast": {"key_selection": "omp", "drop_below": -7.0, "keys_per_iter": 4, "refit_every": 2, "on_policy": True},
+    "AM-OMP-fast": {
+        "key_selection": "omp",
+        "drop_below": -7.0,
+        "keys_per_iter": 4,
+        "refit_every": 2,
+        "on_policy": True,
+    },
 }
 
 
@@ -206,7 +236,10 @@ def test_presets_resolve_to_the_published_configurations(preset):
 
 
 def test_defaults_are_the_basic_highest_attn_configuration_and_knobs_override_presets():
-    assert get_method("attention_matching").options == get_method("attention_matching", preset="AM-HighestAttnKeys-basic").options
+    assert (
+        get_method("attention_matching").options
+        == get_method("attention_matching", preset="AM-HighestAttnKeys-basic").options
+    )
     options = get_method("attention_matching", preset="AM-OMP-fast", keys_per_iter=8).options
     assert options.keys_per_iter == 8 and options.refit_every == 2 and options.on_policy is True
     assert catalog.presets("random") == {}  # (scoring methods have the selection presets)
@@ -218,8 +251,23 @@ def test_defaults_are_the_basic_highest_attn_configuration_and_knobs_override_pr
 def test_cli_preset_with_an_override_reaches_the_method():
     from kvlab.cli import method_from_args
 
-    args = build_parser().parse_args(["run", "--doc", "d", "--method", "attention_matching", "--ratio", "2",
-                                      "--question", "q", "--preset", "AM-OMP", "--refit-every", "3"])
+    args = build_parser().parse_args(
+        [
+            "run",
+            "--doc",
+            "d",
+            "--method",
+            "attention_matching",
+            "--ratio",
+            "2",
+            "--question",
+            "q",
+            "--preset",
+            "AM-OMP",
+            "--refit-every",
+            "3",
+        ]
+    )
     options = method_from_args("attention_matching", args).options
     assert (options.key_selection, options.keys_per_iter, options.refit_every, options.on_policy) == ("omp", 1, 3, True)
 
@@ -259,8 +307,14 @@ def test_methods_lists_one_line_each_with_the_shared_tag(capsys):
         tag = catalog.aware_tag(name)
         assert by_name[name].endswith(REGISTRY[name].summary + tag)
         assert catalog.method_label(name).endswith(tag)
-    assert {catalog.query_awareness(n) for n in ("snapkv", "snapkv_question", "attention_matching")} == {"no", "yes", "options"}
-    assert "Query-agnostic" in catalog.method_info("snapkv") and "**Query-aware**" in catalog.method_info("snapkv_question")
+    assert {catalog.query_awareness(n) for n in ("snapkv", "snapkv_question", "attention_matching")} == {
+        "no",
+        "yes",
+        "options",
+    }
+    assert "Query-agnostic" in catalog.method_info("snapkv") and "**Query-aware**" in catalog.method_info(
+        "snapkv_question"
+    )
     assert "query_source=question" in catalog.method_info("attention_matching")
 
 

@@ -1,5 +1,6 @@
 """ThinK (key channels pruned, kvlab.methods.think) and SimLayerKV (lazy layers, kvlab.methods.simlayerkv),
 checked against the papers' formulas computed eagerly in float64 here, and hand-worked examples."""
+
 from __future__ import annotations
 
 import pytest
@@ -61,9 +62,10 @@ def test_think_prunes_the_channels_the_papers_score_ranks_lowest(templated, rati
             positions = sorted(snap.fates(layer, head))
             keys = full_keys[head, positions]  # [N, d]
             queries = q_all[head * group : (head + 1) * group].reshape(-1, d)  # the group's queries stacked
-            score = torch.tensor([
-                torch.linalg.matrix_norm(torch.outer(queries[:, j], keys[:, j])).item() for j in range(d)
-            ], dtype=torch.float64)
+            score = torch.tensor(
+                [torch.linalg.matrix_norm(torch.outer(queries[:, j], keys[:, j])).item() for j in range(d)],
+                dtype=torch.float64,
+            )
             expected = set(torch.topk(score, d - n_pruned).indices.tolist())
             rows = key_rows(stored, layer, head)
             kept = {j for j in range(d) if any(rows[p][j] != 0 for p in positions)}
@@ -173,16 +175,19 @@ def test_laziness_is_the_attention_share_on_what_a_lazy_layer_keeps():
     assert laziness(queries, keys, kept, scale=1.0) == pytest.approx((0.75 + 0.4) / 2, abs=1e-6)
 
 
-@pytest.mark.parametrize(("n_layers", "doc_len", "budget", "window", "expected"), [
-    # 4 layers, T = 100, B = 50, window 20: ceil(4 x 50 / 80) = 3 lazy layers keep 200 - 100 = 100 tokens.
-    (4, 100, 50, 20, (3, [34, 33, 33])),
-    # T = 96, B = 12 (8x), the paper's window 1028 > B: every layer lazy, each keeps B.
-    (2, 96, 12, 1028, (2, [12, 12])),
-    # T = 96, B = 64, window 12: ceil(2 x 32 / 84) = 1 lazy layer keeps 128 - 96 = 32.
-    (2, 96, 64, 12, (1, [32])),
-    (3, 96, 96, 12, (0, [])),  # ratio 1: nobody is lazy
-    (0, 96, 24, 12, (0, [])),  # every layer a sliding window's (Mistral v0.1): none to compress
-])
+@pytest.mark.parametrize(
+    ("n_layers", "doc_len", "budget", "window", "expected"),
+    [
+        # 4 layers, T = 100, B = 50, window 20: ceil(4 x 50 / 80) = 3 lazy layers keep 200 - 100 = 100 tokens.
+        (4, 100, 50, 20, (3, [34, 33, 33])),
+        # T = 96, B = 12 (8x), the paper's window 1028 > B: every layer lazy, each keeps B.
+        (2, 96, 12, 1028, (2, [12, 12])),
+        # T = 96, B = 64, window 12: ceil(2 x 32 / 84) = 1 lazy layer keeps 128 - 96 = 32.
+        (2, 96, 64, 12, (1, [32])),
+        (3, 96, 96, 12, (0, [])),  # ratio 1: nobody is lazy
+        (0, 96, 24, 12, (0, [])),  # every layer a sliding window's (Mistral v0.1): none to compress
+    ],
+)
 def test_lazy_budgets_by_hand(n_layers, doc_len, budget, window, expected):
     assert lazy_budgets(n_layers, doc_len, budget, window) == expected
 

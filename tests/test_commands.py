@@ -12,6 +12,7 @@ continuations joined, and inline code spans):
 ``--help`` runs in this process (``runpy``, ``sys.argv`` set), so the heavy
 imports are paid once, not once per command.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -106,8 +107,11 @@ def test_the_parser_reads_commands_the_way_they_are_quoted() -> None:
     )
     targets, commands = quoted_commands(text)
     assert targets == {"run"}
-    assert commands == {("sub", "run"): {"--doc", "--ratio"}, ("module", "benchmarks.methods"): {"--ratios"},
-                        ("script", "benchmarks/kvpress_peer.py"): {"--side"}}
+    assert commands == {
+        ("sub", "run"): {"--doc", "--ratio"},
+        ("module", "benchmarks.methods"): {"--ratios"},
+        ("script", "benchmarks/kvpress_peer.py"): {"--side"},
+    }
 
 
 def test_the_documents_quote_the_main_commands() -> None:
@@ -137,7 +141,9 @@ def anchor(heading: str) -> str:
 
 
 def test_anchor_follows_github() -> None:
-    assert anchor("The app's speed (`python -m benchmarks.app_speed`)") == "the-apps-speed-python--m-benchmarksapp_speed"
+    assert (
+        anchor("The app's speed (`python -m benchmarks.app_speed`)") == "the-apps-speed-python--m-benchmarksapp_speed"
+    )
 
 
 @pytest.mark.parametrize("path", DOCUMENTS, ids=lambda p: p.name)

@@ -4,13 +4,13 @@
 Small seeded random problems; each test checks a property that fails if the
 maths is wrong, not merely that the code runs.
 """
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
-from solver_cases import gather_cols, gen, mass_err, qkv, rel_out_err
 
 from kvlab.compression.solvers.compact import compact_block
 from kvlab.compression.solvers.keys import OMP, GivenScores, HighestAttn
@@ -18,6 +18,7 @@ from kvlab.compression.solvers.nnls import nnls, nnls_bias
 from kvlab.compression.solvers.omp import omp_select
 from kvlab.compression.solvers.scores import mass_features, score_keys, select_highest_attn, streamed_mass
 from kvlab.runtime.attention import attend
+from solver_cases import gather_cols, gen, mass_err, qkv, rel_out_err
 
 # --------------------------------------------------------------------------
 # OMP
@@ -205,9 +206,9 @@ def test_low_precision_inputs():
     assert torch.allclose(got.lse, ref.lse, atol=1e-3)
 
 
-
-@pytest.mark.parametrize(("selection", "beta"), [(HighestAttn(), 3.0), (OMP(), math.log(64))],
-                         ids=["highest_attn", "omp"])
+@pytest.mark.parametrize(
+    ("selection", "beta"), [(HighestAttn(), 3.0), (OMP(), math.log(64))], ids=["highest_attn", "omp"]
+)
 def test_beta_is_bounded_as_published(selection, beta):
     """64 copies of one key compacted to one: its exact weight is 64, beta = log 64 ~ 4.16.
     The published HighestAttnKeys configuration bounds beta to [-3, 3], so it stops at 3;
@@ -238,7 +239,9 @@ def test_given_key_scores_pick_the_keys_and_the_fit_stays_highest_attn():
     default = compact_block(q, k, v, t)
     given = compact_block(q, k, v, t, keys=GivenScores(a.square().mean(dim=1).sqrt()))
     assert torch.equal(given.index, default.index)
-    assert torch.allclose(given.bias, default.bias, atol=1e-6) and torch.allclose(given.values, default.values, atol=1e-5)
+    assert torch.allclose(given.bias, default.bias, atol=1e-6) and torch.allclose(
+        given.values, default.values, atol=1e-5
+    )
 
     scores = torch.rand(2, 32, generator=gen(23))
     cb = compact_block(q, k, v, t, keys=GivenScores(scores))
@@ -251,7 +254,6 @@ def test_given_key_scores_pick_the_keys_and_the_fit_stays_highest_attn():
     assert torch.allclose(cb.values, best, atol=1e-3)
     with pytest.raises(ValueError, match="key_scores"):
         compact_block(q, k, v, t, keys=GivenScores(scores[:, :t]))
-
 
 
 # the streamed and the dense path
@@ -333,8 +335,10 @@ def test_the_run_names_the_heads_whose_fit_fell_back():
 
     details = {"solver_fallbacks": [[0, 0], [0, 2]], "nonfinite_replaced": [[5, 0], [0, 0]]}
     line = RunResult.numerics_warning.fget(SimpleNamespace(details=details))
-    assert line == ("Warning: a solve fell back to zeros in 1 head(s): layer 1 head 1; "
-                    "non-finite values were replaced in 1 head(s): layer 0 head 0.")
+    assert line == (
+        "Warning: a solve fell back to zeros in 1 head(s): layer 1 head 1; "
+        "non-finite values were replaced in 1 head(s): layer 0 head 0."
+    )
     assert RunResult.numerics_warning.fget(SimpleNamespace(details={"solver_fallbacks": [[0]]})) is None
 
 
@@ -358,4 +362,6 @@ def test_blocked_gram_and_its_lower_triangle_solve_as_the_plain_product():
     x = ridge_lstsq(d, y, torch.ones(2, m), 1e-12)
     ref = torch.linalg.lstsq(d.double(), y.double()).solution
     cond = float(torch.linalg.cond(d.double()).max())
-    assert float((x.double() - ref).abs().max()) <= 3 * m * torch.finfo(torch.float32).eps * cond**2 * float(ref.abs().max())
+    assert float((x.double() - ref).abs().max()) <= 3 * m * torch.finfo(torch.float32).eps * cond**2 * float(
+        ref.abs().max()
+    )

@@ -1,6 +1,7 @@
 """The model as an axis of Compare: the same document and question on several models, each with its own
 full cache (its ceiling); a link naming them; ``kvlab compare --models``. Two tiny random models saved
 to folders, as a user's would be: a Llama and a Gemma 3 with sliding-window layers."""
+
 from __future__ import annotations
 
 import csv
@@ -41,7 +42,10 @@ def test_a_sweep_over_two_models_measures_each_against_its_own_full_cache(two_mo
     assert [c.model for c in sweep.ceilings] == [s.model for s in alone] and alone[0].model != alone[1].model
     for ceiling, one in zip(sweep.ceilings, alone):
         assert (ceiling.answer_full, ceiling.logppl_full, ceiling.doc_tokens) == (
-            one.answer_full, one.logppl_full, one.doc_tokens)
+            one.answer_full,
+            one.logppl_full,
+            one.doc_tokens,
+        )
     expected = [(s.model, r.method, r.ratio, r.bytes_compressed, r.answer_compressed) for s in alone for r in s.results]
     assert [(r.model, r.method, r.ratio, r.bytes_compressed, r.answer_compressed) for r in sweep.results] == expected
     # Every run is measured against its own model's full cache.
@@ -59,13 +63,19 @@ def test_models_count_toward_the_sweep_limit_before_any_work(monkeypatch):
     monkeypatch.setattr(models, "get_model", lambda spec=None: pytest.fail("loaded a model"))
     per_model = lab.MAX_SWEEP_POINTS // 2 + 1  # within the limit on one model, over it on two
     with pytest.raises(lab.InputError, match="methods x head budgets x ratios x models"):
-        lab.compare(DOC, None, ["streaming_llm"], [float(r) for r in range(2, 2 + per_model)], QUESTION,
-                    models=["a", "b"])
+        lab.compare(
+            DOC, None, ["streaming_llm"], [float(r) for r in range(2, 2 + per_model)], QUESTION, models=["a", "b"]
+        )
 
 
 CHOICES = links.LinkChoices(
-    examples=("story",), methods=("snapkv", "tova"), ratio_range=(1.0, 64.0), sweep_ratios=(2.0, 5.0),
-    sweep_range=(1.0, 1000.0), generate_methods=(), models=("embedded", "gemma3-270m"),
+    examples=("story",),
+    methods=("snapkv", "tova"),
+    ratio_range=(1.0, 64.0),
+    sweep_ratios=(2.0, 5.0),
+    sweep_range=(1.0, 1000.0),
+    generate_methods=(),
+    models=("embedded", "gemma3-270m"),
 )
 
 
@@ -81,8 +91,25 @@ def test_a_compare_link_names_its_models():
 
 def test_cli_compare_on_two_models(two_models, tmp_path, capsys):
     out = tmp_path / "out"
-    code = main(["compare", "--doc", str(write_doc(tmp_path)), "--methods", "streaming_llm", "--ratios", "2",
-                 "--question", QUESTION, "--max-new-tokens", "3", "--out", str(out), "--models", ",".join(two_models)])
+    code = main(
+        [
+            "compare",
+            "--doc",
+            str(write_doc(tmp_path)),
+            "--methods",
+            "streaming_llm",
+            "--ratios",
+            "2",
+            "--question",
+            QUESTION,
+            "--max-new-tokens",
+            "3",
+            "--out",
+            str(out),
+            "--models",
+            ",".join(two_models),
+        ]
+    )
     assert code == 0
     with open(out / "compare.csv", newline="", encoding="utf-8") as fh:
         rows = list(csv.DictReader(fh))
@@ -92,13 +119,25 @@ def test_cli_compare_on_two_models(two_models, tmp_path, capsys):
     assert all(f"full cache's answer ({c['model']})" in printed for c in data["ceilings"])
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--model", "embedded", "--models", "embedded"], "not both"),
-    (["--models", " , "], "names no model"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [(["--model", "embedded", "--models", "embedded"], "not both"), (["--models", " , "], "names no model")],
+)
 def test_cli_compare_bad_models_exit_2_with_one_line(tmp_path, extra, message, capsys):
-    argv = ["compare", "--doc", str(write_doc(tmp_path)), "--methods", "tova", "--ratios", "2", "--question", "q",
-            "--out", str(tmp_path / "o"), *extra]
+    argv = [
+        "compare",
+        "--doc",
+        str(write_doc(tmp_path)),
+        "--methods",
+        "tova",
+        "--ratios",
+        "2",
+        "--question",
+        "q",
+        "--out",
+        str(tmp_path / "o"),
+        *extra,
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err

@@ -1,4 +1,5 @@
 """The one device-placement rule (kvlab.models.pick_device / device_map) and its KVLAB_DEVICE override."""
+
 from __future__ import annotations
 
 import pytest

@@ -5,6 +5,7 @@ cases of its documented rules); the suite then runs every method and the
 lab's entry points on a tiny model whose tensors are tagged "cuda", so a CPU
 tensor meeting a model tensor fails here as it would on a GPU.
 """
+
 from __future__ import annotations
 
 import pytest

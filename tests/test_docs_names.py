@@ -7,6 +7,7 @@ Read from the documents' code spans and fenced blocks (tests/test_commands.py ch
 - a dotted name ``kvlab.x.y`` / ``benchmarks.x``: its longest module prefix imports and the rest are
   attributes of it (``kvlab.runtime.model.LoadedModel.geometry``).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -15,8 +16,18 @@ import re
 import pytest
 from test_commands import DOCUMENTS, ROOT, code_texts
 
-FILES = {"app.py", "Makefile", "Dockerfile", "README.md", "pyproject.toml", "requirements.txt", "requirements-dev.txt",
-         "requirements-model.txt", "setup.py", ".ci/run"}
+FILES = {
+    "app.py",
+    "Makefile",
+    "Dockerfile",
+    "README.md",
+    "pyproject.toml",
+    "requirements.txt",
+    "requirements-dev.txt",
+    "requirements-model.txt",
+    "setup.py",
+    ".ci/run",
+}
 PATH = re.compile(r"(?<![\w./-])((?:kvlab|benchmarks|tests|assets|docs|\.ci)/[\w./*<>-]*[\w*/])")
 #: Paths the docs name on purpose although the tree has no such file, and why.
 HYPOTHETICAL = {"kvlab/methods/my_method.py": "architecture.md's example method (tests/test_add_a_method.py makes it)"}
@@ -60,7 +71,9 @@ def test_the_reader_finds_paths_and_names() -> None:
     text = "See `kvlab/runtime/model.py` and `kvlab.runtime.model.LoadedModel`.\n```\npython app.py\n```\n"
     assert quoted_names(text) == ({"kvlab/runtime/model.py", "app.py"}, {"kvlab.runtime.model.LoadedModel"})
     assert resolves("kvlab.runtime.model.LoadedModel.geometry") and not resolves("kvlab.runtime.model.Nothing")
-    assert not resolves("kvlab.no_such_module") and path_exists("kvlab/runtime/*.py") and not path_exists("kvlab/nope.py")
+    assert (
+        not resolves("kvlab.no_such_module") and path_exists("kvlab/runtime/*.py") and not path_exists("kvlab/nope.py")
+    )
 
 
 QUOTED = {path.name: quoted_names(path.read_text(encoding="utf-8")) for path in DOCUMENTS}
@@ -81,7 +94,7 @@ def test_every_quoted_module_and_name_resolves(doc: str) -> None:
 def test_the_architecture_table_names_every_module_and_package() -> None:
     """docs/architecture.md's "Where each concern lives" names each top-level module and package of kvlab."""
     text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
-    table = text[text.index("## Where each concern lives"):]
+    table = text[text.index("## Where each concern lives") :]
     table = table[: table.index("\n## ", 1)]
     named = set(PATH.findall(table))
     kvlab = ROOT / "kvlab"

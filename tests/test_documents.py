@@ -32,10 +32,7 @@ def _text_pdf(text: str) -> bytes:
     out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
     for offset in offsets:
         out += b"%010d 00000 n \n" % offset
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (
-        len(objects) + 1,
-        xref_at,
-    )
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref_at)
     return bytes(out)
 
 
@@ -335,8 +332,17 @@ def test_load_examples_custom_root(tmp_path: Path) -> None:
     (tmp_path / "doc.txt").write_text("Anna lives in Oslo.", encoding="utf-8")
     _write_manifest(
         tmp_path,
-        [{"id": "a", "title": "A", "file": "doc.txt", "kind": "note",
-          "questions": ["Where does Anna live?"], "answers": ["Oslo"], "tokens": 6}],
+        [
+            {
+                "id": "a",
+                "title": "A",
+                "file": "doc.txt",
+                "kind": "note",
+                "questions": ["Where does Anna live?"],
+                "answers": ["Oslo"],
+                "tokens": 6,
+            }
+        ],
     )
     [ex] = load_examples(tmp_path)
     assert ex.path == (tmp_path / "doc.txt").resolve()
@@ -351,9 +357,16 @@ def test_answers_may_list_aliases(tmp_path: Path) -> None:
     (tmp_path / "doc.txt").write_text("Anna Berg, 34, lives in Oslo.", encoding="utf-8")
     _write_manifest(
         tmp_path,
-        [{"id": "a", "title": "A", "file": "doc.txt", "kind": "note",
-          "questions": ["Who lives in Oslo?", "How old is she?"],
-          "answers": [["Anna Berg", "Anna"], "34"]}],
+        [
+            {
+                "id": "a",
+                "title": "A",
+                "file": "doc.txt",
+                "kind": "note",
+                "questions": ["Who lives in Oslo?", "How old is she?"],
+                "answers": [["Anna Berg", "Anna"], "34"],
+            }
+        ],
     )
     [ex] = load_examples(tmp_path)
     assert ex.answers == ("Anna Berg", "34")  # the first alias is the answer shown
@@ -379,8 +392,15 @@ def test_load_examples_rejects_bad_entries(tmp_path: Path, entry: dict, message:
     root.mkdir()
     (root / "doc.txt").write_text("text", encoding="utf-8")
     (tmp_path / "outside.txt").write_text("text", encoding="utf-8")
-    base = {"id": "a", "title": "A", "file": "doc.txt", "kind": "note",
-            "questions": ["q1"], "answers": ["a1"], "tokens": 1}
+    base = {
+        "id": "a",
+        "title": "A",
+        "file": "doc.txt",
+        "kind": "note",
+        "questions": ["q1"],
+        "answers": ["a1"],
+        "tokens": 1,
+    }
     _write_manifest(root, [{**base, **entry}])
     with pytest.raises(DocumentError, match=message):
         load_examples(root)
@@ -393,8 +413,7 @@ def test_load_examples_missing_manifest(tmp_path: Path) -> None:
 
 def test_load_examples_duplicate_ids(tmp_path: Path) -> None:
     (tmp_path / "doc.txt").write_text("text", encoding="utf-8")
-    entry = {"id": "a", "title": "A", "file": "doc.txt", "kind": "note",
-             "questions": ["q"], "answers": ["a"]}
+    entry = {"id": "a", "title": "A", "file": "doc.txt", "kind": "note", "questions": ["q"], "answers": ["a"]}
     _write_manifest(tmp_path, [entry, entry])
     with pytest.raises(DocumentError, match="duplicate id"):
         load_examples(tmp_path)

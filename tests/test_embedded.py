@@ -1,4 +1,5 @@
 """End to end on the embedded SmolLM2-135M-Instruct: answers, the CLI's JSON contract."""
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,20 @@ pytestmark = pytest.mark.slow  # the embedded model, and CLI subprocesses: left 
 
 ROOT = Path(__file__).resolve().parents[1]
 JSON_KEYS = {
-    "method", "ratio", "model", "doc_tokens", "kept_tokens_mean", "bytes_full", "bytes_compressed",
-    "prefill_s", "compress_s", "answer_full", "answer_compressed", "attn_output_rel_err",
-    "attn_mass_rel_err", "per_head",
+    "method",
+    "ratio",
+    "model",
+    "doc_tokens",
+    "kept_tokens_mean",
+    "bytes_full",
+    "bytes_compressed",
+    "prefill_s",
+    "compress_s",
+    "answer_full",
+    "answer_compressed",
+    "attn_output_rel_err",
+    "attn_mass_rel_err",
+    "per_head",
 }
 
 
@@ -56,7 +68,9 @@ def test_attention_matching_fit_beats_its_own_keys_without_the_fit(embedded, sho
     # the same keys). The fit must serve the held-out question's queries better
     # than the raw keys, and keep the answer.
     ctx = CONTEXTS.get(embedded, short_doc.read_text())
-    fitted = run(ctx, get_method("attention_matching", budgets="uniform"), 1.1, "Who keeps the lighthouse?", max_new_tokens=12).result
+    fitted = run(
+        ctx, get_method("attention_matching", budgets="uniform"), 1.1, "Who keeps the lighthouse?", max_new_tokens=12
+    ).result
     raw = run(ctx, get_method("attention_topk"), 1.1, "Who keeps the lighthouse?", max_new_tokens=12).result
     assert fitted.kept_tokens_mean < fitted.context_tokens  # keys were dropped: the solver ran
     assert fitted.kept_tokens_mean == pytest.approx(raw.kept_tokens_mean)
@@ -76,10 +90,22 @@ def test_compression_changes_something_measurable(embedded, short_doc):
 
 @pytest.mark.parametrize("name", ["streaming_llm", "snapkv"])
 def test_cli_json_contract(embedded, short_doc, capsys, name):
-    code = main([
-        "run", "--doc", str(short_doc), "--method", name, "--ratio", "5",
-        "--question", "Who keeps the lighthouse?", "--max-new-tokens", "6", "--json",
-    ])
+    code = main(
+        [
+            "run",
+            "--doc",
+            str(short_doc),
+            "--method",
+            name,
+            "--ratio",
+            "5",
+            "--question",
+            "Who keeps the lighthouse?",
+            "--max-new-tokens",
+            "6",
+            "--json",
+        ]
+    )
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert JSON_KEYS <= set(out)
@@ -88,13 +114,19 @@ def test_cli_json_contract(embedded, short_doc, capsys, name):
     assert isinstance(out["answer_full"], str) and isinstance(out["answer_compressed"], str)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["run", "--doc", "x.txt", "--method", "nope", "--ratio", "2", "--question", "q"], "unknown method"),
-    (["run", "--doc", "x.txt", "--method", "snapkv", "--ratio", "0.5", "--question", "q"], "ratio"),
-    (["run", "--doc", "x.txt", "--method", "snapkv", "--ratio", "2"], "required"),
-    (["run", "--doc", "missing.txt", "--method", "snapkv", "--ratio", "2", "--question", "q"], "not found"),
-    (["run", "--doc", "x.txt", "--method", "snapkv", "--ratio", "2", "--question", "q", "--n-sink", "3"], "no option"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["run", "--doc", "x.txt", "--method", "nope", "--ratio", "2", "--question", "q"], "unknown method"),
+        (["run", "--doc", "x.txt", "--method", "snapkv", "--ratio", "0.5", "--question", "q"], "ratio"),
+        (["run", "--doc", "x.txt", "--method", "snapkv", "--ratio", "2"], "required"),
+        (["run", "--doc", "missing.txt", "--method", "snapkv", "--ratio", "2", "--question", "q"], "not found"),
+        (
+            ["run", "--doc", "x.txt", "--method", "snapkv", "--ratio", "2", "--question", "q", "--n-sink", "3"],
+            "no option",
+        ),
+    ],
+)
 def test_cli_bad_arguments_exit_2_with_one_line(argv, message, capsys):
     assert main(argv) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]

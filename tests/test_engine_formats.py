@@ -4,6 +4,7 @@ The FP8 codes are checked against torch's own float8 casts, done here element by
 saturation written out (vLLM's conversion saturates; torch's e5m2 cast does not). The NVFP4 and
 SGLang's KVFP4 codes are checked against blocks of 16 numbers worked by hand.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -54,11 +55,13 @@ def saturated_cast(y: torch.Tensor, dtype: torch.dtype, top: float) -> torch.Ten
 def test_fp8_codes_are_torchs_cast_with_saturation(name, dtype, top):
     torch.manual_seed(1)
     scale = torch.tensor(0.37)
-    x = torch.cat([
-        torch.randn(500) * top * scale / 8,  # in range: the cast alone
-        torch.tensor([1.01, -1.5, 4.0, -1e3]) * top * scale,  # past the largest value: saturated
-        torch.tensor([top * scale, 0.0, -0.0]),
-    ])
+    x = torch.cat(
+        [
+            torch.randn(500) * top * scale / 8,  # in range: the cast alone
+            torch.tensor([1.01, -1.5, 4.0, -1e3]) * top * scale,  # past the largest value: saturated
+            torch.tensor([top * scale, 0.0, -0.0]),
+        ]
+    )
     y = x / scale
     assert (y.abs() > top).sum() >= 4
     got = fp8_encode(x, scale, dtype)
@@ -237,8 +240,10 @@ def test_bytes_of_a_small_cache_by_hand():
     assert kvfp4.breakdown() == {"e2m1 codes": 160, "e8m0 block exponents": 20} and kvfp4.nbytes == 180
 
 
-@pytest.mark.parametrize(("name", "token_bytes", "layer_bytes"),
-                         [("fp8_e4m3", 32, 8), ("fp8_e5m2", 32, 8), ("nvfp4", 18, 8), ("fp4_e2m1", 18, 0)])
+@pytest.mark.parametrize(
+    ("name", "token_bytes", "layer_bytes"),
+    [("fp8_e4m3", 32, 8), ("fp8_e5m2", 32, 8), ("nvfp4", 18, 8), ("fp4_e2m1", 18, 0)],
+)
 def test_a_stored_cache_counts_codes_and_scales_only(ctx, name, token_bytes, layer_bytes):
     stored = get_method(name).compress(Request(ctx, 2.0))
     lm = ctx.lm
@@ -303,10 +308,13 @@ def test_a_stored_format_decodes_to_finite_logits_close_to_the_full_cache(ctx, n
     assert (got - want).abs().max() < 0.1 * want.abs().max()
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    ({"scale": "dynamic"}, "^fp8_e4m3: scale must be one of fixed, calculated, checkpoint, got 'dynamic'$"),
-    ({"evict_with": "kivi"}, "^fp8_e4m3: evict_with must be oldest or a scoring method"),
-])
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"scale": "dynamic"}, "^fp8_e4m3: scale must be one of fixed, calculated, checkpoint, got 'dynamic'$"),
+        ({"evict_with": "kivi"}, "^fp8_e4m3: evict_with must be oldest or a scoring method"),
+    ],
+)
 def test_bad_options_are_refused_in_one_line(options, message):
     with pytest.raises(MethodError, match=message):
         get_method("fp8_e4m3", **options)

@@ -3,6 +3,7 @@
 A suggested question the model gets wrong from its full cache shows nothing
 about compression; each must be answered right before any method is tried.
 """
+
 from __future__ import annotations
 
 import pytest

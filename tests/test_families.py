@@ -1,6 +1,7 @@
 """The method families of issue 23 on a tiny random Llama: each scorer and wrapper against its
 formula computed eagerly, token by token, from transformers' own eager cache (not from the
 method's ``scores()``), AdaKV's ragged bytes worked by hand, keep-all invariants."""
+
 from __future__ import annotations
 
 import math
@@ -14,7 +15,15 @@ from kvlab.catalog import knobs, method_markdown
 from kvlab.methods import MethodError, Request, get_method
 
 PREFIX = 2
-SELECTION_KNOBS = {"budgets", "alpha_safeguard", "granularity", "chunk_size", "critical", "first_stage_ratio", "critical_epsilon"}
+SELECTION_KNOBS = {
+    "budgets",
+    "alpha_safeguard",
+    "granularity",
+    "chunk_size",
+    "critical",
+    "first_stage_ratio",
+    "critical_epsilon",
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +47,10 @@ def eager(ctx, tiny_eager):
 def kept(stored, ctx) -> list[list[set[int]]]:
     """Per layer and KV head, the document tokens a stored cache holds."""
     return [
-        [{i - ctx.prefix_len for i in stored.fates(layer, head) if i >= ctx.prefix_len} for head in range(ctx.lm.n_kv_heads)]
+        [
+            {i - ctx.prefix_len for i in stored.fates(layer, head) if i >= ctx.prefix_len}
+            for head in range(ctx.lm.n_kv_heads)
+        ]
         for layer in range(ctx.lm.n_layers)
     ]
 
@@ -128,7 +140,10 @@ def projected_norm_eager(ctx, eager, layer: int, kv_head: int) -> list[float]:
     values = eager[layer][1][kv_head]
     out = []
     for j in range(PREFIX, values.shape[0]):
-        per_head = [float((w[:, h * d : (h + 1) * d] @ values[j]).abs().sum()) for h in range(kv_head * group, (kv_head + 1) * group)]
+        per_head = [
+            float((w[:, h * d : (h + 1) * d] @ values[j]).abs().sum())
+            for h in range(kv_head * group, (kv_head + 1) * group)
+        ]
         out.append(sum(per_head) / group)
     return out
 
@@ -213,7 +228,9 @@ def test_adakv_stores_the_bytes_of_the_tokens_it_keeps(ctx):
 
 
 def test_adakv_with_a_full_safeguard_is_uniform(ctx):
-    assert kept(compress(ctx, "keydiff", 3.0, budgets="adakv", alpha_safeguard=1.0), ctx) == kept(compress(ctx, "keydiff", 3.0), ctx)
+    assert kept(compress(ctx, "keydiff", 3.0, budgets="adakv", alpha_safeguard=1.0), ctx) == kept(
+        compress(ctx, "keydiff", 3.0), ctx
+    )
 
 
 @pytest.mark.parametrize("ratio", [3.2, 4.0])
@@ -242,8 +259,9 @@ def best_of(score: list[float], among: list[int], k: int) -> set[int]:
 @pytest.mark.parametrize("first_stage_ratio", [0.5, 0.0])
 def test_criticalkv_two_stages_reweight_by_the_projected_value_norm(ctx, eager, first_stage_ratio):
     ratio, eps, budget = 4.0, 1e-4, 24
-    stored = compress(ctx, "cur", ratio, num_sinks=0, critical=True, first_stage_ratio=first_stage_ratio,
-                      critical_epsilon=eps)
+    stored = compress(
+        ctx, "cur", ratio, num_sinks=0, critical=True, first_stage_ratio=first_stage_ratio, critical_epsilon=eps
+    )
     for layer, heads in enumerate(kept(stored, ctx)):
         for head, got in enumerate(heads):
             s = cur_eager(eager, layer, head, 16, sinks=0)
@@ -255,7 +273,9 @@ def test_criticalkv_two_stages_reweight_by_the_projected_value_norm(ctx, eager, 
 
 
 def test_criticalkv_with_every_pick_in_the_first_stage_is_the_method(ctx):
-    assert kept(compress(ctx, "keydiff", 4.0, critical=True, first_stage_ratio=1.0), ctx) == kept(compress(ctx, "keydiff", 4.0), ctx)
+    assert kept(compress(ctx, "keydiff", 4.0, critical=True, first_stage_ratio=1.0), ctx) == kept(
+        compress(ctx, "keydiff", 4.0), ctx
+    )
 
 
 @pytest.mark.parametrize("name", ["knorm", "lagkv", "snapkv", "kvzip"])
@@ -280,4 +300,3 @@ def test_chunks_refuse_per_head_wrappers_in_one_line():
         get_method("tova", critical=True, granularity="chunk")
     with pytest.raises(MethodError, match="alpha_safeguard must be a number from 0 to 1"):
         get_method("knorm", alpha_safeguard=1.5)
-

@@ -1,4 +1,5 @@
 """Figure builders on small synthetic data: shapes, titles, heights (no model)."""
+
 from __future__ import annotations
 
 import re
@@ -111,7 +112,9 @@ def test_sweep_figure_draws_one_line_per_method_against_the_ratio():
     fig = figures.sweep_figure(points, "err", "Error vs ratio", "relative error", reference=0.05)
     _heights_set(fig)
     am, snap, ref = fig.data
-    assert (am.name, list(am.x)) == ("am", [2.0, 10.0]) and list(am.y) == pytest.approx([0.1, 0.3], abs=TOL)  # sorted by ratio
+    assert (am.name, list(am.x)) == ("am", [2.0, 10.0]) and list(am.y) == pytest.approx(
+        [0.1, 0.3], abs=TOL
+    )  # sorted by ratio
     assert (snap.name, list(snap.x)) == ("snap", [2.0]) and list(snap.y) == pytest.approx([0.2], abs=TOL)
     assert am.line.color != snap.line.color
     assert ref.name.startswith("full cache") and list(ref.y) == pytest.approx([0.05, 0.05], abs=TOL)
@@ -126,7 +129,12 @@ def test_fate_segments_joins_runs_and_marks_missing_as_evicted():
     texts = ["<s>", "The", " cat", " sat", " on", " mat", ""]
     fates = {0: "template", 1: "kept", 2: "kept", 5: "kept"}
     segs = figures.fate_segments(texts, fates)
-    assert segs == [("<s>", "template", None), ("The cat", "kept", None), (" sat on", "evicted", None), (" mat", "kept", None)]
+    assert segs == [
+        ("<s>", "template", None),
+        ("The cat", "kept", None),
+        (" sat on", "evicted", None),
+        (" mat", "kept", None),
+    ]
     assert "".join(t for t, _, _ in segs) == "".join(texts)
     assert figures.fate_counts(len(texts), fates) == {"template": 1, "kept": 3, "evicted": 3}
 
@@ -149,7 +157,9 @@ def _span_colours(html: str) -> dict[str, set[str]]:
 def _legend_colours(html: str) -> dict[str, str]:
     """The legend's chip colour per label."""
     chips = re.findall(r'<span class="kvlab-chip" style="([^"]*)">([^<]*)</span>', html)
-    return {label: (re.findall(r"background(?:-color)?:(#[0-9a-f]{6})", style) or ["none"])[0] for style, label in chips}
+    return {
+        label: (re.findall(r"background(?:-color)?:(#[0-9a-f]{6})", style) or ["none"])[0] for style, label in chips
+    }
 
 
 def test_word_diff():
@@ -174,7 +184,13 @@ def test_fate_segments_split_runs_by_intensity_step():
 
 
 def test_fate_html_shades_by_step_and_says_the_percentile():
-    segs = [("<i>x</i>", "kept", 7), (" y", "kept", 0), (" z", "evicted", 7), (" w", "evicted", 0), (" t", "template", None)]
+    segs = [
+        ("<i>x</i>", "kept", 7),
+        (" y", "kept", 0),
+        (" z", "evicted", 7),
+        (" w", "evicted", 0),
+        (" t", "template", None),
+    ]
     html = figures.fate_html(segs, intensity="the method's <score>")
     assert "&lt;i&gt;x&lt;/i&gt;" in html and "<i>" not in html
     assert "intensity = the method&#x27;s &lt;score&gt;" in html
@@ -196,7 +212,9 @@ def test_token_view_of_a_long_document_stays_small():
     texts = [f" w{i}" for i in range(n)]
     fates = {i: "kept" for i in range(0, n, 3)}
     levels = bytes((i * 97) % 255 + 1 for i in range(n))  # adjacent levels differ: the worst case
-    html = figures.bits_strip_html(n, fates) + figures.fate_html(figures.fate_segments(texts, fates, levels=levels), intensity="x")
+    html = figures.bits_strip_html(n, fates) + figures.fate_html(
+        figures.fate_segments(texts, fates, levels=levels), intensity="x"
+    )
     assert html.count("<span title=") == n and len(html) < 400_000
 
 

@@ -4,6 +4,7 @@ A long function is one a reader cannot hold in their head; the house splits them
 Where a function must stay long (a flat list of a page's widgets, a table written out), its
 docstring carries a line starting ``Long because:`` with the reason, and this test accepts it.
 """
+
 from __future__ import annotations
 
 import ast
@@ -47,6 +48,9 @@ def test_the_checker_on_hand_written_functions():
 
 
 def test_no_function_over_80_lines_without_a_reason():
-    found = [f"{path.relative_to(ROOT)}: {name} ({lines} lines)"
-             for path in project_files() for name, lines in long_functions(path.read_text(encoding="utf-8"))]
+    found = [
+        f"{path.relative_to(ROOT)}: {name} ({lines} lines)"
+        for path in project_files()
+        for name, lines in long_functions(path.read_text(encoding="utf-8"))
+    ]
     assert not found, "split these into stages, or say why in the docstring ('Long because: ...'):\n" + "\n".join(found)

@@ -6,6 +6,7 @@ and a global RoPE, query_pre_attn_scalar 256 (head_dim 256), one KV head. Loaded
 independent of kvlab: transformers' own eager attention on a twin with the same weights, bytes
 counted by hand from the model's geometry, and the prompt layout written out.
 """
+
 from __future__ import annotations
 
 import copy

@@ -1,4 +1,5 @@
 """Generation under a bounded cache (kvlab.bounded): budgets, events, and the unbounded reference."""
+
 from __future__ import annotations
 
 import pytest
@@ -179,13 +180,16 @@ def test_cache_size_figure_marks_every_event():
     assert fig.layout.height > 0
 
 
-@pytest.mark.parametrize("argv", [
-    ["generate"],
-    ["generate", "--prompt", "hi", "--doc", "x.txt"],
-    ["generate", "--prompt", "   "],
-    ["generate", "--doc", "x.txt"],
-    ["generate", "--prompt", "hi", "--budget", "ten"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate"],
+        ["generate", "--prompt", "hi", "--doc", "x.txt"],
+        ["generate", "--prompt", "   "],
+        ["generate", "--doc", "x.txt"],
+        ["generate", "--prompt", "hi", "--budget", "ten"],
+    ],
+)
 def test_cli_generate_refuses_bad_input_in_one_line(argv, capsys):
     from kvlab.cli import main
 
@@ -216,12 +220,17 @@ def test_common_subsequence_against_brute_force():
     for _ in range(200):
         a = [rng.choice("abc") for _ in range(rng.randint(0, 6))]
         b = [rng.choice("abc") for _ in range(rng.randint(0, 6))]
+
         # the longest subsequence of a (by brute force over index subsets) that is also one of b
         def is_subsequence(s, t):
             it = iter(t)
             return all(x in it for x in s)
-        best = max(k for k in range(len(a) + 1)
-                   if any(is_subsequence([a[i] for i in idx], b) for idx in itertools.combinations(range(len(a)), k)))
+
+        best = max(
+            k
+            for k in range(len(a) + 1)
+            if any(is_subsequence([a[i] for i in idx], b) for idx in itertools.combinations(range(len(a)), k))
+        )
         assert common_subsequence(a, b) == best
 
 

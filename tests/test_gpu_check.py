@@ -1,4 +1,5 @@
 """``python -m benchmarks.gpu_check --dry-run``: every section of the GPU run, on tiny sizes, on this machine."""
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@ Each check stands on something the code does not compute itself: totals and allo
 hand, the definition of a water-filling, top-k counts over a Python sort, each head solved alone
 (:func:`compact_block`), the o_proj contributions in float64 by hand, and profile files written here.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,6 +46,7 @@ def write_profile(folder, name: str, shares: list[list[float]]) -> None:
 
 # --- equal bytes ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("ratio", [2, 5, 10, 20])
 def test_the_shipped_profile_keeps_the_ratios_total_even_where_heads_hold_the_whole_document(ratio):
     """On the story's 2,058 tokens a head of the SmolLM2 profile would take up to 9x the uniform budget:
@@ -78,6 +80,7 @@ def test_capped_shares_are_a_water_filling(seed):
 
 
 # --- where the budgets come from -----------------------------------------------------------------
+
 
 def test_attention_matching_uses_the_models_profile_by_default_at_equal_bytes(ctx, tmp_path, monkeypatch):
     """A profile of shares 4, 1, 0.5, 0.5 (mean 1.5): at 4x (24 keys a head on 96 tokens) the budgets are
@@ -128,10 +131,16 @@ def test_a_measured_profile_is_kept_and_used(ctx, tmp_path, monkeypatch):
 
 def _pooled_by_hand(scores: list[torch.Tensor], per_head: int) -> list[list[int]]:
     """Each head's count among the top L*H*per_head scores of all heads, each head's best first (a sort)."""
-    entries = [(float(v), layer, head, j) for layer, s in enumerate(scores)
-               for head in range(s.shape[0]) for j, v in enumerate(s[head].tolist())]
-    best = {(layer, head): max(e for e in entries if e[1:3] == (layer, head)) for layer, head in
-            {(e[1], e[2]) for e in entries}}
+    entries = [
+        (float(v), layer, head, j)
+        for layer, s in enumerate(scores)
+        for head in range(s.shape[0])
+        for j, v in enumerate(s[head].tolist())
+    ]
+    best = {
+        (layer, head): max(e for e in entries if e[1:3] == (layer, head))
+        for layer, head in {(e[1], e[2]) for e in entries}
+    }
     chosen = set(best.values())
     rest = sorted((e for e in entries if e not in chosen), reverse=True)
     total = len(best) * per_head
@@ -186,6 +195,7 @@ def test_a_methods_own_allocation_is_not_replaced(ctx, tmp_path, monkeypatch):
 
 # --- ragged heads solved batched --------------------------------------------------------------------
 
+
 def test_ragged_heads_solved_together_equal_each_head_solved_alone():
     """Two layers' heads with budgets from 3 to the whole block: regrouped by budget and solved in
     batches, each head's kept keys are those of its own solve, and its biases and values agree within
@@ -194,8 +204,11 @@ def test_ragged_heads_solved_together_equal_each_head_solved_alone():
     n, T, d = 40, 16, 8
     jobs = []
     for budgets in ([3, 9, 16], [5, 9, 12]):
-        q, k, v = (torch.randn(3, n, d, generator=gen), torch.randn(3, T, d, generator=gen),
-                   torch.randn(3, T, d, generator=gen))
+        q, k, v = (
+            torch.randn(3, n, d, generator=gen),
+            torch.randn(3, T, d, generator=gen),
+            torch.randn(3, T, d, generator=gen),
+        )
         jobs.append(BlockJob(q, k, v, None, torch.tensor(budgets)))
     solved = solve_ragged(jobs, AMOptions())
     for job, block in zip(jobs, solved):
@@ -210,9 +223,12 @@ def test_ragged_heads_solved_together_equal_each_head_solved_alone():
             assert block.index[h, :real].tolist() == alone.index[0].tolist()
             assert bool((block.index[h, real:] == -1).all()) and bool(torch.isinf(block.bias[h, real:]).all())
             torch.testing.assert_close(block.bias[h, :real], alone.bias[0], rtol=0, atol=1e-4)
-            x = torch.softmax(job.queries[h].double() @ alone.keys[0].double().T / math.sqrt(d)
-                              + alone.bias[0].double(), -1)
-            tol = n * torch.finfo(torch.float32).eps * float(torch.linalg.cond(x)) ** 2 * float(alone.values.abs().max())
+            x = torch.softmax(
+                job.queries[h].double() @ alone.keys[0].double().T / math.sqrt(d) + alone.bias[0].double(), -1
+            )
+            tol = (
+                n * torch.finfo(torch.float32).eps * float(torch.linalg.cond(x)) ** 2 * float(alone.values.abs().max())
+            )
             assert float((block.values[h, :real] - alone.values[0]).abs().max()) <= tol
 
 
@@ -223,14 +239,20 @@ def test_the_cache_fitted_ragged_equals_the_layers_fitted_one_by_one(ctx, tmp_pa
     budgets = torch.tensor([[40, 7], [12, 13]])
     together = compact_cache(ctx.full.stored, queries, budgets, AMOptions(), ctx.prefix_len)
     for layer in range(2):
-        alone = compact_cache(ctx.full.stored, queries, torch.where(
-            torch.arange(2).unsqueeze(1) == layer, budgets, ctx.doc_len), AMOptions(), ctx.prefix_len)
+        alone = compact_cache(
+            ctx.full.stored,
+            queries,
+            torch.where(torch.arange(2).unsqueeze(1) == layer, budgets, ctx.doc_len),
+            AMOptions(),
+            ctx.prefix_len,
+        )
         a, b = together.layer_view(layer), alone.layer_view(layer)
         assert torch.equal(a.token_index, b.token_index)
         torch.testing.assert_close(a.bias, b.bias, rtol=0, atol=1e-4)
 
 
 # --- the error weighted by what each head contributes ------------------------------------------------
+
 
 def test_output_shares_are_each_heads_part_of_its_layers_output_by_hand(ctx):
     """Per query head: softmax over the full cache in float64, its output through o_proj's columns of
@@ -257,10 +279,14 @@ def test_output_shares_are_each_heads_part_of_its_layers_output_by_hand(ctx):
 
 # --- real books as the haystack ----------------------------------------------------------------------
 
-BOOK_A = ("The first chapter of the first book has a long paragraph with the year 1843 and a man named Abel "
-          "Crane in it. He walked to the harbour every morning. The boats were painted red and blue.")
-BOOK_B = ("The second book opens in a garden where Miss Ada Lorne counted 27 roses before noon. She kept "
-          "the count in a notebook. Her brother laughed at her and went to the mill.")
+BOOK_A = (
+    "The first chapter of the first book has a long paragraph with the year 1843 and a man named Abel "
+    "Crane in it. He walked to the harbour every morning. The boats were painted red and blue."
+)
+BOOK_B = (
+    "The second book opens in a garden where Miss Ada Lorne counted 27 roses before noon. She kept "
+    "the count in a notebook. Her brother laughed at her and went to the mill."
+)
 VERSE = "    A short verse line, indented as verse is,\n    and another that the haystack must skip over entirely."
 
 
@@ -295,6 +321,7 @@ def test_books_haystack_without_the_books_says_where_to_put_them(tiny, tmp_path,
 
 # --- budgets as a sweep's axis ---------------------------------------------------------------------
 
+
 def test_a_sweep_runs_each_method_once_per_budget_it_has(tiny, monkeypatch, tmp_path):
     """Compare's budgets axis: KNorm under uniform, AdaKV (its reading of the document) and the global
     ranking; Attention Matching under uniform, document and global; StreamingLLM (no budgets knob) once,
@@ -305,13 +332,19 @@ def test_a_sweep_runs_each_method_once_per_budget_it_has(tiny, monkeypatch, tmp_
 
     monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
     methods = ["knorm", "attention_matching", "streaming_llm", "pyramidkv"]
-    sweep = lab.compare(DOC + " w9 w9", None, methods, [4.0], "w5 w6", max_new_tokens=3,
-                        budgets=["uniform", "document", "global"])
+    sweep = lab.compare(
+        DOC + " w9 w9", None, methods, [4.0], "w5 w6", max_new_tokens=3, budgets=["uniform", "document", "global"]
+    )
     labels = [lab.sweep_label(sweep, r) for r in sweep.results]
     assert labels == [
-        "knorm [budgets=uniform]", "knorm [budgets=adakv]", "knorm [budgets=global]",
-        "attention_matching [budgets=uniform]", "attention_matching [budgets=document]",
-        "attention_matching [budgets=global]", "streaming_llm [budgets=uniform]", "pyramidkv [budgets=pyramid]",
+        "knorm [budgets=uniform]",
+        "knorm [budgets=adakv]",
+        "knorm [budgets=global]",
+        "attention_matching [budgets=uniform]",
+        "attention_matching [budgets=document]",
+        "attention_matching [budgets=global]",
+        "streaming_llm [budgets=uniform]",
+        "pyramidkv [budgets=pyramid]",
         "pyramidkv [budgets=adakv]",
     ]
     assert [e.method for e in sweep.errors] == ["pyramidkv [budgets=global]"]

@@ -8,6 +8,7 @@ the package ``kvlab.lab`` (its ``__init__``). Importing a submodule runs its
 packages' ``__init__`` first, so an edge to ``kvlab.ui.links`` is an edge to
 ``kvlab.ui`` too (unless the importer is inside that package already).
 """
+
 from __future__ import annotations
 
 import ast
@@ -21,20 +22,31 @@ ROOT = Path(__file__).resolve().parent.parent
 #: one above. Each entry is a module or package prefix; a module belongs to its longest matching
 #: prefix, and every module under kvlab/ must match one (a new top-level module takes a place here).
 LAYERS: list[tuple[str, list[str]]] = [
-    ("plain helpers: paths, limits, messages, the figures (no model code)",
-     ["kvlab.paths", "kvlab.limits", "kvlab.messages", "kvlab.figures"]),
+    (
+        "plain helpers: paths, limits, messages, the figures (no model code)",
+        ["kvlab.paths", "kvlab.limits", "kvlab.messages", "kvlab.figures"],
+    ),
     ("cancellation and the compute slot; values made once", ["kvlab.cancellation", "kvlab.scheduler", "kvlab.memo"]),
-    ("text in: documents, the chat template, the bundled examples", ["kvlab.documents", "kvlab.prompts", "kvlab.examples"]),
-    ("the runtime: a loaded model's geometry, the attention maths and its decode kernel, caches, decode",
-     ["kvlab.runtime"]),
+    (
+        "text in: documents, the chat template, the bundled examples",
+        ["kvlab.documents", "kvlab.prompts", "kvlab.examples"],
+    ),
+    (
+        "the runtime: a loaded model's geometry, the attention maths and its decode kernel, caches, decode",
+        ["kvlab.runtime"],
+    ),
     ("the kernels dispatched to Triton or their torch references (built on the runtime's maths)", ["kvlab.kernels"]),
     ("loading models by name", ["kvlab.models"]),
     ("the result store (it keeps any value and knows no method)", ["kvlab.results"]),
-    ("a document read by a model, its reference queries, the errors of a cache",
-     ["kvlab.context", "kvlab.context_store", "kvlab.queries", "kvlab.metrics"]),
+    (
+        "a document read by a model, its reference queries, the errors of a cache",
+        ["kvlab.context", "kvlab.context_store", "kvlab.queries", "kvlab.metrics"],
+    ),
     ("the compression core", ["kvlab.compression"]),
-    ("what the methods share, by family: the shared scorers, a family's base and machinery (not methods)",
-     ["kvlab.methods.families"]),
+    (
+        "what the methods share, by family: the shared scorers, a family's base and machinery (not methods)",
+        ["kvlab.methods.families"],
+    ),
     ("the methods (found by discovery)", ["kvlab.methods"]),
     ("the catalog: the methods as front ends show them", ["kvlab.catalog"]),
     ("one run", ["kvlab.pipeline"]),
@@ -42,8 +54,10 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("generation with a bounded cache", ["kvlab.bounded"]),
     ("tasks with known answers", ["kvlab.tasks"]),
     ("the lab layer", ["kvlab.lab"]),
-    ("the front ends and what tests build on them",
-     ["kvlab.ui", "kvlab.cli", "kvlab.bench_command", "kvlab.cache_command", "kvlab.__main__", "kvlab.testing"]),
+    (
+        "the front ends and what tests build on them",
+        ["kvlab.ui", "kvlab.cli", "kvlab.bench_command", "kvlab.cache_command", "kvlab.__main__", "kvlab.testing"],
+    ),
 ]
 #: The package itself (its __init__) imports nothing below it; every layer may name it.
 ROOT_PACKAGE = "kvlab"
@@ -200,8 +214,10 @@ def test_function_level_and_relative_imports_count(tmp_path: Path) -> None:
 
 def test_kvlab_has_no_import_cycle(graph: dict[str, set[str]]) -> None:
     found = cycles(graph)
-    detail = "; ".join(" <-> ".join(c) + " (" + ", ".join(f"{a}->{b}" for a in c for b in sorted(graph[a] & set(c))) + ")"
-                       for c in found)
+    detail = "; ".join(
+        " <-> ".join(c) + " (" + ", ".join(f"{a}->{b}" for a in c for b in sorted(graph[a] & set(c))) + ")"
+        for c in found
+    )
     assert not found, f"import cycles: {detail}"
 
 
@@ -218,17 +234,29 @@ def upward_imports(graph: dict[str, set[str]], layers: list[tuple[str, list[str]
 
 def test_the_layer_check_sees_an_upward_import_and_only_it() -> None:
     layers = [("low", ["kvlab.low"]), ("high", ["kvlab.high", "kvlab.low.top"])]
-    graph = {"kvlab.low.a": {"kvlab.high.b", "kvlab.low.b"}, "kvlab.high.b": {"kvlab.low.a"},
-             "kvlab.low.b": {"kvlab.low.top"}, "kvlab.low.top": {"kvlab.low.a"}}
-    assert upward_imports(graph, layers) == ["kvlab.low.a (low) imports kvlab.high.b (high)",
-                                             "kvlab.low.b (low) imports kvlab.low.top (high)"]
+    graph = {
+        "kvlab.low.a": {"kvlab.high.b", "kvlab.low.b"},
+        "kvlab.high.b": {"kvlab.low.a"},
+        "kvlab.low.b": {"kvlab.low.top"},
+        "kvlab.low.top": {"kvlab.low.a"},
+    }
+    assert upward_imports(graph, layers) == [
+        "kvlab.low.a (low) imports kvlab.high.b (high)",
+        "kvlab.low.b (low) imports kvlab.low.top (high)",
+    ]
 
 
-def sibling_imports(graph: dict[str, set[str]], package: str = "kvlab.methods",
-                    shared: str = "kvlab.methods.families") -> list[str]:
+def sibling_imports(
+    graph: dict[str, set[str]], package: str = "kvlab.methods", shared: str = "kvlab.methods.families"
+) -> list[str]:
     """Every import of a module of ``package`` (its ``__init__`` included) by another, but of ``shared``."""
-    return [f"{a} imports {b}" for a, targets in sorted(graph.items()) if under(a, package) and not under(a, shared)
-            for b in sorted(targets) if under(b, package) and not under(b, shared)]
+    return [
+        f"{a} imports {b}"
+        for a, targets in sorted(graph.items())
+        if under(a, package) and not under(a, shared)
+        for b in sorted(targets)
+        if under(b, package) and not under(b, shared)
+    ]
 
 
 def test_a_layer_inside_a_higher_package_is_checked_both_ways(tmp_path: Path) -> None:
@@ -236,15 +264,24 @@ def test_a_layer_inside_a_higher_package_is_checked_both_ways(tmp_path: Path) ->
     its package's modules import it, it imports none of them nor the package (whose ``__init__`` is
     above it), and a module below both that imports it is caught twice (importing it runs the package's
     ``__init__`` first)."""
-    layers = [("core", ["kvlab.core"]), ("shared", ["kvlab.methods.shared"]), ("methods", ["kvlab.methods"]),
-              ("high", ["kvlab.high"])]
-    files = {"__init__.py": "", "core/__init__.py": "", "core/low.py": "from kvlab.methods.shared import s\n",
-             "methods/__init__.py": "from kvlab.core import low\n",
-             "methods/a.py": "from kvlab.methods.shared.s import f\n",
-             "methods/b.py": "from kvlab.methods import a\n", "methods/shared/__init__.py": "",
-             "methods/shared/s.py": "from kvlab.methods.shared import t\ndef f(): pass\n",
-             "methods/shared/t.py": "from kvlab.methods import MethodError\n",
-             "high.py": "import kvlab.methods.shared.s\n"}
+    layers = [
+        ("core", ["kvlab.core"]),
+        ("shared", ["kvlab.methods.shared"]),
+        ("methods", ["kvlab.methods"]),
+        ("high", ["kvlab.high"]),
+    ]
+    files = {
+        "__init__.py": "",
+        "core/__init__.py": "",
+        "core/low.py": "from kvlab.methods.shared import s\n",
+        "methods/__init__.py": "from kvlab.core import low\n",
+        "methods/a.py": "from kvlab.methods.shared.s import f\n",
+        "methods/b.py": "from kvlab.methods import a\n",
+        "methods/shared/__init__.py": "",
+        "methods/shared/s.py": "from kvlab.methods.shared import t\ndef f(): pass\n",
+        "methods/shared/t.py": "from kvlab.methods import MethodError\n",
+        "high.py": "import kvlab.methods.shared.s\n",
+    }
     for name, text in files.items():
         (tmp_path / "kvlab" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "kvlab" / name).write_text(text)
@@ -259,7 +296,8 @@ def test_a_layer_inside_a_higher_package_is_checked_both_ways(tmp_path: Path) ->
         "kvlab.methods.shared.t (shared) imports kvlab.methods (methods)",
     ]
     assert sibling_imports(graph, "kvlab.methods", "kvlab.methods.shared") == [
-        "kvlab.methods.b imports kvlab.methods.a"]
+        "kvlab.methods.b imports kvlab.methods.a"
+    ]
 
 
 def test_no_method_imports_another(graph: dict[str, set[str]]) -> None:
@@ -286,12 +324,17 @@ def test_ui_tabs_do_not_import_each_other(graph: dict[str, set[str]]) -> None:
 
 def test_library_layers_import_no_gradio(graph: dict[str, set[str]]) -> None:
     files = module_files()
-    direct = {module for module, (path, package) in files.items()
-              if any(n.split(".")[0] == "gradio" for n in imported_names(path, module, package))}
+    direct = {
+        module
+        for module, (path, package) in files.items()
+        if any(n.split(".")[0] == "gradio" for n in imported_names(path, module, package))
+    }
     # Directly, or through any module they import (a package's __init__ included).
-    wrong = [f"{module} ({', '.join(sorted(({module} | reachable(graph, module)) & direct))})"
-             for module in files if any(under(module, p) for p in NO_GRADIO)
-             and ({module} | reachable(graph, module)) & direct]
+    wrong = [
+        f"{module} ({', '.join(sorted(({module} | reachable(graph, module)) & direct))})"
+        for module in files
+        if any(under(module, p) for p in NO_GRADIO) and ({module} | reachable(graph, module)) & direct
+    ]
     assert not wrong, f"reach gradio: {', '.join(wrong)}"
 
 
@@ -318,7 +361,12 @@ def test_the_compression_cores_packages_run_nothing_on_import(root: str) -> None
     files = module_files()
     inits = {m: path for m, (path, package) in files.items() if package and under(m, root)}
     assert root in inits
-    busy = [m for m, path in inits.items()
-            if any(not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
-                   for node in ast.parse(path.read_text(encoding="utf-8")).body)]
+    busy = [
+        m
+        for m, path in inits.items()
+        if any(
+            not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
+            for node in ast.parse(path.read_text(encoding="utf-8")).body
+        )
+    ]
     assert not busy, f"more than a docstring in: {', '.join(busy)}"

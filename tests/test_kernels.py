@@ -37,6 +37,7 @@ those integers (only 8-bit floats are converted first), so a bfloat16 kernel
 returns garbage under ``TRITON_INTERPRET=1``. ``python -m benchmarks.gpu_check``
 measures the kernels' bfloat16 errors on a real GPU.
 """
+
 from __future__ import annotations
 
 import math
@@ -56,10 +57,7 @@ from kvlab.runtime.quant_segment import QuantSegment
 # intended value; numpy (the interpreter) warns about it.
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
 
-TOL = {
-    torch.float32: dict(atol=2e-5, rtol=2e-5),
-    torch.float16: dict(atol=4e-3, rtol=2e-3),
-}
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=4e-3, rtol=2e-3)}
 LSE_TOL = dict(atol=1e-5, rtol=1e-5)
 SCORE_TOL = dict(atol=2e-6, rtol=1e-5)
 
@@ -125,8 +123,9 @@ def test_mixed_reference_matches_brute_force(dtype) -> None:
     n_kv, n_quant, head_dim = 2, 40, 16
     keys = torch.randn(n_kv, n_quant, head_dim, generator=gen) * 2 + 1
     values = torch.randn(n_kv, n_quant, head_dim, generator=gen)
-    seg = QuantSegment.quantize(keys, values, torch.full((n_kv,), n_quant), torch.arange(n_quant).expand(n_kv, -1), 4,
-                                group_size=16)
+    seg = QuantSegment.quantize(
+        keys, values, torch.full((n_kv,), n_quant), torch.arange(n_quant).expand(n_kv, -1), 4, group_size=16
+    )
     (block,) = seg.blocks
     q = torch.randn(8, 2, head_dim, generator=gen).to(dtype)
     k_full, v_full = torch.randn(2, n_kv, 9, head_dim, generator=gen).to(dtype)
@@ -135,7 +134,9 @@ def test_mixed_reference_matches_brute_force(dtype) -> None:
     out, lse = reference.mixed_attention(q, block.keys, block.values, k_full, v_full, bias, 0.25)
     k = torch.cat([block.keys.dequantize(dtype), k_full], dim=1)
     v = torch.cat([block.values.dequantize(dtype), v_full], dim=1)
-    want_out, want_lse = brute_force_decode(q[None], k[None], v[None], torch.cat([torch.zeros(n_kv, n_quant), bias], 1), 0.25)
+    want_out, want_lse = brute_force_decode(
+        q[None], k[None], v[None], torch.cat([torch.zeros(n_kv, n_quant), bias], 1), 0.25
+    )
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), want_out[0], **REF_TOL[dtype])
     torch.testing.assert_close(lse.double(), want_lse[0], atol=1e-5, rtol=1e-5)
@@ -269,8 +270,9 @@ def test_bad_shapes_get_one_line_errors() -> None:
     with pytest.raises(ValueError, match="cannot be grouped"):
         kernels.decode_attention(torch.zeros(1, 6, 1, 8), torch.zeros(1, 4, 5, 8), torch.zeros(1, 4, 5, 8))
     with pytest.raises(ValueError, match="does not fit"):
-        kernels.decode_attention(torch.zeros(1, 4, 1, 8), torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8),
-                                 torch.zeros(2, 6))
+        kernels.decode_attention(
+            torch.zeros(1, 4, 1, 8), torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8), torch.zeros(2, 6)
+        )
 
 
 def biased_decode_inputs():

@@ -6,6 +6,7 @@ RoPE is applied by hand in float64 from the config's theta, and the decode refer
 transformers' own eager forward over a cache built by hand. Tolerances: float32 rounding
 (eps) times the sizes that accumulate it (positions turned through, channels, keys summed).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -67,13 +68,16 @@ def by_hand_positions(stored) -> tuple[list[list[torch.Tensor]], int]:
     return [[torch.arange(total - n, total) for n in row] for row in counts], total
 
 
-@pytest.mark.parametrize("name, options", [
-    ("knorm", {}),
-    ("knorm", {"budgets": "adakv"}),  # ragged heads
-    ("pyramidkv", {}),  # a budget per layer
-    ("knorm", {"granularity": "chunk"}),
-    ("streaming_llm", {}),  # its own knob: the paper's positions within the cache
-])
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("knorm", {}),
+        ("knorm", {"budgets": "adakv"}),  # ragged heads
+        ("pyramidkv", {}),  # a budget per layer
+        ("knorm", {"granularity": "chunk"}),
+        ("streaming_llm", {}),  # its own knob: the paper's positions within the cache
+    ],
+)
 def test_rerotated_keys_are_the_pre_rope_keys_at_contiguous_right_aligned_positions(ctx, eager, name, options):
     stored = get_method(name, rerotate=True, **options).compress(Request(ctx, 4.0))
     new, total = by_hand_positions(stored)
@@ -88,8 +92,11 @@ def test_rerotated_keys_are_the_pre_rope_keys_at_contiguous_right_aligned_positi
             want = rope(eager.keys[layer][head, idx], new[layer][head], ctx.lm)
             got = view.keys[head, : len(idx)].double()
             assert torch.allclose(got, want, atol=tol * float(want.abs().max())), (layer, head)
-            assert torch.allclose(view.values[head, : len(idx)].double(), eager.values[layer][head, idx],
-                                  atol=ctx.lm.head_dim * EPS * float(eager.values[layer].abs().max()))
+            assert torch.allclose(
+                view.values[head, : len(idx)].double(),
+                eager.values[layer][head, idx],
+                atol=ctx.lm.head_dim * EPS * float(eager.values[layer].abs().max()),
+            )
             assert idx[: ctx.prefix_len].tolist() == list(range(ctx.prefix_len))  # the template, first
 
 
@@ -117,8 +124,11 @@ def test_decoding_after_rerotation_is_the_model_over_the_kept_tokens_at_0_to_n_t
         cache.update(keys.float()[None], values.float()[None], layer)
     positions = torch.arange(n, n + question.numel())
     with torch.no_grad():
-        want = tiny_eager.model(input_ids=question[None], position_ids=positions[None], cache=cache,
-                                use_cache=True).logits[0].double()
+        want = (
+            tiny_eager.model(input_ids=question[None], position_ids=positions[None], cache=cache, use_cache=True)
+            .logits[0]
+            .double()
+        )
     got = extend(ctx.lm, open_session(ctx.lm, stored), question).double()
     assert torch.allclose(got, want, atol=ctx.length * ctx.lm.head_dim * EPS * float(want.abs().max()))
 
@@ -169,11 +179,20 @@ def test_a_model_with_sliding_window_layers_refuses_in_one_line():
     assert "\n" not in str(refused.value)
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
-    {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "factor": 2.0,
-     "original_max_position_embeddings": 64},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+        {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+            "factor": 2.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+)
 def test_a_rope_whose_frequencies_follow_the_length_refuses_in_one_line(rope):
     """Dynamic NTK and LongRoPE pick their frequencies by the longest position they are given: a turn by a
     position difference is not what the model does there."""
@@ -184,8 +203,9 @@ def test_a_rope_whose_frequencies_follow_the_length_refuses_in_one_line(rope):
 
 
 def test_the_key_rerotation_preset_runs_through_the_cli_flags_and_the_pipeline(ctx, capsys):
-    args = build_parser().parse_args(["run", "--doc", "d", "--method", "snapkv", "--ratio", "5",
-                                      "--question", "q", "--preset", "key_rerotation"])
+    args = build_parser().parse_args(
+        ["run", "--doc", "d", "--method", "snapkv", "--ratio", "5", "--question", "q", "--preset", "key_rerotation"]
+    )
     assert method_from_args("snapkv", args).options.rerotate is True
     assert main(["methods", "--long"]) == 0
     out = capsys.readouterr().out

@@ -1,4 +1,5 @@
 """The gradio-free lab layer: one preparation per document, sweeps and their exports, the CLI's compare."""
+
 from __future__ import annotations
 
 import csv
@@ -98,8 +99,9 @@ def test_preparing_kvzip_scores_the_document_so_a_run_only_selects(tiny, monkeyp
     ex = lab.explore(text, None, "kvzip", 4, "w5 w6", max_new_tokens=2)
     monkeypatch.undo()
     fresh = REGISTRY["kvzip"]().compress(Request(prepare_context(tiny, text), 4.0))
-    assert [seg.view().token_index.tolist() for layer in ex.run.stored.layers for seg in layer] == \
-        [seg.view().token_index.tolist() for layer in fresh.layers for seg in layer]
+    assert [seg.view().token_index.tolist() for layer in ex.run.stored.layers for seg in layer] == [
+        seg.view().token_index.tolist() for layer in fresh.layers for seg in layer
+    ]
 
 
 def kept_keys(ctx) -> list[set]:
@@ -132,7 +134,11 @@ def test_a_sweep_keeps_going_past_a_failing_point_and_exports_every_run(tiny, mo
     monkeypatch.setattr(REGISTRY["tova"], "compress", fails_at_three)
     # A document of its own: another test's runs on DOC may be kept (kvlab.pipeline.compressed).
     sweep = lab.compare(DOC + " w3 w3 w3", None, methods, [2.0, 3.0], "w5 w6", max_new_tokens=3)
-    assert [(r.method, r.ratio) for r in sweep.results] == [("streaming_llm", 2.0), ("streaming_llm", 3.0), ("tova", 2.0)]
+    assert [(r.method, r.ratio) for r in sweep.results] == [
+        ("streaming_llm", 2.0),
+        ("streaming_llm", 3.0),
+        ("tova", 2.0),
+    ]
     assert [(e.method, e.ratio) for e in sweep.errors] == [("tova", 3.0)] and "no good" in sweep.errors[0].message
     csv_path, json_path = lab.write_exports(sweep, tmp_path, stem="sweep")
     with open(csv_path, newline="", encoding="utf-8") as fh:
@@ -160,36 +166,58 @@ def test_cli_compare_writes_a_sweep(embedded, tmp_path, capsys):
     doc = tmp_path / "notes.txt"
     doc.write_text("The lighthouse keeper is called Ada Vance. She keeps a red boat named Puffin.\n" * 8)
     out = tmp_path / "out"
-    code = main(["compare", "--doc", str(doc), "--methods", "streaming_llm,tova", "--ratios", "2,4",
-                 "--question", "What is the boat called?", "--max-new-tokens", "6", "--out", str(out)])
+    code = main(
+        [
+            "compare",
+            "--doc",
+            str(doc),
+            "--methods",
+            "streaming_llm,tova",
+            "--ratios",
+            "2,4",
+            "--question",
+            "What is the boat called?",
+            "--max-new-tokens",
+            "6",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     with open(out / "compare.csv", newline="", encoding="utf-8") as fh:
         rows = list(csv.DictReader(fh))
     assert [(r["method"], float(r["ratio"])) for r in rows] == [
-        ("streaming_llm", 2.0), ("streaming_llm", 4.0), ("tova", 2.0), ("tova", 4.0)]
+        ("streaming_llm", 2.0),
+        ("streaming_llm", 4.0),
+        ("tova", 2.0),
+        ("tova", 4.0),
+    ]
     data = json.loads((out / "compare.json").read_text())
     assert data["question"] == "What is the boat called?" and len(data["results"]) == 4
     assert "compare.csv" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["compare", "--doc", "x.txt", "--methods", "", "--ratios", "2", "--question", "q", "--out", "o"], "method"),
-    (["compare", "--doc", "x.txt", "--methods", "tova", "--ratios", "two", "--question", "q", "--out", "o"], "ratio"),
-    (["compare", "--doc", "x.txt", "--methods", "nope", "--ratios", "2", "--question", "q", "--out", "o"], "nope"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["compare", "--doc", "x.txt", "--methods", "", "--ratios", "2", "--question", "q", "--out", "o"], "method"),
+        (
+            ["compare", "--doc", "x.txt", "--methods", "tova", "--ratios", "two", "--question", "q", "--out", "o"],
+            "ratio",
+        ),
+        (["compare", "--doc", "x.txt", "--methods", "nope", "--ratios", "2", "--question", "q", "--out", "o"], "nope"),
+    ],
+)
 def test_cli_compare_bad_arguments_exit_2_with_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
 
 
-@pytest.mark.parametrize("reference, other, expected", [
-    ([5, 6, 7], [5, 6, 7], None),
-    ([5, 6, 7], [5, 9, 7], 1),
-    ([5, 6, 7], [5, 6], 2),
-    ([5], [5, 6], 1),
-    ([], [], None),
-])
+@pytest.mark.parametrize(
+    "reference, other, expected",
+    [([5, 6, 7], [5, 6, 7], None), ([5, 6, 7], [5, 9, 7], 1), ([5, 6, 7], [5, 6], 2), ([5], [5, 6], 1), ([], [], None)],
+)
 def test_first_divergence_by_hand(reference, other, expected):
     from kvlab.pipeline import first_divergence
 

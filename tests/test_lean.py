@@ -1,4 +1,5 @@
 """The lean forward pass (kvlab.runtime.lean) against transformers' own forward of the same weights."""
+
 from __future__ import annotations
 
 import pytest
@@ -57,7 +58,7 @@ def test_fused_weights_are_views_and_leave_transformers_forward_unchanged():
     lean = lean_model(lm.model)
     attn = lm.model.model.layers[0].self_attn
     assert attn.q_proj.weight.data_ptr() == lean.layers[0].qkv.data_ptr()
-    assert attn.k_proj.bias.data_ptr() == lean.layers[0].qkv_bias[attn.q_proj.bias.numel():].data_ptr()
+    assert attn.k_proj.bias.data_ptr() == lean.layers[0].qkv_bias[attn.q_proj.bias.numel() :].data_ptr()
     assert sum(p.numel() for p in lm.model.parameters()) == params
     assert torch.equal(eager_logits(lm, ids), before)
     assert lean_model(lm.model) is lean  # built once

@@ -11,6 +11,7 @@
   what the document keeps stays within its budget and the process does not grow.
 - Files: every file input of the app refuses a path on the server.
 """
+
 from __future__ import annotations
 
 import gc
@@ -51,8 +52,10 @@ LOAD_TIMEOUT_S = 100
 
 
 def document(word: str, i: int) -> str:
-    return (f"Note number {i + 1}, from the front desk. The code word is {word}. "
-            "Please keep it private and tell it only to the staff.")
+    return (
+        f"Note number {i + 1}, from the front desk. The code word is {word}. "
+        "Please keep it private and tell it only to the staff."
+    )
 
 
 def shown(output: str | dict) -> str:
@@ -96,8 +99,14 @@ def test_eight_sessions_at_once_each_get_their_own_answer(app_url):
     def session(i: int) -> None:
         start = time.perf_counter()
         try:
-            out = clients[i].predict(text=document(WORDS[i], i), method=METHODS[i], ratio=2, question=QUESTION,
-                                 max_new_tokens=10, api_name="/run")
+            out = clients[i].predict(
+                text=document(WORDS[i], i),
+                method=METHODS[i],
+                ratio=2,
+                question=QUESTION,
+                max_new_tokens=10,
+                api_name="/run",
+            )
             results[i] = {"full": shown(out[1]), "compressed": shown(out[2]), "s": time.perf_counter() - start}
         except Exception as exc:  # noqa: BLE001 - counted as a failure below
             results[i] = {"error": f"{type(exc).__name__}: {exc}", "s": time.perf_counter() - start}
@@ -113,7 +122,10 @@ def test_eight_sessions_at_once_each_get_their_own_answer(app_url):
     failures = {i: r["error"] for i, r in results.items() if "error" in r}
     latencies = sorted(r["s"] for r in results.values())
     figures = {
-        "requests": SESSIONS, "answered": len(results), "failures": len(failures), "wall_s": round(wall, 2),
+        "requests": SESSIONS,
+        "answered": len(results),
+        "failures": len(failures),
+        "wall_s": round(wall, 2),
         "p50_s": round(statistics.median(latencies), 2) if latencies else None,
         "p95_s": round(latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))], 2) if latencies else None,
         "peak_rss_mib_during_load": round(rss.peak / 2**20, 1),
@@ -181,10 +193,12 @@ def test_two_hundred_questions_keep_one_documents_memory_bounded(tiny, monkeypat
             tensors.append(sum(1 for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter)))
         sizes.append(ctx.nbytes)
     elapsed = time.perf_counter() - start
-    print(f"\nsoak: {len(asked)} questions in {elapsed:.1f} s; document bytes: prepared {base:,}, "
-          f"max {max(sizes):,}, after the last {sizes[-1]:,} (budget {budget:,}); "
-          f"RSS after question 110 {rss[0] / 2**20:.1f} MiB, after 200 {rss[1] / 2**20:.1f} MiB; "
-          f"live tensors {tensors[0]} and {tensors[1]}")
+    print(
+        f"\nsoak: {len(asked)} questions in {elapsed:.1f} s; document bytes: prepared {base:,}, "
+        f"max {max(sizes):,}, after the last {sizes[-1]:,} (budget {budget:,}); "
+        f"RSS after question 110 {rss[0] / 2**20:.1f} MiB, after 200 {rss[1] / 2**20:.1f} MiB; "
+        f"live tensors {tensors[0]} and {tensors[1]}"
+    )
     assert max(sizes) <= budget and store.nbytes <= budget
     assert 1 <= len(ctx.questions) <= remembered and set(ctx.questions) <= set(asked[-remembered:])
     assert max(sizes[100:]) <= max(sizes[:100])  # no growth in the second half
@@ -192,6 +206,7 @@ def test_two_hundred_questions_keep_one_documents_memory_bounded(tiny, monkeypat
 
 
 # --------------------------------------------------------------------------- a mixed load, with a client stopped mid-run
+
 
 class StepsAfterGone:
     """The server's per-step check (kvlab.ui.common.requester_gone), counting steps a request ran after it
@@ -217,21 +232,41 @@ def mixed_calls(clients: list) -> list[tuple[str, Callable[[], object]]]:
     """(name, call returning what the client shows) for SESSIONS Explore runs, a Generate and a sweep."""
 
     def explore(i: int) -> object:
-        out = clients[i].predict(text=document(WORDS[i], i), method=METHODS[i], ratio=2, question=QUESTION,
-                                 max_new_tokens=10, api_name="/run")
+        out = clients[i].predict(
+            text=document(WORDS[i], i),
+            method=METHODS[i],
+            ratio=2,
+            question=QUESTION,
+            max_new_tokens=10,
+            api_name="/run",
+        )
         return shown(out[1])
 
     def generate() -> object:
-        return clients[SESSIONS].predict(source_="the prompt below", prompt_="Write the word heron three times.",
-                                         methods_=["h2o"], budget_=48, max_new_=24, api_name="/generate")[0]
+        return clients[SESSIONS].predict(
+            source_="the prompt below",
+            prompt_="Write the word heron three times.",
+            methods_=["h2o"],
+            budget_=48,
+            max_new_=24,
+            api_name="/generate",
+        )[0]
 
     def sweep() -> object:
-        return clients[SESSIONS + 1].predict(text=document("copper", 50), methods=["streaming_llm", "tova"],
-                                             ratios=[2, 5], more_ratios="", question=QUESTION, max_new_tokens=10,
-                                             api_name="/compare")[1]
+        return clients[SESSIONS + 1].predict(
+            text=document("copper", 50),
+            methods=["streaming_llm", "tova"],
+            ratios=[2, 5],
+            more_ratios="",
+            question=QUESTION,
+            max_new_tokens=10,
+            api_name="/compare",
+        )[1]
 
-    return [(f"explore {i}", lambda i=i: explore(i)) for i in range(SESSIONS)] + [("generate", generate),
-                                                                                   ("sweep", sweep)]
+    return [(f"explore {i}", lambda i=i: explore(i)) for i in range(SESSIONS)] + [
+        ("generate", generate),
+        ("sweep", sweep),
+    ]
 
 
 def run_at_once(calls: list[tuple[str, Callable[[], object]]], stopper) -> dict[str, object]:
@@ -263,14 +298,23 @@ def test_explore_clients_beside_a_generate_and_sweeps_with_one_stopped_mid_run(a
     process = psutil.Process()
     clients = [gradio_client.Client(app_url, verbose=False) for _ in range(SESSIONS + 3)]
     # One of each request first: what the first use of each path allocates once is not the load's.
-    clients[0].predict(text=document("warm", 98), method=METHODS[0], ratio=2, question=QUESTION, max_new_tokens=10,
-                       api_name="/run")
-    clients[0].predict(source_="the prompt below", prompt_="Say hello.", methods_=["h2o"], budget_=48, max_new_=8,
-                       api_name="/generate")
+    clients[0].predict(
+        text=document("warm", 98), method=METHODS[0], ratio=2, question=QUESTION, max_new_tokens=10, api_name="/run"
+    )
+    clients[0].predict(
+        source_="the prompt below", prompt_="Say hello.", methods_=["h2o"], budget_=48, max_new_=8, api_name="/generate"
+    )
     rss_before = process.memory_info().rss
     steps.started.clear()
-    stopper = clients[-1].submit(text=document("lantern", 99), methods=METHODS[:4], ratios=[2, 5, 10, 20, 50],
-                                 more_ratios="", question=QUESTION, max_new_tokens=10, api_name="/compare")
+    stopper = clients[-1].submit(
+        text=document("lantern", 99),
+        methods=METHODS[:4],
+        ratios=[2, 5, 10, 20, 50],
+        more_ratios="",
+        question=QUESTION,
+        max_new_tokens=10,
+        api_name="/compare",
+    )
     assert steps.started.wait(LOAD_TIMEOUT_S)
     results = run_at_once(mixed_calls(clients), stopper)
     failures = {k: v for k, v in results.items() if isinstance(v, Exception)}
@@ -290,9 +334,11 @@ def test_explore_clients_beside_a_generate_and_sweeps_with_one_stopped_mid_run(a
     time.sleep(1.0)
     idle_cpu_s, steps_when_idle = sum(process.cpu_times()[:2]) - cpu, steps.calls - calls
     grown = process.memory_info().rss - rss_before
-    print(f"\nmixed load: {len(results)} answered beside a stopped 20-run sweep; CPU over 1 s once idle "
-          f"{idle_cpu_s:.2f} s; RSS grew {grown / 2**20:.0f} MiB; "
-          f"contexts {CONTEXTS.nbytes / 2**20:.1f} MiB of a {CONTEXTS.budget / 2**20:.0f} MiB budget")
+    print(
+        f"\nmixed load: {len(results)} answered beside a stopped 20-run sweep; CPU over 1 s once idle "
+        f"{idle_cpu_s:.2f} s; RSS grew {grown / 2**20:.0f} MiB; "
+        f"contexts {CONTEXTS.nbytes / 2**20:.1f} MiB of a {CONTEXTS.budget / 2**20:.0f} MiB budget"
+    )
     assert steps_when_idle == 0  # no compute step once idle (CPU time and RSS above are printed, not judged)
     assert CONTEXTS.nbytes <= CONTEXTS.budget
 
@@ -323,8 +369,10 @@ def file_data(path: str) -> dict:
 def test_no_file_input_reads_a_server_file(app_url, path):
     secrets = ("root:", "kvlab: a lab for KV-cache compression")
     client = gradio_client.Client(app_url, verbose=False)
-    run_params = [p["parameter_name"] for p in client.view_api(print_info=False, return_format="dict")
-                  ["named_endpoints"]["/run"]["parameters"]]
+    run_params = [
+        p["parameter_name"]
+        for p in client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/run"]["parameters"]
+    ]
     attempts = {"load_file": [file_data(path)]}
     run_args = {"text": "", "file": file_data(path), "method": "streaming_llm", "question": QUESTION}
     attempts["run"] = [run_args.get(name) for name in run_params]

@@ -8,6 +8,7 @@ model (its name, its geometry) produced them. Both front ends run as their
 own process, the way a user starts them, with only the environment pointing
 at the folder.
 """
+
 from __future__ import annotations
 
 import os
@@ -55,9 +56,17 @@ def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(source.location, gguf_file=source.gguf_file)
     torch.manual_seed(0)
     config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=4096,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         # Untied: with tied embeddings and small random weights the model echoes its last input token, a
         # newline, so every answer would be blank; a random output head writes visible (random) words.
         tie_word_embeddings=False,
@@ -71,25 +80,48 @@ def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _env(**extra: str) -> dict[str, str]:
     """This process's environment without any model or Space settings, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("KVLAB_MODEL", "KVLAB_MODELS", "KVLAB_ALLOWED_MODELS", "KVLAB_SPACE", "SPACE_ID")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("KVLAB_MODEL", "KVLAB_MODELS", "KVLAB_ALLOWED_MODELS", "KVLAB_SPACE", "SPACE_ID")
+    }
     return {**env, "HF_HUB_OFFLINE": "1", **extra}
 
 
 def test_cli_runs_a_model_from_a_folder(qwen3_dir: Path, tmp_path: Path) -> None:
     doc = tmp_path / "keeper.txt"
-    doc.write_text("The lighthouse keeper on Gull Island is named Marta Venn. "
-                   "She rows to the mainland every Friday to buy lamp oil and bread.\n", encoding="utf-8")
-    argv = ["run", "--doc", str(doc), "--method", "snapkv", "--ratio", "2",
-            "--question", "Who keeps the lighthouse?", "--max-new-tokens", "8"]
-    proc = subprocess.run([sys.executable, "-m", "kvlab", *argv], cwd=ROOT, env=_env(KVLAB_MODEL=str(qwen3_dir)),
-                          capture_output=True, text=True, timeout=120)
+    doc.write_text(
+        "The lighthouse keeper on Gull Island is named Marta Venn. "
+        "She rows to the mainland every Friday to buy lamp oil and bread.\n",
+        encoding="utf-8",
+    )
+    argv = [
+        "run",
+        "--doc",
+        str(doc),
+        "--method",
+        "snapkv",
+        "--ratio",
+        "2",
+        "--question",
+        "Who keeps the lighthouse?",
+        "--max-new-tokens",
+        "8",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvlab", *argv],
+        cwd=ROOT,
+        env=_env(KVLAB_MODEL=str(qwen3_dir)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
 
     def reported(label: str) -> str:
         """The value on the summary's line for ``label`` (labels are padded with spaces)."""
-        found = [line[len(label):].strip() for line in lines if re.match(re.escape(label) + r"\s{2,}", line)]
+        found = [line[len(label) :].strip() for line in lines if re.match(re.escape(label) + r"\s{2,}", line)]
         assert len(found) == 1, (label, proc.stdout)
         return found[0]
 
@@ -108,8 +140,13 @@ def folder_app_url(qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     """``python app.py`` with KVLAB_MODEL=the folder, as a Space (KVLAB_SPACE=1: the allowlist applies)."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("app") / "app.log"
-    env = _env(KVLAB_MODEL=str(qwen3_dir), KVLAB_SPACE="1", GRADIO_SERVER_NAME="127.0.0.1",
-               GRADIO_SERVER_PORT=str(port), GRADIO_ANALYTICS_ENABLED="False")
+    env = _env(
+        KVLAB_MODEL=str(qwen3_dir),
+        KVLAB_SPACE="1",
+        GRADIO_SERVER_NAME="127.0.0.1",
+        GRADIO_SERVER_PORT=str(port),
+        GRADIO_ANALYTICS_ENABLED="False",
+    )
     with serve_process([sys.executable, "app.py"], ROOT, env, log_path, START_TIMEOUT_S) as url:
         yield url
 
@@ -130,8 +167,9 @@ def test_app_serves_a_model_from_a_folder(folder_app_url: str, qwen3_dir: Path) 
     assert out[11].startswith(f"Layer {LAYERS - 1}, KV head {KV_HEADS - 1}:")
 
 
-def test_a_folder_must_hold_a_model_and_its_tokenizer(qwen3_dir: Path, tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_folder_must_hold_a_model_and_its_tokenizer(
+    qwen3_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Refused in one line before transformers reads anything: it would fail with a long message about
     # tokenizer backends, or build an empty tokenizer from a config alone ("the document has no tokens").
     with pytest.raises(ModelLoadError, match="is not a model folder: it has no config.json"):

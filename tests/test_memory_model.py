@@ -7,6 +7,7 @@ A random-weights Llama (GQA 4:1 like Llama-3.1-8B, head dim 128; one layer and
 mark around each phase. A [T, T] matrix at 15k tokens would be 0.9 GiB per
 head, 32 times this cache: any method or metric building one fails here.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,9 @@ import pytest
 
 from kvlab.methods import REGISTRY
 
-pytestmark = pytest.mark.slow  # a 15k-token lab run on a random Llama-3.1-8B geometry, in subprocesses: left out of make test-fast
+pytestmark = (
+    pytest.mark.slow
+)  # a 15k-token lab run on a random Llama-3.1-8B geometry, in subprocesses: left out of make test-fast
 
 ROOT = Path(__file__).resolve().parents[1]
 # Not a multiple of the prefill's 2,048-token chunks nor of the decode buffers' doubling:
@@ -55,8 +58,21 @@ def figures(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("memory") / "figures.json"
     # A fixed mmap threshold: freed tensors leave the resident set at once.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    cmd = [sys.executable, "-m", "benchmarks.memory_model", "--tokens", str(TOKENS), "--layers", "1",
-           "--heads", "8", "--kv-heads", "2", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.memory_model",
+        "--tokens",
+        str(TOKENS),
+        "--layers",
+        "1",
+        "--heads",
+        "8",
+        "--kv-heads",
+        "2",
+        "--json",
+        str(out),
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return json.loads(out.read_text())

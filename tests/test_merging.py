@@ -4,6 +4,7 @@ Hand-worked examples with numbers for each rule's maths; then each method's stor
 random Llama against an eager float64 computation of its paper's (kvpress's) formula written here,
 from transformers' eager attention and its own cache; keep-all logits; bytes by hand.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,9 +34,13 @@ def eager(ctx, tiny_eager):
     attention and its own cache."""
     cache = DynamicCache()
     with torch.no_grad():
-        out = tiny_eager.model(input_ids=ctx.tokens.ids.unsqueeze(0), cache=cache, use_cache=True, output_attentions=True)
-    layers = [(layer.keys[0].double(), layer.values[0].double(), att[0].double())
-              for layer, att in zip(cache.layers, out.attentions)]
+        out = tiny_eager.model(
+            input_ids=ctx.tokens.ids.unsqueeze(0), cache=cache, use_cache=True, output_attentions=True
+        )
+    layers = [
+        (layer.keys[0].double(), layer.values[0].double(), att[0].double())
+        for layer, att in zip(cache.layers, out.attentions)
+    ]
     assert all(torch.allclose(k.float(), ck, atol=1e-5) for (k, _, _), ck in zip(layers, ctx.full.keys))
     return layers
 
@@ -152,7 +157,9 @@ def test_cam_cache_is_its_formula(ctx, eager, options):
     stored = method.compress(Request(ctx, 4.0))
     prefix, n_doc, merges = ctx.prefix_len, ctx.doc_len, 0
     for layer in range(ctx.lm.n_layers):
-        draws = torch.rand((ctx.lm.n_kv_heads, n_doc), generator=torch.Generator().manual_seed(opts.seed * ctx.lm.n_layers + layer))
+        draws = torch.rand(
+            (ctx.lm.n_kv_heads, n_doc), generator=torch.Generator().manual_seed(opts.seed * ctx.lm.n_layers + layer)
+        )
         for head in range(ctx.lm.n_kv_heads):
             got = stored_tokens(stored, layer, head)
             kept = sorted(p - prefix for p, (fate, _) in got.items() if fate in ("kept", "merged"))
@@ -218,7 +225,9 @@ def test_merging_press_cache_is_its_formula(ctx, eager, options):
                 total[c] += w
             for c in kept:
                 fate, value = got[c + prefix]
-                expected = values[c] if total[c] == 0 else [(a + b) / (1 + total[c]) for a, b in zip(values[c], added[c])]
+                expected = (
+                    values[c] if total[c] == 0 else [(a + b) / (1 + total[c]) for a, b in zip(values[c], added[c])]
+                )
                 assert fate == ("merged" if total[c] > 0 else "kept")
                 assert close(value, expected, 1e-5), (layer, head, c)
                 merges += total[c] > 0
@@ -260,8 +269,11 @@ def test_merged_keys_are_the_kept_tokens_own(ctx):
                 assert torch.equal(view.keys[head][real], ctx.full.keys[layer][head, view.token_index[head][real]])
 
 
-SCORER_CHOICES = [(name, scorer) for name in ("cam", "merging")
-                  for scorer in typing.get_args(typing.get_type_hints(get_method(name).Options)["scorer"])]
+SCORER_CHOICES = [
+    (name, scorer)
+    for name in ("cam", "merging")
+    for scorer in typing.get_args(typing.get_type_hints(get_method(name).Options)["scorer"])
+]
 
 
 @pytest.mark.parametrize(("name", "scorer"), SCORER_CHOICES)

@@ -1,4 +1,5 @@
 """Compression methods on a tiny random Llama: budgets, kept sets, invariants."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,9 +30,20 @@ QUESTION = "w3 w5 w8"
 
 
 # Methods without a per-token score of importance: they record none.
-UNSCORED = {"kivi", "no_context", "random", "streaming_llm", "summarisation", "summary_am",
-            "fp8_e4m3", "fp8_e5m2", "nvfp4", "fp4_e2m1", "turboquant",  # the engine formats evict the oldest tokens by default, as KIVI
-            "simlayerkv"}  # within a layer its scores are positions (initial + recent), as StreamingLLM's
+UNSCORED = {
+    "kivi",
+    "no_context",
+    "random",
+    "streaming_llm",
+    "summarisation",
+    "summary_am",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "nvfp4",
+    "fp4_e2m1",
+    "turboquant",  # the engine formats evict the oldest tokens by default, as KIVI
+    "simlayerkv",
+}  # within a layer its scores are positions (initial + recent), as StreamingLLM's
 
 
 @pytest.fixture(scope="module")
@@ -200,13 +212,16 @@ def test_a_document_no_longer_than_the_observation_window_is_still_compressed(ti
     assert_meets_budget(short, name, 2.0, get_method(name).compress(Request(short, 2.0, None)))
 
 
-@pytest.mark.parametrize(("context", "expected"), [
-    # 96 tokens, no template; 8x keeps 12: the 4 sinks and the 8 newest.
-    ("ctx", set(range(4)) | set(range(88, 96))),
-    # A 2-token template, then the same 96: the template (2 of the 4 sinks) stays outside the
-    # budget of 12, which keeps the document's first 2 tokens (the other sinks) and its 10 newest.
-    ("templated", set(range(4)) | set(range(88, 98))),
-])
+@pytest.mark.parametrize(
+    ("context", "expected"),
+    [
+        # 96 tokens, no template; 8x keeps 12: the 4 sinks and the 8 newest.
+        ("ctx", set(range(4)) | set(range(88, 96))),
+        # A 2-token template, then the same 96: the template (2 of the 4 sinks) stays outside the
+        # budget of 12, which keeps the document's first 2 tokens (the other sinks) and its 10 newest.
+        ("templated", set(range(4)) | set(range(88, 98))),
+    ],
+)
 def test_streaming_keeps_sinks_and_recent_window(request, context, expected):
     ctx = request.getfixturevalue(context)
     stored = get_method("streaming_llm").compress(Request(ctx, 8.0))
@@ -250,22 +265,29 @@ def test_attention_matching_beats_its_own_key_selection(ctx):
     assert len(am.meta["train_attn_output_rel_err"]) == ctx.lm.n_layers
 
 
-@pytest.mark.parametrize("options", [
-    {"key_selection": "omp"},
-    {"scoring": "max"},
-    {"compaction_chunk": 32},
-    {"on_policy": True},
-    {"query_source": "context"},
-    {"query_source": "random", "max_queries": 64},
-    {"query_source": "self_study", "self_study_tokens": 8},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"key_selection": "omp"},
+        {"scoring": "max"},
+        {"compaction_chunk": 32},
+        {"on_policy": True},
+        {"query_source": "context"},
+        {"query_source": "random", "max_queries": 64},
+        {"query_source": "self_study", "self_study_tokens": 8},
+    ],
+)
 def test_attention_matching_variants_beat_eviction_on_the_same_queries(ctx, options):
     """Each variant meets the budget and cuts the held-out error of keeping the keys its
     own reference queries attend to most (attention_topk with the same query knobs) by far."""
     ev = evaluation(ctx, QUESTION, max_new_tokens=4)
     stored = get_method("attention_matching", **options).compress(Request(ctx, 4.0))
     assert stored.kept_per_head().float().mean().item() == pytest.approx(ctx.prefix_len + ctx.doc_len / 4, abs=1)
-    shared = {k: v for k, v in options.items() if k in {f.name for f in dataclasses.fields(REGISTRY["attention_topk"].Options)}}
+    shared = {
+        k: v
+        for k, v in options.items()
+        if k in {f.name for f in dataclasses.fields(REGISTRY["attention_topk"].Options)}
+    }
     evicted = get_method("attention_topk", **shared).compress(Request(ctx, 4.0))
     err = head_errors(ctx.full.stored, stored, ev.queries).mean_output
     err_evicted = head_errors(ctx.full.stored, evicted, ev.queries).mean_output
@@ -436,8 +458,10 @@ def test_mass_ratio_is_the_share_of_the_full_mass(ctx):
     q = ev.queries[0]
     kept, every = half.layer_view(0), full.layer_view(0)
     grouped = group_queries(q, kept.keys.shape[0])
-    share = torch.exp(attend(grouped, kept.keys, kept.values, bias=kept.bias).lse
-                      - attend(grouped, every.keys, every.values, bias=every.bias).lse)
+    share = torch.exp(
+        attend(grouped, kept.keys, kept.values, bias=kept.bias).lse
+        - attend(grouped, every.keys, every.values, bias=every.bias).lse
+    )
     assert torch.allclose(errors.mass_ratio[0], share.mean(-1), atol=1e-5)
 
 

@@ -7,6 +7,7 @@ same tokens in every layer and head), so that the eager reference of the
 compressed cache is the full forward pass with the evicted tokens masked from
 the question's and answer's queries.
 """
+
 from __future__ import annotations
 
 import copy
@@ -26,8 +27,11 @@ from kvlab.runtime.decode import greedy
 from kvlab.runtime.hooks import QueryCapture
 from kvlab.testing.random_models import random_model
 
-DOC = " ".join(f"w{(i * 5) % 40 + 2}" for i in range(34)) + " w50 w51 w52 w53 " + " ".join(
-    f"w{(i * 3) % 40 + 2}" for i in range(26))
+DOC = (
+    " ".join(f"w{(i * 5) % 40 + 2}" for i in range(34))
+    + " w50 w51 w52 w53 "
+    + " ".join(f"w{(i * 3) % 40 + 2}" for i in range(26))
+)
 SPAN, VALUE = "w50 w51 w52 w53", "w52 w53"
 NEW = 4  # answer tokens: a random model rarely stops, so the answer is NEW tokens and NEW - 1 are fed back
 
@@ -156,14 +160,21 @@ def test_question_attention_at_the_layers_scaling_matches_eager(lm, eager):
 
 def test_figure_and_table_draw_the_trace():
     trace = {
-        "label": "m", "ratio": 2.0, "value": "7", "span_texts": [" is", ": 7"], "positions": [5, 6],
+        "label": "m",
+        "ratio": 2.0,
+        "value": "7",
+        "span_texts": [" is", ": 7"],
+        "positions": [5, 6],
         "span_value": [False, True],
         "fates": [[["kept", EVICTED]], [["compacted", "kept"]]],
         "attention_full": [[[0.1, 0.3]], [[0.2, 0.0]]],
         "attention_compressed": [[[0.2, 0.0]], [[0.1, 0.1]]],
-        "answer_texts": [":", " 7"], "answer_value": [False, True],
-        "logprob_full": [-0.1, -0.2], "logprob_compressed": [-0.3, -2.0],
-        "answer_full": "7", "answer_compressed": "8",
+        "answer_texts": [":", " 7"],
+        "answer_value": [False, True],
+        "logprob_full": [-0.1, -0.2],
+        "logprob_compressed": [-0.3, -2.0],
+        "answer_full": "7",
+        "answer_compressed": "8",
     }
     assert head_shares(trace["attention_full"]) == pytest.approx([0.4, 0.2])
     assert token_shares(trace["attention_compressed"]) == pytest.approx([0.15, 0.05])

@@ -6,6 +6,7 @@ applied by hand; nothing goes through kvlab's query recording, cache or attentio
 model has no chat template: the document is the whole context (prefix 0), so the sinks of these
 methods are document tokens, kept at +inf.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,8 +33,6 @@ from kvlab.methods.families.scorers import RIDGE, gaussian_sketches
 from kvlab.prompts import question_tokens, repeat_tokens
 
 EPS32 = 2.0**-23
-
-
 
 
 def post_rope(x: torch.Tensor, start: int, lm) -> torch.Tensor:
@@ -113,10 +112,17 @@ def test_non_causal_attn_is_chunked_bidirectional_attention_times_vnorm(ctx, eag
 # --------------------------------------------------------------------------- Compactor
 
 
-@pytest.mark.parametrize(("ratio", "options", "blend"), [
-    (4.0, {}, 0.75),  # lambda = 1 - 1/ratio
-    (2.0, {"blend_by_ratio": False, "blending": 2.0, "sink_size_start": 3, "sink_size_end": 5, "attention_chunk": 32}, 2.0),
-])
+@pytest.mark.parametrize(
+    ("ratio", "options", "blend"),
+    [
+        (4.0, {}, 0.75),  # lambda = 1 - 1/ratio
+        (
+            2.0,
+            {"blend_by_ratio": False, "blending": 2.0, "sink_size_start": 3, "sink_size_end": 5, "attention_chunk": 32},
+            2.0,
+        ),
+    ],
+)
 def test_compactor_blends_the_two_z_scores_on_the_middle_and_keeps_the_sinks(ctx, eager, ratio, options, blend):
     method = get_method("compactor", sketch_dimension=8, **options)
     opts = method.options
@@ -152,8 +158,9 @@ def test_capkv_is_the_query_weighted_leverage_of_the_values(ctx, eager, options)
         want = group_mean(w * torch.einsum("hti,hij,htj->ht", values, torch.linalg.inv(capacity), values), n_kv)
         cond = float(torch.linalg.cond(capacity).max())
         assert torch.isinf(got[:, :sink]).all()
-        torch.testing.assert_close(got[:, sink:].double(), want, atol=10 * cond * EPS32 * float(want.abs().max()),
-                                   rtol=1e-4)
+        torch.testing.assert_close(
+            got[:, sink:].double(), want, atol=10 * cond * EPS32 * float(want.abs().max()), rtol=1e-4
+        )
 
 
 # --------------------------------------------------------------------------- ObservedAttention
@@ -193,10 +200,15 @@ def test_finch_without_a_question_says_so(ctx):
         get_method("finch").scores(Request(ctx, 4.0))
 
 
-@pytest.mark.parametrize(("name", "options"), [
-    ("leverage", {"sketch_dimension": 0}), ("non_causal_attn", {"attention_chunk": 0}), ("capkv", {"tau": -1.0}),
-    ("compactor", {"blending": -0.5}),
-])
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("leverage", {"sketch_dimension": 0}),
+        ("non_causal_attn", {"attention_chunk": 0}),
+        ("capkv", {"tau": -1.0}),
+        ("compactor", {"blending": -0.5}),
+    ],
+)
 def test_bad_knobs_are_refused_in_one_line(name, options):
     with pytest.raises(MethodError) as err:
         get_method(name, **options)
@@ -215,8 +227,12 @@ def test_kvzip_plus_weights_the_reconstruction_attention_by_output_over_input_no
     repeat = repeat_tokens(ctx.lm.tokenizer, ctx.tokens.ids.cpu())
     norms: dict[int, torch.Tensor] = {}
     layers = sharp_eager.model.model.layers
-    hooks = [layer.input_layernorm.register_forward_hook(
-        lambda mod, args, out, i=i: norms.__setitem__(i, out[0].double().norm(dim=-1))) for i, layer in enumerate(layers)]
+    hooks = [
+        layer.input_layernorm.register_forward_hook(
+            lambda mod, args, out, i=i: norms.__setitem__(i, out[0].double().norm(dim=-1))
+        )
+        for i, layer in enumerate(layers)
+    ]
     try:
         full = eager_pass(sharp_eager, torch.cat([ctx.tokens.ids.cpu(), repeat]))
     finally:

@@ -1,4 +1,5 @@
 """The installable package: what a wheel of this checkout holds, and the `kvlab` console script."""
+
 from __future__ import annotations
 
 import shutil
@@ -29,9 +30,21 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
         else:
             shutil.copy2(ROOT / name, src / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         "-w", str(tmp / "dist"), str(src)],
-        check=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp / "dist"),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     [built] = (tmp / "dist").glob("kvlab-*.whl")
     return zipfile.ZipFile(built)
@@ -87,7 +100,8 @@ def test_console_script_lists_methods_from_any_folder(tmp_path: Path) -> None:
 def test_console_script_exits_with_the_clis_status(tmp_path: Path) -> None:
     doc = tmp_path / "doc.txt"
     doc.write_text("A short note.")
-    proc = _console_script("run", "--doc", str(doc), "--method", "snapkv", "--ratio", "0.5",
-                           "--question", "q", cwd=tmp_path)
+    proc = _console_script(
+        "run", "--doc", str(doc), "--method", "snapkv", "--ratio", "0.5", "--question", "q", cwd=tmp_path
+    )
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "ratio" in proc.stderr

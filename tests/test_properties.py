@@ -4,6 +4,7 @@ Each property is checked against a plain construction: a key removed or
 written twice, one head at a time without padding, the quantisation grid's
 half step, and "only DocumentError" for any bytes at all.
 """
+
 from __future__ import annotations
 
 import math
@@ -84,8 +85,12 @@ def _group_scale_per_element(scale: torch.Tensor, group_size: int, length: int) 
 
 @FEW
 @given(
-    seed=seeds, heads=st.integers(1, 3), tokens=st.integers(1, 40), dim=st.sampled_from([4, 8, 16]),
-    bits=st.sampled_from([2, 4, 8]), group=st.sampled_from([1, 3, 8, 32]),
+    seed=seeds,
+    heads=st.integers(1, 3),
+    tokens=st.integers(1, 40),
+    dim=st.sampled_from([4, 8, 16]),
+    bits=st.sampled_from([2, 4, 8]),
+    group=st.sampled_from([1, 3, 8, 32]),
     spread=st.sampled_from([1e-3, 1.0, 300.0]),
 )
 def test_dequantised_values_are_within_half_a_step_of_the_originals(seed, heads, tokens, dim, bits, group, spread):
@@ -101,8 +106,7 @@ def test_dequantised_values_are_within_half_a_step_of_the_originals(seed, heads,
 
 
 @settings(max_examples=60, deadline=None)
-@given(data=st.binary(max_size=3000), suffix=st.sampled_from([".txt", ".md", ".pdf", ""]),
-       pdf_header=st.booleans())
+@given(data=st.binary(max_size=3000), suffix=st.sampled_from([".txt", ".md", ".pdf", ""]), pdf_header=st.booleans())
 def test_any_bytes_give_text_or_a_document_error(data, suffix, pdf_header):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"upload{suffix}"

@@ -52,6 +52,7 @@ def key_of(question: str) -> str:
 
 # --- the asset ---------------------------------------------------------------
 
+
 def test_prose_asset_is_long_varied_and_free_of_digits():
     paras = paragraphs_of_asset()
     assert len(paras) >= 60
@@ -68,6 +69,7 @@ def test_prose_asset_is_packaged():
 
 
 # --- the documents -----------------------------------------------------------
+
 
 @pytest.mark.parametrize("values", synthetic.VALUE_SHAPES)
 def test_prose_items_are_deterministic_per_seed(values):
@@ -157,11 +159,10 @@ def test_a_2000_word_document_holds_each_paragraph_at_most_once():
 
 # --- the value shapes and the scorer -----------------------------------------
 
-@pytest.mark.parametrize("values, pattern", [
-    ("number", r"\d{7}"),
-    ("code", r"\d{4}-[a-z]+"),
-    ("name", r"[A-Z][a-z]+ [A-Z][a-z]+"),
-])
+
+@pytest.mark.parametrize(
+    "values, pattern", [("number", r"\d{7}"), ("code", r"\d{4}-[a-z]+"), ("name", r"[A-Z][a-z]+ [A-Z][a-z]+")]
+)
 def test_value_shapes(values, pattern):
     for item in synthetic.niah_multivalue(words, 3, 0, 300, haystack="prose", values=values):
         assert len(item.answers) == 4 and len(set(item.answers)) == 4
@@ -176,27 +177,31 @@ def test_names_do_not_occur_in_the_prose():
             assert not re.search(rf"\b{part}\b", text)
 
 
-@pytest.mark.parametrize("answer, gold, right", [
-    # number: whole words only, as before.
-    ("The special magic number for amber-anchor is 4821937.", "4821937", True),
-    ("The special magic number for amber-anchor is 48219370.", "4821937", False),
-    # code: punctuation is dropped on both sides, so the hyphen may change but not go.
-    ("The special magic code for amber-anchor is 4821-violet.", "4821-violet", True),
-    ("It is: 4821-VIOLET", "4821-violet", True),
-    ("It is 4821-violets", "4821-violet", False),
-    ("It is 4812-violet", "4821-violet", False),
-    ("It is 4821 violet", "4821-violet", False),  # two words do not match the one code
-    # name: both parts, in order, any case.
-    ("The special magic name for amber-anchor is Amara Lindqvist.", "Amara Lindqvist", True),
-    ("it is amara lindqvist", "Amara Lindqvist", True),
-    ("It is Amara.", "Amara Lindqvist", False),
-    ("It is Lindqvist Amara.", "Amara Lindqvist", False),
-])
+@pytest.mark.parametrize(
+    "answer, gold, right",
+    [
+        # number: whole words only, as before.
+        ("The special magic number for amber-anchor is 4821937.", "4821937", True),
+        ("The special magic number for amber-anchor is 48219370.", "4821937", False),
+        # code: punctuation is dropped on both sides, so the hyphen may change but not go.
+        ("The special magic code for amber-anchor is 4821-violet.", "4821-violet", True),
+        ("It is: 4821-VIOLET", "4821-violet", True),
+        ("It is 4821-violets", "4821-violet", False),
+        ("It is 4812-violet", "4821-violet", False),
+        ("It is 4821 violet", "4821-violet", False),  # two words do not match the one code
+        # name: both parts, in order, any case.
+        ("The special magic name for amber-anchor is Amara Lindqvist.", "Amara Lindqvist", True),
+        ("it is amara lindqvist", "Amara Lindqvist", True),
+        ("It is Amara.", "Amara Lindqvist", False),
+        ("It is Lindqvist Amara.", "Amara Lindqvist", False),
+    ],
+)
 def test_value_shapes_score_with_the_contains_scorer(answer, gold, right):
     assert contains_match(answer, gold) is right
 
 
 # --- the registry and the CLI --------------------------------------------------
+
 
 def test_tasks_without_needles_refuse_the_needle_options():
     lm = SimpleNamespace(tokenizer=None)  # refused before any token is counted
@@ -235,8 +240,30 @@ def test_bench_runs_prose_items_under_their_own_task_name(tiny, monkeypatch, tmp
 
     monkeypatch.setattr("kvlab.models.get_model", lambda spec=None: tiny)
     out = tmp_path / "run"
-    assert main(["bench", "--tasks", "niah_single", "--haystack", "prose", "--needle-values", "code",
-                 "--methods", "snapkv", "--ratios", "2", "--limit", "1", "--length", "150", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--tasks",
+                "niah_single",
+                "--haystack",
+                "prose",
+                "--needle-values",
+                "code",
+                "--methods",
+                "snapkv",
+                "--ratios",
+                "2",
+                "--limit",
+                "1",
+                "--length",
+                "150",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     results = read_results(out)
     assert {r.task for r in results} == {"niah_single[prose,code]"}
     assert {r.method for r in results} == {"full", "no_context", "snapkv"}

@@ -1,4 +1,5 @@
 """Tests for kvlab.runtime.low_bit (KIVI-style packed quantisation)."""
+
 from __future__ import annotations
 
 import math
@@ -6,13 +7,7 @@ import math
 import pytest
 import torch
 
-from kvlab.runtime.low_bit import (
-    PackedTensor,
-    pack_codes,
-    quantize_keys,
-    quantize_values,
-    unpack_codes,
-)
+from kvlab.runtime.low_bit import PackedTensor, pack_codes, quantize_keys, quantize_values, unpack_codes
 
 
 def _gen(seed: int = 0) -> torch.Generator:

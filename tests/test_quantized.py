@@ -1,4 +1,5 @@
 """QuantSegment (KIVI packed storage inside a stored cache) and the KIVI method, on the tiny model."""
+
 from __future__ import annotations
 
 import pytest
@@ -150,9 +151,10 @@ def test_kivi_plan_keeps_the_most_newest_tokens_that_fit():
     assert all(n == doc_len or cost(n + 1) - cost(n) > left for n in kept)
 
 
-@pytest.mark.parametrize(("options", "field"), [
-    ({"bits": 3}, "bits"), ({"bits": 16}, "bits"), ({"bits": True}, "bits"), ({"group_size": 0}, "group_size"),
-])
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [({"bits": 3}, "bits"), ({"bits": 16}, "bits"), ({"bits": True}, "bits"), ({"group_size": 0}, "group_size")],
+)
 def test_kivi_refuses_unsupported_options(options, field):
     with pytest.raises(MethodError, match=f"^kivi: {field} must"):
         get_method("kivi", **options)

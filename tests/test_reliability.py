@@ -1,4 +1,5 @@
 """Limits checked before work, bounded memory, one computation per key, error ids, upload paths, model LRU."""
+
 from __future__ import annotations
 
 import gc
@@ -200,8 +201,10 @@ def test_a_context_over_its_budget_drops_its_oldest_entries(tiny):
         ctx.cached(Note(i), lambda: one.clone())
     assert set(ctx.memos) == {Note(3), Note(4), Note(5)} and ctx.nbytes <= ctx.budget
     # What is kept is what it says: the cache, the tokens and queries, plus three memos.
-    base = sum(t.untyped_storage().nbytes() for t in [*ctx.full.keys, *ctx.full.values, ctx.tokens.ids,
-                                                       *ctx.queries["context"]])
+    base = sum(
+        t.untyped_storage().nbytes()
+        for t in [*ctx.full.keys, *ctx.full.values, ctx.tokens.ids, *ctx.queries["context"]]
+    )
     assert ctx.nbytes == base + 3 * 4000
 
 
@@ -310,8 +313,13 @@ def test_only_gradio_uploads_are_read_and_each_is_deleted(monkeypatch, tmp_path)
     secret = tmp_path / "secret.txt"
     secret.write_text("do not read", encoding="utf-8")
     (uploads / "link.txt").symlink_to(secret)
-    for path in [str(secret), str(uploads / ".." / "secret.txt"), str(uploads / "link.txt"), "/etc/passwd",
-                 os.path.relpath(secret)]:
+    for path in [
+        str(secret),
+        str(uploads / ".." / "secret.txt"),
+        str(uploads / "link.txt"),
+        "/etc/passwd",
+        os.path.relpath(secret),
+    ]:
         with pytest.raises(lab.InputError, match="not uploaded here"):
             common.read_upload(path)
     assert secret.read_text() == "do not read"

@@ -1,5 +1,6 @@
 """What a repeated or changed configuration reuses (kvlab.pipeline, kvlab.compression.interface): counted calls,
 and the reused results against the same settings computed on a fresh context."""
+
 from __future__ import annotations
 
 import pytest
@@ -63,6 +64,7 @@ def counting(monkeypatch) -> dict[str, int]:
     """Counts of compressions and of answers written (the full cache's, and a stored cache's from its draft)."""
     counts = {"compress": 0, "greedy": 0}
     for name in ("greedy", "greedy_from_draft"):
+
         def counted(*args, _answer=getattr(pipeline, name), **kwargs):
             counts["greedy"] += 1
             return _answer(*args, **kwargs)
@@ -111,8 +113,10 @@ def test_a_new_question_reuses_a_query_agnostic_cache_only(tiny, monkeypatch):
     # What was reused is what a fresh context computes for the new question.
     fresh = run(prepare_context(tiny, DOCUMENT), get_method("tova"), 4.0, OTHER, max_new_tokens=6)
     assert other.result.answer_compressed == fresh.result.answer_compressed
-    assert torch.allclose(torch.tensor(other.result.per_head["attn_output_rel_err"]),
-                          torch.tensor(fresh.result.per_head["attn_output_rel_err"]))
+    assert torch.allclose(
+        torch.tensor(other.result.per_head["attn_output_rel_err"]),
+        torch.tensor(fresh.result.per_head["attn_output_rel_err"]),
+    )
 
 
 def test_a_method_changed_reuses_the_full_caches_side_of_the_errors(tiny, monkeypatch):

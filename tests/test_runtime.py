@@ -1,4 +1,5 @@
 """The compressed-cache runtime on a tiny random Llama: the invariants everything rests on."""
+
 from __future__ import annotations
 
 import math
@@ -23,7 +24,9 @@ def context_ids(n: int = T, seed: int = 1) -> torch.Tensor:
     return torch.randint(2, 64, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def cache_from(full: FullKV, keep: list[list[torch.Tensor]], bias: list[list[torch.Tensor]] | None = None) -> CompressedKV:
+def cache_from(
+    full: FullKV, keep: list[list[torch.Tensor]], bias: list[list[torch.Tensor]] | None = None
+) -> CompressedKV:
     """A stored cache keeping token indices keep[layer][head] (with optional per-key bias)."""
     layers = []
     for layer, heads in enumerate(keep):
@@ -34,9 +37,13 @@ def cache_from(full: FullKV, keep: list[list[torch.Tensor]], bias: list[list[tor
         b = None
         if bias is not None:
             b = torch.stack([torch.cat([x, x.new_zeros(width - len(x))]) for x in bias[layer]])
-        layers.append([DenseSegment.from_padded(
-            full.keys[layer].gather(1, gather), full.values[layer].gather(1, gather), lengths, index, b
-        )])
+        layers.append(
+            [
+                DenseSegment.from_padded(
+                    full.keys[layer].gather(1, gather), full.values[layer].gather(1, gather), lengths, index, b
+                )
+            ]
+        )
     return CompressedKV(layers, full.length)
 
 
@@ -46,7 +53,11 @@ def logits_after(lm, stored: CompressedKV, ids: torch.Tensor) -> torch.Tensor:
 
 def test_sdpa_path_matches_block_attention():
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 4, 1, 16, generator=gen), torch.randn(1, 2, 9, 16, generator=gen), torch.randn(1, 2, 9, 16, generator=gen))
+    q, k, v = (
+        torch.randn(1, 4, 1, 16, generator=gen),
+        torch.randn(1, 2, 9, 16, generator=gen),
+        torch.randn(1, 2, 9, 16, generator=gen),
+    )
     bias = torch.randn(2, 9, generator=gen)
     fast = causal_attention(q, k, v, bias, 0.25)
     slow = attend(q[0].reshape(2, 2, 16), k[0], v[0], bias, 0.25).output.reshape(1, 4, 1, 16)
@@ -55,10 +66,14 @@ def test_sdpa_path_matches_block_attention():
 
 def test_in_place_softmax_and_logits_written_into_a_buffer_match_the_plain_computation():
     gen = torch.Generator().manual_seed(4)
-    q, k, bias = torch.randn(3, 5, 8, generator=gen), torch.randn(3, 7, 8, generator=gen), torch.randn(3, 7, generator=gen)
+    q, k, bias = (
+        torch.randn(3, 5, 8, generator=gen),
+        torch.randn(3, 7, 8, generator=gen),
+        torch.randn(3, 7, generator=gen),
+    )
     bias[0, 2] = float("-inf")  # an absent key: weight 0, as torch.softmax gives it
     # Hand-written logits: every query against every key, scaled by 1/sqrt(d), plus the key's bias.
-    expected = torch.einsum("hnd,htd->hnt", q, k) / 8 ** 0.5 + bias.unsqueeze(1)
+    expected = torch.einsum("hnd,htd->hnt", q, k) / 8**0.5 + bias.unsqueeze(1)
     buffer = torch.full((3, 5, 7), float("nan"))
     written = attention_logits(q, k, bias, out=buffer)
     assert written.data_ptr() == buffer.data_ptr()
@@ -341,8 +356,9 @@ def test_an_answer_checked_against_a_draft_is_the_greedy_answer(tiny):
             m = min(len(draft), 10)
             target = torch.tensor(draft[:m])
             assert torch.allclose(got.draft_logprobs, continuation_logprobs(tiny, stored, prompt, target), atol=1e-5)
-        assert torch.allclose(torch.tensor(got.generation.logprobs), torch.tensor(greedy(tiny, stored, prompt, 10).logprobs),
-                              atol=1e-5)
+        assert torch.allclose(
+            torch.tensor(got.generation.logprobs), torch.tensor(greedy(tiny, stored, prompt, 10).logprobs), atol=1e-5
+        )
 
 
 @pytest.mark.parametrize("bias_shape", [None, (2, 9), (2, 2, 7)])
@@ -350,7 +366,11 @@ def test_a_batched_decode_step_matches_block_attention(bias_shape):
     """One query per head, two sequences, over 9 keys (a bias on the first 7 or all of them): against
     :func:`attend` per sequence, the stored keys' bias padded with zeros for the keys after them."""
     gen = torch.Generator().manual_seed(4)
-    q, k, v = torch.randn(2, 4, 1, 16, generator=gen), torch.randn(2, 2, 9, 16, generator=gen), torch.randn(2, 2, 9, 16, generator=gen)
+    q, k, v = (
+        torch.randn(2, 4, 1, 16, generator=gen),
+        torch.randn(2, 2, 9, 16, generator=gen),
+        torch.randn(2, 2, 9, 16, generator=gen),
+    )
     bias = None if bias_shape is None else torch.randn(*bias_shape, generator=gen)
     fast = causal_attention(q, k, v, bias, 0.25)
     for b in range(2):

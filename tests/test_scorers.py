@@ -5,6 +5,7 @@ transformers' eager attention gives the attention weights (``output_attentions``
 on the projections give the pre-RoPE queries, keys and values, and RoPE is applied here by hand
 from the config's theta. The tiny model has no chat template: the document is the whole context.
 """
+
 from __future__ import annotations
 
 import math
@@ -161,17 +162,20 @@ def test_snapkv_question_scores_are_the_questions_pooled_attention_on_the_contex
 # --------------------------------------------------------------------------- PyramidKV
 
 
-@pytest.mark.parametrize(("n_layers", "budget", "length", "beta", "expected"), [
-    # B = 10, beta = 3: the top layer keeps B/beta = 3.33, the bottom 2B - B/beta = 16.67, evenly
-    # spaced: 16.67, 12.22, 7.78, 3.33 -> floors 16, 12, 7, 3 (38); the 2 left go to the largest
-    # remainders (.78, .67).
-    (4, 10, 100, 3.0, [17, 12, 8, 3]),
-    # B = 60, beta = 20: the bottom would be 117 > T = 100, so it keeps T and the top 2B - T = 20.
-    (3, 60, 100, 20.0, [100, 60, 20]),
-    # The tiny model's 2 layers at 2x of 96 tokens: 93.6 and 2.4 -> 93 + 2, the 1 left to layer 0.
-    (2, 48, 96, 20.0, [94, 2]),
-    (4, 10, 100, 1.0, [10, 10, 10, 10]),  # beta = 1: uniform, SnapKV's budgets
-])
+@pytest.mark.parametrize(
+    ("n_layers", "budget", "length", "beta", "expected"),
+    [
+        # B = 10, beta = 3: the top layer keeps B/beta = 3.33, the bottom 2B - B/beta = 16.67, evenly
+        # spaced: 16.67, 12.22, 7.78, 3.33 -> floors 16, 12, 7, 3 (38); the 2 left go to the largest
+        # remainders (.78, .67).
+        (4, 10, 100, 3.0, [17, 12, 8, 3]),
+        # B = 60, beta = 20: the bottom would be 117 > T = 100, so it keeps T and the top 2B - T = 20.
+        (3, 60, 100, 20.0, [100, 60, 20]),
+        # The tiny model's 2 layers at 2x of 96 tokens: 93.6 and 2.4 -> 93 + 2, the 1 left to layer 0.
+        (2, 48, 96, 20.0, [94, 2]),
+        (4, 10, 100, 1.0, [10, 10, 10, 10]),  # beta = 1: uniform, SnapKV's budgets
+    ],
+)
 def test_pyramid_budgets_by_hand(n_layers, budget, length, beta, expected):
     got = pyramid_budgets(n_layers, budget, length, beta)
     assert got.tolist() == expected and int(got.sum()) == n_layers * budget
@@ -195,12 +199,15 @@ def test_pyramidkv_keeps_its_layers_budget_of_the_snapkv_ranking(ctx, eager):
 # --------------------------------------------------------------------------- Expected Attention
 
 
-@pytest.mark.parametrize("options", [
-    {},
-    {"use_covariance": False},
-    {"use_vnorm": False, "n_future_positions": 16},
-    {"stats_window": 30, "n_sink": 2, "epsilon": 0.01},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"use_covariance": False},
+        {"use_vnorm": False, "n_future_positions": 16},
+        {"stats_window": 30, "n_sink": 2, "epsilon": 0.01},
+    ],
+)
 def test_expected_attention_is_the_gaussian_expectation_of_future_attention(ctx, eager, options):
     """Future queries q ~ N(mu, Sigma), the pre-RoPE context queries' mean and (population)
     covariance, rotated by the RoPE matrix averaged over the next n positions, R:

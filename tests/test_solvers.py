@@ -3,6 +3,7 @@
 Small seeded random problems; each test checks a property that fails if the
 maths is wrong, not merely that the code runs.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -10,7 +11,6 @@ import math
 
 import pytest
 import torch
-from solver_cases import gen, qkv
 
 from kvlab.compression.solvers.compact import compact_block
 from kvlab.compression.solvers.keys import HighestAttn
@@ -19,6 +19,7 @@ from kvlab.compression.solvers.nnls import box_nnls_gram, nnls, nnls_bias
 from kvlab.compression.solvers.scores import mass_features, score_keys, select_highest_attn, streamed_mass
 from kvlab.compression.solvers.values import fit_values
 from kvlab.runtime.attention import attend, attention_logits
+from solver_cases import gen, qkv
 
 # --------------------------------------------------------------------------
 # mass features, scores, selection
@@ -209,7 +210,6 @@ def test_fit_values_singular_gram_retries_with_larger_ridge():
     assert torch.allclose(cv[1], fit_values(x[1:2], y[1:2], ridge=0.0)[0], atol=1e-5)
 
 
-
 @pytest.mark.parametrize("scoring", ["rms", "mean", "max"])
 def test_streamed_mass_matches_attention_in_chunks_of_three_queries(scoring):
     q, k, v = qkv(B=2, n=16, T=20, seed=21, q_scale=3.0)
@@ -244,8 +244,9 @@ def test_highest_attn_fit_is_the_same_in_any_query_chunking(scoring):
     bias[2, 30:] = float("-inf")
     budgets = torch.tensor([12, 7, 12])
     whole = compact_block(q, k, v, 12, bias=bias, budgets=budgets, keys=HighestAttn(scoring))
-    chunked = compact_block(q, k, v, 12, bias=bias, budgets=budgets, keys=HighestAttn(scoring),
-                            block_elements=3 * 40 * 5)
+    chunked = compact_block(
+        q, k, v, 12, bias=bias, budgets=budgets, keys=HighestAttn(scoring), block_elements=3 * 40 * 5
+    )
     assert torch.equal(chunked.index, whole.index)
     expected = select_highest_attn(score_keys(q, k, bias, scoring=scoring), 12)
     assert torch.equal(whole.index[0], expected[0]) and torch.equal(whole.index[1, :7], expected[1, :7])
@@ -271,5 +272,3 @@ def test_nnls_bias_on_a_wide_design_equals_the_primal_gram_form(ridge):
     expected = w.log().masked_fill(~valid, float("-inf"))
     assert torch.isinf(got[1, 24:]).all()
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
-
-

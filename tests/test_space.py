@@ -17,6 +17,7 @@ app.py must then install the embedded model itself (pip, from PyPI or pip's
 cache: `make setup` has just put the same wheel there), serve the page, and a
 Run of the first example must answer.
 """
+
 from __future__ import annotations
 
 import os
@@ -45,8 +46,11 @@ RUN_TIMEOUT_S = 300
 def distributions(requirements: Path) -> dict[str, metadata.Distribution]:
     """The installed distributions ``requirements`` names, and those they require, transitively."""
     found: dict[str, metadata.Distribution] = {}
-    todo = [Requirement(line.split("#")[0].strip()) for line in requirements.read_text().splitlines()
-            if line.split("#")[0].strip() and not line.startswith("-")]
+    todo = [
+        Requirement(line.split("#")[0].strip())
+        for line in requirements.read_text().splitlines()
+        if line.split("#")[0].strip() and not line.startswith("-")
+    ]
     while todo:
         req = todo.pop()
         key = req.name.lower().replace("_", "-")
@@ -80,8 +84,13 @@ def link_packages(dists: dict[str, metadata.Distribution], site: Path) -> list[s
 
 def copy_repository(dest: Path) -> None:
     """The repository's files as a Space gets them: tracked and new ones, never ignored ones (.venv, caches)."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-                            cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     for name in filter(None, listed.split("\0")):
         source = ROOT / name
         if source.is_file():
@@ -90,12 +99,33 @@ def copy_repository(dest: Path) -> None:
 
 
 def space_env(port: int) -> dict[str, str]:
-    keep = ("PATH", "HOME", "LANG", "TMPDIR", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_CACHE_DIR",
-            "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy", "SSL_CERT_FILE")
+    keep = (
+        "PATH",
+        "HOME",
+        "LANG",
+        "TMPDIR",
+        "PIP_INDEX_URL",
+        "PIP_EXTRA_INDEX_URL",
+        "PIP_CACHE_DIR",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "NO_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "no_proxy",
+        "SSL_CERT_FILE",
+    )
     env = {k: v for k, v in os.environ.items() if k in keep}
-    return {**env, "SPACE_ID": "kvlab-ci/space-simulation", "HF_HUB_OFFLINE": "1",
-            "HF_ENDPOINT": "http://127.0.0.1:9", "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
-            "GRADIO_ANALYTICS_ENABLED": "False", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    return {
+        **env,
+        "SPACE_ID": "kvlab-ci/space-simulation",
+        "HF_HUB_OFFLINE": "1",
+        "HF_ENDPOINT": "http://127.0.0.1:9",
+        "GRADIO_SERVER_NAME": "127.0.0.1",
+        "GRADIO_SERVER_PORT": str(port),
+        "GRADIO_ANALYTICS_ENABLED": "False",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +135,14 @@ def space(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]
     venv, repo = work / "venv", work / "repo"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
     python = venv / "bin" / "python"
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                               check=True, capture_output=True, text=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     wanted = ["requirements.txt"] + (["pre-requirements.txt"] if (ROOT / "pre-requirements.txt").is_file() else [])
     dists = {k: d for name in wanted for k, d in distributions(ROOT / name).items()}
     assert "gradio" in dists and "torch" in dists, sorted(dists)
@@ -139,8 +175,9 @@ def test_the_space_installs_its_model_and_answers(space: tuple[str, Path]) -> No
     example = props["kvlab-example"]
     text, question = props["kvlab-text"]["value"], props["kvlab-question"]["value"]
     assert example["value"] and len(text) > 1000 and question
-    out = client.submit(text=text, method="streaming_llm", ratio=4, question=question, max_new_tokens=8,
-                        api_name="/run").result(timeout=RUN_TIMEOUT_S)
+    out = client.submit(
+        text=text, method="streaming_llm", ratio=4, question=question, max_new_tokens=8, api_name="/run"
+    ).result(timeout=RUN_TIMEOUT_S)
     summary, full, compressed = out[0], out[1], out[2]
     assert "streaming_llm" in summary and "at **4x**" in summary, summary
     assert full.strip() and compressed.strip(), (full, compressed)
@@ -154,8 +191,11 @@ def test_without_the_package_a_page_serves_the_hub_model_and_says_so(monkeypatch
     monkeypatch.delenv("KVLAB_MODEL", raising=False)
     monkeypatch.delenv("KVLAB_MODELS", raising=False)
     real_find_spec = app.importlib.util.find_spec
-    monkeypatch.setattr(app.importlib.util, "find_spec",
-                        lambda name, *a: None if name == app.EMBEDDED_PACKAGE else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        app.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == app.EMBEDDED_PACKAGE else real_find_spec(name, *a),
+    )
     monkeypatch.setattr(app, "HF_HUB_OFFLINE", True)
     assert app.hub_fallback(model_choices()) == (model_choices(), "")  # no hub: the Run will name the package
     monkeypatch.setattr(app, "HF_HUB_OFFLINE", False)

@@ -15,12 +15,7 @@ from kvlab.methods import Request, get_method
 from kvlab.prompts import context_tokens
 from kvlab.tasks import datasets, synthetic, task_registry
 from kvlab.tasks.items import TaskError, TaskItem, token_counter
-from kvlab.tasks.marking import (
-    contains_match,
-    exact_match,
-    normalize_answer,
-    token_f1,
-)
+from kvlab.tasks.marking import contains_match, exact_match, normalize_answer, token_f1
 from kvlab.tasks.report import needle_heatmap, table_markdown
 from kvlab.tasks.runner import (
     FLOOR,
@@ -38,6 +33,7 @@ from kvlab.tasks.store import ResultWriter, Shard, read_results
 from kvlab.tasks.task_registry import build_items
 
 # --- scoring, against hand-worked SQuAD-style cases -------------------------
+
 
 @pytest.mark.parametrize(
     "text, expected",
@@ -123,7 +119,8 @@ def test_multivalue_needles_all_in_text():
     item = synthetic.niah_multivalue(words, 1, seed=0, length=LENGTH)[0]
     key = re.search(r"numbers for (\S+) in the text", item.question).group(1)
     assert re.findall(rf"numbers for {re.escape(key)} is: (\d+)\.", item.document) == sorted(
-        item.answers, key=item.document.index)
+        item.answers, key=item.document.index
+    )
     assert len(set(item.answers)) == 4 and item.scoring == "all"
 
 
@@ -167,7 +164,7 @@ def test_needle_items_on_a_user_document():
         needle = re.search(r"The special magic number for \S+ is: \d+\.", item.document)
         assert needle.group(0).endswith(item.answers[0] + ".")
         # removing the needle gives the document back, and it sits between sentences
-        rest = (item.document[: needle.start()] + item.document[needle.end():]).replace("  ", " ").strip()
+        rest = (item.document[: needle.start()] + item.document[needle.end() :]).replace("  ", " ").strip()
         assert rest == text
     starts = [it.document.index("The special magic") for it in items]
     assert starts[0] == 0 and starts[1] == text.index("A third") and starts[2] > len(text) - 2
@@ -192,9 +189,14 @@ def test_shared_data_missing_is_one_clear_line(tmp_path, monkeypatch):
 
 def test_hotpot_document_holds_every_paragraph_shuffled_by_seed():
     entry = {
-        "_id": "x", "title_a": "A", "para_a": ["Alpha one.", " Alpha two."], "title_b": "B",
-        "para_b": ["Beta."], "distractors": [["C", ["Gamma."], 1.0], ["D", ["Delta."], 2.0]],
-        "question": "q", "answer": "a",
+        "_id": "x",
+        "title_a": "A",
+        "para_a": ["Alpha one.", " Alpha two."],
+        "title_b": "B",
+        "para_b": ["Beta."],
+        "distractors": [["C", ["Gamma."], 1.0], ["D", ["Delta."], 2.0]],
+        "question": "q",
+        "answer": "a",
     }
     doc = datasets.hotpot_document(entry, 0)
     assert sorted(doc.split("\n\n")) == ["A\nAlpha one. Alpha two.", "B\nBeta.", "C\nGamma.", "D\nDelta."]
@@ -204,10 +206,17 @@ def test_hotpot_document_holds_every_paragraph_shuffled_by_seed():
 
 # --- scoring on a model --------------------------------------------------------
 
+
 def choice_item() -> TaskItem:
     return TaskItem(
-        "mc", "mc-0", " ".join(f"w{i % 40 + 2}" for i in range(60)), question="w3 w4 w5",
-        answers=("w9 w10 w11",), scoring="choice", choices=("w7", "w8 w20", "w9 w10 w11", "w12 w13"), gold_index=2,
+        "mc",
+        "mc-0",
+        " ".join(f"w{i % 40 + 2}" for i in range(60)),
+        question="w3 w4 w5",
+        answers=("w9 w10 w11",),
+        scoring="choice",
+        choices=("w7", "w8 w20", "w9 w10 w11", "w12 w13"),
+        gold_index=2,
     )
 
 
@@ -247,7 +256,10 @@ def short(items: list[TaskItem]) -> list[TaskItem]:
 
 
 def tiny_items(tiny):
-    return short(build_items("needle_grid", tiny, 2, seed=0, length=LENGTH) + build_items("niah_multivalue", tiny, 1, seed=0, length=LENGTH))
+    return short(
+        build_items("needle_grid", tiny, 2, seed=0, length=LENGTH)
+        + build_items("niah_multivalue", tiny, 1, seed=0, length=LENGTH)
+    )
 
 
 def expected_keys(tiny, items) -> set[str]:
@@ -284,7 +296,8 @@ def test_run_items_covers_every_key_and_scores_against_full(tiny):
             assert r.depth == item.depth
     rows = summarise(results)
     assert {(r.task, r.method) for r in rows if r.ratio is None} == {
-        (t, m) for t in ("needle_grid", "niah_multivalue") for m in (FULL, FLOOR)}
+        (t, m) for t in ("needle_grid", "niah_multivalue") for m in (FULL, FLOOR)
+    }
     # hand check of one row: the mean of its items' scores
     row = next(r for r in rows if r.task == "needle_grid" and r.method == "snapkv" and r.ratio == 2.0)
     scores = [r.score for r in results if r.task == "needle_grid" and r.method == "snapkv" and r.ratio == 2.0]
@@ -339,8 +352,21 @@ def tiny_cli(tiny, monkeypatch):
     monkeypatch.setattr("kvlab.models.get_model", lambda spec=None: tiny)
     build = task_registry.build_items
     monkeypatch.setattr(task_registry, "build_items", lambda *a, **k: short(build(*a, **k)))
-    return ["bench", "--tasks", "needle_grid,niah_single", "--methods", "snapkv", "--ratios", "2,4",
-            "--limit", "2", "--length", str(LENGTH), "--seed", "1"]
+    return [
+        "bench",
+        "--tasks",
+        "needle_grid,niah_single",
+        "--methods",
+        "snapkv",
+        "--ratios",
+        "2,4",
+        "--limit",
+        "2",
+        "--length",
+        str(LENGTH),
+        "--seed",
+        "1",
+    ]
 
 
 def test_shards_merge_to_the_unsharded_run(tiny_cli, tmp_path):
@@ -366,7 +392,10 @@ def test_bench_writes_csv_and_html_and_rebuilds_them(tiny_cli, tmp_path, capsys)
     assert {"task", "item_id", "method", "ratio", "score", "agrees_full", "answer"} <= set(rows[0])
     summary = list(csv.DictReader((out / "summary.csv").open()))
     assert {(r["task"], r["method"], r["ratio"]) for r in summary} >= {
-        ("needle_grid", "full", ""), ("needle_grid", "no_context", ""), ("needle_grid", "snapkv", "2.0")}
+        ("needle_grid", "full", ""),
+        ("needle_grid", "no_context", ""),
+        ("needle_grid", "snapkv", "2.0"),
+    }
     page = (out / "report.html").read_text()
     # self-contained: plotly.js itself is in the page, not fetched from a CDN
     assert "Plotly.newPlot" in page and len(page) > 1_000_000 and 'src="https://cdn' not in page
@@ -400,18 +429,21 @@ def test_bench_knob_overrides_run_the_configured_method(tiny_cli, tiny, tmp_path
         assert rows[(item.item_id, "window=2 kernel=1", 4.0)].answer == direct.answer
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--ratios", "0.5"], "ratios"),
-    (["--methods", "snapkv:nope=1"], "not knob=value"),
-    (["--methods", "snapkv:window"], "not knob=value"),
-    (["--methods", "snapkv:window=two"], "window"),
-    (["--ratios", "x"], "not a compression ratio"),
-    (["--tasks", "nope"], "unknown task"),
-    (["--methods", "nope"], "unknown method"),
-    (["--limit", "0"], "limit"),
-    (["--shard", "3/2"], "shard"),
-    (["--preset", "AM-nope"], "preset"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--ratios", "0.5"], "ratios"),
+        (["--methods", "snapkv:nope=1"], "not knob=value"),
+        (["--methods", "snapkv:window"], "not knob=value"),
+        (["--methods", "snapkv:window=two"], "window"),
+        (["--ratios", "x"], "not a compression ratio"),
+        (["--tasks", "nope"], "unknown task"),
+        (["--methods", "nope"], "unknown method"),
+        (["--limit", "0"], "limit"),
+        (["--shard", "3/2"], "shard"),
+        (["--preset", "AM-nope"], "preset"),
+    ],
+)
 def test_bad_arguments_exit_2_with_one_line(tiny_cli, tmp_path, capsys, extra, message):
     assert main(tiny_cli + ["--out", str(tmp_path)] + extra) == 2
     err = capsys.readouterr().err.strip()
@@ -425,6 +457,7 @@ def test_report_of_an_empty_folder_exits_2(tmp_path, capsys):
 
 # --- the embedded model -----------------------------------------------------------
 
+
 @pytest.mark.slow  # the embedded model
 def test_embedded_full_cache_finds_single_needles(embedded):
     """The ceiling the synthetic tasks are designed for: 3 needles at about 2,000 tokens."""
@@ -437,38 +470,84 @@ def test_embedded_full_cache_finds_single_needles(embedded):
 
 def test_markdown_table_puts_ceiling_and_floor_in_every_ratio_column():
     def row(method, ratio, accuracy, n=4, note="", exact=None, interval=(0.1, 0.9)):
-        return SummaryRow("niah_single", method, "", ratio, n, accuracy, accuracy if exact is None else exact, 1.0,
-                          None, None, None, note, *interval)
+        return SummaryRow(
+            "niah_single",
+            method,
+            "",
+            ratio,
+            n,
+            accuracy,
+            accuracy if exact is None else exact,
+            1.0,
+            None,
+            None,
+            None,
+            note,
+            *interval,
+        )
 
     rows = [row(FULL, None, 1.0), row(FLOOR, None, 0.0), row("kvzip", 2.0, 0.75), row("kvzip", 10.0, 0.5, n=2)]
     assert table_markdown(rows).splitlines() == [
-        "**niah_single**", "",
-        "| method | 2x | 10x |", "|---|---|---|",
+        "**niah_single**",
+        "",
+        "| method | 2x | 10x |",
+        "|---|---|---|",
         "| full | 4/4 [0.10, 0.90] | 4/4 [0.10, 0.90] |",
         "| no_context | 0/4 [0.10, 0.90] | 0/4 [0.10, 0.90] |",
         "| kvzip | 3/4 [0.10, 0.90] | 1/2 [0.10, 0.90] |",
     ]
     # A run of the ceiling and the floor alone (--methods "") has no ratio: one column.
     assert table_markdown(rows[:2]).splitlines()[2:] == [
-        "| method | accuracy |", "|---|---|", "| full | 4/4 [0.10, 0.90] |", "| no_context | 0/4 [0.10, 0.90] |",
+        "| method | accuracy |",
+        "|---|---|",
+        "| full | 4/4 [0.10, 0.90] |",
+        "| no_context | 0/4 [0.10, 0.90] |",
     ]
     # Partial scores (all values of a multi-value needle) are no count of right items.
     assert "| kvzip | 0.62 (4) [0.10, 0.90] |" in table_markdown([row("kvzip", 2.0, 0.625, exact=0.5)])
 
 
-@pytest.mark.parametrize("right, n, low, high", [
-    # Published values of the Wilson score interval at 95 % (e.g. Newcombe 1998, Table I; Brown, Cai and
-    # DasGupta 2001): 0/10, 5/10, 10/10, and 81/263 from Newcombe's worked example.
-    (0, 10, 0.0, 0.2775), (5, 10, 0.2366, 0.7634), (10, 10, 0.7225, 1.0), (81, 263, 0.2553, 0.3662),
-])
+@pytest.mark.parametrize(
+    "right, n, low, high",
+    [
+        # Published values of the Wilson score interval at 95 % (e.g. Newcombe 1998, Table I; Brown, Cai and
+        # DasGupta 2001): 0/10, 5/10, 10/10, and 81/263 from Newcombe's worked example.
+        (0, 10, 0.0, 0.2775),
+        (5, 10, 0.2366, 0.7634),
+        (10, 10, 0.7225, 1.0),
+        (81, 263, 0.2553, 0.3662),
+    ],
+)
 def test_wilson_interval_matches_published_values(right, n, low, high):
     got = wilson_interval(right, n)
     assert got == pytest.approx((low, high), abs=5e-5)
 
 
 def test_summary_rows_carry_the_wilson_interval_of_their_items():
-    results = [TaskResult("niah_single", f"i{i}", "kvzip", "", 2.0, "m", float(i < 5), i < 5, i < 5, 0.0, "", "",
-                          True, None, None, None, 100, 0.0, 0.0) for i in range(10)]
+    results = [
+        TaskResult(
+            "niah_single",
+            f"i{i}",
+            "kvzip",
+            "",
+            2.0,
+            "m",
+            float(i < 5),
+            i < 5,
+            i < 5,
+            0.0,
+            "",
+            "",
+            True,
+            None,
+            None,
+            None,
+            100,
+            0.0,
+            0.0,
+        )
+        for i in range(10)
+    ]
     row = summarise(results)[0]
     assert (row.n, row.accuracy) == (10, 0.5)
     assert (row.accuracy_low, row.accuracy_high) == pytest.approx((0.2366, 0.7634), abs=5e-5)
@@ -476,11 +555,34 @@ def test_summary_rows_carry_the_wilson_interval_of_their_items():
 
 def test_needle_heatmap_of_one_task_ignores_the_others_at_the_same_depth():
     def result(task, method, ratio, score):
-        return TaskResult(task, f"{task}-0", method, "", ratio, "m", score, score == 1.0, score == 1.0, score,
-                          "a", "a", True, None, None, 0.5, 100, 0.0, 0.0)
+        return TaskResult(
+            task,
+            f"{task}-0",
+            method,
+            "",
+            ratio,
+            "m",
+            score,
+            score == 1.0,
+            score == 1.0,
+            score,
+            "a",
+            "a",
+            True,
+            None,
+            None,
+            0.5,
+            100,
+            0.0,
+            0.0,
+        )
 
-    results = [result("niah_single", FULL, None, 1.0), result("niah_single", "kvzip", 2.0, 1.0),
-               result("niah_multikey", FULL, None, 0.0), result("niah_multikey", "kvzip", 2.0, 0.0)]
+    results = [
+        result("niah_single", FULL, None, 1.0),
+        result("niah_single", "kvzip", 2.0, 1.0),
+        result("niah_multikey", FULL, None, 0.0),
+        result("niah_multikey", "kvzip", 2.0, 0.0),
+    ]
     single = needle_heatmap(results, "kvzip", task="niah_single").data[0]
     assert list(single.x) == ["full", "2x"] and list(single.y) == ["50%"]
     assert single.z == ((1.0, 1.0),) or [list(r) for r in single.z] == [[1.0, 1.0]]

@@ -5,6 +5,7 @@ trapezoid rule (``solve_lloyd_max``: what the engine computes) and once with the
 cell means (the textbook Lloyd-Max values); the rounding against a key and values worked by hand;
 the bytes against vLLM's ``key_packed_size`` + ``value_packed_size`` written out by hand.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -58,6 +59,7 @@ def trapezoid_lloyd_max(d: int, bits: int) -> list[float]:
     cell means by a 200-step trapezoid, stop (keeping the old centroids) when none moves by 1e-10."""
     n, s2 = 2**bits, 1.0 / d
     s = math.sqrt(s2)
+
     def pdf(x: float) -> float:
         return math.exp(-x * x / (2 * s2)) / math.sqrt(2 * math.pi * s2)
 
@@ -77,11 +79,13 @@ def trapezoid_lloyd_max(d: int, bits: int) -> list[float]:
 
 def exact_lloyd_max(bits: int) -> list[float]:
     """Lloyd's iteration for N(0, 1) with the exact cell means, (phi(a) - phi(b)) / (Phi(b) - Phi(a))."""
+
     def phi(x: float) -> float:
         return math.exp(-x * x / 2) / math.sqrt(2 * math.pi) if math.isfinite(x) else 0.0
 
     def cdf(x: float) -> float:
         return 0.5 * (1 + math.erf(x / math.sqrt(2)))
+
     n = 2**bits
     c = [-3 + 6 * (i + 0.5) / n for i in range(n)]
     for _ in range(5000):
@@ -127,10 +131,13 @@ def test_hadamard_is_sylvesters_orthonormal_matrix():
 KEY = [0.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize(("bits", "codes", "packed", "level"), [
-    (3, [5, 2] * 4, [0x55, 0x55, 0x55], 0.7560),  # 5 | 2 << 3 = 21 = 0b010101 per pair: 0x555555
-    (4, [11, 4] * 4, [0x4B] * 4, 0.9424),  # 11 | 4 << 4 = 0x4B
-])
+@pytest.mark.parametrize(
+    ("bits", "codes", "packed", "level"),
+    [
+        (3, [5, 2] * 4, [0x55, 0x55, 0x55], 0.7560),  # 5 | 2 << 3 = 21 = 0b010101 per pair: 0x555555
+        (4, [11, 4] * 4, [0x4B] * 4, 0.9424),  # 11 | 4 << 4 = 0x4B
+    ],
+)
 def test_a_key_rounded_by_hand(bits, codes, packed, level):
     got_codes, norms = encode_keys(torch.tensor([KEY]), bits)
     assert got_codes.tolist() == [codes]
@@ -170,10 +177,13 @@ def test_a_constant_value_row_stores_its_minimum():
 
 def test_fp8_keys_are_the_unscaled_e4m3_cast():
     k = torch.tensor([[0.3, -1.7, 500.0, -1e4, 0.0, 2.0, 3.3, -0.01]])
-    seg = TurboQuantSegment.quantize(k.view(1, 1, 8), k.view(1, 1, 8), torch.tensor([1]), torch.tensor([[0]]),
-                                     8, 4, norm_correction=False)
-    cast = [float(torch.tensor(x).to(torch.float8_e4m3fn).float()) if abs(x) <= 448 else math.copysign(448, x)
-            for x in k[0].tolist()]
+    seg = TurboQuantSegment.quantize(
+        k.view(1, 1, 8), k.view(1, 1, 8), torch.tensor([1]), torch.tensor([[0]]), 8, 4, norm_correction=False
+    )
+    cast = [
+        float(torch.tensor(x).to(torch.float8_e4m3fn).float()) if abs(x) <= 448 else math.copysign(448, x)
+        for x in k[0].tolist()
+    ]
     assert seg.view().keys[0, 0].tolist() == cast
 
 
@@ -181,8 +191,12 @@ def test_fp8_keys_are_the_unscaled_e4m3_cast():
 
 # vLLM's key_packed_size + value_packed_size at d = 128, by hand: FP8 keys 128; 4-bit codes 64 + a
 # 2-byte norm; 3-bit codes 48 + 2; 4-bit values 64 + 4 (scale, zero); 3-bit values 48 + 4.
-SLOTS_128 = {"turboquant_k8v4": 128 + 68, "turboquant_4bit_nc": 66 + 68, "turboquant_k3v4_nc": 50 + 68,
-             "turboquant_3bit_nc": 50 + 52}
+SLOTS_128 = {
+    "turboquant_k8v4": 128 + 68,
+    "turboquant_4bit_nc": 66 + 68,
+    "turboquant_k3v4_nc": 50 + 68,
+    "turboquant_3bit_nc": 50 + 52,
+}
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -197,7 +211,9 @@ def test_the_docstring_ratios_of_bf16():
     assert round(ratio["turboquant_k8v4"], 1) == 2.6 and round(ratio["turboquant_4bit_nc"], 1) == 3.8
     # "turboquant_3bit_nc ... 4.9x" is the earlier layout's, whose keys also kept a 2-byte residual norm
     # (512 / 104); the current one is 5.0x. "~3.5x" for k3v4_nc matches neither (4.3x now, 4.3x then).
-    assert round(ratio["turboquant_3bit_nc"], 1) == 5.0 and round(bf16 / (SLOTS_128["turboquant_3bit_nc"] + 2), 1) == 4.9
+    assert (
+        round(ratio["turboquant_3bit_nc"], 1) == 5.0 and round(bf16 / (SLOTS_128["turboquant_3bit_nc"] + 2), 1) == 4.9
+    )
     assert round(ratio["turboquant_k3v4_nc"], 1) == 4.3
 
 
@@ -205,8 +221,12 @@ def test_a_stored_cache_counts_codes_norms_and_scales(ctx):
     stored = get_method("turboquant", boundary_skip_layers=0).compress(Request(ctx, 2.0))
     n = ctx.lm.n_layers * ctx.lm.n_kv_heads * ctx.length  # every token stored (22 B vs 128 B in float32)
     # d = 16, 4 bits: 8 bytes of key codes, 2 of norm, 8 of value codes, 4 of scale and zero.
-    assert stored.breakdown() == {"Lloyd-Max key codes": 8 * n, "key norms (fp16)": 2 * n,
-                                  "uniform value codes": 8 * n, "value scales and zeros (fp16)": 4 * n}
+    assert stored.breakdown() == {
+        "Lloyd-Max key codes": 8 * n,
+        "key norms (fp16)": 2 * n,
+        "uniform value codes": 8 * n,
+        "value scales and zeros (fp16)": 4 * n,
+    }
     assert stored.meta["memory_ratio"] == pytest.approx(128 / 22)
 
 
@@ -301,11 +321,14 @@ def test_presets_are_vllms_cache_dtypes():
     assert set(TQ_PRESETS) == {"turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"}
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    ({"key_quant_bits": 5}, "^turboquant: key_quant_bits must be 3, 4 or 8, got 5$"),
-    ({"value_quant_bits": 8}, "^turboquant: value_quant_bits must be a whole number from 3 to 4, got 8$"),
-    ({"evict_with": "kivi"}, "^turboquant: evict_with must be oldest or a scoring method"),
-])
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"key_quant_bits": 5}, "^turboquant: key_quant_bits must be 3, 4 or 8, got 5$"),
+        ({"value_quant_bits": 8}, "^turboquant: value_quant_bits must be a whole number from 3 to 4, got 8$"),
+        ({"evict_with": "kivi"}, "^turboquant: evict_with must be oldest or a scoring method"),
+    ],
+)
 def test_bad_options_are_refused_in_one_line(options, message):
     with pytest.raises(MethodError, match=message):
         get_method("turboquant", **options)

@@ -4,6 +4,7 @@ Every kernel is checked against an eager float32 product with the format's
 own rounding applied by hand (weights cast or quantised here, not by the
 kernel), so a kernel that silently ran another format would fail.
 """
+
 from __future__ import annotations
 
 import pytest

@@ -8,6 +8,7 @@ damaged or foreign entry is computed again, the slot is shared round robin
 between pages, a newer request supersedes its page's older one, a class
 fits the queue and beyond it a clear "busy".
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,8 +31,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def key(**change) -> RunKey:
-    fields = dict(model="gguf:abc", document="d" * 64, question="Who?", method="snapkv", options='{"window": 8}',
-                  ratio=10.0, max_new_tokens=48, code="0.1.0+test")
+    fields = dict(
+        model="gguf:abc",
+        document="d" * 64,
+        question="Who?",
+        method="snapkv",
+        options='{"window": 8}',
+        ratio=10.0,
+        max_new_tokens=48,
+        code="0.1.0+test",
+    )
     return RunKey(**{**fields, **change})
 
 
@@ -40,8 +49,16 @@ def key(**change) -> RunKey:
 
 def test_every_field_of_a_key_changes_its_digest():
     base = key()
-    changed = [key(model="gguf:abd"), key(document="e" * 64), key(question="Who? "), key(method="tova"),
-               key(options='{"window": 9}'), key(ratio=10.5), key(max_new_tokens=47), key(code="0.1.0+other")]
+    changed = [
+        key(model="gguf:abd"),
+        key(document="e" * 64),
+        key(question="Who? "),
+        key(method="tova"),
+        key(options='{"window": 9}'),
+        key(ratio=10.5),
+        key(max_new_tokens=47),
+        key(code="0.1.0+other"),
+    ]
     assert len({base.digest, *(k.digest for k in changed)}) == 1 + len(changed)
     assert key().digest == base.digest == hashlib.sha256(base.canonical().encode()).hexdigest()
 
@@ -140,10 +157,12 @@ def test_a_run_key_is_the_file_digest_of_the_model_and_follows_every_input(monke
     assert first.model == "gguf:" + hashlib.sha256(gguf.read_bytes()).hexdigest()
     assert first.document == hashlib.sha256(text.encode()).hexdigest()
     assert explore_key(text, None, "snapkv", 10, " Who is the ferryman? ", 48, {}, EMBEDDED) == first  # as checked
-    others = [explore_key(text, None, "snapkv", 10, "Who is the ferryman?", 48, {"window": 4}, EMBEDDED),
-              explore_key(text, None, "snapkv", 5, "Who is the ferryman?", 48, {}, EMBEDDED),
-              explore_key(text + " Fin.", None, "snapkv", 10, "Who is the ferryman?", 48, {}, EMBEDDED),
-              explore_key(text, None, "snapkv", 10, "Who is the ferryman?", 32, {}, EMBEDDED)]
+    others = [
+        explore_key(text, None, "snapkv", 10, "Who is the ferryman?", 48, {"window": 4}, EMBEDDED),
+        explore_key(text, None, "snapkv", 5, "Who is the ferryman?", 48, {}, EMBEDDED),
+        explore_key(text + " Fin.", None, "snapkv", 10, "Who is the ferryman?", 48, {}, EMBEDDED),
+        explore_key(text, None, "snapkv", 10, "Who is the ferryman?", 32, {}, EMBEDDED),
+    ]
     assert len({first.digest, *(k.digest for k in others)}) == 5
 
 
@@ -187,8 +206,10 @@ def _held(slot: scheduler.Slot) -> tuple[threading.Thread, threading.Event]:
 def test_the_slot_goes_round_robin_between_pages():
     slot, order, errors = scheduler.Slot(), [], []
     holder, go = _held(slot)
-    threads = [_queue(slot, name, order, errors, owner=owner)
-               for name, owner in [("a1", "A"), ("a2", "A"), ("a3", "A"), ("b1", "B"), ("c1", "C"), ("b2", "B")]]
+    threads = [
+        _queue(slot, name, order, errors, owner=owner)
+        for name, owner in [("a1", "A"), ("a2", "A"), ("a3", "A"), ("b1", "B"), ("c1", "C"), ("b2", "B")]
+    ]
     go.set()
     for t in [holder, *threads]:
         t.join(30)
@@ -199,8 +220,10 @@ def test_the_slot_goes_round_robin_between_pages():
 def test_background_work_waits_while_any_visitor_waits():
     slot, order, errors = scheduler.Slot(), [], []
     holder, go = _held(slot)
-    threads = [_queue(slot, "warming", order, errors, owner="warm", priority=cancellation.BACKGROUND),
-               _queue(slot, "visitor", order, errors, owner="V")]
+    threads = [
+        _queue(slot, "warming", order, errors, owner="warm", priority=cancellation.BACKGROUND),
+        _queue(slot, "visitor", order, errors, owner="V"),
+    ]
     go.set()
     for t in [holder, *threads]:
         t.join(30)
@@ -236,8 +259,11 @@ def test_a_class_fits_the_line_and_beyond_it_a_clear_busy():
 def test_a_waiting_request_hears_its_place_in_line():
     slot, order, errors, heard = scheduler.Slot(), [], [], []
     holder, go = _held(slot)
-    threads = [_queue(slot, "first", order, errors, owner="A"), _queue(slot, "second", order, errors, owner="B"),
-               _queue(slot, "mine", order, errors, owner="C", on_wait=lambda ahead, s: heard.append(ahead))]
+    threads = [
+        _queue(slot, "first", order, errors, owner="A"),
+        _queue(slot, "second", order, errors, owner="B"),
+        _queue(slot, "mine", order, errors, owner="C", on_wait=lambda ahead, s: heard.append(ahead)),
+    ]
     deadline = time.monotonic() + 10
     while not heard and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -257,25 +283,32 @@ def test_a_sheet_reads_links_and_plain_lines():
         "?tab=explore&example=story&method=attention_matching&ratio=10\n"
         "http://127.0.0.1:7860/?tab=explore&example=contract&method=kvzip&ratio=5&question=Who+signed%3F\n"
         "snapkv:window=8 20 story Who kept the ledger?\n"
-        "tova 5 patient_record\n")
+        "tova 5 patient_record\n"
+    )
     assert [(i.line, i.method, i.ratio, i.example, i.options) for i in items] == [
-        (3, "attention_matching", 10.0, "story", ()), (4, "kvzip", 5.0, "contract", ()),
-        (5, "snapkv", 20.0, "story", (("window", 8),)), (6, "tova", 5.0, "patient_record", ())]
+        (3, "attention_matching", 10.0, "story", ()),
+        (4, "kvzip", 5.0, "contract", ()),
+        (5, "snapkv", 20.0, "story", (("window", 8),)),
+        (6, "tova", 5.0, "patient_record", ()),
+    ]
     assert items[1].question == "Who signed?" and items[2].question == "Who kept the ledger?"
     assert items[0].question == "Who was the ferryman?"  # the example's first question
     assert items[3].label == "tova at 5x on patient_record"
 
 
-@pytest.mark.parametrize("line, says", [
-    ("nosuch 10 story", "line 1: unknown method 'nosuch'"),
-    ("snapkv ten story", "line 1: 'ten' is not a compression ratio"),
-    ("snapkv 10 nowhere", "line 1: example 'nowhere' is not bundled"),
-    ("snapkv:wndow=8 10 story", "not knob=value"),
-    ("snapkv 10", "expected METHOD RATIO EXAMPLE"),
-    ("?tab=compare&example=story&methods=snapkv&ratios=5", "only Explore links"),
-    ("?tab=explore&example=story&method=snapkv&ratio=10&colour=red", "`colour` is not a parameter"),
-    ("?tab=explore&example=story", "names an example, a method and a ratio"),
-])
+@pytest.mark.parametrize(
+    "line, says",
+    [
+        ("nosuch 10 story", "line 1: unknown method 'nosuch'"),
+        ("snapkv ten story", "line 1: 'ten' is not a compression ratio"),
+        ("snapkv 10 nowhere", "line 1: example 'nowhere' is not bundled"),
+        ("snapkv:wndow=8 10 story", "not knob=value"),
+        ("snapkv 10", "expected METHOD RATIO EXAMPLE"),
+        ("?tab=compare&example=story&methods=snapkv&ratios=5", "only Explore links"),
+        ("?tab=explore&example=story&method=snapkv&ratio=10&colour=red", "`colour` is not a parameter"),
+        ("?tab=explore&example=story", "names an example, a method and a ratio"),
+    ],
+)
 def test_a_bad_sheet_line_is_one_clear_line_and_exit_2(tmp_path, capsys, line, says):
     sheet = tmp_path / "sheet.txt"
     sheet.write_text(line + "\n")
@@ -314,39 +347,58 @@ def test_a_started_server_stores_the_pages_first_run_before_anyone_clicks(tiny, 
     monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
     monkeypatch.setattr(app, "bundled_examples", lambda: pool)
     monkeypatch.setattr(warming, "examples", lambda: pool)
-    page_run = explore_key(DOCS[60], None, app.default_method(), explore.RATIO_DEFAULT, QUESTIONS,
-                           DEFAULT_MAX_NEW_TOKENS, {}, None)
+    page_run = explore_key(
+        DOCS[60], None, app.default_method(), explore.RATIO_DEFAULT, QUESTIONS, DEFAULT_MAX_NEW_TOKENS, {}, None
+    )
     assert results.store().get(page_run) is MISSING
     app.warm_first_example(None).join(timeout=300)
     assert results.store().get(page_run) is not MISSING
 
 
 @pytest.mark.slow  # a program started per setting
-@pytest.mark.parametrize("env, says", [
-    ({"KVLAB_QUEUE_SIZE": "abc"}, "KVLAB_QUEUE_SIZE='abc' is not a whole number"),
-    ({"KVLAB_COMPUTE_ADMITTED": "0"}, "KVLAB_COMPUTE_ADMITTED='0': use a number >= 1"),
-    ({"KVLAB_GPU_DURATION": "2m"}, "KVLAB_GPU_DURATION='2m' is not a whole number"),
-])
+@pytest.mark.parametrize(
+    "env, says",
+    [
+        ({"KVLAB_QUEUE_SIZE": "abc"}, "KVLAB_QUEUE_SIZE='abc' is not a whole number"),
+        ({"KVLAB_COMPUTE_ADMITTED": "0"}, "KVLAB_COMPUTE_ADMITTED='0': use a number >= 1"),
+        ({"KVLAB_GPU_DURATION": "2m"}, "KVLAB_GPU_DURATION='2m' is not a whole number"),
+    ],
+)
 def test_a_bad_setting_stops_the_program_with_one_line(env, says):
-    done = subprocess.run([sys.executable, "-c", "import kvlab.ui.common"], env={**_env(), **env},
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", "import kvlab.ui.common"],
+        env={**_env(), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert done.returncode == 2 and done.stderr.strip() == f"kvlab: error: {says}"
 
 
 @pytest.mark.slow  # the app's program in a subprocess
 def test_the_app_refuses_a_warm_sheet_that_is_not_there_in_one_line():
-    done = subprocess.run([sys.executable, "app.py"], env={**_env(), "KVLAB_WARM": "/nonexistent/sheet.txt"},
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "app.py"],
+        env={**_env(), "KVLAB_WARM": "/nonexistent/sheet.txt"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     lines = [ln for ln in done.stderr.splitlines() if "kvlab: error" in ln]
     assert done.returncode == 2 and lines == [
-        "kvlab: error: KVLAB_WARM='/nonexistent/sheet.txt' is not a readable file (a workshop sheet: see docs/workshop.md)"]
+        "kvlab: error: KVLAB_WARM='/nonexistent/sheet.txt' is not a readable file (a workshop sheet: see docs/workshop.md)"
+    ]
 
 
 def _env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("KVLAB_")} | {
-        "KVLAB_STORE_DIR": os.environ["KVLAB_STORE_DIR"], "GRADIO_SERVER_PORT": "1"}
+        "KVLAB_STORE_DIR": os.environ["KVLAB_STORE_DIR"],
+        "GRADIO_SERVER_PORT": "1",
+    }
 
 
 # --------------------------------------------------------------------------- the app, ten participants
@@ -381,11 +433,13 @@ def workshop_app(tiny):
 
 def _configs() -> tuple[tuple[str, dict], list[tuple[str, dict]]]:
     """The handed-out link and six further configurations (three documents x two methods)."""
+
     def args(n: int, method: str) -> dict:
         return {"text": DOCS[n], "method": method, "ratio": 2, "question": QUESTIONS, "max_new_tokens": 3}
 
     return ("link", args(60, "streaming_llm")), [
-        (f"{m} on {n}", args(n, m)) for n in DOCS for m in ("streaming_llm", "tova")]
+        (f"{m} on {n}", args(n, m)) for n in DOCS for m in ("streaming_llm", "tova")
+    ]
 
 
 @pytest.mark.slow  # a served app
@@ -511,8 +565,13 @@ def test_a_token_view_is_made_once_per_configuration_layer_head_and_intensity(mo
     from kvlab.ui import present
 
     made = []
-    monkeypatch.setattr(present, "token_view", lambda view, layer, head, intensity: made.append(
-        (view, layer, head, intensity)) or (f"line {layer}/{head}", f"html of {view}"))
+    monkeypatch.setattr(
+        present,
+        "token_view",
+        lambda view, layer, head, intensity: (
+            made.append((view, layer, head, intensity)) or (f"line {layer}/{head}", f"html of {view}")
+        ),
+    )
     for _ in range(3):
         assert present.token_view_for("config A", "fates A", 2, 1, "score") == ("line 2/1", "html of fates A")
     assert present.token_view_for("config A", "fates A", 3, 1, "score") == ("line 3/1", "html of fates A")

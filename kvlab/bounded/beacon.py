@@ -9,6 +9,7 @@ recent window. It evicts ``evict_chunk`` tokens at a time, so it scores once
 every ``evict_chunk`` written tokens rather than at every step. The policy itself is
 :class:`kvlab.bounded.policies.beaconkv.BeaconPolicy`; :func:`beacon_generate` runs it after a document.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,10 +54,15 @@ def beacon_generate(
     if opts.beacon_source != "context":
         raise MethodError("beacon_generate scores with the model's own query history (beacon_source=context)")
     policy = BeaconPolicy(
-        lm, token_budget, ctx.full.stored if ctx is not None else None, opts,
-        protected=ctx.prefix_len if ctx is not None else 0, evict_chunk=evict_chunk,
+        lm,
+        token_budget,
+        ctx.full.stored if ctx is not None else None,
+        opts,
+        protected=ctx.prefix_len if ctx is not None else 0,
+        evict_chunk=evict_chunk,
         state=document_state(ctx, opts, None) if ctx is not None else None,
     )
     run = run_policy(policy, prompt_ids, max_new_tokens, chunk=policy.evict_chunk, stop=stop)
-    return BeaconGeneration(ids=run.ids, text=run.text, logprobs=run.logprobs,
-                            max_cache_len=run.max_size, evictions=len(run.events))
+    return BeaconGeneration(
+        ids=run.ids, text=run.text, logprobs=run.logprobs, max_cache_len=run.max_size, evictions=len(run.events)
+    )

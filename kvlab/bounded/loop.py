@@ -15,6 +15,7 @@ a stored starting cache), so stored caches are never changed. A policy bounds
 the layers a method compresses (kvlab.runtime.model.LoadedModel.compressed_layers):
 a sliding-window layer keeps its window by itself, as the model does.
 """
+
 from __future__ import annotations
 
 import time
@@ -79,8 +80,14 @@ class CachePolicy:
     #: Whether :meth:`observe` needs the queries of each forward pass.
     wants_queries = False
 
-    def __init__(self, lm: LoadedModel, budget: int | None = None, stored: CompressedKV | None = None,
-                 options: Any = None, protected: int = 0):
+    def __init__(
+        self,
+        lm: LoadedModel,
+        budget: int | None = None,
+        stored: CompressedKV | None = None,
+        options: Any = None,
+        protected: int = 0,
+    ):
         self.lm, self.budget, self.protected = lm, budget, protected
         self.options = options if options is not None or self.Options is None else self.Options()
         self.session = open_session(lm, stored)
@@ -119,8 +126,14 @@ class EvictionPolicy(CachePolicy):
     Subclasses choose which keys stay (:meth:`choose`), in reading order.
     """
 
-    def __init__(self, lm: LoadedModel, budget: int | None = None, stored: CompressedKV | None = None,
-                 options: Any = None, protected: int = 0):
+    def __init__(
+        self,
+        lm: LoadedModel,
+        budget: int | None = None,
+        stored: CompressedKV | None = None,
+        options: Any = None,
+        protected: int = 0,
+    ):
         super().__init__(lm, budget, stored, options, protected)
         if self.session.key_bias is not None:
             raise MethodError(f"{self.name} needs a plain starting cache (no biases, the same length per head)")
@@ -137,7 +150,8 @@ class EvictionPolicy(CachePolicy):
         if self.budget is not None and self.budget - chunk < self.reserved() + 1:
             raise MethodError(
                 f"{self.name}: a budget of {self.budget} keys per head leaves no room beyond the "
-                f"{self.reserved()} it always keeps and {chunk} new tokens; raise the budget")
+                f"{self.reserved()} it always keeps and {chunk} new tokens; raise the budget"
+            )
 
     def target(self, n: int) -> int:
         """Keys per head to keep when ``n`` new tokens do not fit (the fewest evictions: budget - n)."""
@@ -160,7 +174,8 @@ class EvictionPolicy(CachePolicy):
         cached = self.session.cache.layers[layer]
         keys, values = cached.keys[0], cached.values[0]
         self.session.cache.layers[layer] = GrowingLayer(
-            gather_tokens(keys, index).unsqueeze(0), gather_tokens(values, index).unsqueeze(0))
+            gather_tokens(keys, index).unsqueeze(0), gather_tokens(values, index).unsqueeze(0)
+        )
         self.k_pos[layer] = self.k_pos[layer].gather(1, index)
 
     def observe(self, queries: list[torch.Tensor] | None, positions: torch.Tensor) -> None:
@@ -262,9 +277,16 @@ def run_policy(
 
     kept = trace[n_prompt_feeds - 1 : n_prompt_feeds - 1 + len(ids)]
     return BoundedRun(
-        method=policy.name, budget=policy.budget, ids=ids, text=text, logprobs=logprobs,
-        sizes=[s for s, _ in kept], nbytes=[b for _, b in kept], max_size=biggest,
+        method=policy.name,
+        budget=policy.budget,
+        ids=ids,
+        text=text,
+        logprobs=logprobs,
+        sizes=[s for s, _ in kept],
+        nbytes=[b for _, b in kept],
+        max_size=biggest,
         events=[CacheEvent(e.position, e.before, e.after, step(e.position)) for e in policy.events],
         beacons=[BeaconSnapshot(b.position, b.tokens, b.rows, step(b.position)) for b in policy.beacons],
-        prompt_s=prompt_s, decode_s=decode_s,
+        prompt_s=prompt_s,
+        decode_s=decode_s,
     )

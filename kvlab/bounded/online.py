@@ -8,6 +8,7 @@ document, so the fit never looks at tokens still to come. Here: the compactions 
 :func:`bounded_logprobs` (teacher-forced); the generation policy is
 :class:`kvlab.bounded.policies.online_am.OnlineAMPolicy`.
 """
+
 from __future__ import annotations
 
 import time

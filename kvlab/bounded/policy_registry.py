@@ -6,6 +6,7 @@ Everything that lists the policies reads :data:`POLICIES` here: the CLI's ``gene
 the app's Generate tab, :func:`kvlab.lab.generate.generate` and docs/architecture.md's table
 (:func:`policies_table`).
 """
+
 from __future__ import annotations
 
 from kvlab import messages
@@ -53,7 +54,9 @@ def make_policy(name: str, lm: LoadedModel, budget: int | None, protected: int) 
 
 
 #: Where docs/architecture.md holds :func:`policies_table` (the lines between these two are generated).
-TABLE_BEGIN = "<!-- policies table: generated from the registry (kvlab.bounded.policy_registry.policies_table); do not edit -->"
+TABLE_BEGIN = (
+    "<!-- policies table: generated from the registry (kvlab.bounded.policy_registry.policies_table); do not edit -->"
+)
 TABLE_END = "<!-- end of the policies table -->"
 
 

@@ -4,6 +4,7 @@ regroups the heads of many batches (every layer's) by budget so that non-uniform
 batched, never padded to the largest budget. ``opts`` is Attention Matching's options
 (kvlab.methods.families.am_recipe.AMOptions, a layer above: typed here by their base).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,15 +43,30 @@ def solve(job: BlockJob, opts: Options) -> CompactBlock:
         index = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
         exact = torch.zeros(valid.shape[0], device=valid.device)  # the block itself: no error
         return CompactBlock(
-            keys=job.keys, values=job.values,
+            keys=job.keys,
+            values=job.values,
             bias=torch.zeros(valid.shape, device=valid.device) if job.bias is None else job.bias.float(),
-            index=torch.where(valid, index, -1), lengths=valid.sum(-1),
-            timings={"keys": 0.0, "bias": 0.0, "values": 0.0}, train_output=exact, train_mass=exact,
+            index=torch.where(valid, index, -1),
+            lengths=valid.sum(-1),
+            timings={"keys": 0.0, "bias": 0.0, "values": 0.0},
+            train_output=exact,
+            train_mass=exact,
         )
-    fit = FitSettings(nnls_iters=opts.nnls_iters, ridge=opts.ridge, value_fit=opts.value_fit,
-                      value_anchor=opts.value_anchor)
-    return compact_block(job.queries, job.keys, job.values, int(job.budgets.max()), bias=job.bias, budgets=job.budgets,
-                         scale=job.scale, query_weights=job.weights, keys=key_choice(job, opts), fit=fit)
+    fit = FitSettings(
+        nnls_iters=opts.nnls_iters, ridge=opts.ridge, value_fit=opts.value_fit, value_anchor=opts.value_anchor
+    )
+    return compact_block(
+        job.queries,
+        job.keys,
+        job.values,
+        int(job.budgets.max()),
+        bias=job.bias,
+        budgets=job.budgets,
+        scale=job.scale,
+        query_weights=job.weights,
+        keys=key_choice(job, opts),
+        fit=fit,
+    )
 
 
 def key_choice(job: BlockJob, opts: Options) -> KeyChoice:
@@ -76,34 +92,64 @@ BUCKET_SPREAD = 1.05
 
 def job_heads(job: BlockJob) -> list[BlockJob]:
     """One BlockJob per head of ``job`` (views, no copies): the unit :func:`solve_ragged` regroups."""
+
     def row(x: torch.Tensor | None, h: int) -> torch.Tensor | None:
         return None if x is None else x[h : h + 1]
 
-    return [BlockJob(row(job.queries, h), row(job.keys, h), row(job.values, h), row(job.bias, h), job.budgets[h : h + 1],
-                     row(job.key_scores, h), row(job.weights, h), job.scale, row(job.exact_scores, h))
-            for h in range(job.keys.shape[0])]
+    return [
+        BlockJob(
+            row(job.queries, h),
+            row(job.keys, h),
+            row(job.values, h),
+            row(job.bias, h),
+            job.budgets[h : h + 1],
+            row(job.key_scores, h),
+            row(job.weights, h),
+            job.scale,
+            row(job.exact_scores, h),
+        )
+        for h in range(job.keys.shape[0])
+    ]
 
 
 def stack_jobs(heads: list[BlockJob]) -> BlockJob:
     """The heads' jobs as one batch (they share shapes, scale and which inputs they have)."""
+
     def cat(xs: list[torch.Tensor | None]) -> torch.Tensor | None:
         return None if xs[0] is None else torch.cat(xs)
 
-    return BlockJob(cat([j.queries for j in heads]), cat([j.keys for j in heads]), cat([j.values for j in heads]),
-                    cat([j.bias for j in heads]), cat([j.budgets for j in heads]), cat([j.key_scores for j in heads]),
-                    cat([j.weights for j in heads]), heads[0].scale, cat([j.exact_scores for j in heads]))
+    return BlockJob(
+        cat([j.queries for j in heads]),
+        cat([j.keys for j in heads]),
+        cat([j.values for j in heads]),
+        cat([j.bias for j in heads]),
+        cat([j.budgets for j in heads]),
+        cat([j.key_scores for j in heads]),
+        cat([j.weights for j in heads]),
+        heads[0].scale,
+        cat([j.exact_scores for j in heads]),
+    )
 
 
 def shape_key(job: BlockJob) -> tuple:
     """What heads must share to be solved in one batch."""
-    return (tuple(job.queries.shape[1:]), tuple(job.keys.shape[1:]), tuple(job.values.shape[1:]), job.scale,
-            job.bias is None, job.key_scores is None, job.weights is None, job.exact_scores is None)
+    return (
+        tuple(job.queries.shape[1:]),
+        tuple(job.keys.shape[1:]),
+        tuple(job.values.shape[1:]),
+        job.scale,
+        job.bias is None,
+        job.key_scores is None,
+        job.weights is None,
+        job.exact_scores is None,
+    )
 
 
 def buckets(heads: list[BlockJob], max_heads: int) -> list[list[int]]:
     """Indices of ``heads`` in batches to solve together: heads that keep every key apart (their solve
     is the block itself), the rest sorted by budget, at most ``max_heads`` a batch and its largest
     budget at most :data:`BUCKET_SPREAD` x its smallest."""
+
     def valid(j: BlockJob) -> int:
         return j.keys.shape[1] if j.bias is None else int(torch.isfinite(j.bias).sum())
 
@@ -145,23 +191,38 @@ def gather_heads(parts: list[tuple[CompactBlock, int, int]]) -> CompactBlock:
         known = next((v for v in values if v is not None), None)
         if known is None:
             return None
-        return torch.cat([torch.zeros_like(known[:1]) if v is None else v[r : r + 1]
-                          for v, (_, r, _) in zip(values, parts)])
+        return torch.cat(
+            [torch.zeros_like(known[:1]) if v is None else v[r : r + 1] for v, (_, r, _) in zip(values, parts)]
+        )
 
     exact = None
     if any(b.exact is not None for b, _, _ in parts):
-        exact = torch.cat([pad_slots(torch.zeros_like(b.index[r : r + 1], dtype=torch.bool) if b.exact is None
-                                     else b.exact[r : r + 1], width, False) for b, r, _ in parts])
+        exact = torch.cat(
+            [
+                pad_slots(
+                    torch.zeros_like(b.index[r : r + 1], dtype=torch.bool) if b.exact is None else b.exact[r : r + 1],
+                    width,
+                    False,
+                )
+                for b, r, _ in parts
+            ]
+        )
     scores = None
     if all(b.scores is not None for b, _, _ in parts):
         scores = torch.cat([b.scores[r : r + 1] for b, r, _ in parts])
     return CompactBlock(
-        keys=rows(lambda b: b.keys, 0.0), values=rows(lambda b: b.values, 0.0),
-        bias=rows(lambda b: b.bias, float("-inf")), index=rows(lambda b: b.index, -1),
+        keys=rows(lambda b: b.keys, 0.0),
+        values=rows(lambda b: b.values, 0.0),
+        bias=rows(lambda b: b.bias, float("-inf")),
+        index=rows(lambda b: b.index, -1),
         lengths=torch.cat([b.lengths[r : r + 1] for b, r, _ in parts]),
         timings={k: sum(b.timings.get(k, 0.0) / n for b, _, n in parts) for k in ("keys", "bias", "values")},
-        scores=scores, fallbacks=optional("fallbacks"), nonfinite=optional("nonfinite"),
-        train_output=optional("train_output"), train_mass=optional("train_mass"), exact=exact,
+        scores=scores,
+        fallbacks=optional("fallbacks"),
+        nonfinite=optional("nonfinite"),
+        train_output=optional("train_output"),
+        train_mass=optional("train_mass"),
+        exact=exact,
     )
 
 

@@ -19,6 +19,7 @@ Matching and of every scoring method, :data:`BUDGET_SOURCES`):
 - ``auto`` (Attention Matching's default, the paper's recipe): the model's profile where it has
   one, else uniform, and the run says so.
 """
+
 from __future__ import annotations
 
 import json
@@ -155,8 +156,9 @@ def shipped_profiles() -> dict[str, list[list[float]]]:
     for path in sorted(BUDGET_DIR.glob("*.json")):
         data = json.loads(path.read_text(encoding="utf-8"))
         layers = set(data.get("compressed_layers", range(len(data["shares"]))))
-        out[data.get("model", path.stem)] = [row if i in layers else [float("nan")] * len(row)
-                                             for i, row in enumerate(data["shares"])]
+        out[data.get("model", path.stem)] = [
+            row if i in layers else [float("nan")] * len(row) for i, row in enumerate(data["shares"])
+        ]
     return out
 
 
@@ -280,7 +282,9 @@ def global_ranking(req: Request, scores: list[torch.Tensor]) -> HeadBudgets:
     budgets = req.uniform_budgets()
     layers = ctx.lm.compressed_layers
     if layers:
-        budgets[layers] = pooled_budgets([scores[i] for i in layers], min(req.doc_budget, ctx.doc_len)).to(budgets.device)
+        budgets[layers] = pooled_budgets([scores[i] for i in layers], min(req.doc_budget, ctx.doc_len)).to(
+            budgets.device
+        )
     return HeadBudgets(budgets, "global", BUDGET_SOURCES["global"])
 
 

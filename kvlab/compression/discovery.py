@@ -1,5 +1,6 @@
 """Discovery: a package whose every module is one declaration (a method in kvlab.methods, a selection
 stage in kvlab.compression.wrappers) imports its folders' modules instead of keeping an import list."""
+
 from __future__ import annotations
 
 import importlib

@@ -5,6 +5,7 @@ methods only say how much each token matters (score); the shared code keeps
 the top of each head's budget and gathers their keys and values (the
 "score, then top-k, then gather" shape of kvpress).
 """
+
 from __future__ import annotations
 
 import functools
@@ -103,7 +104,9 @@ def document_importance(req: Request, scores: list[torch.Tensor]) -> list[torch.
     return [token_importance(s, index.expand(s.shape[0], -1), ctx.length) for s in scores]
 
 
-def context_scores(req: Request, score_layer: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+def context_scores(
+    req: Request, score_layer: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> list[torch.Tensor]:
     """Per layer [H_kv, T_doc]: ``score_layer(keys, values)`` of the whole context ([H_kv, N, d] each
     -> [H_kv, N]; a scorer whose windows or partitions count from the context's first token), cut to
     the document."""
@@ -182,10 +185,7 @@ class EvictionMethod(Method):
         if wrapped is not None:
             scores, head = select(req, scores, head, wrapped)
         budgets = head.budgets
-        layers = [
-            keep_tokens(req, i, top_k_per_head(s, budgets[i]), budgets[i])
-            for i, s in enumerate(scores)
-        ]
+        layers = [keep_tokens(req, i, top_k_per_head(s, budgets[i]), budgets[i]) for i, s in enumerate(scores)]
         shift = 0
         for stage in moves:
             layers, after = stage.kept(req.ctx.lm, layers)

@@ -2,6 +2,7 @@
 
 A bad value raises :class:`MethodError` naming the field, the value and what is allowed.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,7 +52,11 @@ def _accepts(f: dataclasses.Field, kind: Any, value: Any) -> bool:
         return isinstance(value, str) and bool(value.strip())
     if kind not in (int, float):
         return True  # no rule for other types
-    if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)) or not math.isfinite(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int if kind is int else (int, float))
+        or not math.isfinite(value)
+    ):
         return False
     low, high = f.metadata.get("low"), f.metadata.get("high")
     if f.metadata.get("odd") and value % 2 == 0:

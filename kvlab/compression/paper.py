@@ -1,5 +1,6 @@
 """Where a method comes from: a :class:`Paper` (or, for an engine format, the engine's documented
 source), or a :class:`Baseline`, a reference point that no paper proposes as a method."""
+
 from __future__ import annotations
 
 import re

@@ -2,6 +2,7 @@
 (kvlab.compression.discovery's) imports every module of the methods package (kvlab.methods calls
 it: a method is a file there, no import list).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,9 +60,10 @@ def get_method(name: str, preset: str | None = None, **options: Any) -> Method:
     known = {f.name for f in dataclasses.fields(cls.Options)}
     unknown = set(options) - known
     if unknown:
-        raise MethodError(f"{name} has no option(s) {', '.join(sorted(unknown))}; it takes: {', '.join(sorted(known)) or 'none'}")
+        raise MethodError(
+            f"{name} has no option(s) {', '.join(sorted(unknown))}; it takes: {', '.join(sorted(known)) or 'none'}"
+        )
     try:
         return cls(cls.Options(**options))
     except MethodError as exc:
         raise MethodError(f"{name}: {exc}") from None
-

@@ -4,6 +4,7 @@ Ratio semantics, for every method: the chat template's prefix (system prompt
 and turn header, a few dozen tokens) is always kept; the document's T tokens
 are reduced to about T / ratio stored keys per KV head on average.
 """
+
 from __future__ import annotations
 
 import math

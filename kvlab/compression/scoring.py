@@ -12,6 +12,7 @@ function, under a key class of their own beside it (e.g.
 kvlab.methods.families.scorers.KVzipScores). Nothing downstream changes a kept
 score's tensors in place.
 """
+
 from __future__ import annotations
 
 from typing import Literal
@@ -58,9 +59,11 @@ def received_attention(
         visible = total - n + end if causal else total
         block = group_queries(queries[:, start:end].float(), n_kv)  # [H_kv, group * rows, d]
         logits = buffer[: n_heads * (end - start) * visible].view(n_kv, group * (end - start), visible)
-        logits = attention_logits(block, keys[:, :visible], scale=scale, out=logits).view(n_kv, group, end - start, visible)
+        logits = attention_logits(block, keys[:, :visible], scale=scale, out=logits).view(
+            n_kv, group, end - start, visible
+        )
         if causal:  # only the block's own keys, the last end - start, can lie in a query's future
-            own = logits[..., visible - (end - start):]
+            own = logits[..., visible - (end - start) :]
             own.masked_fill_(future_mask(end - start, end - start, keys.device), float("-inf"))
         weights = softmax_(logits).view(n_heads, end - start, visible)
         if reduce == "sum":

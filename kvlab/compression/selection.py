@@ -2,6 +2,7 @@
 (:class:`SelectionOptions`, assembled from the stages kvlab.compression.wrappers declares, applied
 by :func:`select`), each head's top-k and the gather.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,10 @@ def _check_declarations(declared: list[Stage]) -> None:
 def _stage_fields(stage: Stage) -> list[tuple[str, Any, dataclasses.Field]]:
     """The stage's knobs as make_dataclass takes them: name, resolved type, a field of the same default and metadata."""
     kinds = typing.get_type_hints(stage.knobs)
-    return [(f.name, kinds[f.name], dataclasses.field(default=f.default, metadata=f.metadata))
-            for f in dataclasses.fields(stage.knobs)]
+    return [
+        (f.name, kinds[f.name], dataclasses.field(default=f.default, metadata=f.metadata))
+        for f in dataclasses.fields(stage.knobs)
+    ]
 
 
 def _refuse_exclusions(self: Options) -> None:
@@ -50,8 +53,10 @@ def _refuse_exclusions(self: Options) -> None:
         for name, why in stage.excludes.items():
             other = _BY_NAME[name]
             if other.on(self):
-                raise MethodError(f"{other.setting(getattr(self, other.switch.name))} needs "
-                                  f"{stage.setting(stage.switch.default)}: {why}")
+                raise MethodError(
+                    f"{other.setting(getattr(self, other.switch.name))} needs "
+                    f"{stage.setting(stage.switch.default)}: {why}"
+                )
 
 
 _check_declarations(STAGES)
@@ -78,7 +83,8 @@ SelectionOptions = dataclasses.make_dataclass(
 SELECTION_PRESETS: dict[str, dict[str, Any]] = {stage.name: dict(stage.preset) for stage in STAGES}
 
 SELECTION_LEARN = " ".join(
-    ["**Selection wrappers** (knobs shared by every scoring method).", *(stage.learn for stage in STAGES)])
+    ["**Selection wrappers** (knobs shared by every scoring method).", *(stage.learn for stage in STAGES)]
+)
 
 
 def stages_on(options: Any) -> list[Stage]:
@@ -124,8 +130,9 @@ def keep_tokens(
     keys, values = ctx.full.keys[layer], ctx.full.values[layer]
     segments: list[Segment] = [template_segment(keys, values, prefix)] if prefix else []
     index = doc_index.clamp(min=0) + prefix
-    segments.append(DenseSegment.from_padded(
-        gather_tokens(keys, index), gather_tokens(values, index), lengths, index, fate=fate))
+    segments.append(
+        DenseSegment.from_padded(gather_tokens(keys, index), gather_tokens(values, index), lengths, index, fate=fate)
+    )
     return segments
 
 

@@ -6,6 +6,7 @@ and the head budgets before each head's top-k, or the kept keys after the gather
 its place in the order, its preset, its Learn sentences and the stages it cannot run with;
 kvlab.compression.selection assembles the stages into the knobs every scoring method gets.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,7 +51,9 @@ class Stage:
     preset: dict[str, Any]
     learn: str
     excludes: dict[str, str] = field(default_factory=dict)
-    scores: Callable[[Request, list[torch.Tensor], HeadBudgets, Any], tuple[list[torch.Tensor], HeadBudgets]] | None = None
+    scores: Callable[[Request, list[torch.Tensor], HeadBudgets, Any], tuple[list[torch.Tensor], HeadBudgets]] | None = (
+        None
+    )
     check: Callable[[LoadedModel], None] | None = None
     kept: Callable[[LoadedModel, list[list[Segment]]], tuple[list[list[Segment]], int]] | None = None
     records: tuple[str, ...] = ()

@@ -1,4 +1,5 @@
 """The full cache's answer against the compressed cache's: a word diff, and where the answers part."""
+
 from __future__ import annotations
 
 import difflib
@@ -70,11 +71,21 @@ def divergence_figure(
     x = list(range(len(tokens)))
     labels = [repr(t)[1:-1] for t in tokens]
     fig = go.Figure()
-    for name, values, color in (("full cache", logprobs_full, "#111827"), ("compressed cache", logprobs_compressed, "#dc2626")):
-        fig.add_trace(go.Scatter(
-            x=x, y=list(values), mode="lines+markers", name=name, line=dict(color=color, width=2),
-            customdata=labels, hovertemplate="token %{x} %{customdata}: log p = %{y:.3f}<extra>" + name + "</extra>",
-        ))
+    for name, values, color in (
+        ("full cache", logprobs_full, "#111827"),
+        ("compressed cache", logprobs_compressed, "#dc2626"),
+    ):
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=list(values),
+                mode="lines+markers",
+                name=name,
+                line=dict(color=color, width=2),
+                customdata=labels,
+                hovertemplate="token %{x} %{customdata}: log p = %{y:.3f}<extra>" + name + "</extra>",
+            )
+        )
     title = "The full cache's answer, token by token"
     if first_divergence is not None:
         fig.add_vline(x=first_divergence, line=dict(color="#f59e0b", dash="dash", width=2))
@@ -87,7 +98,9 @@ def divergence_figure(
         title=dict(text=title),
         xaxis=dict(title=dict(text="answer token"), tickvals=x, ticktext=labels, tickangle=-45),
         yaxis=dict(title=dict(text="log-probability (teacher-forced)")),
-        legend=dict(orientation="h", y=-0.35), height=FIGURE_HEIGHT, template="plotly_white",
+        legend=dict(orientation="h", y=-0.35),
+        height=FIGURE_HEIGHT,
+        template="plotly_white",
         margin=dict(l=60, r=20, t=60, b=110),
     )
     return fig

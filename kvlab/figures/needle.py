@@ -5,6 +5,7 @@ its dict (``NeedleTrace.to_dict()``, or the ``--json`` file
 ``python -m benchmarks.needle_view --item ...`` writes); :func:`needle_table`
 writes the same numbers as markdown.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
@@ -52,42 +53,101 @@ def _fate_panel(fig: go.Figure, trace: Mapping[str, Any], heads: list[str], toke
     flat = [(layer, head) for layer, hs in enumerate(fates) for head in range(len(hs))]
     positions = range(len(trace["span_texts"]))
     z = [[code[fates[layer][head][p]] for layer, head in flat] for p in positions]
-    hover = [[f"{fates[layer][head][p]}<br>attention share full {trace['attention_full'][layer][head][p]:.4f}, "
-              f"compressed {trace['attention_compressed'][layer][head][p]:.4f}" for layer, head in flat]
-             for p in positions]
-    fig.add_trace(go.Heatmap(
-        z=z, x=heads, y=tokens, colorscale=scale, zmin=0, zmax=k, showscale=False, text=hover,
-        hovertemplate="%{y}, %{x}<br>%{text}<extra></extra>", xgap=1, ygap=1,
-    ), row=1, col=1)
+    hover = [
+        [
+            f"{fates[layer][head][p]}<br>attention share full {trace['attention_full'][layer][head][p]:.4f}, "
+            f"compressed {trace['attention_compressed'][layer][head][p]:.4f}"
+            for layer, head in flat
+        ]
+        for p in positions
+    ]
+    fig.add_trace(
+        go.Heatmap(
+            z=z,
+            x=heads,
+            y=tokens,
+            colorscale=scale,
+            zmin=0,
+            zmax=k,
+            showscale=False,
+            text=hover,
+            hovertemplate="%{y}, %{x}<br>%{text}<extra></extra>",
+            xgap=1,
+            ygap=1,
+        ),
+        row=1,
+        col=1,
+    )
     for name in names:  # the legend of the fates (a heatmap has none)
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name, legendgroup="fates",
-                                 marker=dict(symbol="square", size=12, color=colors[name])), row=1, col=1)
+        fig.add_trace(
+            go.Scatter(
+                x=[None],
+                y=[None],
+                mode="markers",
+                name=name,
+                legendgroup="fates",
+                marker=dict(symbol="square", size=12, color=colors[name]),
+            ),
+            row=1,
+            col=1,
+        )
 
 
 def _share_panels(fig: go.Figure, trace: Mapping[str, Any], heads: list[str], tokens: list[str]) -> None:
     """Rows 2 and 3: the span's share of the attention per (layer, KV head), and per token over heads."""
-    for which, color, label in (("attention_full", FULL_COLOR, "full cache"),
-                                ("attention_compressed", COMPRESSED_COLOR, "compressed")):
-        fig.add_trace(go.Scatter(
-            x=heads, y=head_shares(trace[which]), mode="lines+markers", name=label, legendgroup=label,
-            line=dict(color=color, width=1.5), marker=dict(size=4),
-            hovertemplate=label + ", %{x}: %{y:.4f}<extra></extra>",
-        ), row=2, col=1)
-        fig.add_trace(go.Bar(
-            x=tokens, y=token_shares(trace[which]), name=label, legendgroup=label, showlegend=False,
-            marker_color=color, hovertemplate=label + ", %{x}: %{y:.4f}<extra></extra>",
-        ), row=3, col=1)
+    for which, color, label in (
+        ("attention_full", FULL_COLOR, "full cache"),
+        ("attention_compressed", COMPRESSED_COLOR, "compressed"),
+    ):
+        fig.add_trace(
+            go.Scatter(
+                x=heads,
+                y=head_shares(trace[which]),
+                mode="lines+markers",
+                name=label,
+                legendgroup=label,
+                line=dict(color=color, width=1.5),
+                marker=dict(size=4),
+                hovertemplate=label + ", %{x}: %{y:.4f}<extra></extra>",
+            ),
+            row=2,
+            col=1,
+        )
+        fig.add_trace(
+            go.Bar(
+                x=tokens,
+                y=token_shares(trace[which]),
+                name=label,
+                legendgroup=label,
+                showlegend=False,
+                marker_color=color,
+                hovertemplate=label + ", %{x}: %{y:.4f}<extra></extra>",
+            ),
+            row=3,
+            col=1,
+        )
 
 
 def _answer_panel(fig: go.Figure, trace: Mapping[str, Any]) -> None:
     """Row 4: each answer token's log-probability under both caches."""
     answer = [_token_label(i, t, v) for i, (t, v) in enumerate(zip(trace["answer_texts"], trace["answer_value"]))]
-    for which, color, label in (("logprob_full", FULL_COLOR, "full cache"),
-                                ("logprob_compressed", COMPRESSED_COLOR, "compressed")):
-        fig.add_trace(go.Bar(
-            x=answer, y=trace[which], name=label, legendgroup=label, showlegend=False, marker_color=color,
-            hovertemplate=label + ", %{x}: log p %{y:.3f}<extra></extra>",
-        ), row=4, col=1)
+    for which, color, label in (
+        ("logprob_full", FULL_COLOR, "full cache"),
+        ("logprob_compressed", COMPRESSED_COLOR, "compressed"),
+    ):
+        fig.add_trace(
+            go.Bar(
+                x=answer,
+                y=trace[which],
+                name=label,
+                legendgroup=label,
+                showlegend=False,
+                marker_color=color,
+                hovertemplate=label + ", %{x}: log p %{y:.3f}<extra></extra>",
+            ),
+            row=4,
+            col=1,
+        )
 
 
 def needle_figure(trace: Mapping[str, Any]) -> go.Figure:
@@ -98,7 +158,10 @@ def needle_figure(trace: Mapping[str, Any]) -> go.Figure:
     heads = _head_labels(trace["fates"])
     tokens = [_token_label(i, t, v) for i, (t, v) in enumerate(zip(trace["span_texts"], trace["span_value"]))]
     fig = make_subplots(
-        rows=4, cols=1, vertical_spacing=0.09, row_heights=[0.34, 0.22, 0.2, 0.24],
+        rows=4,
+        cols=1,
+        vertical_spacing=0.09,
+        row_heights=[0.34, 0.22, 0.2, 0.24],
         subplot_titles=(
             "fate of each needle token per layer and KV head",
             "the needle's share of the question's attention, per layer and KV head",
@@ -117,9 +180,14 @@ def needle_figure(trace: Mapping[str, Any]) -> go.Figure:
     fig.update_xaxes(showticklabels=False, row=1, col=1)
     fig.update_xaxes(matches="x", row=2, col=1)
     fig.update_layout(
-        title=dict(text=f"Where the needle went: {trace['label']} at {trace['ratio']:g}x. "
-                        f"Full: {trace['answer_full']!r}; compressed: {trace['answer_compressed']!r}"),
-        barmode="group", height=1150, margin=dict(l=140, r=20, t=90, b=60), template="plotly_white",
+        title=dict(
+            text=f"Where the needle went: {trace['label']} at {trace['ratio']:g}x. "
+            f"Full: {trace['answer_full']!r}; compressed: {trace['answer_compressed']!r}"
+        ),
+        barmode="group",
+        height=1150,
+        margin=dict(l=140, r=20, t=90, b=60),
+        template="plotly_white",
         legend=dict(orientation="h", y=-0.04),
     )
     return fig
@@ -131,15 +199,22 @@ def needle_table(trace: Mapping[str, Any]) -> str:
     fates = trace["fates"]
     names = list(dict.fromkeys(f for layer in fates for head in layer for f in head))
     full, comp = token_shares(trace["attention_full"]), token_shares(trace["attention_compressed"])
-    lines = ["| needle token | value | " + " | ".join(f"heads {n}" for n in names)
-             + " | attention share, full | compressed |",
-             "|---|---|" + "---|" * len(names) + "---|---|"]
+    lines = [
+        "| needle token | value | "
+        + " | ".join(f"heads {n}" for n in names)
+        + " | attention share, full | compressed |",
+        "|---|---|" + "---|" * len(names) + "---|---|",
+    ]
     for p, (text, value) in enumerate(zip(trace["span_texts"], trace["span_value"])):
         counts = [sum(head[p] == n for layer in fates for head in layer) for n in names]
-        lines.append(f"| `{text}` | {'yes' if value else ''} | " + " | ".join(map(str, counts))
-                     + f" | {full[p]:.4f} | {comp[p]:.4f} |")
+        lines.append(
+            f"| `{text}` | {'yes' if value else ''} | "
+            + " | ".join(map(str, counts))
+            + f" | {full[p]:.4f} | {comp[p]:.4f} |"
+        )
     lines += ["", "| answer token | value | log p, full | log p, compressed |", "|---|---|---|---|"]
-    for text, value, a, b in zip(trace["answer_texts"], trace["answer_value"],
-                                 trace["logprob_full"], trace["logprob_compressed"]):
+    for text, value, a, b in zip(
+        trace["answer_texts"], trace["answer_value"], trace["logprob_full"], trace["logprob_compressed"]
+    ):
         lines.append(f"| `{text}` | {'yes' if value else ''} | {a:.3f} | {b:.3f} |")
     return "\n".join(lines)

@@ -2,6 +2,7 @@
 
 Every figure sets its height and shares one layout; heatmaps are layer x KV head.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -14,11 +15,7 @@ from plotly.subplots import make_subplots
 FIGURE_HEIGHT = 380
 """Every figure sets its height: an autosized plotly figure can render at zero height."""
 
-_LAYOUT = dict(
-    height=FIGURE_HEIGHT,
-    margin=dict(l=60, r=20, t=60, b=50),
-    template="plotly_white",
-)
+_LAYOUT = dict(height=FIGURE_HEIGHT, margin=dict(l=60, r=20, t=60, b=50), template="plotly_white")
 
 
 # --------------------------------------------------------------------------- heatmaps
@@ -70,9 +67,7 @@ def head_heatmap(
 def error_heatmap(per_head: Mapping[str, Sequence[Sequence[float]]]) -> go.Figure:
     """Attention-output relative error per layer and KV head (``RunResult.per_head``)."""
     return head_heatmap(
-        per_head["attn_output_rel_err"],
-        "Attention-output relative error (held-out queries)",
-        "rel. error",
+        per_head["attn_output_rel_err"], "Attention-output relative error (held-out queries)", "rel. error"
     )
 
 
@@ -98,25 +93,58 @@ def mass_heatmap(per_head: Mapping[str, Sequence[Sequence[float]]]) -> go.Figure
     log_ratio = [[math.log2(max(ratios[layer][head], 1e-12)) for layer in layers] for head in range(n_heads)]
     ticks = list(range(-int(limit), int(limit) + 1))
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.35, 0.65], vertical_spacing=0.06)
-    fig.add_trace(go.Scatter(
-        x=layers, y=[1.0] * n_layers, mode="lines", name="full cache", line=dict(color="#6b7280", dash="dash"),
-        hoverinfo="skip",
-    ), row=1, col=1)
-    fig.add_trace(go.Scatter(
-        x=layers, y=[sum(row) / len(row) if row else 0.0 for row in ratios], mode="lines+markers",
-        name="compressed", line=dict(color="#ea580c"),
-        hovertemplate="layer %{x}: %{y:.2f}x the full mass<extra></extra>",
-    ), row=1, col=1)
-    fig.add_trace(go.Heatmap(
-        z=log_ratio, x=layers, y=list(range(n_heads)), colorscale="RdBu", reversescale=True,
-        zmid=0.0, zmin=-limit, zmax=limit,
-        customdata=[[[ratios[layer][head], float(errors[layer][head])] for layer in layers] for head in range(n_heads)],
-        colorbar=dict(title=dict(text="compressed / full"), tickvals=ticks,
-                      ticktext=[f"{2.0 ** t:g}x" for t in ticks], len=0.62, y=0.31),
-        hovertemplate="layer %{x}, KV head %{y}<br>mass %{customdata[0]:.2f}x the full cache's"
-                      "<br>rel. error %{customdata[1]:.3f}<extra></extra>",
-        xgap=1, ygap=1,
-    ), row=2, col=1)
+    fig.add_trace(
+        go.Scatter(
+            x=layers,
+            y=[1.0] * n_layers,
+            mode="lines",
+            name="full cache",
+            line=dict(color="#6b7280", dash="dash"),
+            hoverinfo="skip",
+        ),
+        row=1,
+        col=1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=layers,
+            y=[sum(row) / len(row) if row else 0.0 for row in ratios],
+            mode="lines+markers",
+            name="compressed",
+            line=dict(color="#ea580c"),
+            hovertemplate="layer %{x}: %{y:.2f}x the full mass<extra></extra>",
+        ),
+        row=1,
+        col=1,
+    )
+    fig.add_trace(
+        go.Heatmap(
+            z=log_ratio,
+            x=layers,
+            y=list(range(n_heads)),
+            colorscale="RdBu",
+            reversescale=True,
+            zmid=0.0,
+            zmin=-limit,
+            zmax=limit,
+            customdata=[
+                [[ratios[layer][head], float(errors[layer][head])] for layer in layers] for head in range(n_heads)
+            ],
+            colorbar=dict(
+                title=dict(text="compressed / full"),
+                tickvals=ticks,
+                ticktext=[f"{2.0**t:g}x" for t in ticks],
+                len=0.62,
+                y=0.31,
+            ),
+            hovertemplate="layer %{x}, KV head %{y}<br>mass %{customdata[0]:.2f}x the full cache's"
+            "<br>rel. error %{customdata[1]:.3f}<extra></extra>",
+            xgap=1,
+            ygap=1,
+        ),
+        row=2,
+        col=1,
+    )
     fig.update_layout(
         title=dict(text="Attention mass, compressed vs full (held-out queries)"),
         legend=dict(orientation="h", y=1.02, x=1, xanchor="right", yanchor="bottom"),
@@ -139,8 +167,11 @@ def budget_profile_figure(shares: Sequence[Sequence[float]], model: str) -> go.F
     """A model's head-budget profile: each KV head's budget as a multiple of the uniform one
     (``shares[layer][head]``, mean 1; kvlab.compression.budget_profiles)."""
     return head_heatmap(
-        shares, f"Where the budget goes: {model}'s profile (x the uniform budget)", "x uniform",
-        colorscale="Viridis", fmt=".2f",
+        shares,
+        f"Where the budget goes: {model}'s profile (x the uniform budget)",
+        "x uniform",
+        colorscale="Viridis",
+        fmt=".2f",
     )
 
 
@@ -179,12 +210,22 @@ def bias_histogram(biases: Sequence[float], bins: int = BIAS_BINS) -> go.Figure:
     edges, counts = histogram_bins(list(biases), bins)
     centres = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
     widths = [b - a for a, b in zip(edges, edges[1:])]
-    fig = go.Figure(go.Bar(x=centres, y=counts, width=widths, marker_color="#fb923c",
-                           hovertemplate="beta %{x:.3g}: %{y} compact keys<extra></extra>"))
+    fig = go.Figure(
+        go.Bar(
+            x=centres,
+            y=counts,
+            width=widths,
+            marker_color="#fb923c",
+            hovertemplate="beta %{x:.3g}: %{y} compact keys<extra></extra>",
+        )
+    )
     fig.add_vline(x=0.0, line_dash="dash", line_color="#6b7280")
     fig.update_layout(
-        **_LAYOUT, title="Fitted biases beta (0 = one key's own mass)",
-        xaxis_title="beta", yaxis_title="compact keys", bargap=0,
+        **_LAYOUT,
+        title="Fitted biases beta (0 = one key's own mass)",
+        xaxis_title="beta",
+        yaxis_title="compact keys",
+        bargap=0,
     )
     return fig
 
@@ -197,10 +238,15 @@ def fit_vs_eval_figure(train: Sequence[Sequence[float]], held_out: Sequence[Sequ
     layers = list(range(len(train)))
     fig = go.Figure()
     for name, rows, color in (("fitting queries", train, "#2563eb"), ("evaluation queries", held_out, "#dc2626")):
-        fig.add_trace(go.Scatter(x=layers, y=[sum(r) / len(r) for r in rows], mode="lines+markers",
-                                 name=name, line_color=color))
-    fig.update_layout(**_LAYOUT, title="Attention-output error: fitting vs evaluation queries",
-                      xaxis_title="layer", yaxis_title="rel. error (mean over KV heads)")
+        fig.add_trace(
+            go.Scatter(x=layers, y=[sum(r) / len(r) for r in rows], mode="lines+markers", name=name, line_color=color)
+        )
+    fig.update_layout(
+        **_LAYOUT,
+        title="Attention-output error: fitting vs evaluation queries",
+        xaxis_title="layer",
+        yaxis_title="rel. error (mean over KV heads)",
+    )
     return fig
 
 
@@ -297,8 +343,23 @@ def time_figure(
 
 
 METHOD_COLORS = [
-    "#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#65a30d",
-    "#4b5563", "#ea580c", "#0d9488", "#9333ea", "#ca8a04", "#be123c", "#1d4ed8", "#15803d", "#a16207",
+    "#2563eb",
+    "#dc2626",
+    "#059669",
+    "#d97706",
+    "#7c3aed",
+    "#0891b2",
+    "#db2777",
+    "#65a30d",
+    "#4b5563",
+    "#ea580c",
+    "#0d9488",
+    "#9333ea",
+    "#ca8a04",
+    "#be123c",
+    "#1d4ed8",
+    "#15803d",
+    "#a16207",
 ]
 """One colour per method line of the sweep charts (cycled past the end)."""
 
@@ -356,10 +417,7 @@ def sweep_figure(
     fig.update_layout(
         title=dict(text=title),
         xaxis=dict(
-            title=dict(text="compression ratio"),
-            type="log",
-            tickvals=ratios,
-            ticktext=[f"{r:g}x" for r in ratios],
+            title=dict(text="compression ratio"), type="log", tickvals=ratios, ticktext=[f"{r:g}x" for r in ratios]
         ),
         yaxis=dict(title=dict(text=y_title or metric), rangemode="tozero"),
         legend=dict(orientation="h", y=-0.22),

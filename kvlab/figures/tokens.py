@@ -5,6 +5,7 @@ A fate is what a compressed cache did with a token in one layer and KV head
 Levels (bytes 1-255, kvlab.metrics.percentile_levels) shade tokens by a
 percentile rank within the head.
 """
+
 from __future__ import annotations
 
 import html
@@ -160,7 +161,7 @@ def bits_strip_html(n_tokens: int, fates: Mapping[int, str], default: str = EVIC
     )
     legend = " ".join(
         f'<span class="kvlab-chip" style="background:{color};color:{"#fff" if key == "full" else "#111827"}">'
-        f'{"full precision" if key == "full" else f"{key} bits"}</span>'
+        f"{'full precision' if key == 'full' else f'{key} bits'}</span>"
         for key, color in BIT_COLORS.items()
     )
     return (

@@ -16,6 +16,7 @@ says so. Default sizes are Llama-3.1-8B's attention geometry (32 query
 heads, 8 KV heads, head dim 128) at a 32k-token cache; ``--dry-run`` uses
 tiny ones.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -131,8 +132,9 @@ def peak_bandwidth(device: torch.device) -> float | None:
     return next((bw for key, bw in PEAK_BANDWIDTH.items() if key in name), None)
 
 
-def make_row(kernel: str, size: object, bytes_read: int, torch_ms: float, triton_ms: float | None,
-             device: torch.device) -> BenchRow:
+def make_row(
+    kernel: str, size: object, bytes_read: int, torch_ms: float, triton_ms: float | None, device: torch.device
+) -> BenchRow:
     peak = peak_bandwidth(device)
     gb_s = None if triton_ms is None else bytes_read / triton_ms / 1e6
     return BenchRow(
@@ -178,7 +180,8 @@ def bench_mixed(size: MixedSize, device: torch.device, dtype: torch.dtype, reps:
     torch_ms = timed(dequantise_then_sdpa, device, reps)
     triton_ms = (
         timed(lambda: kernels.mixed_attention(q, keys, values, k_full, v_full, None, scale), device, reps)
-        if with_triton else None
+        if with_triton
+        else None
     )
     read = packed_bytes(keys) + packed_bytes(values) + nbytes(q, k_full, v_full)
     return make_row(f"mixed_attention_{size.bits}bit", size, read, torch_ms, triton_ms, device)
@@ -189,7 +192,7 @@ def bench_scores(size: ScoreSize, device: torch.device, dtype: torch.dtype, reps
     q = torch.randn(size.heads, size.n_queries, size.head_dim, device=device, dtype=dtype, generator=gen)
     k = torch.randn(size.heads, size.seq_len, size.head_dim, device=device, dtype=dtype, generator=gen)
     bias = torch.randn(size.heads, size.seq_len, device=device, generator=gen)
-    torch_ms = timed(lambda: reference.key_scores(q, k, bias, size.head_dim ** -0.5), device, reps)
+    torch_ms = timed(lambda: reference.key_scores(q, k, bias, size.head_dim**-0.5), device, reps)
     triton_ms = timed(lambda: kernels.key_scores(q, k, bias), device, reps) if with_triton else None
     return make_row("key_scores_rms", size, nbytes(q, k, bias), torch_ms, triton_ms, device)
 

@@ -4,6 +4,7 @@ See :mod:`kvlab.kernels` for the kernels and ``KVLAB_KERNELS``. The backend choi
 kernel's launch are the runtime's (:mod:`kvlab.runtime.kernel_launch`: its forward pass launches
 that kernel); this package sits above the runtime, whose attention maths its references are built on.
 """
+
 from __future__ import annotations
 
 import torch
@@ -77,15 +78,13 @@ def mixed_attention(
     from kvlab.kernels import triton_mixed as kernel
 
     k_full, v_full = unit_stride(k_full.to(q.dtype)), unit_stride(v_full.to(q.dtype))
-    return KernelAttention(*kernel.mixed_attention(unit_stride(q), keys, values, k_full, v_full, bias_full, scale, causal))
+    return KernelAttention(
+        *kernel.mixed_attention(unit_stride(q), keys, values, k_full, v_full, bias_full, scale, causal)
+    )
 
 
 def key_scores(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    scale: float | None = None,
-    scoring: str = "rms",
+    q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None = None, scale: float | None = None, scoring: str = "rms"
 ) -> torch.Tensor:
     """HighestAttnKeys scores [B, T] float32 of q [B, n, d] over k [B, T, d], bias [B, T] or None.
 

@@ -14,6 +14,7 @@ kernel's shapes:
   reduced per key, computed in key chunks so that the n-by-T matrix is
   never whole.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,12 +35,7 @@ def full_bias(bias: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
 
 
 def eager_decode_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    bias: torch.Tensor | None,
-    scale: float,
-    causal: bool = True,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float, causal: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (out [B, H, n, d] in q.dtype, lse [B, H, n] float32); see the module docstring.
 
@@ -56,8 +52,11 @@ def eager_decode_attention(
     for i in range(n):
         seen = seq_len - n + i + 1 if causal else seq_len
         part = attend(
-            grouped[..., i : i + 1, :], keys[..., :seen, :], values[..., :seen, :],
-            None if b is None else b[..., :seen], scale,
+            grouped[..., i : i + 1, :],
+            keys[..., :seen, :],
+            values[..., :seen, :],
+            None if b is None else b[..., :seen],
+            scale,
         )
         outs.append(part.output)
         lses.append(part.lse)

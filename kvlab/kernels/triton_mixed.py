@@ -23,6 +23,7 @@ full-precision tokens that follow (beacons, the recent window, the queries'
 own tokens) go through kernel 1's split kernel into the same partial
 buffers, and one log-sum-exp merge combines both.
 """
+
 from __future__ import annotations
 
 import torch
@@ -56,10 +57,30 @@ def dequant_tile(codes, scale, zero, code_idx, meta_idx, ok, BITS: tl.constexpr)
 
 @triton.jit
 def _quant_split_kernel(
-    q_ptr, kc, ks, kz, vc, vs, vz, part_out, part_lse,
-    sq_h, sq_n, n_tokens, n_queries, chunk, total_splits, scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    kc,
+    ks,
+    kz,
+    vc,
+    vs,
+    vz,
+    part_out,
+    part_lse,
+    sq_h,
+    sq_n,
+    n_tokens,
+    n_queries,
+    chunk,
+    total_splits,
+    scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     hk = tl.program_id(0)
     split = tl.program_id(1)
@@ -70,7 +91,8 @@ def _quant_split_kernel(
     d_ok = d < HEAD_DIM
     q = tl.load(
         q_ptr + (hk * GROUP + rows // n_queries)[:, None] * sq_h + (rows % n_queries)[:, None] * sq_n + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
     )
     key_groups = tl.cdiv(n_tokens, GROUP_SIZE)
     value_groups: tl.constexpr = (HEAD_DIM + GROUP_SIZE - 1) // GROUP_SIZE
@@ -84,13 +106,15 @@ def _quant_split_kernel(
         t_ok = t < end
         tile_ok = t_ok[:, None] & d_ok[None, :]
         channel = hk * HEAD_DIM + d[None, :]
-        k = dequant_tile(kc, ks, kz, channel * n_tokens + t[:, None], channel * key_groups + t[:, None] // GROUP_SIZE,
-                         tile_ok, BITS).to(q.dtype)
+        k = dequant_tile(
+            kc, ks, kz, channel * n_tokens + t[:, None], channel * key_groups + t[:, None] // GROUP_SIZE, tile_ok, BITS
+        ).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         s = tl.where(t_ok[None, :], s, float("-inf"))
         token = hk * n_tokens + t[:, None]
-        v = dequant_tile(vc, vs, vz, token * HEAD_DIM + d[None, :], token * value_groups + d[None, :] // GROUP_SIZE,
-                         tile_ok, BITS).to(q.dtype)
+        v = dequant_tile(
+            vc, vs, vz, token * HEAD_DIM + d[None, :], token * value_groups + d[None, :] // GROUP_SIZE, tile_ok, BITS
+        ).to(q.dtype)
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
     store_partial(part_out, part_lse, hk * total_splits + split, rows, d, row_ok, d_ok, m_i, l_i, acc, n_rows, HEAD_DIM)
 
@@ -120,14 +144,42 @@ def mixed_attention(
     part_out, part_lse = new_partials(n_kv, q_splits + f_splits, group * n, d, q.device)
     chunk = triton.cdiv(triton.cdiv(max(n_tokens, 1), q_splits), BLOCK_N) * BLOCK_N
     _quant_split_kernel[(n_kv, q_splits)](
-        q, keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero, part_out, part_lse,
-        q.stride(0), q.stride(1), n_tokens, n, chunk, q_splits + f_splits, scale,
-        GROUP=group, HEAD_DIM=d, BITS=keys.bits, GROUP_SIZE=keys.group_size, DOT_PRECISION=dot_precision(q.dtype),
-        BLOCK_M=block_m(group * n), BLOCK_N=BLOCK_N, BLOCK_D=triton.next_power_of_2(d),
+        q,
+        keys.codes,
+        keys.scale,
+        keys.zero,
+        values.codes,
+        values.scale,
+        values.zero,
+        part_out,
+        part_lse,
+        q.stride(0),
+        q.stride(1),
+        n_tokens,
+        n,
+        chunk,
+        q_splits + f_splits,
+        scale,
+        GROUP=group,
+        HEAD_DIM=d,
+        BITS=keys.bits,
+        GROUP_SIZE=keys.group_size,
+        DOT_PRECISION=dot_precision(q.dtype),
+        BLOCK_M=block_m(group * n),
+        BLOCK_N=BLOCK_N,
+        BLOCK_D=triton.next_power_of_2(d),
     )
     launch_splits(
-        q[None], k_full[None], v_full[None], None if bias_full is None else bias_full[None],
-        scale, causal, part_out, part_lse, q_splits, f_splits,
+        q[None],
+        k_full[None],
+        v_full[None],
+        None if bias_full is None else bias_full[None],
+        scale,
+        causal,
+        part_out,
+        part_lse,
+        q_splits,
+        f_splits,
     )
     out, lse = merge_splits(part_out, part_lse, 1, n_heads, n, q.dtype)
     return out[0], lse[0]

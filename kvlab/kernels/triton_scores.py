@@ -17,6 +17,7 @@ The logits are computed twice, and the only memory traffic beyond q and k is
 
 Shapes: q [B, n, d], k [B, T, d] (unit stride on d), bias float32 [B, T] or None.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,9 @@ SCORINGS = {"mean": 0, "rms": 1, "max": 2}
 
 
 @triton.jit
-def score_logits(q, k_ptr, bias_ptr, cols, col_ok, d, d_ok, sk_s, scale,
-                 HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def score_logits(
+    q, k_ptr, bias_ptr, cols, col_ok, d, d_ok, sk_s, scale, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr
+):
     """Logits [BLOCK_Q, BLOCK_K] (float32, -inf past the keys) of a query tile over key columns ``cols``."""
     k = tl.load(k_ptr + cols[:, None] * sk_s + d[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
@@ -44,9 +46,24 @@ def score_logits(q, k_ptr, bias_ptr, cols, col_ok, d, d_ok, sk_s, scale,
 
 @triton.jit
 def _row_lse_kernel(
-    q_ptr, k_ptr, bias_ptr, lse_ptr, sq_b, sq_n, sk_b, sk_s, sb_b, n_queries, n_keys, scale,
-    HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    bias_ptr,
+    lse_ptr,
+    sq_b,
+    sq_n,
+    sk_b,
+    sk_s,
+    sb_b,
+    n_queries,
+    n_keys,
+    scale,
+    HEAD_DIM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -58,8 +75,9 @@ def _row_lse_kernel(
     l_i = tl.zeros([BLOCK_Q], tl.float32)
     for n0 in range(0, n_keys, BLOCK_K):
         cols = n0 + tl.arange(0, BLOCK_K)
-        s = score_logits(q, k_ptr + b * sk_b, bias_ptr + b * sb_b, cols, cols < n_keys, d, d_ok, sk_s, scale,
-                         HAS_BIAS, DOT_PRECISION)
+        s = score_logits(
+            q, k_ptr + b * sk_b, bias_ptr + b * sb_b, cols, cols < n_keys, d, d_ok, sk_s, scale, HAS_BIAS, DOT_PRECISION
+        )
         m_new = tl.maximum(m_i, tl.max(s, 1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp(m_i - shift) + tl.sum(tl.exp(s - shift[:, None]), 1)
@@ -69,9 +87,26 @@ def _row_lse_kernel(
 
 @triton.jit
 def _key_reduce_kernel(
-    q_ptr, k_ptr, bias_ptr, lse_ptr, out_ptr, sq_b, sq_n, sk_b, sk_s, sb_b, n_queries, n_keys, scale,
-    HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr, SCORING: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    bias_ptr,
+    lse_ptr,
+    out_ptr,
+    sq_b,
+    sq_n,
+    sk_b,
+    sk_s,
+    sb_b,
+    n_queries,
+    n_keys,
+    scale,
+    HEAD_DIM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SCORING: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -82,12 +117,15 @@ def _key_reduce_kernel(
     for r0 in range(0, n_queries, BLOCK_Q):
         rows = r0 + tl.arange(0, BLOCK_Q)
         row_ok = rows < n_queries
-        q = tl.load(q_ptr + b * sq_b + rows[:, None] * sq_n + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + b * sq_b + rows[:, None] * sq_n + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
+        )
         lse = tl.load(lse_ptr + b * n_queries + rows, mask=row_ok, other=0.0)
         # A query that sees only padding (lse -inf) gives weight exp(-inf - 0) = 0 everywhere.
         shift = tl.where(lse == float("-inf"), 0.0, lse)
-        s = score_logits(q, k_ptr + b * sk_b, bias_ptr + b * sb_b, cols, col_ok, d, d_ok, sk_s, scale,
-                         HAS_BIAS, DOT_PRECISION)
+        s = score_logits(
+            q, k_ptr + b * sk_b, bias_ptr + b * sb_b, cols, col_ok, d, d_ok, sk_s, scale, HAS_BIAS, DOT_PRECISION
+        )
         a = tl.where(row_ok[:, None], tl.exp(s - shift[:, None]), 0.0)
         if SCORING == 0:
             total += tl.sum(a, 0)
@@ -119,8 +157,14 @@ def key_scores(
     out = torch.empty(batch, n_keys, dtype=torch.float32, device=q.device)
     has_bias = bias is not None
     bias_arg = bias if has_bias else lse  # never read when HAS_BIAS is False
-    common = dict(HEAD_DIM=d, HAS_BIAS=has_bias, DOT_PRECISION=dot_precision(q.dtype),
-                  BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, BLOCK_D=triton.next_power_of_2(d))
+    common = dict(
+        HEAD_DIM=d,
+        HAS_BIAS=has_bias,
+        DOT_PRECISION=dot_precision(q.dtype),
+        BLOCK_Q=BLOCK_Q,
+        BLOCK_K=BLOCK_K,
+        BLOCK_D=triton.next_power_of_2(d),
+    )
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), bias.stride(0) if has_bias else 0)
     _row_lse_kernel[(batch, triton.cdiv(n, BLOCK_Q))](q, k, bias_arg, lse, *strides, n, n_keys, scale, **common)
     _key_reduce_kernel[(batch, triton.cdiv(n_keys, BLOCK_K))](

@@ -12,6 +12,7 @@ The app (kvlab.ui), the CLI (kvlab.cli) and the benchmarks call these:
   with known answers (a small live set, a needle in the user's document, a bench's results);
 - the input checks of :mod:`kvlab.lab.inputs` (their errors are fit to show as is).
 """
+
 from kvlab.lab.compare import MAX_SWEEP_POINTS, Sweep, SweepError, compare, sweep_label
 from kvlab.lab.explore import Explored, explore, prepared_context, sub_progress, token_texts
 from kvlab.lab.exports import EXPORT_FIELDS, export_dir, sweep_json, sweep_records, write_exports
@@ -31,10 +32,39 @@ from kvlab.lab.prepare import Prepared, prepare_document
 from kvlab.lab.tasks import TaskRun, load_results, needle_test, run_tasks
 
 __all__ = [
-    "MAX_GENERATE_TOKENS", "Generated", "MethodGeneration", "generate", "generation_record",
-    "EXPORT_FIELDS", "MAX_SWEEP_POINTS", "Explored", "InputError", "Prepared", "Sweep", "SweepError", "TaskRun",
-    "TokenFates", "load_results", "needle_test", "run_tasks",
-    "check_answer_length", "check_question", "compare", "document_text", "examples", "expected_answer",
-    "explore", "export_dir", "model_choices", "parse_ratios", "prepare_document", "prepared_context",
-    "sub_progress", "sweep_json", "sweep_label", "sweep_records", "token_texts", "write_exports",
+    "MAX_GENERATE_TOKENS",
+    "Generated",
+    "MethodGeneration",
+    "generate",
+    "generation_record",
+    "EXPORT_FIELDS",
+    "MAX_SWEEP_POINTS",
+    "Explored",
+    "InputError",
+    "Prepared",
+    "Sweep",
+    "SweepError",
+    "TaskRun",
+    "TokenFates",
+    "load_results",
+    "needle_test",
+    "run_tasks",
+    "check_answer_length",
+    "check_question",
+    "compare",
+    "document_text",
+    "examples",
+    "expected_answer",
+    "explore",
+    "export_dir",
+    "model_choices",
+    "parse_ratios",
+    "prepare_document",
+    "prepared_context",
+    "sub_progress",
+    "sweep_json",
+    "sweep_label",
+    "sweep_records",
+    "token_texts",
+    "write_exports",
 ]

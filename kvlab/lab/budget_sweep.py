@@ -13,6 +13,7 @@ elsewhere: the shipped profiles are in assets/budgets/) for ``budgets=nonuniform
 and Attention Matching's default. Only the layers a method compresses are swept: a
 sliding-window layer keeps its window (share 1, never used).
 """
+
 from __future__ import annotations
 
 import json
@@ -69,16 +70,25 @@ def pad_view(view: PaddedView, width: int) -> PaddedView:
     if extra == 0:
         return view
     h, d = view.keys.shape[0], view.keys.shape[2]
-    return concat_views([view, PaddedView(
-        keys=view.keys.new_zeros(h, extra, d), values=view.values.new_zeros(h, extra, view.values.shape[2]),
-        bias=view.bias.new_full((h, extra), float("-inf")), token_index=view.token_index.new_full((h, extra), -1),
-    )])
+    return concat_views(
+        [
+            view,
+            PaddedView(
+                keys=view.keys.new_zeros(h, extra, d),
+                values=view.values.new_zeros(h, extra, view.values.shape[2]),
+                bias=view.bias.new_full((h, extra), float("-inf")),
+                token_index=view.token_index.new_full((h, extra), -1),
+            ),
+        ]
+    )
 
 
 def answer_loss(ctx: Context, stored: CompressedKV, evaluations: list[Evaluation]) -> float:
     """Mean log-perplexity of the full cache's answers when read from ``stored``."""
     losses = [
-        log_perplexity(continuation_logprobs(ctx.lm, stored, ev.question_ids, torch.tensor(ev.answer.ids, device="cpu")))
+        log_perplexity(
+            continuation_logprobs(ctx.lm, stored, ev.question_ids, torch.tensor(ev.answer.ids, device="cpu"))
+        )
         for ev in evaluations
     ]
     return sum(losses) / len(losses)
@@ -109,8 +119,11 @@ def sensitivity_sweep(
             checkpoint(f"sensitivity sweep: layer {layer + 1}, head {head + 1}")
             sens[layer, head] = loss_base - answer_loss(ctx, swap_head(base, boosted, layer, head), evaluations)
         elapsed = time.perf_counter() - start
-        progress(done / len(layers), f"sensitivity sweep: layer {layer + 1} ({done}/{len(layers)}), {elapsed:.0f}s, "
-                                     f"about {elapsed / done * (len(layers) - done):.0f}s left")
+        progress(
+            done / len(layers),
+            f"sensitivity sweep: layer {layer + 1} ({done}/{len(layers)}), {elapsed:.0f}s, "
+            f"about {elapsed / done * (len(layers) - done):.0f}s left",
+        )
     # A boost that does not help (or hurts, within noise) earns the floor share.
     gain = sens[layers].clamp_min(0)
     shares = torch.ones(shape, dtype=torch.float64, device="cpu")
@@ -118,21 +131,27 @@ def sensitivity_sweep(
     return SensitivitySweep(loss_base, sens, shares, time.perf_counter() - start)
 
 
-def save_profile(ctx: Context, sweep: SensitivitySweep, ratio: float, boost: float, doc: str,
-                 folder: Path | None = None) -> str:
+def save_profile(
+    ctx: Context, sweep: SensitivitySweep, ratio: float, boost: float, doc: str, folder: Path | None = None
+) -> str:
     """Write the sweep as ``ctx.lm``'s profile into ``folder`` (default: the user's budgets folder)."""
     path = profile_path(ctx.lm.name, folder)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
-        "model": ctx.lm.name,
-        "document": doc,
-        "doc_tokens": ctx.doc_len,
-        "baseline_ratio": ratio,
-        "boost": boost,
-        "loss_base": sweep.loss_base,
-        "compressed_layers": ctx.lm.compressed_layers,
-        "sensitivity": [[round(x, 6) for x in row] for row in sweep.sensitivity.tolist()],
-        "shares": [[round(x, 6) for x in row] for row in sweep.shares.tolist()],
-        "seconds": round(sweep.seconds, 1),
-    }, indent=1))
+    path.write_text(
+        json.dumps(
+            {
+                "model": ctx.lm.name,
+                "document": doc,
+                "doc_tokens": ctx.doc_len,
+                "baseline_ratio": ratio,
+                "boost": boost,
+                "loss_base": sweep.loss_base,
+                "compressed_layers": ctx.lm.compressed_layers,
+                "sensitivity": [[round(x, 6) for x in row] for row in sweep.sensitivity.tolist()],
+                "shares": [[round(x, 6) for x in row] for row in sweep.shares.tolist()],
+                "seconds": round(sweep.seconds, 1),
+            },
+            indent=1,
+        )
+    )
     return str(path)

@@ -1,4 +1,5 @@
 """A Compare sweep: several methods at several ratios on one document and question, on one model or several."""
+
 from __future__ import annotations
 
 import logging
@@ -167,8 +168,10 @@ def _check_request(
     chosen = budget_variants(methods, axis)
     points = len(chosen) * len(ratios) * len(specs)
     if points > MAX_SWEEP_POINTS:
-        raise InputError(f"{points} runs is too many for one sweep: pick at most {MAX_SWEEP_POINTS} "
-                         "(methods x head budgets x ratios x models)")
+        raise InputError(
+            f"{points} runs is too many for one sweep: pick at most {MAX_SWEEP_POINTS} "
+            "(methods x head budgets x ratios x models)"
+        )
     question = check_question(question)
     max_new_tokens = check_answer_length(max_new_tokens)
     return _Request(specs, axis, chosen, ratios, question, max_new_tokens, document_text(text, file))
@@ -214,10 +217,21 @@ def compare(
         raise MethodError(f"every run of the sweep failed: {reasons}")
     top = tally.ceilings[0]
     return Sweep(
-        model=top.model, question=request.question, doc_tokens=top.doc_tokens, context_tokens=top.context_tokens,
-        answer_full=top.answer_full, logppl_full=top.logppl_full, prefill_s=top.prefill_s,
-        prefill_reused=top.prefill_reused, results=tally.results, query_aware=tally.aware, errors=tally.errors,
-        wall_s=time.perf_counter() - start, stopped=tally.stopped, ceilings=tally.ceilings, budgets=request.axis,
+        model=top.model,
+        question=request.question,
+        doc_tokens=top.doc_tokens,
+        context_tokens=top.context_tokens,
+        answer_full=top.answer_full,
+        logppl_full=top.logppl_full,
+        prefill_s=top.prefill_s,
+        prefill_reused=top.prefill_reused,
+        results=tally.results,
+        query_aware=tally.aware,
+        errors=tally.errors,
+        wall_s=time.perf_counter() - start,
+        stopped=tally.stopped,
+        ceilings=tally.ceilings,
+        budgets=request.axis,
     )
 
 
@@ -232,7 +246,7 @@ def _sweep_model(request: _Request, k: int, spec: str | None, tally: _Tally, pro
     check_question_tokens(lm.tokenizer, request.question)
     ctx, prefilled = prepared_context(lm, request.document, sub_progress(progress, base + 0.02 * share, 0.16 * share))
     first: RunResult | None = None
-    for method_obj, ratio in ((m, r) for s, m, r in request.runs[tally.done:] if s == spec):
+    for method_obj, ratio in ((m, r) for s, m, r in request.runs[tally.done :] if s == spec):
         done = tally.done
         name = method_label(method_obj, bool(request.axis))
         label = f"{name} at {ratio:g}x ({done + 1}/{points}){f' on {lm.name}' if len(request.specs) > 1 else ''}: "
@@ -250,8 +264,11 @@ def _sweep_model(request: _Request, k: int, spec: str | None, tally: _Tally, pro
         except Exception as exc:  # noqa: BLE001 - one failing point must not lose the sweep
             if not isinstance(exc, (MethodError, ValueError)):
                 log.exception("sweep point failed (%s at %gx)", method_obj.name, ratio)
-            tally.errors.append(SweepError(name, float(ratio), f"{type(exc).__name__}: {exc}",
-                                           lm.name if len(request.specs) > 1 else ""))
+            tally.errors.append(
+                SweepError(
+                    name, float(ratio), f"{type(exc).__name__}: {exc}", lm.name if len(request.specs) > 1 else ""
+                )
+            )
         else:
             tally.results.append(res)
             tally.aware.append(method_obj.uses_question())
@@ -259,13 +276,24 @@ def _sweep_model(request: _Request, k: int, spec: str | None, tally: _Tally, pro
         finally:
             tally.done += 1
     if first is not None:
-        tally.ceilings.append(Ceiling(first.model, spec or "",
-                                      first.doc_tokens, first.context_tokens, first.answer_full, first.logppl_full,
-                                      first.prefill_s, not prefilled))
+        tally.ceilings.append(
+            Ceiling(
+                first.model,
+                spec or "",
+                first.doc_tokens,
+                first.context_tokens,
+                first.answer_full,
+                first.logppl_full,
+                first.prefill_s,
+                not prefilled,
+            )
+        )
 
 
 def not_run(exc: cancellation.Cancelled, done: int, left: list[tuple[Method, float]]) -> str:
     """What a sweep cut short by its time limit tells the user: the runs done, and those not run."""
     names = ", ".join(f"{m.name} at {r:g}x" for m, r in left[:8]) + (" and more" if len(left) > 8 else "")
-    return (f"Stopped after {exc.elapsed_s:.0f} s because {exc.why}: {done} of {done + len(left)} runs done; "
-            f"not run: {names}.")
+    return (
+        f"Stopped after {exc.elapsed_s:.0f} s because {exc.why}: {done} of {done + len(left)} runs done; "
+        f"not run: {names}."
+    )

@@ -1,4 +1,5 @@
 """One Explore run: a document, a method, a ratio and a question, measured end to end."""
+
 from __future__ import annotations
 
 import time
@@ -114,8 +115,13 @@ def sub_progress(progress: Progress, lo: float, width: float, label: str = "") -
 
 
 def checked_inputs(
-    text: str | None, file: str | None, method: str, ratio: object, question: str | None,
-    max_new_tokens: object, options: dict[str, Any] | None,
+    text: str | None,
+    file: str | None,
+    method: str,
+    ratio: object,
+    question: str | None,
+    max_new_tokens: object,
+    options: dict[str, Any] | None,
 ) -> tuple[str, Method, float, str, int]:
     """An Explore run's inputs checked (before any model work): (document, method, ratio, question, length)."""
     question = check_question(question)
@@ -141,12 +147,18 @@ def explore_key(
     per process), so a stored run is found before any model work.
     """
     document, method_obj, ratio, question, max_new_tokens = checked_inputs(
-        text, file, method, ratio, question, max_new_tokens, options)
+        text, file, method, ratio, question, max_new_tokens, options
+    )
     models.check_allowed(model or None)
     return RunKey(
-        model=model_identity(model or None), document=text_digest(document), question=question,
-        method=method_obj.name, options=options_text(method_obj.options), ratio=ratio,
-        max_new_tokens=max_new_tokens, code=code_identity(),
+        model=model_identity(model or None),
+        document=text_digest(document),
+        question=question,
+        method=method_obj.name,
+        options=options_text(method_obj.options),
+        ratio=ratio,
+        max_new_tokens=max_new_tokens,
+        code=code_identity(),
     )
 
 
@@ -168,18 +180,25 @@ def explore(
     """
     start = time.perf_counter()
     document, method_obj, ratio, question, max_new_tokens = checked_inputs(
-        text, file, method, ratio, question, max_new_tokens, options)
+        text, file, method, ratio, question, max_new_tokens, options
+    )
     progress(0.0, f"loading the model {model or ''} (the first use of a model takes a while)")
     lm = models.get_model(model or None)
     check_question_tokens(lm.tokenizer, question)
     ctx, prefilled = prepared_context(lm, document, sub_progress(progress, 0.05, 0.35))
     answered = has_evaluation(ctx, question, max_new_tokens)
     result = run(
-        ctx, method_obj, float(ratio), question, max_new_tokens, sub_progress(progress, 0.4, 0.6),
+        ctx,
+        method_obj,
+        float(ratio),
+        question,
+        max_new_tokens,
+        sub_progress(progress, 0.4, 0.6),
         record_importance=True,
     )
     return Explored(
-        result, ctx.cached(TokenTexts(), lambda: token_texts(lm.tokenizer, ctx.tokens.ids.tolist())),
+        result,
+        ctx.cached(TokenTexts(), lambda: token_texts(lm.tokenizer, ctx.tokens.ids.tolist())),
         expected_answer(question),
         method_obj.uses_question(),
         prefill_reused=not prefilled,

@@ -1,4 +1,5 @@
 """A sweep written out: CSV rows (flat) and JSON (every number, per-head errors included)."""
+
 from __future__ import annotations
 
 import csv
@@ -14,11 +15,29 @@ from kvlab.lab.compare import Sweep
 
 #: The CSV export's columns: RunResult fields (plus the method's query-awareness).
 EXPORT_FIELDS = [
-    "model", "question", "method", "ratio", "query_aware", "doc_tokens", "context_tokens", "kept_tokens_mean",
-    "bytes_full", "bytes_compressed", "memory_ratio", "attn_output_rel_err", "attn_output_rel_err_weighted",
-    "attn_mass_rel_err", "budgets",
-    "logppl_full", "logppl_compressed", "prefill_s", "compress_s", "answer_full_s", "answer_compressed_s",
-    "answer_full", "answer_compressed",
+    "model",
+    "question",
+    "method",
+    "ratio",
+    "query_aware",
+    "doc_tokens",
+    "context_tokens",
+    "kept_tokens_mean",
+    "bytes_full",
+    "bytes_compressed",
+    "memory_ratio",
+    "attn_output_rel_err",
+    "attn_output_rel_err_weighted",
+    "attn_mass_rel_err",
+    "budgets",
+    "logppl_full",
+    "logppl_compressed",
+    "prefill_s",
+    "compress_s",
+    "answer_full_s",
+    "answer_compressed_s",
+    "answer_full",
+    "answer_compressed",
 ]
 #: Downloads older than this (seconds) are removed from the export folder.
 EXPORT_KEEP_S = 3600

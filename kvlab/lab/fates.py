@@ -1,5 +1,6 @@
 """What happened to every token of a run, as light plain data a front end can keep per user;
 and one needle followed through a compression (:func:`trace_needle`)."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -77,12 +78,15 @@ class TokenFates:
             codes.append(row)
         run, ev = ex.run, ex.run.evaluation
         # The same for every method's run on this question (the full cache's attention): made once per context.
-        levels = {"question": run.ctx.cached(
-            QuestionLevels(tuple(ev.answer.ids), question=ev.question),
-            # At each layer's own scaling (Gemma 3's query_pre_attn_scalar), as the runtime attends.
-            lambda: level_bytes(question_attention(ev.queries, run.ctx.full.keys,
-                                                   [g.scaling for g in run.ctx.lm.geometry])),
-        )}
+        levels = {
+            "question": run.ctx.cached(
+                QuestionLevels(tuple(ev.answer.ids), question=ev.question),
+                # At each layer's own scaling (Gemma 3's query_pre_attn_scalar), as the runtime attends.
+                lambda: level_bytes(
+                    question_attention(ev.queries, run.ctx.full.keys, [g.scaling for g in run.ctx.lm.geometry])
+                ),
+            )
+        }
         if run.stored.importance is not None:
             levels["score"] = level_bytes(run.stored.importance)
         return cls(ex.token_texts, names, codes, levels)
@@ -121,8 +125,9 @@ def span_attention(
     out = []
     for layer, q in enumerate(queries):
         view = scored_view(stored, layer, lm)
-        weights = attention_weights(group_queries(q, view.keys.shape[0]), view.keys, view.bias,
-                                    scale=scales[layer]).mean(dim=1)  # [H_kv, L]
+        weights = attention_weights(
+            group_queries(q, view.keys.shape[0]), view.keys, view.bias, scale=scales[layer]
+        ).mean(dim=1)  # [H_kv, L]
         hit = (view.token_index.unsqueeze(-1) == positions.to(view.token_index.device)).float()  # [H_kv, L, P]
         out.append(torch.einsum("hl,hlp->hp", weights, hit).cpu())
     return out
@@ -165,8 +170,14 @@ class NeedleTrace:
 
 
 def trace_needle(
-    ctx: Context, stored: CompressedKV, prompt_ids: torch.Tensor, span: str, value: str,
-    max_new_tokens: int, label: str, ratio: float,
+    ctx: Context,
+    stored: CompressedKV,
+    prompt_ids: torch.Tensor,
+    span: str,
+    value: str,
+    max_new_tokens: int,
+    label: str,
+    ratio: float,
 ) -> NeedleTrace:
     """Follow the tokens of ``span`` (a text of the context, e.g. the needle sentence, holding ``value``)
     through ``stored``, the context's cache compressed by ``label`` at ``ratio``.
@@ -198,11 +209,26 @@ def trace_needle(
     shares = span_attention(queries, stored, positions, scales, lm)
     fates = []
     for layer in range(stored.n_layers):
-        fates.append([[kept.get(i, EVICTED) for i in index]
-                      for kept in (stored.fates(layer, h) for h in range(shares[layer].shape[0]))])
+        fates.append(
+            [
+                [kept.get(i, EVICTED) for i in index]
+                for kept in (stored.fates(layer, h) for h in range(shares[layer].shape[0]))
+            ]
+        )
     return NeedleTrace(
-        label, ratio, value, [pieces[i] for i in index], index, [i in in_value for i in index], fates,
-        [s.tolist() for s in shares_full], [s.tolist() for s in shares],
-        answer_pieces, [i in answer_value for i in range(len(full.ids))],
-        list(full.logprobs), drafted.draft_logprobs.tolist(), full.text, drafted.generation.text,
+        label,
+        ratio,
+        value,
+        [pieces[i] for i in index],
+        index,
+        [i in in_value for i in index],
+        fates,
+        [s.tolist() for s in shares_full],
+        [s.tolist() for s in shares],
+        answer_pieces,
+        [i in answer_value for i in range(len(full.ids))],
+        list(full.logprobs),
+        drafted.draft_logprobs.tolist(),
+        full.text,
+        drafted.generation.text,
     )

@@ -6,6 +6,7 @@ reference's text teacher-forced, so its log-probabilities of the reference
 text can be compared position by position. When the prompt is the copy-codes
 task's (kvlab.tasks.copying), every answer is scored too.
 """
+
 from __future__ import annotations
 
 import time
@@ -108,7 +109,14 @@ def _beside(lm, name: str, run: BoundedRun, forced: list[float], reference: list
     split = len(pieces) if cut is None else cut
     logppl = -sum(forced) / len(forced) if forced else 0.0
     return MethodGeneration(
-        name, policy_class(name).label, run, forced, cut, logppl, "".join(pieces[:split]), "".join(pieces[split:]),
+        name,
+        policy_class(name).label,
+        run,
+        forced,
+        cut,
+        logppl,
+        "".join(pieces[:split]),
+        "".join(pieces[split:]),
         score_copy(run.text, codes) if codes else None,
     )
 
@@ -159,11 +167,13 @@ def generate(
         def report(tokens: int) -> None:
             if tokens % 8 == 0:
                 progress(min(1.0, (done + tokens) / total), f"{desc}: {tokens} tokens")
+
         return report
 
     progress(0.01, f"{REFERENCE}: reading {ids.numel()} prompt tokens")
-    ref_run = run_policy(make_policy(REFERENCE, lm, None, protected), ids, max_new_tokens,
-                         on_token=reporter(f"{REFERENCE}, writing"))
+    ref_run = run_policy(
+        make_policy(REFERENCE, lm, None, protected), ids, max_new_tokens, on_token=reporter(f"{REFERENCE}, writing")
+    )
     done += max_new_tokens
     reference = _beside(lm, REFERENCE, ref_run, ref_run.logprobs, ref_run.ids, codes)
     budget = int(budget) if budget is not None else max(1, (ids.numel() + len(ref_run.ids)) // 4)
@@ -172,11 +182,21 @@ def generate(
         label = policy_class(name).label
         # Each policy's run is a unit of the request: others' runs may take the compute slot in between.
         cancellation.between_units(f"{len(out.runs) + 1} of {1 + len(chosen)} methods written")
-        run = run_policy(make_policy(name, lm, budget, protected), ids, max_new_tokens,
-                         on_token=reporter(f"{label}, writing"))
+        run = run_policy(
+            make_policy(name, lm, budget, protected), ids, max_new_tokens, on_token=reporter(f"{label}, writing")
+        )
         done += max_new_tokens
-        forced = run_policy(make_policy(name, lm, budget, protected), ids, len(ref_run.ids), forced=ref_run.ids,
-                            on_token=reporter(f"{label}, re-reading the unbounded text")) if ref_run.ids else None
+        forced = (
+            run_policy(
+                make_policy(name, lm, budget, protected),
+                ids,
+                len(ref_run.ids),
+                forced=ref_run.ids,
+                on_token=reporter(f"{label}, re-reading the unbounded text"),
+            )
+            if ref_run.ids
+            else None
+        )
         done += max_new_tokens
         out.runs.append(_beside(lm, name, run, forced.logprobs if forced else [], ref_run.ids, codes))
     progress(1.0, "done")
@@ -188,13 +208,26 @@ def generation_record(g: Generated) -> dict:
     """A Generated as plain data (the CLI's --json and the benchmark): one entry per method, the reference first."""
     methods = []
     for m in [g.reference, *g.runs]:
-        methods.append({
-            "method": m.method, "divergence": m.divergence, "logppl": m.logppl,
-            "task_f1": None if m.task is None else m.task.f1,
-            "task_in_order": None if m.task is None else m.task.in_order,
-            "events": len(m.run.events), "max_keys": m.run.max_size,
-            "bytes_end": m.run.nbytes[-1] if m.run.nbytes else 0, "tokens": len(m.run.ids),
-            "tokens_per_s": m.run.tokens_per_s, "text": m.run.text,
-        })
-    return {"model": g.model, "prompt_tokens": g.prompt_tokens, "budget": g.budget,
-            "max_new_tokens": g.max_new_tokens, "wall_s": g.wall_s, "methods": methods}
+        methods.append(
+            {
+                "method": m.method,
+                "divergence": m.divergence,
+                "logppl": m.logppl,
+                "task_f1": None if m.task is None else m.task.f1,
+                "task_in_order": None if m.task is None else m.task.in_order,
+                "events": len(m.run.events),
+                "max_keys": m.run.max_size,
+                "bytes_end": m.run.nbytes[-1] if m.run.nbytes else 0,
+                "tokens": len(m.run.ids),
+                "tokens_per_s": m.run.tokens_per_s,
+                "text": m.run.text,
+            }
+        )
+    return {
+        "model": g.model,
+        "prompt_tokens": g.prompt_tokens,
+        "budget": g.budget,
+        "max_new_tokens": g.max_new_tokens,
+        "wall_s": g.wall_s,
+        "methods": methods,
+    }

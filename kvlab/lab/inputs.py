@@ -7,6 +7,7 @@ whose message is fit to show as is (:class:`InputError`, or
 kvlab.documents.DocumentError for documents; an unknown method name is
 kvlab.methods.MethodError).
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,18 +41,14 @@ def document_text(text: str | None, file: str | None) -> str:
         return clean_text(check_document_length(text))
     if file:
         return check_document_length(read_document(file))
-    raise DocumentError(
-        "There is no document: pick an example, paste some text or upload a .txt, .md or .pdf file."
-    )
+    raise DocumentError("There is no document: pick an example, paste some text or upload a .txt, .md or .pdf file.")
 
 
 def check_document_length(text: str) -> str:
     """``text`` itself; DocumentError when it has more characters than ``KVLAB_MAX_DOCUMENT_CHARS``."""
     limit = limits.LIMITS.document_chars
     if len(text) > limit:
-        raise DocumentError(
-            f"The document has {len(text):,} characters; the limit here is {limit:,}: shorten it."
-        )
+        raise DocumentError(f"The document has {len(text):,} characters; the limit here is {limit:,}: shorten it.")
     return text
 
 

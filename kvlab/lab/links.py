@@ -14,6 +14,7 @@ default there and :attr:`Link.notes` says so (one line each), never an error.
 Pure functions on strings, no gradio: :mod:`kvlab.ui.app` applies a
 :class:`Link` to the widgets at page load.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,8 +24,19 @@ from urllib.parse import urlencode
 
 TABS = ("explore", "compare", "generate", "learn")
 #: Parameters a link may carry; anything else gets a note.
-PARAMETERS = ("tab", "example", "question", "method", "methods", "ratio", "ratios", "budget", "source", "model",
-              "models")
+PARAMETERS = (
+    "tab",
+    "example",
+    "question",
+    "method",
+    "methods",
+    "ratio",
+    "ratios",
+    "budget",
+    "source",
+    "model",
+    "models",
+)
 SOURCES = ("prompt", "document")
 
 
@@ -113,7 +125,9 @@ def _read_methods(got: dict[str, str], tab: str, choices: LinkChoices, values: d
     names = _names(got.get("methods") or got.get("method") or "")
     unknown = [n for n in names if n not in offered]
     if unknown:
-        notes.append(f"method {', '.join(f'`{n}`' for n in unknown)} is not offered here (one of {', '.join(offered)}).")
+        notes.append(
+            f"method {', '.join(f'`{n}`' for n in unknown)} is not offered here (one of {', '.join(offered)})."
+        )
     known = tuple(dict.fromkeys(n for n in names if n in offered))
     if tab == "explore" and known:
         values["method"] = known[0]

@@ -6,6 +6,7 @@ preparation is still going waits for it rather than doing it again
 (kvlab.context_store.ContextStore keeps one computation per document in flight,
 and recorded query sources are made once per context under its lock).
 """
+
 from __future__ import annotations
 
 import time
@@ -78,6 +79,5 @@ def prepare_document(
         answer_s = evaluation(ctx, asked, length).answer_s
     progress(1.0, "ready")
     return Prepared(
-        lm.name, method_obj.name, ctx.doc_len, ctx.prefill_s, prefilled, method_s, time.perf_counter() - start,
-        answer_s,
+        lm.name, method_obj.name, ctx.doc_len, ctx.prefill_s, prefilled, method_s, time.perf_counter() - start, answer_s
     )

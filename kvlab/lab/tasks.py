@@ -4,6 +4,7 @@ The front ends show what these return (accuracy against ratio with the full
 cache's ceiling and no_context's floor, needle heatmaps, the table); the
 task definitions, the runner and the figures live in kvlab.tasks.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -79,8 +80,10 @@ def answered(
         if exc.reason != cancellation.TIME or not results:
             raise
         total = len(items) * (1 + len(Plan.of([MethodSpec(name) for name in methods], ratios).runs))
-        return results, (f"Stopped after {exc.elapsed_s:.0f} s because {exc.why}: {len(results)} of {total} "
-                         f"answers given; the other {total - len(results)} were not run.")
+        return results, (
+            f"Stopped after {exc.elapsed_s:.0f} s because {exc.why}: {len(results)} of {total} "
+            f"answers given; the other {total - len(results)} were not run."
+        )
     return results, ""
 
 
@@ -114,8 +117,9 @@ def run_tasks(
         raise InputError(str(exc)) from exc
     results, stopped = answered(lm, items, methods, ratios, sub_progress(progress, 0.02, 0.98))
     label = f"{task} on a {haystack} haystack" if TASKS[task].needles else task
-    return TaskRun(results, summarise(results), f"live: {label}, {len(items)} items", time.perf_counter() - start,
-                   stopped)
+    return TaskRun(
+        results, summarise(results), f"live: {label}, {len(items)} items", time.perf_counter() - start, stopped
+    )
 
 
 def needle_test(
@@ -144,8 +148,9 @@ def needle_test(
     progress(0.0, "loading the model")
     lm = models.get_model(model or None)
     results, stopped = answered(lm, items, methods, ratios, sub_progress(progress, 0.02, 0.98))
-    return TaskRun(results, summarise(results), f"needle test, {len(spots)} depths", time.perf_counter() - start,
-                   stopped)
+    return TaskRun(
+        results, summarise(results), f"needle test, {len(spots)} depths", time.perf_counter() - start, stopped
+    )
 
 
 def load_results(paths: Sequence[str]) -> TaskRun:

@@ -6,6 +6,7 @@ figures are drawn from, and nothing else. A RunView is what the result store
 keeps, what a ZeroGPU worker returns (it pickles), and what ``kvlab warm``
 computes ahead of a workshop; no gradio here.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,8 +59,7 @@ def summary_markdown(ex: Explored) -> str:
         f"of its layer's output), mass {r.attn_mass_rel_err:.3f}. "
         f"{prefill} Compression {r.compress_s:.2f} s"
         f"{' (reused: same method, options and ratio as an earlier run)' if ex.run.compression_reused else ''}; "
-        f"this run took {ex.wall_s:.1f} s in all."
-        + (f"\n\n**{r.numerics_warning}**" if r.numerics_warning else "")
+        f"this run took {ex.wall_s:.1f} s in all." + (f"\n\n**{r.numerics_warning}**" if r.numerics_warning else "")
     )
 
 
@@ -148,7 +148,12 @@ def present(ex: Explored) -> RunView:
     timings, notes = stage_timings(ex)
     fitted = ex.run.fitted_biases() if r.details.get("train_attn_output_rel_err") is not None else None
     return RunView(
-        (summary_markdown(ex), r.answer_full, r.answer_compressed, figures.word_diff(r.answer_full, r.answer_compressed)),
+        (
+            summary_markdown(ex),
+            r.answer_full,
+            r.answer_compressed,
+            figures.word_diff(r.answer_full, r.answer_compressed),
+        ),
         TokenFates.of(ex),
         r,
         timings,
@@ -177,9 +182,9 @@ def verdict_mark(right: bool) -> str:
 #: The line a page shows above a run's summary when it did not compute the run itself (kvlab.results.Served).
 SERVED_NOTES = {
     "stored": "**Served from the result store**: this configuration was computed before (in {wall_s:.1f} s); "
-              "nothing was recomputed, so the times below are those of that run.",
+    "nothing was recomputed, so the times below are those of that run.",
     "shared": "**Shared computation**: another page asked for this configuration at the same time; both show "
-              "that one computation.",
+    "that one computation.",
 }
 
 

@@ -18,6 +18,7 @@ the page's Run would compute for it (the same kvlab.results.RunKey), so a
 warmed configuration is answered from the store at once. :func:`warm` skips
 what is stored already: a warm that stopped half way goes on where it stopped.
 """
+
 from __future__ import annotations
 
 import time
@@ -76,10 +77,16 @@ class Warmed:
 
 
 def _link_item(text: str, line: int, by_id: dict[str, Example], default_model: str | None) -> WarmItem:
-    query = text[text.index("?") + 1:] if "?" in text else text
-    choices = LinkChoices(examples=tuple(by_id), methods=tuple(sorted(REGISTRY)), ratio_range=(MIN_RATIO, MAX_RATIO),
-                          sweep_ratios=(), sweep_range=(MIN_RATIO, MAX_RATIO), generate_methods=(),
-                          models=(default_model,) if default_model else ())
+    query = text[text.index("?") + 1 :] if "?" in text else text
+    choices = LinkChoices(
+        examples=tuple(by_id),
+        methods=tuple(sorted(REGISTRY)),
+        ratio_range=(MIN_RATIO, MAX_RATIO),
+        sweep_ratios=(),
+        sweep_range=(MIN_RATIO, MAX_RATIO),
+        generate_methods=(),
+        models=(default_model,) if default_model else (),
+    )
     link = parse_link(dict(parse_qsl(query, keep_blank_values=True)), choices)
     if link.notes:
         raise SheetError(f"line {line}: {' '.join(link.notes)}")
@@ -104,8 +111,9 @@ def _plain_item(text: str, line: int, by_id: dict[str, Example], default_model: 
     if example_id not in by_id:
         raise SheetError(f"line {line}: example {example_id!r} is not bundled (one of {', '.join(by_id)})")
     ex = by_id[example_id]
-    return WarmItem(line, ex.id, parts[3].strip() if len(parts) > 3 else ex.questions[0], name, options, ratio,
-                    default_model)
+    return WarmItem(
+        line, ex.id, parts[3].strip() if len(parts) > 3 else ex.questions[0], name, options, ratio, default_model
+    )
 
 
 def parse_sheet(text: str, default_model: str | None = None, pool: list[Example] | None = None) -> list[WarmItem]:
@@ -143,14 +151,32 @@ def _document(item: WarmItem) -> str:
 
 def item_key(item: WarmItem) -> RunKey:
     """The configuration's key: the one the page's Run computes for the same inputs."""
-    return explore_key(_document(item), None, item.method, item.ratio, item.question, DEFAULT_MAX_NEW_TOKENS,
-                       dict(item.options), item.model)
+    return explore_key(
+        _document(item),
+        None,
+        item.method,
+        item.ratio,
+        item.question,
+        DEFAULT_MAX_NEW_TOKENS,
+        dict(item.options),
+        item.model,
+    )
 
 
 def compute(item: WarmItem) -> RunView:
     """What the page's Run computes for the configuration (kvlab.lab.views.RunView)."""
-    return present(explore(_document(item), None, item.method, item.ratio, item.question, DEFAULT_MAX_NEW_TOKENS,
-                           dict(item.options), model=item.model))
+    return present(
+        explore(
+            _document(item),
+            None,
+            item.method,
+            item.ratio,
+            item.question,
+            DEFAULT_MAX_NEW_TOKENS,
+            dict(item.options),
+            model=item.model,
+        )
+    )
 
 
 def warm(

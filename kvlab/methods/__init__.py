@@ -6,6 +6,7 @@ each registering its method: a method is a file here and nothing else. What the 
 of methods shares (the shared scorers, a family's base and machinery) is kvlab.methods.families, a
 subpackage that discovery skips. A method imports those, never another method.
 """
+
 from kvlab.compression.interface import Method
 from kvlab.compression.options import MethodError
 from kvlab.compression.registry import REGISTRY, discover, get_method, method_class

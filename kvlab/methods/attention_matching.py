@@ -13,6 +13,7 @@ on-policy): on-policy fitting reads the document once more per layer, which
 on a CPU multiplies the compression time by the number of layers, for what
 the paper reports as a small gain.
 """
+
 from __future__ import annotations
 
 from kvlab.compression.interface import Method
@@ -42,7 +43,7 @@ class AttentionMatching(QuerySourced, Method):
         "matching pursuit (`key_selection`), fit $w=e^{\\beta}$ by non-negative least squares on the mass "
         "($\\beta$ bounded to $[-3,3]$ for HighestAttnKeys as published, to [`drop_below`, 7] for OMP), "
         "then fit $C_v$ by least squares on the outputs. $e^{\\beta_j}$ reads as "
-        "\"how many original keys' worth of mass key $j$ stands for\". The reference queries come from "
+        '"how many original keys\' worth of mass key $j$ stands for". The reference queries come from '
         "`query_source`: a *repeat-prefill* (the model is asked to repeat the document and its queries while "
         "re-reading it are recorded), the prefill itself, self-study answers or random vectors; your question "
         "is used only with `query_source=question`.\n\n"

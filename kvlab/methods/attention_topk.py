@@ -1,4 +1,5 @@
 """Attention Matching's key selection alone (Zweiger, Fu, Guo, Kim, 2026): the paper's eviction baseline."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,13 +12,7 @@ from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.compression.selection import SelectionOptions
 from kvlab.kernels import dispatch as kernels
-from kvlab.methods.families.am_recipe import (
-    PAPER,
-    QuerySourced,
-    ScoredOptions,
-    fitting_queries,
-    reference_queries,
-)
+from kvlab.methods.families.am_recipe import PAPER, QuerySourced, ScoredOptions, fitting_queries, reference_queries
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ queries form the recent part and the earlier ones the beacon history; with
 the other two, the beacons are sampled from that source's queries and the
 recent part is still the document's last queries.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,10 @@ from kvlab.runtime.cache import CompressedKV
 @register
 class BeaconKV(BeaconBase):
     name = "beaconkv"
-    summary = ("eviction: score = max attention from the recent and the beacon queries (cosine FPS over the "
-               "pre-RoPE query history, re-rotated to now), max over the GQA group; template + recent window kept")
+    summary = (
+        "eviction: score = max attention from the recent and the beacon queries (cosine FPS over the "
+        "pre-RoPE query history, re-rotated to now), max over the GQA group; template + recent window kept"
+    )
     learn = (
         "Eviction guided by *beacon queries*: some decoding steps look far back (e.g. to an early plan) and "
         "their queries fall into a few clusters. Per query head, `n_beacons` past queries are chosen by "

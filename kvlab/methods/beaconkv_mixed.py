@@ -3,6 +3,7 @@ tokens the beacons select (scored as in ``beaconkv``) stay at full precision, th
 at 4 or 2 bits (KIVI, :class:`~kvlab.runtime.quant_segment.QuantSegment`) or evicted; the ratio is a
 *memory* ratio (bytes stored ~= full bytes / ratio, kvlab.methods.families.memory_plan).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,8 +30,10 @@ class BeaconMixedOptions(BeaconOptions):
 @register
 class BeaconKVMixed(BeaconBase):
     name = "beaconkv_mixed"
-    summary = ("mixed precision: beacon-selected tokens + recent window at full precision, the rest "
-               "quantised (KIVI) or evicted; the ratio is a memory ratio (bytes stored ~ full bytes / ratio)")
+    summary = (
+        "mixed precision: beacon-selected tokens + recent window at full precision, the rest "
+        "quantised (KIVI) or evicted; the ratio is a memory ratio (bytes stored ~ full bytes / ratio)"
+    )
     learn = (
         "The reading of BeaconKV in this project's source article: the tokens the beacons select (scored as "
         "in `beaconkv`) and the last `window` tokens stay at full precision; what `rest` says happens to all "
@@ -53,8 +56,7 @@ class BeaconKVMixed(BeaconBase):
         layers = []
         for i, s in enumerate(scores):
             splits = [
-                split_head(s[h], int(plan.n_fp[i, h]), int(plan.n_quant[i, h]), opts.window)
-                for h in range(s.shape[0])
+                split_head(s[h], int(plan.n_fp[i, h]), int(plan.n_quant[i, h]), opts.window) for h in range(s.shape[0])
             ]
             layers.append(build_layer(ctx, i, splits, bits, opts.group_size))
         stored = CompressedKV(layers, ctx.length, meta={}, importance=document_importance(req, scores))

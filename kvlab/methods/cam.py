@@ -20,6 +20,7 @@ token a step evicts; its batched one the ``compression_interval`` best-scored ev
 a single compression evicts them all at once). kvpress keeps one token set for all heads (the
 scores' mean over heads); kvlab keeps each head's own top budget, as its other scorers do.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -97,7 +98,8 @@ def cam_merge(
 @dataclass(frozen=True)
 class CaMOptions(SelectionOptions):
     scorer: Literal["h2o", "streaming_llm", "knorm", "snapkv", "tova"] = knob(
-        "h2o", "the scoring method that decides which tokens stay (kvpress's base_press; the paper: H2O's)")
+        "h2o", "the scoring method that decides which tokens stay (kvpress's base_press; the paper: H2O's)"
+    )
     merge_budget: int = knob(32, "kept tokens after an evicted one that share its value (the paper's m)", low=1)
     seed: int = knob(0, "seed of the Bernoulli merge draws (same seed, same merges)", low=0)
 
@@ -116,9 +118,13 @@ class CaM(MergingMethod):
         "(the paper's cumulative attention during decoding); keys stay as they are. Kept tokens that "
         "absorbed a value are shown as *merged*."
     )
-    paper = Paper("Zhang et al.", 2024, "CaM: Cache Merging for Memory-efficient LLMs Inference",
-                  url="https://openreview.net/forum?id=LCTmppB165",
-                  note="ICML 2024; kvpress's CAMPress, applied once after the prefill")
+    paper = Paper(
+        "Zhang et al.",
+        2024,
+        "CaM: Cache Merging for Memory-efficient LLMs Inference",
+        url="https://openreview.net/forum?id=LCTmppB165",
+        note="ICML 2024; kvpress's CAMPress, applied once after the prefill",
+    )
     family = "merging"
     # Bernoulli draws against p compare two float32 numbers computed from bf16 keys: a p within a
     # few roundings of its draw flips one merge, as near ties flip a kept token.
@@ -132,7 +138,9 @@ class CaM(MergingMethod):
         "cam_tova": {"scorer": "tova"},
     }
 
-    def fold(self, req: Request, layer: int, kept_index: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def fold(
+        self, req: Request, layer: int, kept_index: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx = req.ctx
         attention = h2o_scores(req)[layer]  # [H_kv, T_doc]
         kept = kept_mask(kept_index, lengths, ctx.doc_len)

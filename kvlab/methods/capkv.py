@@ -13,6 +13,7 @@ tokens (kvpress's numerical choices: the paper's dot products are unnormalised),
 A = I + sum_i (w_i + epsilon) v_i v_i^T, one [d, d] matrix per query head, over every context
 token but the sinks; scores averaged over each KV head's group; the sinks are kept.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,8 +40,9 @@ class CapKVOptions(SelectionOptions):
     epsilon: float = knob(1e-6, "added to the weights inside the capacity matrix", low=0.0)
 
 
-def capacity_scores(anchor: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tau: float,
-                    epsilon: float) -> torch.Tensor:
+def capacity_scores(
+    anchor: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tau: float, epsilon: float
+) -> torch.Tensor:
     """w_i v_i^T A^{-1} v_i per query head: anchor [H, d], keys and values [H, T, d] -> [H, T] float32."""
     cos = torch.einsum("hd,htd->ht", F.normalize(anchor.float(), dim=-1), F.normalize(keys.float(), dim=-1))
     logits = tau * cos.clamp(-1.0, 1.0)
@@ -72,8 +74,9 @@ def capkv_scores(req: Request, opts: CapKVOptions) -> list[torch.Tensor]:
         values = expand_kv_heads(ctx.full.values[layer][:, sink:], q.shape[0])
         score = pool_group(capacity_scores(anchor, keys, values, opts.tau, opts.epsilon), lm.n_kv_heads, "mean")
         doc_sinks = max(0, sink - ctx.prefix_len)
-        score = torch.cat([score.new_zeros(score.shape[0], doc_sinks), score[:, max(0, ctx.prefix_len - sink) :]],
-                          dim=1)
+        score = torch.cat(
+            [score.new_zeros(score.shape[0], doc_sinks), score[:, max(0, ctx.prefix_len - sink) :]], dim=1
+        )
         out.append(protect(score, slice(0, doc_sinks)))
     return out
 
@@ -89,8 +92,13 @@ class CapKV(EvictionMethod):
         "$\\bar\\mu_q$ the mean context query rotated by the RoPE averaged over the next `n_future_positions` "
         "positions. A token like many others adds little capacity, however much it is read."
     )
-    paper = Paper("Yang, Tang, Zhen, Lv", 2026, "Rethinking KV Cache Eviction via a Unified Information-Theoretic "
-                  "Objective", arxiv="2604.25975", note="CapKV")
+    paper = Paper(
+        "Yang, Tang, Zhen, Lv",
+        2026,
+        "Rethinking KV Cache Eviction via a Unified Information-Theoretic Objective",
+        arxiv="2604.25975",
+        note="CapKV",
+    )
     family = "selection"
     bf16_tolerance = "near_ties"
     Options = CapKVOptions

@@ -13,6 +13,7 @@ fixes it at ``blending``.
 The differences from kvpress's non-causal half (the attention scale, the last chunk) are
 non_causal_attn's; the sketch is leverage's (seeded CPU draw).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,7 +34,9 @@ from kvlab.methods.families.scorers import gaussian_sketches, leverage, non_caus
 class CompactorOptions(SelectionOptions):
     sink_size_start: int = knob(8, "first context tokens always kept, outside the scoring", low=0)
     sink_size_end: int = knob(4, "last context tokens always kept, outside the scoring", low=0)
-    attention_chunk: int = knob(256, "non-causal attention: consecutive tokens per chunk; queries attend to every key of their chunk", low=1)
+    attention_chunk: int = knob(
+        256, "non-causal attention: consecutive tokens per chunk; queries attend to every key of their chunk", low=1
+    )
     sketch_dimension: int = knob(48, "leverage: columns of the Gaussian sketch", low=1)
     blend_by_ratio: bool = knob(True, "lambda = the share of document tokens evicted, 1 - 1/ratio (kvpress's default)")
     blending: float = knob(0.35, "lambda, the weight of the leverage z-scores, when blend_by_ratio=false", low=0.0)
@@ -62,12 +65,19 @@ def compactor_parts(req: Request, opts: CompactorOptions) -> list[tuple[torch.Te
         out = []
         for i, q in enumerate(ctx.queries["context"]):
             lev = leverage(pre_rope_keys(req, i)[:, start:end], sketches[i])
-            att = non_causal_layer(q[:, start:end], ctx.full.keys[i][:, start:end], ctx.full.values[i][:, start:end],
-                                   opts.attention_chunk, lm.geometry[i].scaling)
+            att = non_causal_layer(
+                q[:, start:end],
+                ctx.full.keys[i][:, start:end],
+                ctx.full.values[i][:, start:end],
+                opts.attention_chunk,
+                lm.geometry[i].scaling,
+            )
             out.append((z_score(lev), z_score(att)))
         return out
 
-    key = CompactorParts(opts.sink_size_start, opts.sink_size_end, opts.attention_chunk, opts.sketch_dimension, opts.seed)
+    key = CompactorParts(
+        opts.sink_size_start, opts.sink_size_end, opts.attention_chunk, opts.sketch_dimension, opts.seed
+    )
     return ctx.cached(key, make)
 
 
@@ -88,8 +98,12 @@ class Compactor(EvictionMethod):
         "$\\lambda$ the share of tokens evicted, $1-1/r$ (or `blending`). The first `sink_size_start` and last "
         "`sink_size_end` context tokens are kept and left out of the scoring."
     )
-    paper = Paper("Chari, Van Durme", 2025, "Compactor: Calibrated Query-Agnostic KV Cache Compression with "
-                  "Approximate Leverage Scores", arxiv="2507.08143")
+    paper = Paper(
+        "Chari, Van Durme",
+        2025,
+        "Compactor: Calibrated Query-Agnostic KV Cache Compression with Approximate Leverage Scores",
+        arxiv="2507.08143",
+    )
     family = "selection"
     bf16_tolerance = "near_ties"
     Options = CompactorOptions

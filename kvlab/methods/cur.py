@@ -14,6 +14,7 @@ As kvpress, the windows start at the context's first token (the template
 prefix included). kvpress's optional random Gaussian sketch of the rows
 (``use_random_leverage``, off by default) is not offered.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,7 +36,8 @@ from kvlab.compression.selection import SelectionOptions
 class CUROptions(SelectionOptions):
     num_sinks: int = knob(4, "first context tokens always kept (attention sinks)", low=0)
     leverage_type: Literal["kv_product", "kv_avg", "key", "value"] = knob(
-        "kv_product", "combine key and value leverages: product, mean, or one of them")
+        "kv_product", "combine key and value leverages: product, mean, or one of them"
+    )
     use_local_approximation: bool = knob(True, "normalise the squared norms within local windows")
     local_window_size: int = knob(16, "tokens per local window", low=1)
 
@@ -70,8 +72,12 @@ class CUR(EvictionMethod):
         "normalised over the context; the first `num_sinks` tokens are kept."
     )
     paper = Paper(
-        "Sengupta, Chowdhury, Goyal, Chakraborty", 2025,
-        "Value-Guided KV Compression for LLMs via Approximated CUR Decomposition", arxiv="2509.15038", note="CurDKV")
+        "Sengupta, Chowdhury, Goyal, Chakraborty",
+        2025,
+        "Value-Guided KV Compression for LLMs via Approximated CUR Decomposition",
+        arxiv="2509.15038",
+        note="CurDKV",
+    )
     family = "selection"
     bf16_tolerance = "same_tokens"
     Options = CUROptions

@@ -18,6 +18,7 @@ recovered exactly by rotating back with the model's own RoPE tables
 (kvlab.runtime.rope). The scores, their options and the query statistics are shared (capkv reads
 the statistics, the merging family's ``scorer`` the scores): kvlab.methods.families.scorers.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,7 +33,9 @@ from kvlab.methods.families.scorers import ExpectedAttentionOptions, expected_at
 @register
 class ExpectedAttention(EvictionMethod):
     name = "expected_attention"
-    summary = "attention expected from future queries (mean + covariance of the context's queries, averaged RoPE) x ||v||"
+    summary = (
+        "attention expected from future queries (mean + covariance of the context's queries, averaged RoPE) x ||v||"
+    )
     learn = (
         "Estimates the attention future queries will pay, without computing any attention matrix. The "
         "context's queries are summarised per head by their mean $\\mu$ and covariance $\\Sigma$; with "
@@ -42,9 +45,11 @@ class ExpectedAttention(EvictionMethod):
         "(softmax over the keys, times the size of what the key would contribute)."
     )
     paper = Paper(
-        "Devoto, Jeblick, Jégou", 2025,
+        "Devoto, Jeblick, Jégou",
+        2025,
         "Expected Attention: KV Cache Compression by Estimating Attention from Future Queries Distribution",
-        arxiv="2510.00636")
+        arxiv="2510.00636",
+    )
     family = "selection"
     bf16_tolerance = "near_ties"
     Options = ExpectedAttentionOptions

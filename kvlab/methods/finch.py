@@ -14,6 +14,7 @@ wrappers' ``rerotate=true`` here (preset ``key_rerotation``). Not here: kvpress'
 (the document compressed chunk by chunk, each keeping its share). kvlab never stores the
 question, so there is no window to keep.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -87,8 +88,13 @@ class Finch(EvictionMethod):
         "$$s_j=\\tfrac1{|g|}\\sum_{h\\in g}\\tfrac1{|W|}\\sum_{i\\in W}p_i\\,a^{(h)}_{ij}.$$ "
         "Top B per head; the cache is rebuilt for every question."
     )
-    paper = Paper("Corallo, Papotti", 2024, "FINCH: Prompt-guided Key-Value Cache Compression for Large Language "
-                  "Models", url="https://direct.mit.edu/tacl/article/doi/10.1162/tacl_a_00716/125280", note="TACL")
+    paper = Paper(
+        "Corallo, Papotti",
+        2024,
+        "FINCH: Prompt-guided Key-Value Cache Compression for Large Language Models",
+        url="https://direct.mit.edu/tacl/article/doi/10.1162/tacl_a_00716/125280",
+        note="TACL",
+    )
     family = "selection"
     bf16_tolerance = "near_ties"
     query_aware = True

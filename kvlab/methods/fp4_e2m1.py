@@ -17,6 +17,7 @@ Ratio semantics: those of the engine formats (:mod:`kvlab.methods.fp8_e4m3`): ra
 cache; above it every token is stored in FP4, and if the cache is still above full bytes / ratio,
 document tokens are evicted (``evict_with``) until it fits.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,9 +33,11 @@ from kvlab.runtime.engine_formats import FP4Segment
 @register
 class KVFP4(FP4Format):
     name = "fp4_e2m1"
-    summary = ("SGLang's FP4 KV cache (--kv-cache-dtype fp4_e2m1): e2m1 codes with a power-of-two scale per block "
-               "of 16 head-dim channels, made on the fly; the ratio only caps the memory (evicting the oldest or "
-               "a scorer's lowest)")
+    summary = (
+        "SGLang's FP4 KV cache (--kv-cache-dtype fp4_e2m1): e2m1 codes with a power-of-two scale per block "
+        "of 16 head-dim channels, made on the fly; the ratio only caps the memory (evicting the oldest or "
+        "a scorer's lowest)"
+    )
     learn = (
         "Stores every key and value element as a 4-bit e2m1 code (a sign and the magnitudes 0, 0.5, 1, 1.5, 2, 3, "
         "4, 6), two per byte, as SGLang's `--kv-cache-dtype fp4_e2m1` does (its MXFP4-style KV cache, with blocks "
@@ -50,12 +53,22 @@ class KVFP4(FP4Format):
         "dtype). " + EVICT_LEARN
     )
     paper = Paper(
-        "SGLang", None, "Quantized KV Cache (--kv-cache-dtype fp4_e2m1, FP4MXBlock16KVQuantizeUtil)",
-        url="https://github.com/sgl-project/sglang/blob/main/docs/advanced_features/quantized_kv_cache.md")
+        "SGLang",
+        None,
+        "Quantized KV Cache (--kv-cache-dtype fp4_e2m1, FP4MXBlock16KVQuantizeUtil)",
+        url="https://github.com/sgl-project/sglang/blob/main/docs/advanced_features/quantized_kv_cache.md",
+    )
     family = "engine formats"
     bf16_tolerance = "code_flips"  # e2m1 codes flip like NVFP4's
     layer_scales = 0  # no per-tensor scales: every byte beside the template goes to tokens
 
-    def store(self, ctx: Context, layer: int, keys: torch.Tensor, values: torch.Tensor,
-              lengths: torch.Tensor, index: torch.Tensor) -> Segment:
+    def store(
+        self,
+        ctx: Context,
+        layer: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        index: torch.Tensor,
+    ) -> Segment:
         return FP4Segment.quantize(keys, values, lengths, index)

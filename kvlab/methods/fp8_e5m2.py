@@ -9,6 +9,7 @@ largest rounds to inf), which is why :func:`~kvlab.runtime.engine_formats.fp8_en
 first. ``--calculate-kv-scales`` uses the same divisors as for e4m3 (``Attention.calc_kv_scales``
 does not look at the format).
 """
+
 from __future__ import annotations
 
 from kvlab.compression.paper import Paper
@@ -20,8 +21,10 @@ from kvlab.methods.families.engine_format import EVICT_LEARN, FP8_SCALE_LEARN, F
 class FP8E5M2(FP8Format):
     name = "fp8_e5m2"
     fp8 = "e5m2"
-    summary = ("vLLM's FP8 KV cache, e5m2 (--kv-cache-dtype fp8_e5m2): every key and value one byte with a "
-               "per-tensor scale per layer; the ratio only caps the memory (evicting the oldest or a scorer's lowest)")
+    summary = (
+        "vLLM's FP8 KV cache, e5m2 (--kv-cache-dtype fp8_e5m2): every key and value one byte with a "
+        "per-tensor scale per layer; the ratio only caps the memory (evicting the oldest or a scorer's lowest)"
+    )
     learn = (
         "Stores every key and value element as one float8 e5m2 byte (1 sign, 5 exponent, 2 mantissa bits; largest "
         "finite value 57344), as vLLM's `--kv-cache-dtype fp8_e5m2` does: "
@@ -35,11 +38,9 @@ class FP8E5M2(FP8Format):
         "less the 8 bytes of scales per layer. " + EVICT_LEARN
     )
     paper = Paper(
-        "vLLM", None, "Quantized KV Cache (--kv-cache-dtype fp8_e5m2)", url="https://github.com/vllm-project/vllm")
+        "vLLM", None, "Quantized KV Cache (--kv-cache-dtype fp8_e5m2)", url="https://github.com/vllm-project/vllm"
+    )
     family = "engine formats"
     bf16_tolerance = "code_flips"  # as fp8_e4m3
     Options = FP8Options
-    presets = {
-        "fp8_e5m2": {"scale": "fixed"},
-        "fp8_e5m2+calculate-kv-scales": {"scale": "calculated"},
-    }
+    presets = {"fp8_e5m2": {"scale": "fixed"}, "fp8_e5m2+calculate-kv-scales": {"scale": "calculated"}}

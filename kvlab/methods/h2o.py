@@ -10,6 +10,7 @@ of each head's budget (``recent_share``) goes to the most recent tokens
 ("heavy hitters + recent window"). The scores are shared (kvlab.methods.families.scorers:
 observed_attention and cam read the heavy hitters too).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,7 +31,9 @@ class H2OOptions(SelectionOptions):
     recent_share: float = knob(
         H2O_RECENT_SHARE,
         "share of each head's budget kept as the most recent tokens (the paper: 0.5; 0: heavy hitters only)",
-        low=0.0, high=1.0)
+        low=0.0,
+        high=1.0,
+    )
 
 
 @register
@@ -38,15 +41,18 @@ class H2O(EvictionMethod):
     name = "h2o"
     summary = "heavy hitters: attention accumulated from the document's own queries (per seeing query) + recent window"
     learn = (
-        "\"Heavy hitters\": tokens that received much attention while the document was read are likely to "
+        '"Heavy hitters": tokens that received much attention while the document was read are likely to '
         "receive it again. A key's score is the attention it received from the prefill's own queries, "
         "averaged over the queries that could see it (causal) and over the query heads of its group, "
         "$s_j=\\tfrac{1}{T-j}\\sum_{i\\ge j}a_{ij}$; a share `recent_share` of each head's budget is kept for "
         "the most recent tokens."
     )
     paper = Paper(
-        "Zhang et al.", 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models",
-        arxiv="2306.14048")
+        "Zhang et al.",
+        2023,
+        "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models",
+        arxiv="2306.14048",
+    )
     family = "selection"
     bf16_tolerance = "same_tokens"  # attention summed over the whole prefill: no near ties
     Options = H2OOptions

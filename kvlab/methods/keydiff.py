@@ -9,6 +9,7 @@ keys are post-RoPE. The paper evicts block by block while it reads the prompt
 (kvpress: BlockPress around KeyDiffPress); kvlab scores the whole document at
 once, as KeyDiffPress alone does.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,9 +44,11 @@ class KeyDiff(EvictionMethod):
         "the score is $s_j=-\\cos(k_j,a)$, top B per head."
     )
     paper = Paper(
-        "Park et al.", 2025,
+        "Park et al.",
+        2025,
         "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference in Resource-Constrained Environments",
-        arxiv="2504.15364")
+        arxiv="2504.15364",
+    )
     family = "selection"
     bf16_tolerance = "same_tokens"
 

@@ -16,6 +16,7 @@ more than others to use the bytes rounding leaves). The actual memory ratio
 is what RunResult reports (and ``meta["memory_ratio"]``); it can be far above
 the requested one.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,8 +46,10 @@ class KIVIOptions(Options):
 @register
 class KIVI(Method):
     name = "kivi"
-    summary = ("uniform KIVI quantisation to `bits` bits (keys per channel, values per token, in groups; the "
-               "tokens that do not fill a key group at full precision): memory fixed by bits, the ratio only caps it")
+    summary = (
+        "uniform KIVI quantisation to `bits` bits (keys per channel, values per token, in groups; the "
+        "tokens that do not fill a key group at full precision): memory fixed by bits, the ratio only caps it"
+    )
     learn = (
         "Keeps every token but stores keys and values as `bits`-bit codes. Asymmetric uniform quantisation per "
         "group, $\\hat x=s\\cdot\\operatorname{round}\\big(\\tfrac{x-z}{s}\\big)+z$ with $z=\\min$ and "
@@ -58,7 +61,8 @@ class KIVI(Method):
         "zero points are really packed and counted."
     )
     paper = Paper(
-        "Liu et al.", 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", arxiv="2402.02750")
+        "Liu et al.", 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", arxiv="2402.02750"
+    )
     family = "quantisation"
     bf16_tolerance = "code_flips"  # the byte plan is pinned in tests/test_bf16.py
     Options = KIVIOptions
@@ -69,14 +73,24 @@ class KIVI(Method):
         ctx, opts = req.ctx, self.options
         full = ctx.full
         if req.ratio == 1.0:
-            return CompressedKV([list(layer) for layer in full.stored.layers], ctx.length,
-                                meta={"method": self.name, "bits": None, "memory_ratio": 1.0})
+            return CompressedKV(
+                [list(layer) for layer in full.stored.layers],
+                ctx.length,
+                meta={"method": self.name, "bits": None, "memory_ratio": 1.0},
+            )
         residual = ctx.doc_len % opts.group_size
         plan = context_plan(ctx, req.ratio, opts.bits, opts.group_size, fp_newest=residual)
         layers = [
-            build_layer(ctx, i, [TokenSplit.newest(ctx.doc_len, int(n_fp), int(n_q), ctx.lm.device)
-                                  for n_fp, n_q in zip(fp_row, q_row)],
-                        opts.bits, opts.group_size)
+            build_layer(
+                ctx,
+                i,
+                [
+                    TokenSplit.newest(ctx.doc_len, int(n_fp), int(n_q), ctx.lm.device)
+                    for n_fp, n_q in zip(fp_row, q_row)
+                ],
+                opts.bits,
+                opts.group_size,
+            )
             for i, (fp_row, q_row) in enumerate(zip(plan.n_fp, plan.n_quant))
         ]
         stored = CompressedKV(layers, ctx.length, meta={})

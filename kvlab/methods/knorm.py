@@ -7,6 +7,7 @@ query, no knob (as the paper and kvpress's KnormPress). RoPE rotates each key
 without changing its norm, so kvlab's post-RoPE keys give the paper's scores. The scores are
 shared with the merging family's ``scorer`` knob (kvlab.methods.families.scorers).
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,8 +30,11 @@ class KNorm(EvictionMethod):
         "The score is $s_j=-\\lVert k_j\\rVert_2$, top B per head; nothing but the keys is read."
     )
     paper = Paper(
-        "Devoto, Zhao, Scardapane, Minervini", 2024,
-        "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression", arxiv="2406.11430")
+        "Devoto, Zhao, Scardapane, Minervini",
+        2024,
+        "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression",
+        arxiv="2406.11430",
+    )
     family = "selection"
     bf16_tolerance = "near_ties"  # the same word some positions on has a key norm within a few bf16 roundings
 

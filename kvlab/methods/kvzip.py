@@ -22,6 +22,7 @@ reconstructs the whole document in one pass (kvpress and the paper's code
 replay contexts longer than ``chunk_size`` = 2048 tokens chunk by chunk, with
 a "Repeat the part of the previous context exactly, starting with ..." prompt).
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,7 +39,7 @@ class KVzip(KVzipPruning):
     name = "kvzip"
     summary = "query-agnostic: max attention while the model repeats the document; pruned across heads (ragged)"
     learn = (
-        "Query-agnostic by construction: the model is asked to \"Repeat the previous context exactly\" and is "
+        'Query-agnostic by construction: the model is asked to "Repeat the previous context exactly" and is '
         "teacher-forced through the document again; a token needed to rebuild the context is worth keeping. "
         "Score: the largest attention it receives from any reconstruction query and any query head of its "
         "group, $s_j=\\max_{i\\in\\text{repeat}}\\max_{g}a^{(g)}_{ij}$. With `prune` the scores are pruned "
@@ -46,8 +47,8 @@ class KVzip(KVzipPruning):
         "numbers of tokens; or per head, with the uniform budget."
     )
     paper = Paper(
-        "Kim et al.", 2025, "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction",
-        arxiv="2505.23416")
+        "Kim et al.", 2025, "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arxiv="2505.23416"
+    )
     family = "selection"
     bf16_tolerance = "near_ties"
     Options = KVzipOptions

@@ -17,6 +17,7 @@ the attention inputs' norms need one more pass over the same tokens, through tra
 modules (``output_hidden_states``), kept per context beside it. The differences from kvpress
 are KVzip's (the template prefix kept, the document replayed in one chunk).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,8 +50,15 @@ def attention_input_norms(ctx: Context, instruction: str, chunk_size: int = 2048
     for start in range(0, ids.numel(), chunk_size):
         chunk = ids[start : start + chunk_size]
         positions = torch.arange(session.position, session.position + chunk.numel(), device=lm.device).unsqueeze(0)
-        out = lm.model(input_ids=chunk.unsqueeze(0), position_ids=positions, cache=session.cache, use_cache=True,
-                       logits_to_keep=1, output_hidden_states=True, kvlab=ForwardContext(key_bias=session.key_bias))
+        out = lm.model(
+            input_ids=chunk.unsqueeze(0),
+            position_ids=positions,
+            cache=session.cache,
+            use_cache=True,
+            logits_to_keep=1,
+            output_hidden_states=True,
+            kvlab=ForwardContext(key_bias=session.key_bias),
+        )
         session.position += chunk.numel()
         for i, layer in enumerate(layers):  # hidden_states[i]: the residual stream entering layer i
             norms[i].append(layer.input_layernorm(out.hidden_states[i][0]).float().norm(dim=-1))
@@ -65,12 +73,14 @@ def output_norms(values: torch.Tensor, o_weight: torch.Tensor) -> torch.Tensor:
     gram = w.transpose(1, 2) @ w  # [H, d, d]: ||v W||^2 = v (W^T W) v^T, with no [T, hidden] product held
     v = values.float()
     group = n_heads // n_kv
-    return torch.stack([((v[h // group] @ gram[h]) * v[h // group]).sum(dim=-1).clamp_min(0.0).sqrt()
-                        for h in range(n_heads)])
+    return torch.stack(
+        [((v[h // group] @ gram[h]) * v[h // group]).sum(dim=-1).clamp_min(0.0).sqrt() for h in range(n_heads)]
+    )
 
 
-def weighted_max(queries: torch.Tensor, keys: torch.Tensor, row: torch.Tensor, scale: float,
-                 block_elements: int = BLOCK_ELEMENTS) -> torch.Tensor:
+def weighted_max(
+    queries: torch.Tensor, keys: torch.Tensor, row: torch.Tensor, scale: float, block_elements: int = BLOCK_ELEMENTS
+) -> torch.Tensor:
     """max_i a_ij / row_i per query head; causal, the queries the last n of the keys' tokens.
 
     queries [H, n, d], keys [H_kv, T, d], row [n] -> [H, T] float32, in blocks of query rows.
@@ -86,7 +96,7 @@ def weighted_max(queries: torch.Tensor, keys: torch.Tensor, row: torch.Tensor, s
         visible = total - n + end  # query i of the block sits at key position total - n + i
         block = group_queries(queries[:, start:end].float(), n_kv)  # [H_kv, group * rows, d]
         logits = attention_logits(block, keys[:, :visible], scale=scale).view(n_kv, group, end - start, visible)
-        own = logits[..., visible - (end - start):]  # only the block's own keys can lie in a query's future
+        own = logits[..., visible - (end - start) :]  # only the block's own keys can lie in a query's future
         own.masked_fill_(future_mask(end - start, end - start, keys.device), float("-inf"))
         weights = softmax_(logits).view(n_heads, end - start, visible)
         weighted = weights / row[start:end].view(1, -1, 1)
@@ -140,8 +150,13 @@ class KVzipPlus(KVzipPruning):
         "\\frac{\\lVert v_jW_o^{(h)}\\rVert_2}{\\lVert h_i\\rVert_2}.$$ The oracle KVzap's surrogates are trained "
         "to predict (arXiv 2601.07891); pruned as KVzip's (`prune`)."
     )
-    paper = Paper("Jégou, Jeblick", 2026, "KVzap: Fast, Adaptive, and Faithful KV Cache Pruning", arxiv="2601.07891",
-                  note="KVzip+, the scores KVzap's surrogates are trained to predict")
+    paper = Paper(
+        "Jégou, Jeblick",
+        2026,
+        "KVzap: Fast, Adaptive, and Faithful KV Cache Pruning",
+        arxiv="2601.07891",
+        note="KVzip+, the scores KVzap's surrogates are trained to predict",
+    )
     family = "selection"
     bf16_tolerance = "near_ties"
     Options = KVzipOptions  # KVzip's own knobs, its pruning too (kvlab.methods.families.kvzip_pruning)

@@ -18,6 +18,7 @@ shorter than ``n_sink + 2 * lag_size`` is scored by recency. Deliberate
 difference: a reference channel whose maximum equals its minimum divides by
 a tiny number instead of 0 (kvpress would produce NaN scores there).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -79,8 +80,11 @@ class LagKV(EvictionMethod):
         "(no reference yet) are kept."
     )
     paper = Paper(
-        "Liang, Zhang, Li, Li", 2025, "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are Important",
-        arxiv="2504.04704")
+        "Liang, Zhang, Li, Li",
+        2025,
+        "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are Important",
+        arxiv="2504.04704",
+    )
     family = "selection"
     bf16_tolerance = "same_tokens"
     Options = LagKVOptions

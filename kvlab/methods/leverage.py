@@ -16,6 +16,7 @@ from a CPU generator seeded with ``seed`` (one draw per layer, in layer order), 
 means the same scores on every device; kvpress draws it from torch's global generator. The maths
 is shared with compactor (kvlab.methods.families.scorers).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,8 +57,13 @@ class Leverage(EvictionMethod):
         "the layer ($\\lambda$ a small ridge, kvpress's first Cholesky jitter). No attention is computed. "
         "Compactor (arXiv 2507.08143) blends it with non-causal attention (`compactor`)."
     )
-    paper = Paper("Chari, Van Durme", 2025, "Compactor: Calibrated Query-Agnostic KV Cache Compression with "
-                  "Approximate Leverage Scores", arxiv="2507.08143", note="its leverage half")
+    paper = Paper(
+        "Chari, Van Durme",
+        2025,
+        "Compactor: Calibrated Query-Agnostic KV Cache Compression with Approximate Leverage Scores",
+        arxiv="2507.08143",
+        note="its leverage half",
+    )
     family = "selection"
     bf16_tolerance = "near_ties"
     Options = LeverageOptions

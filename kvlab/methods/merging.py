@@ -20,6 +20,7 @@ NaN (no merge in the head) where it falls next to one of them: kvlab takes it of
 The merge targets are the kept document tokens (kvpress's are every kept token of its context; the
 chat template's are kept here whatever their scores, and stay as they are).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -64,8 +65,12 @@ def nearest_kept(
 
 
 def merge_weights(
-    similarity: torch.Tensor, evicted: torch.Tensor, norms: torch.Tensor, target_norms: torch.Tensor,
-    threshold: float, fraction: float,
+    similarity: torch.Tensor,
+    evicted: torch.Tensor,
+    norms: torch.Tensor,
+    target_norms: torch.Tensor,
+    threshold: float,
+    fraction: float,
 ) -> torch.Tensor:
     """w_e = max(s_e, 0) * |v_e| / (|v_e| + |v_c(e)| + eps) for the evicted tokens that pass both gates, else 0.
 
@@ -88,8 +93,9 @@ def fold_into_targets(
     """
     dim = values.shape[-1]
     kept_values = kept_values.float()
-    added = torch.zeros_like(kept_values).scatter_add_(1, target.unsqueeze(-1).expand(-1, -1, dim),
-                                                       weights.unsqueeze(-1) * values.float())
+    added = torch.zeros_like(kept_values).scatter_add_(
+        1, target.unsqueeze(-1).expand(-1, -1, dim), weights.unsqueeze(-1) * values.float()
+    )
     total = torch.zeros(kept_values.shape[:2], device=values.device).scatter_add_(1, target, weights)
     absorbed = total > 0
     merged = (kept_values + added) / (1.0 + total).unsqueeze(-1)
@@ -99,15 +105,21 @@ def fold_into_targets(
 @dataclass(frozen=True)
 class MergingPressOptions(SelectionOptions):
     scorer: Literal["knorm", "snapkv", "expected_attention", "h2o", "tova"] = knob(
-        "knorm", "the scoring method that decides which tokens stay (kvpress's wrapped press)")
-    similarity_threshold: float = knob(0.0, "fewest key cosine similarity for an evicted token to merge", low=0.0, high=1.0)
+        "knorm", "the scoring method that decides which tokens stay (kvpress's wrapped press)"
+    )
+    similarity_threshold: float = knob(
+        0.0, "fewest key cosine similarity for an evicted token to merge", low=0.0, high=1.0
+    )
     merge_fraction: float = knob(
-        1.0, "share of a head's evicted tokens, the most similar to their target, that merge", low=0.0, high=1.0)
+        1.0, "share of a head's evicted tokens, the most similar to their target, that merge", low=0.0, high=1.0
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.merge_fraction <= 0.0:
-            raise MethodError(f"merge_fraction must be above 0 (a share of the evicted tokens), got {self.merge_fraction:g}")
+            raise MethodError(
+                f"merge_fraction must be above 0 (a share of the evicted tokens), got {self.merge_fraction:g}"
+            )
 
 
 @register
@@ -123,10 +135,14 @@ class Merging(MergingMethod):
         "head's. Tokens are chosen by the `scorer`; keys stay as they are (their RoPE positions too). "
         "Kept tokens that absorbed a value are shown as *merged*."
     )
-    paper = Paper("NVIDIA kvpress", 2026, "MergingPress (after Token Merging and D2O)",
-                  url="https://github.com/NVIDIA/kvpress/blob/main/kvpress/presses/merging_press.py",
-                  note="kvpress's own rule, inspired by Bolya et al. 2023 (arXiv 2210.09461) and Wan et al. 2024 "
-                       "(arXiv 2406.13035)")
+    paper = Paper(
+        "NVIDIA kvpress",
+        2026,
+        "MergingPress (after Token Merging and D2O)",
+        url="https://github.com/NVIDIA/kvpress/blob/main/kvpress/presses/merging_press.py",
+        note="kvpress's own rule, inspired by Bolya et al. 2023 (arXiv 2210.09461) and Wan et al. 2024 "
+        "(arXiv 2406.13035)",
+    )
     family = "merging"
     # The target is an argmax of cosines and the fraction gate a quantile: a cosine within a few bf16
     # roundings of another moves a value to another target, as near ties swap a kept token.
@@ -140,7 +156,9 @@ class Merging(MergingMethod):
         "merging_expected_attention": {"scorer": "expected_attention"},
     }
 
-    def fold(self, req: Request, layer: int, kept_index: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def fold(
+        self, req: Request, layer: int, kept_index: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx = req.ctx
         keys = ctx.full.keys[layer][:, ctx.prefix_len :]
         values = ctx.full.values[layer][:, ctx.prefix_len :]
@@ -149,6 +167,7 @@ class Merging(MergingMethod):
         norms = values.float().norm(dim=-1)
         target_norms = kept_values.float().norm(dim=-1).gather(1, target)
         evicted = ~kept_mask(kept_index, lengths, ctx.doc_len)
-        weights = merge_weights(similarity, evicted, norms, target_norms,
-                                self.options.similarity_threshold, self.options.merge_fraction)
+        weights = merge_weights(
+            similarity, evicted, norms, target_norms, self.options.similarity_threshold, self.options.merge_fraction
+        )
         return fold_into_targets(kept_values, values, target, weights)

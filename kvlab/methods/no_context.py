@@ -6,6 +6,7 @@ prefix's, so the question follows the prefix directly, as if no document
 had been given. The ratio is ignored: whatever is asked, the document costs
 0 bytes and the prefix's bytes are counted.
 """
+
 from __future__ import annotations
 
 from kvlab.compression.interface import Method

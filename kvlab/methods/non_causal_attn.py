@@ -14,6 +14,7 @@ shorter than ``attention_chunk`` is its own softmax over its real keys (kvpress 
 queries and keys whose padded rows and columns still take part in the softmax and the sums).
 The per-layer maths is shared with compactor (kvlab.methods.families.scorers).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,7 +32,9 @@ from kvlab.methods.families.scorers import non_causal_layer, z_score
 
 @dataclass(frozen=True)
 class NonCausalAttnOptions(SelectionOptions):
-    attention_chunk: int = knob(256, "non-causal attention: consecutive tokens per chunk; queries attend to every key of their chunk", low=1)
+    attention_chunk: int = knob(
+        256, "non-causal attention: consecutive tokens per chunk; queries attend to every key of their chunk", low=1
+    )
 
 
 def non_causal_scores(req: Request, chunk_size: int) -> list[torch.Tensor]:
@@ -54,8 +57,13 @@ class NonCausalAttn(EvictionMethod):
         "\\operatorname{softmax}_{c}\\big(q^{(h)}_i\\cdot k_\\cdot/\\sqrt d\\big)_j\\;\\lVert v_j\\rVert\\Big),$$ "
         "z-scored over the layer. The attention half of Compactor (arXiv 2507.08143)."
     )
-    paper = Paper("Chari, Van Durme", 2025, "Compactor: Calibrated Query-Agnostic KV Cache Compression with "
-                  "Approximate Leverage Scores", arxiv="2507.08143", note="its attention half")
+    paper = Paper(
+        "Chari, Van Durme",
+        2025,
+        "Compactor: Calibrated Query-Agnostic KV Cache Compression with Approximate Leverage Scores",
+        arxiv="2507.08143",
+        note="its attention half",
+    )
     family = "selection"
     bf16_tolerance = "near_ties"
     Options = NonCausalAttnOptions

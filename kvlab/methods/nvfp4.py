@@ -19,6 +19,7 @@ Ratio semantics: those of the engine formats (:mod:`kvlab.methods.fp8_e4m3`): ra
 cache, above it everything is stored in NVFP4 and, if still above full bytes / ratio, document
 tokens are evicted (``evict_with``) until it fits.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,9 +35,11 @@ from kvlab.runtime.engine_formats import FP4Segment, nvfp4_global_scale
 @register
 class NVFP4(FP4Format):
     name = "nvfp4"
-    summary = ("TensorRT-LLM's NVFP4 KV cache: e2m1 codes with an e4m3 scale per block of head-dim channels and a "
-               "float32 global scale per layer; the ratio only caps the memory (evicting the oldest or a scorer's "
-               "lowest)")
+    summary = (
+        "TensorRT-LLM's NVFP4 KV cache: e2m1 codes with an e4m3 scale per block of head-dim channels and a "
+        "float32 global scale per layer; the ratio only caps the memory (evicting the oldest or a scorer's "
+        "lowest)"
+    )
     learn = (
         "Stores every key and value element as a 4-bit e2m1 code (a sign and the magnitudes 0, 0.5, 1, 1.5, 2, 3, "
         "4, 6), two per byte, as TensorRT-LLM's NVFP4 KV cache does (ModelOpt's `--kv_cache_qformat nvfp4`, "
@@ -52,13 +55,23 @@ class NVFP4(FP4Format):
         "scales per layer. " + EVICT_LEARN
     )
     paper = Paper(
-        "NVIDIA TensorRT-LLM", None, "NVFP4 KV cache (cvt_warp_fp16_to_fp4)",
-        url="https://github.com/NVIDIA/TensorRT-LLM")
+        "NVIDIA TensorRT-LLM",
+        None,
+        "NVFP4 KV cache (cvt_warp_fp16_to_fp4)",
+        url="https://github.com/NVIDIA/TensorRT-LLM",
+    )
     family = "engine formats"
     bf16_tolerance = "code_flips"  # e2m1 codes flip like KIVI's 4-bit ones
 
-    def store(self, ctx: Context, layer: int, keys: torch.Tensor, values: torch.Tensor,
-              lengths: torch.Tensor, index: torch.Tensor) -> Segment:
+    def store(
+        self,
+        ctx: Context,
+        layer: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        index: torch.Tensor,
+    ) -> Segment:
         k_global = nvfp4_global_scale(ctx.full.keys[layer])
         v_global = nvfp4_global_scale(ctx.full.values[layer])
         return FP4Segment.quantize(keys, values, lengths, index, k_global, v_global)

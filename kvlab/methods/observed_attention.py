@@ -5,6 +5,7 @@ queries that could see it, averaged over the query heads of its GQA group: H2O's
 score (kvlab.methods.h2o, kvlab.methods.families.scorers.h2o_scores) with no recent window, every
 token of the budget chosen by it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,9 +27,13 @@ class ObservedAttention(EvictionMethod):
         "see it and over the query heads of its group, $s_j=\\tfrac{1}{N-j}\\sum_{i\\ge j}a_{ij}$; top B per "
         "head. kvpress's name for H2O's heavy-hitter score alone (`h2o` with `recent_share=0`)."
     )
-    paper = Paper("Zhang et al.", 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large "
-                  "Language Models", arxiv="2306.14048",
-                  note="kvpress's ObservedAttentionPress: its score without the recent window")
+    paper = Paper(
+        "Zhang et al.",
+        2023,
+        "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models",
+        arxiv="2306.14048",
+        note="kvpress's ObservedAttentionPress: its score without the recent window",
+    )
     family = "selection"
     bf16_tolerance = "same_tokens"
     Options = SelectionOptions

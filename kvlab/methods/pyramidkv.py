@@ -18,6 +18,7 @@ layer's budget is smaller than the observation window; kvlab always applies
 the pyramid, and a layer whose budget is below the window keeps the window's
 most recent tokens.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,7 +35,9 @@ from kvlab.methods.families.scorers import SnapKVOptions, snap_scores
 
 @dataclass(frozen=True)
 class PyramidKVOptions(SnapKVOptions):
-    beta: float = knob(20.0, "pyramid slope (the paper's beta): top layer keeps B/beta, bottom 2B - B/beta (1 = uniform)", low=1.0)
+    beta: float = knob(
+        20.0, "pyramid slope (the paper's beta): top layer keeps B/beta, bottom 2B - B/beta (1 = uniform)", low=1.0
+    )
 
 
 def pyramid_budgets(n_layers: int, budget: int, length: int, beta: float) -> torch.Tensor:
@@ -73,8 +76,11 @@ class PyramidKV(EvictionMethod):
         "$B/\\beta$ keys per head and the bottom layer $2B-B/\\beta$; the mean over layers stays $B$."
     )
     paper = Paper(
-        "Cai et al.", 2024, "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling",
-        arxiv="2406.02069")
+        "Cai et al.",
+        2024,
+        "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling",
+        arxiv="2406.02069",
+    )
     family = "selection"
     bf16_tolerance = "same_tokens"
     Options = PyramidKVOptions

@@ -1,4 +1,5 @@
 """Random eviction: each head keeps a seeded random subset of the document (a floor)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -37,6 +37,7 @@ n_initial + n_recent + n_last uncompressed; its lazy layer keeps
 ``n_initial`` and last ``n_recent`` positions; kvlab scores exactly the set a
 lazy layer keeps, template included.
 """
+
 from __future__ import annotations
 
 import math
@@ -121,8 +122,10 @@ def lazy_keep_mask(length: int, prefix_len: int, n_initial: int, n_doc: int, dev
 @register
 class SimLayerKV(EvictionMethod):
     name = "simlayerkv"
-    summary = ("layer-level: the laziest layers (last queries' attention on initial + recent tokens) keep only "
-               "those, the others keep everything; as many lazy layers as the ratio needs")
+    summary = (
+        "layer-level: the laziest layers (last queries' attention on initial + recent tokens) keep only "
+        "those, the others keep everything; as many lazy layers as the ratio needs"
+    )
     learn = (
         "Some layers barely look at the middle of the document: their last queries put nearly all their "
         "attention on the first tokens and the most recent ones. A layer's laziness is that share, "
@@ -132,8 +135,9 @@ class SimLayerKV(EvictionMethod):
         "here the ratio decides instead: the laziest layers go lazy, as few as meet the budget with a recent "
         "window of at least `n_recent` (all of them, with a smaller window, when even that is too much)."
     )
-    paper = Paper("Zhang et al.", 2024, "SimLayerKV: A Simple Framework for Layer-Level KV Cache Reduction",
-                  arxiv="2410.13846")
+    paper = Paper(
+        "Zhang et al.", 2024, "SimLayerKV: A Simple Framework for Layer-Level KV Cache Reduction", arxiv="2410.13846"
+    )
     family = "selection"
     # Which layers are lazy follows a ranking of layer-wide attention shares; bf16 moves them by far less
     # than the gaps between layers, and within a layer the kept tokens are positions.

@@ -7,6 +7,7 @@ Query-agnostic when the window is the end of the document, query-aware when
 it is the user's question (snapkv_question). The scores and the knobs are shared:
 kvlab.methods.families.scorers, kvlab.methods.families.snapkv_window.
 """
+
 from __future__ import annotations
 
 from kvlab.compression.registry import register

@@ -1,5 +1,6 @@
 """SnapKV whose observation window is the user's question (Li et al., 2024): the paper's own setting,
 where the question ends the prompt. The scores are :func:`kvlab.methods.families.scorers.snap_scores`'s."""
+
 from __future__ import annotations
 
 from kvlab.compression.registry import register

@@ -4,6 +4,7 @@ Keep the first few tokens (attention sinks) and the most recent window; the
 window is whatever the budget leaves after the sinks. The scores are shared with simlayerkv and
 bounded generation (kvlab.methods.families.scorers.recency_scores, sink_window_scores).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,8 +25,10 @@ from kvlab.methods.families.scorers import N_SINK, recency_scores
 class StreamingOptions(Options):
     n_sink: int = knob(N_SINK, "attention-sink tokens kept at the start of the context", low=0)
     rerotate: bool = knob(
-        False, "the paper's positions: the kept keys turned to their places in the cache, what follows right "
-        "after them (kvpress: KeyRerotationPress over StreamingLLMPress); false keeps each key at its token's")
+        False,
+        "the paper's positions: the kept keys turned to their places in the cache, what follows right "
+        "after them (kvpress: KeyRerotationPress over StreamingLLMPress); false keeps each key at its token's",
+    )
 
 
 @register
@@ -33,7 +36,7 @@ class StreamingLLM(EvictionMethod):
     name = "streaming_llm"
     summary = "the first 'sink' tokens + the most recent window (position only, no attention)"
     learn = (
-        "Keeps the first `n_sink` tokens (\"attention sinks\", which soak up attention in every layer) and the "
+        'Keeps the first `n_sink` tokens ("attention sinks", which soak up attention in every layer) and the '
         "most recent ones: $\\text{keep}=\\{1..s\\}\\cup\\{T-(B-s)+1..T\\}$. It looks at positions only, never "
         "at attention, so it is the cheapest method and forgets everything in the middle of the document. "
         "The paper gives positions within the cache, not in the text: `rerotate=true` (preset `paper`) turns the "

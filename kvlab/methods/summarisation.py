@@ -14,6 +14,7 @@ so that it costs what the other methods' caches cost at the same ratio;
 ``fill_budget=false`` lets the model stop when it wants (a smaller cache).
 At ratio 1 there is nothing to save: the full cache is returned as it is.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,7 +36,9 @@ from kvlab.runtime.decode import prefill
 class SummaryOptions(Options):
     max_tokens: int = knob(256, "cap on the summary's tokens (generation is slow on a CPU)", low=1)
     fill_budget: bool = knob(
-        True, "suppress the end of turn until the summary has T/ratio tokens (equal memory); false: the model stops when it wants")
+        True,
+        "suppress the end of turn until the summary has T/ratio tokens (equal memory); false: the model stops when it wants",
+    )
     prompt: str = knob(SUMMARY_PROMPT, "the request read after the document; {words} is the target length")
 
     def __post_init__(self) -> None:
@@ -53,10 +56,12 @@ def summary_cache(full: FullKV, prefix_len: int, fate: str = "summary") -> list[
         n_heads, length = keys.shape[:2]
         rest = torch.full((n_heads, length - prefix_len), -1, device=keys.device)
         lengths = torch.full((n_heads,), length - prefix_len, device=keys.device)
-        layers.append([
-            template_segment(keys, values, prefix_len),
-            DenseSegment.from_padded(keys[:, prefix_len:], values[:, prefix_len:], lengths, rest, fate=fate),
-        ])
+        layers.append(
+            [
+                template_segment(keys, values, prefix_len),
+                DenseSegment.from_padded(keys[:, prefix_len:], values[:, prefix_len:], lengths, rest, fate=fate),
+            ]
+        )
     return layers
 
 

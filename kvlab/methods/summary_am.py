@@ -6,6 +6,7 @@ the accuracy of the summary alone. Here the model writes a summary of up to
 Attention Matching compacts it so that the stored keys per head are what the
 requested ratio allows for the original document (T / ratio).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,8 +38,7 @@ class SummaryThenAM(QuerySourced, Method):
         "Matching compacts the summary's cache down to T/r keys per head (of the original document). The paper "
         "reports that this reaches very high ratios with the accuracy of the summary alone."
     )
-    paper = dataclasses.replace(
-        PAPER, note="summarise, then compact: Attention Matching on the summarisation baseline")
+    paper = dataclasses.replace(PAPER, note="summarise, then compact: Attention Matching on the summarisation baseline")
     family = "compaction"
     bf16_tolerance = "code_flips"  # the summary pinned, Attention Matching's fit of it then moves like a selection
     Options = SummaryAMOptions

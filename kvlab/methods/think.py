@@ -39,6 +39,7 @@ half of a token's bytes), reported as ``meta["memory_ratio"]``. Ratio 1 is the
 full cache, as for every method; channels alone are pruned when T / ratio
 rounds to T (every token kept).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,10 +60,12 @@ from kvlab.runtime.channel_segment import ChannelSegment
 @dataclass(frozen=True)
 class ThinKOptions(Options):
     key_channel_compression_ratio: float = knob(
-        0.4, "share of each head's key channels pruned (the paper's lambda; below 1)", low=0.0, high=1.0)
+        0.4, "share of each head's key channels pruned (the paper's lambda; below 1)", low=0.0, high=1.0
+    )
     window_size: int = knob(32, "observation window: the context's last queries that score the channels", low=1)
-    recent_size: int = knob(32, "the context's last tokens whose keys stay whole (0: prune every key, as kvpress)",
-                            low=0)
+    recent_size: int = knob(
+        32, "the context's last tokens whose keys stay whole (0: prune every key, as kvpress)", low=0
+    )
     evict_with: str = knob("snapkv", "the scoring method that keeps T / ratio tokens before the channels are pruned")
 
     def __post_init__(self) -> None:
@@ -70,7 +73,9 @@ class ThinKOptions(Options):
         if self.key_channel_compression_ratio >= 1.0:
             raise MethodError("key_channel_compression_ratio must be below 1: a head keeps at least one channel")
         if self.evict_with not in scoring_methods():
-            raise MethodError(f"evict_with must be a scoring method ({', '.join(scoring_methods())}), got {self.evict_with!r}")
+            raise MethodError(
+                f"evict_with must be a scoring method ({', '.join(scoring_methods())}), got {self.evict_with!r}"
+            )
 
 
 def channel_scores(queries: torch.Tensor, keys: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -111,8 +116,11 @@ def thin_layer(segments: list[Segment], queries: torch.Tensor, n_pruned: int, re
         older = real & ~recent
         if bool(older.any()):
             part = select_keys(own, older)
-            out.append(ChannelSegment.from_padded(
-                part.keys, part.values, older.sum(dim=1), part.token_index, channels, fate=seg.fate))
+            out.append(
+                ChannelSegment.from_padded(
+                    part.keys, part.values, older.sum(dim=1), part.token_index, channels, fate=seg.fate
+                )
+            )
         if bool(recent.any()):
             out.append(segment_from_view(select_keys(own, recent), seg.fate, keep_bias=False))
     return out
@@ -121,8 +129,10 @@ def thin_layer(segments: list[Segment], queries: torch.Tensor, n_pruned: int, re
 @register
 class ThinK(Method):
     name = "think"
-    summary = ("a scoring method keeps T/ratio tokens, then each head's least-used key channels "
-               "(window queries' energy x keys' energy) are pruned and not stored")
+    summary = (
+        "a scoring method keeps T/ratio tokens, then each head's least-used key channels "
+        "(window queries' energy x keys' energy) are pruned and not stored"
+    )
     learn = (
         "Keys have channels that attention hardly uses. ThinK scores channel $j$ of a head by how much the "
         "observation window's queries $Q_w$ (the context's last `window_size`) and the keys $K$ interact in it, "
@@ -142,10 +152,7 @@ class ThinK(Method):
     Options = ThinKOptions
     query_aware_when = "evict_with=snapkv_question"
     #: The paper's pruning ratios (LongBench with H2O and SnapKV).
-    presets = {
-        "ThinK-0.4": {"key_channel_compression_ratio": 0.4},
-        "ThinK-0.5": {"key_channel_compression_ratio": 0.5},
-    }
+    presets = {"ThinK-0.4": {"key_channel_compression_ratio": 0.4}, "ThinK-0.5": {"key_channel_compression_ratio": 0.5}}
 
     def evictor(self) -> EvictionMethod:
         """The scoring method that chooses the tokens."""
@@ -158,8 +165,11 @@ class ThinK(Method):
         ctx, opts = req.ctx, self.options
         full = ctx.full
         if req.ratio == 1.0:
-            return CompressedKV([list(layer) for layer in full.stored.layers], ctx.length,
-                                meta={"method": self.name, "memory_ratio": 1.0})
+            return CompressedKV(
+                [list(layer) for layer in full.stored.layers],
+                ctx.length,
+                meta={"method": self.name, "memory_ratio": 1.0},
+            )
         evicted = self.evictor().compress(req)
         layers = []
         for i, segments in enumerate(evicted.layers):

@@ -6,6 +6,7 @@ every KV head of a layer keeps the same tokens (kvpress's TOVAPress does the
 same). The last token itself is always kept. The scores are shared with the merging family's
 ``scorer`` knob (kvlab.methods.families.scorers).
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,8 +30,12 @@ class TOVA(EvictionMethod):
         "a layer keeps the same tokens."
     )
     paper = Paper(
-        "Oren, Hassid, Yarden, Adi, Schwartz", 2024, "Transformers are Multi-State RNNs",
-        arxiv="2401.06104", note="TOVA")
+        "Oren, Hassid, Yarden, Adi, Schwartz",
+        2024,
+        "Transformers are Multi-State RNNs",
+        arxiv="2401.06104",
+        note="TOVA",
+    )
     family = "selection"
     bf16_tolerance = "near_ties"
 

@@ -41,6 +41,7 @@ in float32 with exact division; Triton's ``/`` may differ by an ulp, which only 
 sits on a rounding boundary. The layers' constants (H, the centroids) are not KV-cache bytes (vLLM
 keeps them as layer buffers) and are not counted.
 """
+
 from __future__ import annotations
 
 import functools
@@ -54,19 +55,8 @@ from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.context import Context
-from kvlab.methods.families.engine_format import (
-    EVICT_LEARN,
-    EngineFormat,
-    check_evict_with,
-    evict_with_knob,
-)
-from kvlab.runtime.cache import (
-    CompressedKV,
-    DenseSegment,
-    PaddedView,
-    Segment,
-    pack_heads,
-)
+from kvlab.methods.families.engine_format import EVICT_LEARN, EngineFormat, check_evict_with, evict_with_knob
+from kvlab.runtime.cache import CompressedKV, DenseSegment, PaddedView, Segment, pack_heads
 from kvlab.runtime.engine_formats import fp8_decode, fp8_encode, padded_view
 
 #: vLLM's ``--kv-cache-dtype`` values (``TQ_PRESETS``) -> this method's options.
@@ -114,8 +104,13 @@ def lloyd_max_centroids(d: int, bits: int, max_iter: int = 200, tol: float = 1e-
     centroids = lo + (hi - lo) * (cells + 0.5) / n_levels
     for _ in range(max_iter):
         boundaries = (centroids[:-1] + centroids[1:]) / 2.0
-        edges = torch.cat([torch.tensor([lo * 3], dtype=torch.float64, device="cpu"), boundaries,
-                           torch.tensor([hi * 3], dtype=torch.float64, device="cpu")])
+        edges = torch.cat(
+            [
+                torch.tensor([lo * 3], dtype=torch.float64, device="cpu"),
+                boundaries,
+                torch.tensor([hi * 3], dtype=torch.float64, device="cpu"),
+            ]
+        )
         num = _trapz(lambda x: x * pdf(x), edges[:-1], edges[1:])
         den = _trapz(pdf, edges[:-1], edges[1:])
         new = torch.where(den > 1e-15, num / den, centroids)
@@ -259,8 +254,16 @@ class TurboQuantSegment:
     fate: str
 
     @classmethod
-    def quantize(cls, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, token_index: torch.Tensor,
-                 key_bits: int, value_bits: int, norm_correction: bool) -> TurboQuantSegment:
+    def quantize(
+        cls,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        token_index: torch.Tensor,
+        key_bits: int,
+        value_bits: int,
+        norm_correction: bool,
+    ) -> TurboQuantSegment:
         """keys/values [H, L, d] padded per head past ``lengths`` [H]; token_index [H, L]."""
         lengths = lengths.to(keys.device, torch.long)
         k, v = pack_heads(keys, lengths), pack_heads(values, lengths)
@@ -271,7 +274,11 @@ class TurboQuantSegment:
             key_codes = pack_codes(codes, key_bits)
         value_codes, scales, zeros = encode_values(v, value_bits)
         return cls(
-            key_codes, key_norms, pack_codes(value_codes, value_bits), scales, zeros,
+            key_codes,
+            key_norms,
+            pack_codes(value_codes, value_bits),
+            scales,
+            zeros,
             head_lengths=lengths,
             token_index=pack_heads(token_index.to(keys.device), lengths),
             dtype=keys.dtype,
@@ -317,14 +324,22 @@ class TurboQuantSegment:
 
 @dataclass(frozen=True)
 class TurboQuantOptions(Options):
-    key_quant_bits: int = knob(4, "bits per key element: 8 (FP8 e4m3, no rotation), 4 or 3 (Hadamard-rotated "
-                                  "Lloyd-Max codes with a float16 norm)", low=3, high=8)
-    value_quant_bits: int = knob(4, "bits per value element (min-max uniform codes with a float16 scale and zero)",
-                                 low=3, high=4)
-    norm_correction: bool = knob(True, "rescale each key's centroid vector to unit length before the norm and the "
-                                       "inverse rotation")
-    boundary_skip_layers: int = knob(2, "the first and the last this many layers stay in the model's dtype "
-                                        "(vLLM's get_boundary_skip_layers)", low=0)
+    key_quant_bits: int = knob(
+        4,
+        "bits per key element: 8 (FP8 e4m3, no rotation), 4 or 3 (Hadamard-rotated "
+        "Lloyd-Max codes with a float16 norm)",
+        low=3,
+        high=8,
+    )
+    value_quant_bits: int = knob(
+        4, "bits per value element (min-max uniform codes with a float16 scale and zero)", low=3, high=4
+    )
+    norm_correction: bool = knob(
+        True, "rescale each key's centroid vector to unit length before the norm and the inverse rotation"
+    )
+    boundary_skip_layers: int = knob(
+        2, "the first and the last this many layers stay in the model's dtype (vLLM's get_boundary_skip_layers)", low=0
+    )
     evict_with: str = evict_with_knob()
 
     def __post_init__(self) -> None:
@@ -337,9 +352,11 @@ class TurboQuantOptions(Options):
 @register
 class TurboQuant(EngineFormat):
     name = "turboquant"
-    summary = ("vLLM's TurboQuant KV cache (--kv-cache-dtype turboquant_*): Hadamard-rotated keys in Lloyd-Max codes "
-               "or FP8, values in min-max uniform codes, the boundary layers unquantised; the ratio only caps the "
-               "memory (evicting the oldest or a scorer's lowest)")
+    summary = (
+        "vLLM's TurboQuant KV cache (--kv-cache-dtype turboquant_*): Hadamard-rotated keys in Lloyd-Max codes "
+        "or FP8, values in min-max uniform codes, the boundary layers unquantised; the ratio only caps the "
+        "memory (evicting the oldest or a scorer's lowest)"
+    )
     learn = (
         "Stores every key and value of one token and KV head in a few bits, as vLLM's `--kv-cache-dtype "
         "turboquant_*` does. **Keys**: the norm $\\lVert k\\rVert$ (float16) and the unit vector rotated by the "
@@ -355,14 +372,16 @@ class TurboQuant(EngineFormat):
         "$\\lceil d\\,b_V/8\\rceil$ of value codes and a float16 scale and zero. The first and last "
         "`boundary_skip_layers` layers stay in the model's dtype, as vLLM does for every TurboQuant dtype. The "
         "presets are vLLM's flags: `turboquant_k8v4`, `turboquant_4bit_nc`, `turboquant_k3v4_nc`, "
-        "`turboquant_3bit_nc`. The ratio is counted against the model's own dtype. "
-        + EVICT_LEARN
+        "`turboquant_3bit_nc`. The ratio is counted against the model's own dtype. " + EVICT_LEARN
     )
     paper = Paper(
-        "Zandieh et al.", 2025, "TurboQuant: Online Vector Quantization with Near-optimal Distortion Rate",
+        "Zandieh et al.",
+        2025,
+        "TurboQuant: Online Vector Quantization with Near-optimal Distortion Rate",
         arxiv="2504.19874",
         note="as vLLM ships it (--kv-cache-dtype turboquant_*): a Hadamard rotation, no QJL stage, "
-             "uniform values, boundary layers unquantised")
+        "uniform values, boundary layers unquantised",
+    )
     family = "engine formats"
     bf16_tolerance = "code_flips"  # a rotated coordinate or a value rounded across a code boundary moves a whole step
     Options = TurboQuantOptions
@@ -400,10 +419,18 @@ class TurboQuant(EngineFormat):
             stored.meta["boundary_layers"] = self.skipped(req.ctx.lm.n_layers)
         return stored
 
-    def store(self, ctx: Context, layer: int, keys: torch.Tensor, values: torch.Tensor,
-              lengths: torch.Tensor, index: torch.Tensor) -> Segment:
+    def store(
+        self,
+        ctx: Context,
+        layer: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        index: torch.Tensor,
+    ) -> Segment:
         if layer in self.skipped(ctx.lm.n_layers):
             return DenseSegment.from_padded(keys, values, lengths, index)
         o = self.options
-        return TurboQuantSegment.quantize(keys, values, lengths, index, o.key_quant_bits, o.value_quant_bits,
-                                          o.norm_correction)
+        return TurboQuantSegment.quantize(
+            keys, values, lengths, index, o.key_quant_bits, o.value_quant_bits, o.norm_correction
+        )

@@ -7,6 +7,7 @@ would get wrong is refused in one line), switched to kvlab's attention function
 (:func:`kvlab.runtime.hooks.use_kvlab_attention`) and put in eval mode, and it
 stays where it was loaded: its device and dtype are the model's own.
 """
+
 from __future__ import annotations
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase

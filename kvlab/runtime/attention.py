@@ -8,6 +8,7 @@ Shapes use: ``B`` batch of heads, ``n`` queries, ``T`` keys, ``d`` head dim.
 A ``bias`` is additive on the logits, one value per key; ``-inf`` marks an
 absent (padding) key.
 """
+
 from __future__ import annotations
 
 import math
@@ -67,11 +68,7 @@ class BlockAttention:
 
 
 def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    scale: float | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None, scale: float | None = None
 ) -> BlockAttention:
     """Attention output and log-mass of queries over a block (no causal mask).
 
@@ -106,11 +103,7 @@ def future_mask(q_len: int, kv_len: int, device: torch.device | None = None, win
 
 
 def attention_weights(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    scale: float | None = None,
-    causal: bool = False,
+    q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None = None, scale: float | None = None, causal: bool = False
 ) -> torch.Tensor:
     """Softmax attention weights [..., n, T] (float32).
 
@@ -200,7 +193,12 @@ def causal_attention(
 
 
 def _sliding_window(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor | None, scale: float, window: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_bias: torch.Tensor | None,
+    scale: float,
+    window: int,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`causal_attention` of a window layer whose keys reach past the first query's window.
@@ -228,8 +226,13 @@ def _sliding_window(
 
 
 def _with_sinks(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor | None, scale: float,
-    sinks: torch.Tensor, window: int | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_bias: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor,
+    window: int | None = None,
 ) -> torch.Tensor:
     """:func:`causal_attention` with a learned sink per query head: a logit that joins every query's
     softmax as one more key with no value (GPT-OSS), taking its share of the mass.
@@ -244,8 +247,9 @@ def _with_sinks(
     sink = sinks.float().view(1, n_heads, 1, 1).expand(1, n_heads, q_len, 1)
     none = k.new_zeros(1, k.shape[1], 1, k.shape[-1])
     k, v = torch.cat([k, none], dim=2).float(), torch.cat([v, none], dim=2).float()
-    out = F.scaled_dot_product_attention(q.float(), k, v, attn_mask=torch.cat([mask, sink], dim=-1), scale=scale,
-                                         enable_gqa=n_heads != k.shape[1])
+    out = F.scaled_dot_product_attention(
+        q.float(), k, v, attn_mask=torch.cat([mask, sink], dim=-1), scale=scale, enable_gqa=n_heads != k.shape[1]
+    )
     return out.to(q.dtype)
 
 

@@ -15,6 +15,7 @@ matrix-vector one), so logits may differ in the last bits from a lone step's:
 the same near-tie caveat as checking a draft in one pass
 (kvlab.runtime.decode.greedy_from_draft); the tests compare the two.
 """
+
 from __future__ import annotations
 
 import threading

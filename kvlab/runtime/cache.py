@@ -7,6 +7,7 @@ numbers of tokens: storage is packed per head (no padding is stored), and
 padding appears only in the transient attention view, with bias -inf, which
 is exactly an absent key.
 """
+
 from __future__ import annotations
 
 import threading
@@ -292,9 +293,7 @@ class CompressedKV:
     def is_plain(self) -> bool:
         """True when no layer needs a bias (no padding, no fitted bias)."""
         return all(
-            isinstance(seg, DenseSegment)
-            and seg.bias is None
-            and bool((seg.head_lengths == seg.head_lengths[0]).all())
+            isinstance(seg, DenseSegment) and seg.bias is None and bool((seg.head_lengths == seg.head_lengths[0]).all())
             for layer in self.layers
             for seg in layer
         )

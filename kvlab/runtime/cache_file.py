@@ -28,6 +28,7 @@ Reading checks everything before it returns (:func:`read_cache_file`,
 tensor missing, bytes that do not add up, each refused with a
 :class:`CacheFileError` of one line; nothing is half-loaded.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,8 +79,11 @@ def encode(value: Any, name: str, tensors: dict[str, torch.Tensor]) -> Any:
         return {"dtype": str(value).removeprefix("torch.")}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         cls = type(value)
-        fields = {f.name: encode(getattr(value, f.name), f"{name}.{f.name}", tensors)
-                  for f in dataclasses.fields(value) if f.init}
+        fields = {
+            f.name: encode(getattr(value, f.name), f"{name}.{f.name}", tensors)
+            for f in dataclasses.fields(value)
+            if f.init
+        }
         node = {"class": f"{cls.__module__}.{cls.__qualname__}", "fields": fields}
         if isinstance(getattr(value, "nbytes", None), int):
             node["bytes"] = value.nbytes
@@ -144,7 +148,9 @@ def read_cache_file(path: str | Path, tensors: bool = True) -> tuple[dict, dict[
             found = {name: f.get_tensor(name) for name in f.keys()} if tensors else {}
     except (SafetensorError, OSError) as exc:
         reason = " ".join(str(exc).split())
-        raise CacheFileError(f"{path} is not a whole safetensors file ({reason}): truncated, or not a kvlab cache") from None
+        raise CacheFileError(
+            f"{path} is not a whole safetensors file ({reason}): truncated, or not a kvlab cache"
+        ) from None
     try:
         layout = json.loads(header) if header is not None else None
     except ValueError:
@@ -152,8 +158,10 @@ def read_cache_file(path: str | Path, tensors: bool = True) -> tuple[dict, dict[
     if not isinstance(layout, dict) or layout.get("format") != FORMAT:
         raise CacheFileError(f"{path} is a safetensors file but not a kvlab cache (its header has no kvlab layout)")
     if layout.get("version") != VERSION:
-        raise CacheFileError(f"{path} is a kvlab cache of format version {layout.get('version')}; this kvlab reads "
-                             f"version {VERSION}: compress the document again")
+        raise CacheFileError(
+            f"{path} is a kvlab cache of format version {layout.get('version')}; this kvlab reads "
+            f"version {VERSION}: compress the document again"
+        )
     return layout, found
 
 

@@ -14,6 +14,7 @@ with the pruned channels zero, so that ``q . k`` over the view is exactly
 pruned query. The token index is bookkeeping for the figures, as for every
 segment.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -6,6 +6,7 @@ always passed explicitly and continue from the cache's logical length (less
 its position shift, for a cache whose keys were re-rotated): transformers
 would otherwise take them from the physical (compressed) length.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -122,8 +123,11 @@ def open_session(lm: LoadedModel, stored: CompressedKV | None = None, every_key:
     # carry, so its keys may go as the window moves on; any other stays whole, with its bias.
     plain = [keep is not None and bool((v.bias == 0).all()) for keep, v in zip(keeps, views)]
     layers = [
-        GrowingLayer(v.keys.unsqueeze(0).to(lm.device, lm.dtype), v.values.unsqueeze(0).to(lm.device, lm.dtype),
-                     keep if windowed else None)
+        GrowingLayer(
+            v.keys.unsqueeze(0).to(lm.device, lm.dtype),
+            v.values.unsqueeze(0).to(lm.device, lm.dtype),
+            keep if windowed else None,
+        )
         for v, keep, windowed in zip(views, keeps, plain)
     ]
     position = stored.logical_len - stored.position_shift
@@ -135,11 +139,7 @@ def open_session(lm: LoadedModel, stored: CompressedKV | None = None, every_key:
 
 @torch.inference_mode()
 def extend(
-    lm: LoadedModel,
-    session: Session,
-    ids: torch.Tensor,
-    capture: QueryCapture | None = None,
-    logits_to_keep: int = 0,
+    lm: LoadedModel, session: Session, ids: torch.Tensor, capture: QueryCapture | None = None, logits_to_keep: int = 0
 ) -> torch.Tensor:
     """Feed ``ids`` [n] after the session's tokens; returns float32 logits [n or logits_to_keep, V]."""
     n = ids.numel()
@@ -352,8 +352,9 @@ def greedy_from_draft(
         picks = logp[:m].argmax(dim=-1).cpu()
         accepted = int((picks == draft).long().cumprod(0).sum())
         rewind(session, m - accepted)
-        rest = greedy_loop(lm, logits[accepted], lambda token: run(token, 1)[-1], max_new_tokens - accepted,
-                           stop_token_ids(lm))
+        rest = greedy_loop(
+            lm, logits[accepted], lambda token: run(token, 1)[-1], max_new_tokens - accepted, stop_token_ids(lm)
+        )
     ids = draft_ids[:accepted] + rest.ids
     logprobs = draft_logprobs[:accepted].tolist() + rest.logprobs
     text = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()

@@ -37,6 +37,7 @@ What a segment counts as stored (``nbytes``): the codes and the scales,
 nothing else; the token index is bookkeeping for the figures, as for every
 segment.
 """
+
 from __future__ import annotations
 
 import math
@@ -290,8 +291,12 @@ class FP4Segment:
         key_codes, key_scales = encode(keys, k_global)
         value_codes, value_scales = encode(values, v_global)
         return cls(
-            key_codes, value_codes, key_scales, value_scales,
-            None if k_global is None else k_global.float(), None if v_global is None else v_global.float(),
+            key_codes,
+            value_codes,
+            key_scales,
+            value_scales,
+            None if k_global is None else k_global.float(),
+            None if v_global is None else v_global.float(),
             head_lengths=lengths,
             token_index=pack_heads(token_index.to(keys.device), lengths),
             dtype=keys.dtype,

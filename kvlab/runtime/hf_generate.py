@@ -17,6 +17,7 @@ do; transformers' processors pick each token and its criteria end the loop.
 What it refuses, in one line each: more than one sequence (a stored cache is
 one document's), padding, a second cache, beam search.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -33,11 +34,13 @@ from kvlab.runtime.model import LoadedModel
 def check_generate_inputs(input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict) -> None:
     """ValueError, in one line, for what a stored cache cannot answer through ``generate``."""
     if generation_config.num_beams > 1:  # first: generate has repeated the input once per beam
-        raise ValueError(f"a kvlab cache decodes greedily or by sampling: num_beams={generation_config.num_beams} "
-                         "is not supported")
+        raise ValueError(
+            f"a kvlab cache decodes greedily or by sampling: num_beams={generation_config.num_beams} is not supported"
+        )
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"a kvlab cache answers one sequence at a time: input_ids must be [1, n], got "
-                         f"{list(input_ids.shape)}")
+        raise ValueError(
+            f"a kvlab cache answers one sequence at a time: input_ids must be [1, n], got {list(input_ids.shape)}"
+        )
     if model_kwargs.get("attention_mask") is not None:  # generate drops a mask of all ones: this one pads
         raise ValueError("a kvlab cache reads on after its document: input_ids may not be padded (no attention_mask)")
     given = model_kwargs.get("cache")

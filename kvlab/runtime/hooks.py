@@ -6,6 +6,7 @@ so that post-RoPE queries can be recorded. Everything it needs arrives in one
 keyword argument, ``kvlab=ForwardContext(...)``, that transformers forwards
 from ``model(...)`` down to the attention call.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -6,6 +6,7 @@ reference, built on :mod:`kvlab.runtime.attention`. This module holds what both 
 nothing of kvlab: :func:`backend` (the choice, ``KVLAB_KERNELS``) and :func:`launch_decode_attention`
 (the checked Triton launch, for callers that asked :func:`backend` first).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -85,4 +86,6 @@ def launch_decode_attention(
     bias, scale = decode_inputs(q, k, v, bias, scale)
     from kvlab.runtime import triton_decode as kernel  # triton is imported only when a kernel runs
 
-    return KernelAttention(*kernel.triton_decode_attention(unit_stride(q), unit_stride(k), unit_stride(v), bias, scale, causal))
+    return KernelAttention(
+        *kernel.triton_decode_attention(unit_stride(q), unit_stride(k), unit_stride(v), bias, scale, causal)
+    )

@@ -21,6 +21,7 @@ layer's own, kvlab.runtime.model.layer_geometry). Anything else (q/k norms, Gemm
 scaled norms and embeddings, other activations, weights spread over devices)
 gets ``None`` from :func:`lean_model` and runs through transformers.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -145,17 +146,19 @@ def _build(model: torch.nn.Module) -> LeanModel:
     for layer, geometry in zip(body.layers, layer_geometry(model)):
         attn, mlp = layer.self_attn, layer.mlp
         projections = [attn.q_proj, attn.k_proj, attn.v_proj]
-        layers.append(LeanLayer(
-            qkv=_fuse(projections, "weight"),
-            qkv_bias=_fuse(projections, "bias"),
-            o=attn.o_proj.weight,
-            gate_up=_fuse([mlp.gate_proj, mlp.up_proj], "weight"),
-            down=mlp.down_proj.weight,
-            attn_norm=layer.input_layernorm.weight,
-            mlp_norm=layer.post_attention_layernorm.weight,
-            scaling=geometry.scaling,
-            window=geometry.window,
-        ))
+        layers.append(
+            LeanLayer(
+                qkv=_fuse(projections, "weight"),
+                qkv_bias=_fuse(projections, "bias"),
+                o=attn.o_proj.weight,
+                gate_up=_fuse([mlp.gate_proj, mlp.up_proj], "weight"),
+                down=mlp.down_proj.weight,
+                attn_norm=layer.input_layernorm.weight,
+                mlp_norm=layer.post_attention_layernorm.weight,
+                scaling=geometry.scaling,
+                window=geometry.window,
+            )
+        )
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return LeanModel(
         layers=layers,
@@ -247,6 +250,6 @@ def lean_forward_many(lean: LeanModel, items: list[LeanItem]) -> list[torch.Tens
         x = x + F.linear(outs[0] if len(outs) == 1 else torch.cat(outs), w.o)
         gate, up = F.linear(rms_norm(x, w.mlp_norm, lean.eps), w.gate_up).split(lean.intermediate, dim=-1)
         x = x + F.linear(F.silu(gate) * up, w.down)
-    kept = [x[r][-item.logits_to_keep:] if item.logits_to_keep else x[r] for item, r in zip(items, rows)]
+    kept = [x[r][-item.logits_to_keep :] if item.logits_to_keep else x[r] for item, r in zip(items, rows)]
     logits = lean.lm_head(rms_norm(kept[0] if len(kept) == 1 else torch.cat(kept), lean.final_norm, lean.eps))
     return list(logits.split([k.shape[0] for k in kept]))

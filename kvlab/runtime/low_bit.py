@@ -18,6 +18,7 @@ zero per group, and :attr:`PackedTensor.nbytes` counts exactly those
 buffers. Dequantised floats are produced on demand and never stored, because
 a quantise-dequantise round trip kept in floating point saves nothing.
 """
+
 from __future__ import annotations
 
 import math
@@ -83,9 +84,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     # A length mismatch means the caller paired the buffer with the wrong
     # count or bit width; decoding it anyway would return garbage silently.
     if flat.numel() != packed_nbytes(count, bits):
-        raise ValueError(
-            f"{flat.numel()} bytes cannot hold exactly {count} codes of {bits} bits"
-        )
+        raise ValueError(f"{flat.numel()} bytes cannot hold exactly {count} codes of {bits} bits")
     if per == 1:
         return flat.clone()
     shifts = torch.arange(per, dtype=torch.uint8, device=packed.device) * bits
@@ -105,9 +104,7 @@ def _fp16_round_up(x: torch.Tensor) -> torch.Tensor:
     return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, math.inf)), h)
 
 
-def _group_params(
-    x: torch.Tensor, bits: int, group_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_params(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group float16 (scale, zero) for groups along the last dim.
 
     x: float32 [..., L] -> scale, zero: float16 [..., ceil(L / group_size)].
@@ -135,9 +132,7 @@ def _expand_groups(p: torch.Tensor, group_size: int, length: int) -> torch.Tenso
     return p.float().repeat_interleave(group_size, dim=-1)[..., :length]
 
 
-def _quantize_last_dim(
-    x: torch.Tensor, bits: int, group_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize_last_dim(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric quantisation with groups along the last dim.
 
     x: [..., L] (any float dtype) -> codes uint8 [..., L] (unpacked),
@@ -230,8 +225,13 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int) -> PackedTensor:
     # Moving tokens last lets one grouping routine serve keys and values.
     codes, scale, zero = _quantize_last_dim(k.transpose(-1, -2), bits, group_size)
     return PackedTensor(
-        codes=pack_codes(codes, bits), scale=scale, zero=zero,
-        shape=tuple(k.shape), bits=bits, group_size=group_size, axis="channel",
+        codes=pack_codes(codes, bits),
+        scale=scale,
+        zero=zero,
+        shape=tuple(k.shape),
+        bits=bits,
+        group_size=group_size,
+        axis="channel",
     )
 
 
@@ -246,6 +246,11 @@ def quantize_values(v: torch.Tensor, bits: int, group_size: int) -> PackedTensor
     _check_kv(v, "v")
     codes, scale, zero = _quantize_last_dim(v, bits, group_size)
     return PackedTensor(
-        codes=pack_codes(codes, bits), scale=scale, zero=zero,
-        shape=tuple(v.shape), bits=bits, group_size=group_size, axis="token",
+        codes=pack_codes(codes, bits),
+        scale=scale,
+        zero=zero,
+        shape=tuple(v.shape),
+        bits=bits,
+        group_size=group_size,
+        axis="token",
     )

@@ -5,6 +5,7 @@ Loading a model from a name (the embedded GGUF, a packaged one, a hub id, a fold
 :mod:`kvlab.models`, above the runtime; a model loaded elsewhere becomes a :class:`LoadedModel` the same way
 (:func:`check_supported`, then :func:`kvlab.runtime.hooks.use_kvlab_attention`).
 """
+
 from __future__ import annotations
 
 import functools

@@ -21,6 +21,7 @@ quantised or stored: padding appears only in the transient
 :class:`~kvlab.runtime.cache.DenseSegment`. The token index is bookkeeping
 for the figures (attention never reads it) and is not counted as stored.
 """
+
 from __future__ import annotations
 
 import math
@@ -137,8 +138,7 @@ class QuantSegment:
         return {
             f"{self.bits}-bit codes": sum(p.codes.numel() * p.codes.element_size() for p in packed),
             "scales+zeros": sum(
-                p.scale.numel() * p.scale.element_size() + p.zero.numel() * p.zero.element_size()
-                for p in packed
+                p.scale.numel() * p.scale.element_size() + p.zero.numel() * p.zero.element_size() for p in packed
             ),
         }
 

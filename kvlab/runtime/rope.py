@@ -11,6 +11,7 @@ factor...) match each layer, and the Llama "rotate half" layout (Llama,
 Mistral, Qwen2, Qwen3, Gemma 3, SmolLM, GPT-OSS...):
 ``rot(q) = q * cos + rotate_half(q) * sin``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -49,8 +50,9 @@ def rope_cos_sin(
     """
     kinds = {g.rope_type for g in lm.geometry}
     if layer is None and len(kinds) > 1:
-        raise ModelLoadError(f"{lm.name}: its layers rotate by different RoPEs ({', '.join(sorted(kinds))}): "
-                             "ask for one layer's tables")
+        raise ModelLoadError(
+            f"{lm.name}: its layers rotate by different RoPEs ({', '.join(sorted(kinds))}): ask for one layer's tables"
+        )
     kind = lm.geometry[0 if layer is None else layer].rope_type
     positions = positions.reshape(1, -1).to(lm.device)
     probe = torch.zeros(1, 1, lm.head_dim, device=lm.device, dtype=torch.float32)

@@ -19,6 +19,7 @@ q [B, H, n, d], k/v [B, H_kv, S, d], bias [B or 1, H_kv, L] float32 with
 L <= S; partial out float32 [B*H_kv, splits, g*n, d], partial lse float32
 [B*H_kv, splits, g*n].
 """
+
 from __future__ import annotations
 
 import torch
@@ -53,17 +54,47 @@ def online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 def store_partial(part_out, part_lse, slot, rows, d, row_ok, d_ok, m_i, l_i, acc, ROWS, HEAD_DIM: tl.constexpr):
     """Write one program's normalised partial output and its lse (-inf for no visible key)."""
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(part_out + (slot * ROWS + rows[:, None]) * HEAD_DIM + d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        part_out + (slot * ROWS + rows[:, None]) * HEAD_DIM + d[None, :], out, mask=row_ok[:, None] & d_ok[None, :]
+    )
     tl.store(part_lse + slot * ROWS + rows, m_i + tl.log(l_i), mask=row_ok)
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, bias_ptr, part_out, part_lse,
-    sq_b, sq_h, sq_n, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sb_b, sb_h,
-    n_kv_heads, seq_len, bias_len, n_queries, chunk, split_offset, total_splits, scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bias_ptr,
+    part_out,
+    part_lse,
+    sq_b,
+    sq_h,
+    sq_n,
+    sk_b,
+    sk_h,
+    sk_s,
+    sv_b,
+    sv_h,
+    sv_s,
+    sb_b,
+    sb_h,
+    n_kv_heads,
+    seq_len,
+    bias_len,
+    n_queries,
+    chunk,
+    split_offset,
+    total_splits,
+    scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)  # b * n_kv_heads + kv head
     split = tl.program_id(1)
@@ -77,7 +108,8 @@ def _decode_split_kernel(
     d_ok = d < HEAD_DIM
     q = tl.load(
         q_ptr + b * sq_b + (hk * GROUP + rows // n_queries)[:, None] * sq_h + tok[:, None] * sq_n + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
     )
     # Query token i is key seq_len - n + i: it sees every key up to itself.
     if CAUSAL:
@@ -109,9 +141,20 @@ def _decode_split_kernel(
 
 @triton.jit
 def _merge_kernel(
-    part_out, part_lse, out_ptr, lse_ptr, so_b, so_h, so_n,
-    n_kv_heads, n_queries, total_splits,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_out,
+    part_lse,
+    out_ptr,
+    lse_ptr,
+    so_b,
+    so_h,
+    so_n,
+    n_kv_heads,
+    n_queries,
+    total_splits,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // n_kv_heads
@@ -131,15 +174,21 @@ def _merge_kernel(
     for s in range(0, total_splits):
         slot = pid * total_splits + s
         w = tl.exp(tl.load(part_lse + slot * n_rows + rows, mask=row_ok, other=float("-inf")) - shift)
-        part = tl.load(part_out + (slot * n_rows + rows[:, None]) * HEAD_DIM + d[None, :],
-                       mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        part = tl.load(
+            part_out + (slot * n_rows + rows[:, None]) * HEAD_DIM + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         acc += w[:, None] * part
         mass += w
     out = acc / tl.where(mass > 0, mass, 1.0)[:, None]
     head = hk * GROUP + rows // n_queries
     tok = rows % n_queries
-    tl.store(out_ptr + b * so_b + head[:, None] * so_h + tok[:, None] * so_n + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        out_ptr + b * so_b + head[:, None] * so_h + tok[:, None] * so_n + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
     # lse laid out [B, H, n] contiguous, i.e. [B * H_kv, GROUP * n] by rows.
     tl.store(lse_ptr + pid * n_rows + rows, shift + tl.log(mass), mask=row_ok)
 
@@ -166,7 +215,9 @@ def choose_splits(seq_len: int, programs: int, device: torch.device) -> int:
     return max(1, min(tiles, triton.cdiv(target, max(programs, 1))))
 
 
-def new_partials(programs: int, splits: int, rows: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def new_partials(
+    programs: int, splits: int, rows: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty partial buffers: out [programs, splits, rows, d], lse [programs, splits, rows] (float32)."""
     out = torch.empty(programs, splits, rows, head_dim, dtype=torch.float32, device=device)
     return out, torch.empty(programs, splits, rows, dtype=torch.float32, device=device)
@@ -197,12 +248,39 @@ def launch_splits(
     bias_arg = bias if has_bias else part_lse  # never read when HAS_BIAS is False
     sb_b = (bias.stride(0) if bias.shape[0] > 1 else 0) if has_bias else 0
     _decode_split_kernel[(batch * n_kv, splits)](
-        q, k, v, bias_arg, part_out, part_lse,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), sb_b, bias.stride(1) if has_bias else 0,
-        n_kv, seq_len, bias.shape[-1] if has_bias else 0, n, chunk, split_offset, part_lse.shape[1], scale,
-        GROUP=group, HEAD_DIM=d, CAUSAL=causal, HAS_BIAS=has_bias, DOT_PRECISION=dot_precision(q.dtype),
-        BLOCK_M=block_m(group * n), BLOCK_N=BLOCK_N, BLOCK_D=triton.next_power_of_2(d),
+        q,
+        k,
+        v,
+        bias_arg,
+        part_out,
+        part_lse,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        sb_b,
+        bias.stride(1) if has_bias else 0,
+        n_kv,
+        seq_len,
+        bias.shape[-1] if has_bias else 0,
+        n,
+        chunk,
+        split_offset,
+        part_lse.shape[1],
+        scale,
+        GROUP=group,
+        HEAD_DIM=d,
+        CAUSAL=causal,
+        HAS_BIAS=has_bias,
+        DOT_PRECISION=dot_precision(q.dtype),
+        BLOCK_M=block_m(group * n),
+        BLOCK_N=BLOCK_N,
+        BLOCK_D=triton.next_power_of_2(d),
     )
 
 
@@ -215,9 +293,20 @@ def merge_splits(
     out = torch.empty(batch, n_heads, n, d, dtype=dtype, device=part_out.device)
     lse = torch.empty(batch, n_heads, n, dtype=torch.float32, device=part_out.device)
     _merge_kernel[(programs,)](
-        part_out, part_lse, out, lse, out.stride(0), out.stride(1), out.stride(2),
-        n_kv, n, splits,
-        GROUP=n_heads // n_kv, HEAD_DIM=d, BLOCK_M=block_m(rows), BLOCK_D=triton.next_power_of_2(d),
+        part_out,
+        part_lse,
+        out,
+        lse,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        n_kv,
+        n,
+        splits,
+        GROUP=n_heads // n_kv,
+        HEAD_DIM=d,
+        BLOCK_M=block_m(rows),
+        BLOCK_D=triton.next_power_of_2(d),
     )
     return out, lse
 

@@ -12,6 +12,7 @@ Scores: token F1 of the answer's codes against the list (order-free, via
 kvlab.tasks.marking) and how many of the list's codes the answer holds in the
 list's order (their longest common subsequence: one slip costs one code).
 """
+
 from __future__ import annotations
 
 import random
@@ -95,11 +96,18 @@ def copy_codes(count: TokenCounter, n: int, seed: int, length: int) -> list[Task
         while n_codes > 1 and count(copy_document(codes)) > length:
             n_codes -= max(1, n_codes // 20)
             codes = codes[:n_codes]
-        items.append(TaskItem(
-            task="copy_codes", item_id=f"copy_codes-{seed}-{i}-{length}", document=copy_document(codes),
-            question=INSTRUCTION, answers=(" ".join(codes),), scoring="f1",
-            max_new_tokens=ANSWER_TOKENS_PER_CODE * len(codes) + 8, meta={"n_codes": len(codes)},
-        ))
+        items.append(
+            TaskItem(
+                task="copy_codes",
+                item_id=f"copy_codes-{seed}-{i}-{length}",
+                document=copy_document(codes),
+                question=INSTRUCTION,
+                answers=(" ".join(codes),),
+                scoring="f1",
+                max_new_tokens=ANSWER_TOKENS_PER_CODE * len(codes) + 8,
+                meta={"n_codes": len(codes)},
+            )
+        )
     return items
 
 

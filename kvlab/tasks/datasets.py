@@ -4,6 +4,7 @@ The shared data is evaluation data, not part of the product: the app and its
 image never need it, and a task that reads it fails with one clear line when
 it is absent. ``KVLAB_DATA`` points elsewhere.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,12 +51,18 @@ def quality(n: int, seed: int) -> list[TaskItem]:
     for article in articles:
         for qi, q in enumerate(article["questions"]):
             options = tuple(q["options"])
-            items.append(TaskItem(
-                "quality", f"quality-{article['article_id']}-{qi}", article["text"],
-                question=choice_question(q["question"], options),
-                answers=(options[q["gold_index"]],), scoring="choice",
-                choices=options, gold_index=q["gold_index"],
-            ))
+            items.append(
+                TaskItem(
+                    "quality",
+                    f"quality-{article['article_id']}-{qi}",
+                    article["text"],
+                    question=choice_question(q["question"], options),
+                    answers=(options[q["gold_index"]],),
+                    scoring="choice",
+                    choices=options,
+                    gold_index=q["gold_index"],
+                )
+            )
     return items[:n]
 
 
@@ -72,9 +79,13 @@ def hotpotqa(n: int, seed: int) -> list[TaskItem]:
     entries = _read_json("hotpotqa_distractor_dev_sample100.json", "hotpotqa")
     return [
         TaskItem(
-            "hotpotqa", f"hotpotqa-{e['_id']}-s{seed}", hotpot_document(e, seed),
+            "hotpotqa",
+            f"hotpotqa-{e['_id']}-s{seed}",
+            hotpot_document(e, seed),
             question=f"{_QA_INSTRUCTION}\nQuestion: {e['question']}",
-            answers=(e["answer"],), scoring="f1", answer_prefix="Answer:",
+            answers=(e["answer"],),
+            scoring="f1",
+            answer_prefix="Answer:",
         )
         for e in entries[:n]
     ]
@@ -91,8 +102,15 @@ def examples(n: int, seed: int) -> list[TaskItem]:
         text = ex.text()
         for qi, (question, answer) in enumerate(zip(ex.questions, ex.answers)):
             aliases = (answer,) if isinstance(answer, str) else tuple(answer)
-            items.append(TaskItem(
-                "examples", f"examples-{ex.id}-{qi}", text, question=question,
-                answers=aliases, scoring="contains", max_new_tokens=48,
-            ))
+            items.append(
+                TaskItem(
+                    "examples",
+                    f"examples-{ex.id}-{qi}",
+                    text,
+                    question=question,
+                    answers=aliases,
+                    scoring="contains",
+                    max_new_tokens=48,
+                )
+            )
     return items[:n]

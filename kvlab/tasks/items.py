@@ -1,4 +1,5 @@
 """A task item: one question about one document, with its known answer and how to score it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -68,4 +68,3 @@ def token_f1(prediction: str, gold: str | Sequence[str]) -> float:
             recall = common / len(gold_tokens)
             best = max(best, 2 * precision * recall / (precision + recall))
     return best
-

@@ -3,6 +3,7 @@
 Figures take plain results and summary rows (no model), so the app can draw
 them from a live run or from a results folder alike.
 """
+
 from __future__ import annotations
 
 import csv
@@ -30,7 +31,8 @@ def accuracy_figure(rows: Sequence[SummaryRow], task: str) -> go.Figure:
     mine = [r for r in rows if r.task == task]
     points = [
         {"method": run_label(r.method, r.preset), "ratio": r.ratio, "accuracy": r.accuracy}
-        for r in mine if r.ratio is not None
+        for r in mine
+        if r.ratio is not None
     ]
     ceiling = next((r.accuracy for r in mine if r.method == FULL), None)
     note = next((r.note for r in mine if r.note), "")
@@ -39,11 +41,16 @@ def accuracy_figure(rows: Sequence[SummaryRow], task: str) -> go.Figure:
     floor = next((r.accuracy for r in mine if r.method == FLOOR), None)
     ratios = sorted({p["ratio"] for p in points})
     if floor is not None and ratios:
-        fig.add_trace(go.Scatter(
-            x=[ratios[0], ratios[-1]], y=[floor, floor], mode="lines+markers" if len(ratios) == 1 else "lines",
-            name=f"no context ({floor:.3g})", line=dict(color="#9ca3af", dash="dot", width=1.5),
-            hovertemplate="no context: %{y:.4g}<extra></extra>",
-        ))
+        fig.add_trace(
+            go.Scatter(
+                x=[ratios[0], ratios[-1]],
+                y=[floor, floor],
+                mode="lines+markers" if len(ratios) == 1 else "lines",
+                name=f"no context ({floor:.3g})",
+                line=dict(color="#9ca3af", dash="dot", width=1.5),
+                hovertemplate="no context: %{y:.4g}<extra></extra>",
+            )
+        )
     fig.update_yaxes(range=[0, 1.05])
     return fig
 
@@ -67,16 +74,27 @@ def needle_heatmap(results: Iterable[TaskResult], method: str, preset: str = "",
     depths = sorted({d for d, _ in cells})
     columns = ["full"] + [f"{x:g}x" for x in sorted(ratios)]
     z = [[_mean_or_nan(cells.get((d, c), [])) for c in columns] for d in depths]
-    fig = go.Figure(go.Heatmap(
-        z=z, x=columns, y=[f"{d:.0%}" for d in depths], zmin=0.0, zmax=1.0, colorscale="RdYlGn",
-        colorbar=dict(title=dict(text="accuracy")), xgap=1, ygap=1,
-        hovertemplate="depth %{y}, %{x}: %{z:.2f}<extra></extra>",
-    ))
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=columns,
+            y=[f"{d:.0%}" for d in depths],
+            zmin=0.0,
+            zmax=1.0,
+            colorscale="RdYlGn",
+            colorbar=dict(title=dict(text="accuracy")),
+            xgap=1,
+            ygap=1,
+            hovertemplate="depth %{y}, %{x}: %{z:.2f}<extra></extra>",
+        )
+    )
     fig.update_layout(
         title=dict(text=f"needles found: {run_label(method, preset)}" + (f" on {task}" if task else "")),
         xaxis=dict(title=dict(text="cache"), type="category"),
         yaxis=dict(title=dict(text="needle depth"), type="category"),
-        height=figures.FIGURE_HEIGHT, template="plotly_white", margin=dict(l=70, r=20, t=60, b=50),
+        height=figures.FIGURE_HEIGHT,
+        template="plotly_white",
+        margin=dict(l=70, r=20, t=60, b=50),
     )
     return fig
 
@@ -95,8 +113,21 @@ def write_csv(path: Path, records: Sequence[dict]) -> None:
         writer.writerows(records)
 
 
-_TABLE_COLUMNS = ("task", "method", "ratio", "n", "accuracy", "accuracy_low", "accuracy_high", "exact", "agreement", "f1",
-                  "gold_logprob", "accuracy_norm", "note")
+_TABLE_COLUMNS = (
+    "task",
+    "method",
+    "ratio",
+    "n",
+    "accuracy",
+    "accuracy_low",
+    "accuracy_high",
+    "exact",
+    "agreement",
+    "f1",
+    "gold_logprob",
+    "accuracy_norm",
+    "note",
+)
 
 
 def _cell(value: object) -> str:
@@ -135,9 +166,12 @@ def table_markdown(rows: Sequence[SummaryRow]) -> str:
         note = next((r.note for r in mine if r.note), "")
         # Only ratio-free runs (the ceiling and floor alone): one accuracy column.
         columns = ratios or [None]
-        out += [f"**{task}**" + (f" ({note})" if note else ""), "",
-                "| method | " + " | ".join("accuracy" if x is None else f"{x:g}x" for x in columns) + " |",
-                "|---|" + "---|" * len(columns)]
+        out += [
+            f"**{task}**" + (f" ({note})" if note else ""),
+            "",
+            "| method | " + " | ".join("accuracy" if x is None else f"{x:g}x" for x in columns) + " |",
+            "|---|" + "---|" * len(columns),
+        ]
         for label, by_ratio in cells.items():
             fixed = by_ratio.get(None)  # the full cache and no_context ignore the ratio
             row = [fixed or by_ratio.get(x) for x in columns]
@@ -165,15 +199,16 @@ def report_html(results: Sequence[TaskResult], title: str = "kvlab bench") -> st
         figs += [needle_heatmap(results, m, p, task) for m, p in methods]
     parts = [pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figs)]
     models = ", ".join(sorted({r.model for r in results})) or "-"
-    style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-             "td,th{border:1px solid #ddd;padding:4px 8px;text-align:right}th{background:#f3f4f6}")
+    style = (
+        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ddd;padding:4px 8px;text-align:right}th{background:#f3f4f6}"
+    )
     return (
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
         f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1>"
         f"<p>model: {html.escape(models)}; {len(results)} results. Accuracy is the task's score "
         "(contains match, fraction of values found, token F1 or option accuracy); agreement is with "
-        "the full cache's answer.</p>"
-        + "".join(parts) + "<h2>Table</h2>" + table_html(rows) + "</body></html>"
+        "the full cache's answer.</p>" + "".join(parts) + "<h2>Table</h2>" + table_html(rows) + "</body></html>"
     )
 
 

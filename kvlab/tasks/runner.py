@@ -6,6 +6,7 @@ once per item (the floor), then every method at every ratio. A method that
 never reads the question compresses each document once per ratio, whatever
 the number of questions on it.
 """
+
 from __future__ import annotations
 
 import json
@@ -136,8 +137,13 @@ def answer_item(lm: LoadedModel, stored: CompressedKV, item: TaskItem, prompt: t
         norm_choice = max(range(len(per_byte)), key=per_byte.__getitem__)
         answer = item.choices[choice]
         return Outcome(
-            answer, choice, float(choice == item.gold_index), choice == item.gold_index,
-            token_f1(answer, item.answers), logprobs[item.gold_index], norm_choice == item.gold_index,
+            answer,
+            choice,
+            float(choice == item.gold_index),
+            choice == item.gold_index,
+            token_f1(answer, item.answers),
+            logprobs[item.gold_index],
+            norm_choice == item.gold_index,
             time.perf_counter() - start,
         )
     answer = greedy(lm, stored, prompt, item.max_new_tokens).text
@@ -151,8 +157,14 @@ def answer_item(lm: LoadedModel, stored: CompressedKV, item: TaskItem, prompt: t
     if item.scoring == "f1":
         gold_logprob = float(continuation_logprobs(lm, stored, prompt, _continuation(lm, item.answers[0])).sum())
     return Outcome(
-        answer, None, score, exact_match(answer, item.answers), token_f1(answer, item.answers),
-        gold_logprob, None, time.perf_counter() - start,
+        answer,
+        None,
+        score,
+        exact_match(answer, item.answers),
+        token_f1(answer, item.answers),
+        gold_logprob,
+        None,
+        time.perf_counter() - start,
     )
 
 
@@ -162,14 +174,36 @@ def _agrees(full: Outcome, other: Outcome) -> bool:
     return normalize_answer(full.answer) == normalize_answer(other.answer)
 
 
-def _result(item: TaskItem, ctx: Context, method: str, preset: str, ratio: float | None,
-            out: Outcome, full: Outcome, compress_s: float) -> TaskResult:
+def _result(
+    item: TaskItem,
+    ctx: Context,
+    method: str,
+    preset: str,
+    ratio: float | None,
+    out: Outcome,
+    full: Outcome,
+    compress_s: float,
+) -> TaskResult:
     return TaskResult(
-        task=item.task, item_id=item.item_id, method=method, preset=preset, ratio=ratio, model=ctx.lm.name,
-        score=out.score, correct=out.score >= 1.0, exact=out.exact, f1=out.f1, answer=out.answer,
-        answer_full=full.answer, agrees_full=_agrees(full, out), gold_logprob=out.gold_logprob,
-        correct_norm=out.correct_norm, depth=item.depth, doc_tokens=ctx.doc_len,
-        compress_s=compress_s, answer_s=out.seconds,
+        task=item.task,
+        item_id=item.item_id,
+        method=method,
+        preset=preset,
+        ratio=ratio,
+        model=ctx.lm.name,
+        score=out.score,
+        correct=out.score >= 1.0,
+        exact=out.exact,
+        f1=out.f1,
+        answer=out.answer,
+        answer_full=full.answer,
+        agrees_full=_agrees(full, out),
+        gold_logprob=out.gold_logprob,
+        correct_norm=out.correct_norm,
+        depth=item.depth,
+        doc_tokens=ctx.doc_len,
+        compress_s=compress_s,
+        answer_s=out.seconds,
     )
 
 
@@ -188,7 +222,7 @@ class Plan:
         specs = [MethodSpec(FLOOR)] + [m for m in methods if m.name not in (FULL, FLOOR)]
         for spec in specs:
             method = spec.instantiate()
-            for ratio in ([None] if method.fixed_budget else ratios):
+            for ratio in [None] if method.fixed_budget else ratios:
                 runs.append((spec, method, ratio))
         return cls(tuple(runs))
 
@@ -234,7 +268,9 @@ def run_items(
         if on_result is not None:
             on_result(result)
         finished += 1
-        progress(finished / total, f"{result.task} {result.method} {'' if result.ratio is None else f'{result.ratio:g}x'}")
+        progress(
+            finished / total, f"{result.task} {result.method} {'' if result.ratio is None else f'{result.ratio:g}x'}"
+        )
 
     for group in group_by_document(items):
         todo = [it for it in group if not set(plan.keys(lm.name, it)) <= done]
@@ -333,16 +369,23 @@ def summarise(results: Iterable[TaskResult]) -> list[SummaryRow]:
     rows = []
     for (task, method, preset, ratio), rs in groups.items():
         low, high = wilson_interval(sum(r.score for r in rs), len(rs))
-        rows.append(SummaryRow(
-            task, method, preset, ratio, len(rs),
-            accuracy=_mean([r.score for r in rs]),
-            exact=_mean([float(r.correct) for r in rs]),
-            agreement=_mean([float(r.agrees_full) for r in rs]),
-            f1=_mean([r.f1 for r in rs]) if rs[0].gold_logprob is not None else None,
-            gold_logprob=_mean([r.gold_logprob for r in rs]),
-            accuracy_norm=_mean([None if r.correct_norm is None else float(r.correct_norm) for r in rs]),
-            accuracy_low=low, accuracy_high=high,
-        ))
+        rows.append(
+            SummaryRow(
+                task,
+                method,
+                preset,
+                ratio,
+                len(rs),
+                accuracy=_mean([r.score for r in rs]),
+                exact=_mean([float(r.correct) for r in rs]),
+                agreement=_mean([float(r.agrees_full) for r in rs]),
+                f1=_mean([r.f1 for r in rs]) if rs[0].gold_logprob is not None else None,
+                gold_logprob=_mean([r.gold_logprob for r in rs]),
+                accuracy_norm=_mean([None if r.correct_norm is None else float(r.correct_norm) for r in rs]),
+                accuracy_low=low,
+                accuracy_high=high,
+            )
+        )
     ceilings = {row.task: row.accuracy for row in rows if row.method == FULL}
     for row in rows:
         if ceilings.get(row.task, 1.0) < LOW_CEILING:

@@ -6,6 +6,7 @@ loses at most the result being written. Reading takes every results*.jsonl
 in the folder, skips a line cut short by an interruption, and keeps one
 result per key.
 """
+
 from __future__ import annotations
 
 import dataclasses

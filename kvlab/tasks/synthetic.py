@@ -24,6 +24,7 @@ people's names, or ``mixed``: the three in turn, item by item.
 Each generator sizes its filler so that the document is at most ``length``
 model tokens (RULER's binary search over the haystack size).
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,15 +42,19 @@ from kvlab.tasks.items import TaskError, TaskItem, TokenCounter
 #: The noise line repeated as filler (RULER's "noise" haystack, our sentences).
 NOISE = "The river runs past the old mill. The hills are quiet. A cart rolls down the lane. The bell rings at noon."
 
-_ADJECTIVES = tuple((
-    "amber brave calm dusty eager faint gentle hollow icy jolly kind lucky mellow narrow odd pale quick "
-    "rusty silent tall upper vivid warm young zesty bold crisp deep early fancy"
-).split())
-_NOUNS = tuple((
-    "anchor basket candle dragon engine feather garden harbor island jacket kettle ladder meadow needle "
-    "orchard pillow quarry rocket saddle tunnel umbrella valley window yarrow zipper button cellar falcon "
-    "lantern marble"
-).split())
+_ADJECTIVES = tuple(
+    (
+        "amber brave calm dusty eager faint gentle hollow icy jolly kind lucky mellow narrow odd pale quick "
+        "rusty silent tall upper vivid warm young zesty bold crisp deep early fancy"
+    ).split()
+)
+_NOUNS = tuple(
+    (
+        "anchor basket candle dragon engine feather garden harbor island jacket kettle ladder meadow needle "
+        "orchard pillow quarry rocket saddle tunnel umbrella valley window yarrow zipper button cellar falcon "
+        "lantern marble"
+    ).split()
+)
 
 #: What fills the document around the needles.
 Haystack = Literal["noise", "prose", "books"]
@@ -60,20 +65,26 @@ VALUE_SHAPES: tuple[ValueShape, ...] = ("number", "code", "name", "mixed")
 MIXED_SHAPES: tuple[ValueShape, ...] = ("number", "code", "name")
 
 #: The word half of a code; the prose filler may use these words, never with digits.
-_CODE_WORDS = tuple((
-    "violet azure cobalt crimson olive scarlet indigo ivory copper jade maroon ochre silver teal umber "
-    "saffron coral slate pearl russet"
-).split())
+_CODE_WORDS = tuple(
+    (
+        "violet azure cobalt crimson olive scarlet indigo ivory copper jade maroon ochre silver teal umber "
+        "saffron coral slate pearl russet"
+    ).split()
+)
 #: Given names and family names for the name shape; the prose filler names no one.
-_GIVEN_NAMES = tuple((
-    "Amara Bertil Cosima Dario Elif Fintan Greta Hamid Ines Jonah Kalina Lucan Mireille Nikolai Odile "
-    "Pavel Quilla Rosalind Soren Thandiwe"
-).split())
-_FAMILY_NAMES = tuple((
-    "Abernathy Brandvold Castellanos Delacroix Eriksdottir Fairweather Grabowski Hollingsworth Iwasaki "
-    "Jaramillo Kowalczyk Lindqvist Montgomery Nakashima Okonkwo Pemberton Quintero Rasmussen Szymanski "
-    "Thorvaldsen"
-).split())
+_GIVEN_NAMES = tuple(
+    (
+        "Amara Bertil Cosima Dario Elif Fintan Greta Hamid Ines Jonah Kalina Lucan Mireille Nikolai Odile "
+        "Pavel Quilla Rosalind Soren Thandiwe"
+    ).split()
+)
+_FAMILY_NAMES = tuple(
+    (
+        "Abernathy Brandvold Castellanos Delacroix Eriksdottir Fairweather Grabowski Hollingsworth Iwasaki "
+        "Jaramillo Kowalczyk Lindqvist Montgomery Nakashima Okonkwo Pemberton Quintero Rasmussen Szymanski "
+        "Thorvaldsen"
+    ).split()
+)
 
 #: RULER's 40 needle depths (0 to 100 %, rounded), as fractions.
 RULER_DEPTHS = tuple(round(100 * i / 39) / 100 for i in range(40))
@@ -233,15 +244,18 @@ def book_paragraphs(folder: Path) -> tuple[tuple[str, tuple[str, ...]], ...]:
     for path in sorted(folder.glob("*.txt")) if folder.is_dir() else []:
         blocks = path.read_text(encoding="utf-8").split("\n\n")
         prose = tuple(
-            " ".join(block.split()) for block in blocks
+            " ".join(block.split())
+            for block in blocks
             if len(" ".join(block.split())) >= MIN_BOOK_PARAGRAPH
             and not any(line.startswith("    ") for line in block.strip("\n").splitlines())
         )
         if prose:
             books.append((path.name, prose))
     if not books:
-        raise TaskError(f"the books haystack needs public-domain books in {folder} "
-                        f"(set KVLAB_DATA to the folder holding {BOOKS_FOLDER}/)")
+        raise TaskError(
+            f"the books haystack needs public-domain books in {folder} "
+            f"(set KVLAB_DATA to the folder holding {BOOKS_FOLDER}/)"
+        )
     return tuple(books)
 
 
@@ -271,8 +285,9 @@ def _filler_order(task: str, seed: int, index: int) -> list[int]:
     return rng.sample(range(len(prose_paragraphs())), len(prose_paragraphs()))
 
 
-def _haystack(preamble: str, needles: Sequence[tuple[float, str]], haystack: Haystack = "noise",
-              order: Sequence[int] = ()) -> Callable[[int], str]:
+def _haystack(
+    preamble: str, needles: Sequence[tuple[float, str]], haystack: Haystack = "noise", order: Sequence[int] = ()
+) -> Callable[[int], str]:
     """``build(n)`` for :func:`fit_filler`: n noise lines, n prose sentences read in ``order``, or n
     sentences of a book from a paragraph on (``order`` = (book, first paragraph)), around the needles."""
     if haystack == "noise":
@@ -300,8 +315,16 @@ def _item_id(task: str, length: int, seed: int, index: int) -> str:
     return f"{task}-L{length}-s{seed}-{index}"
 
 
-def _needle_doc(task: str, count: TokenCounter, length: int, seed: int, index: int, preamble: str,
-                needles: Sequence[tuple[float, str]], haystack: Haystack) -> str:
+def _needle_doc(
+    task: str,
+    count: TokenCounter,
+    length: int,
+    seed: int,
+    index: int,
+    preamble: str,
+    needles: Sequence[tuple[float, str]],
+    haystack: Haystack,
+) -> str:
     """The document of item ``index``: ``needles`` in the longest filler that fits ``length`` tokens."""
     order: Sequence[int] = ()
     if haystack == "prose":
@@ -311,8 +334,15 @@ def _needle_doc(task: str, count: TokenCounter, length: int, seed: int, index: i
     return fit_filler(_haystack(preamble, needles, haystack, order), count, length)
 
 
-def niah_single(count: TokenCounter, n: int, seed: int, length: int, depths: Sequence[float] | None = None,
-                haystack: Haystack = "noise", values: ValueShape = "number") -> list[TaskItem]:
+def niah_single(
+    count: TokenCounter,
+    n: int,
+    seed: int,
+    length: int,
+    depths: Sequence[float] | None = None,
+    haystack: Haystack = "noise",
+    values: ValueShape = "number",
+) -> list[TaskItem]:
     """One needle in the haystack; ask for its value.
 
     depths: one per item, cycled (the needle grid); default a random RULER depth per item.
@@ -326,26 +356,42 @@ def niah_single(count: TokenCounter, n: int, seed: int, length: int, depths: Seq
         noun = value_noun(shape)
         key, value = _keys(rng, 1)[0], needle_values(rng, shape, 1)[0]
         depth = rng.choice(RULER_DEPTHS) if depths is None else depths[i % len(depths)]
-        preamble = f"A special magic {noun} is hidden in the text below. Remember it: you will be asked for it afterwards."
+        preamble = (
+            f"A special magic {noun} is hidden in the text below. Remember it: you will be asked for it afterwards."
+        )
         needle = needle_sentence(key, value, shape=shape)
         doc = _needle_doc(task, count, length, seed, i, preamble, [(depth, needle)], haystack)
-        items.append(TaskItem(
-            label, _item_id(label, length, seed, i), doc,
-            question=f"What is the special magic {noun} for {key} in the text above?",
-            answers=(value,), scoring="contains",
-            answer_prefix=f"The special magic {noun} for {key} is", depth=depth,
-        ))
+        items.append(
+            TaskItem(
+                label,
+                _item_id(label, length, seed, i),
+                doc,
+                question=f"What is the special magic {noun} for {key} in the text above?",
+                answers=(value,),
+                scoring="contains",
+                answer_prefix=f"The special magic {noun} for {key} is",
+                depth=depth,
+            )
+        )
     return items
 
 
-def needle_grid(count: TokenCounter, n: int, seed: int, length: int,
-                haystack: Haystack = "noise", values: ValueShape = "number") -> list[TaskItem]:
+def needle_grid(
+    count: TokenCounter, n: int, seed: int, length: int, haystack: Haystack = "noise", values: ValueShape = "number"
+) -> list[TaskItem]:
     """Single needles at the grid's depths (0, 25, 50, 75, 100 %), ``n`` items in all, depths cycled."""
     return niah_single(count, n, seed, length, depths=GRID_DEPTHS, haystack=haystack, values=values)
 
 
-def niah_multikey(count: TokenCounter, n: int, seed: int, length: int, n_keys: int = 4,
-                  haystack: Haystack = "noise", values: ValueShape = "number") -> list[TaskItem]:
+def niah_multikey(
+    count: TokenCounter,
+    n: int,
+    seed: int,
+    length: int,
+    n_keys: int = 4,
+    haystack: Haystack = "noise",
+    values: ValueShape = "number",
+) -> list[TaskItem]:
     """``n_keys`` needles with different keys (RULER's multikey_1: 4); ask for one key's value."""
     label = task_label("niah_multikey", haystack, values)
     rng = random.Random(f"niah_multikey:{seed}")
@@ -357,22 +403,37 @@ def niah_multikey(count: TokenCounter, n: int, seed: int, length: int, n_keys: i
         vals = needle_values(rng, shape, n_keys)
         depths = rng.sample(RULER_DEPTHS, n_keys)
         asked = rng.randrange(n_keys)
-        preamble = (f"Special magic {noun}s for several keys are hidden in the text below. "
-                    "Remember them: you will be asked for one of them afterwards.")
+        preamble = (
+            f"Special magic {noun}s for several keys are hidden in the text below. "
+            "Remember them: you will be asked for one of them afterwards."
+        )
         needles = [(d, needle_sentence(k, v, shape=shape)) for d, k, v in zip(depths, keys, vals)]
         doc = _needle_doc("niah_multikey", count, length, seed, i, preamble, needles, haystack)
         key = keys[asked]
-        items.append(TaskItem(
-            label, _item_id(label, length, seed, i), doc,
-            question=f"What is the special magic {noun} for {key} in the text above?",
-            answers=(vals[asked],), scoring="contains",
-            answer_prefix=f"The special magic {noun} for {key} is", depth=depths[asked],
-        ))
+        items.append(
+            TaskItem(
+                label,
+                _item_id(label, length, seed, i),
+                doc,
+                question=f"What is the special magic {noun} for {key} in the text above?",
+                answers=(vals[asked],),
+                scoring="contains",
+                answer_prefix=f"The special magic {noun} for {key} is",
+                depth=depths[asked],
+            )
+        )
     return items
 
 
-def niah_multivalue(count: TokenCounter, n: int, seed: int, length: int, n_values: int = 4,
-                    haystack: Haystack = "noise", values: ValueShape = "number") -> list[TaskItem]:
+def niah_multivalue(
+    count: TokenCounter,
+    n: int,
+    seed: int,
+    length: int,
+    n_values: int = 4,
+    haystack: Haystack = "noise",
+    values: ValueShape = "number",
+) -> list[TaskItem]:
     """One key with ``n_values`` values (RULER's multivalue: 4); all must come back."""
     label = task_label("niah_multivalue", haystack, values)
     rng = random.Random(f"niah_multivalue:{seed}")
@@ -383,16 +444,24 @@ def niah_multivalue(count: TokenCounter, n: int, seed: int, length: int, n_value
         key = _keys(rng, 1)[0]
         vals = needle_values(rng, shape, n_values)
         depths = rng.sample(RULER_DEPTHS, n_values)
-        preamble = (f"Several special magic {noun}s are hidden in the text below. "
-                    "Remember all of them: you will be asked for them afterwards.")
+        preamble = (
+            f"Several special magic {noun}s are hidden in the text below. "
+            "Remember all of them: you will be asked for them afterwards."
+        )
         needles = [(d, needle_sentence(key, v, one_of=True, shape=shape)) for d, v in zip(depths, vals)]
         doc = _needle_doc("niah_multivalue", count, length, seed, i, preamble, needles, haystack)
-        items.append(TaskItem(
-            label, _item_id(label, length, seed, i), doc,
-            question=f"What are all the special magic {noun}s for {key} in the text above?",
-            answers=tuple(vals), scoring="all",
-            answer_prefix=f"The special magic {noun}s for {key} are", max_new_tokens=48,
-        ))
+        items.append(
+            TaskItem(
+                label,
+                _item_id(label, length, seed, i),
+                doc,
+                question=f"What are all the special magic {noun}s for {key} in the text above?",
+                answers=tuple(vals),
+                scoring="all",
+                answer_prefix=f"The special magic {noun}s for {key} are",
+                max_new_tokens=48,
+            )
+        )
     return items
 
 
@@ -420,13 +489,18 @@ def variable_tracking(count: TokenCounter, n: int, seed: int, length: int, hops:
         depths = sorted(rng.sample(RULER_DEPTHS, len(lines)))
         preamble = "Follow the chain of variable assignments hidden in the text below."
         doc = fit_filler(_haystack(preamble, list(zip(depths, lines))), count, length)
-        items.append(TaskItem(
-            "variable_tracking", _item_id("variable_tracking", length, seed, i), doc,
-            question=f"Which variables are assigned the value {value} in the text above?",
-            answers=tuple(names), scoring="all",
-            answer_prefix=f"Following the assignments above, {len(names)} variables are assigned the value {value}: they are",
-            max_new_tokens=40,
-        ))
+        items.append(
+            TaskItem(
+                "variable_tracking",
+                _item_id("variable_tracking", length, seed, i),
+                doc,
+                question=f"Which variables are assigned the value {value} in the text above?",
+                answers=tuple(names),
+                scoring="all",
+                answer_prefix=f"Following the assignments above, {len(names)} variables are assigned the value {value}: they are",
+                max_new_tokens=40,
+            )
+        )
     return items
 
 
@@ -447,10 +521,16 @@ def needle_items(document_text: str, depths: Sequence[float], seed: int = 0, per
         for r in range(per_depth):
             key, value = _keys(rng, 1)[0], _number(rng)
             doc = insert_at_depths(units, [(d, needle_sentence(key, value))], sep=" ")
-            items.append(TaskItem(
-                "needle_document", f"needle_document-d{d:g}-s{seed}-{r}", doc,
-                question=f"What is the special magic number for {key} in the text above?",
-                answers=(value,), scoring="contains",
-                answer_prefix=f"The special magic number for {key} is", depth=d,
-            ))
+            items.append(
+                TaskItem(
+                    "needle_document",
+                    f"needle_document-d{d:g}-s{seed}-{r}",
+                    doc,
+                    question=f"What is the special magic number for {key} in the text above?",
+                    answers=(value,),
+                    scoring="contains",
+                    answer_prefix=f"The special magic number for {key} is",
+                    depth=d,
+                )
+            )
     return items

@@ -1,4 +1,5 @@
 """Every task by name, and one call that builds a task's items for a model."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,23 +31,54 @@ TASKS: dict[str, TaskSpec] = {
     spec.name: spec
     for spec in (
         TaskSpec("niah_single", "one number hidden in noise (RULER niah_single)", True, synthetic.niah_single, True),
-        TaskSpec("niah_multikey", "four keyed numbers in noise, one asked (RULER niah_multikey)", True,
-                 synthetic.niah_multikey, True),
-        TaskSpec("niah_multivalue", "one key with four numbers, all asked (RULER niah_multivalue)", True,
-                 synthetic.niah_multivalue, True),
-        TaskSpec("variable_tracking", "a chain of variable assignments, all asked (RULER vt)", True, synthetic.variable_tracking),
+        TaskSpec(
+            "niah_multikey",
+            "four keyed numbers in noise, one asked (RULER niah_multikey)",
+            True,
+            synthetic.niah_multikey,
+            True,
+        ),
+        TaskSpec(
+            "niah_multivalue",
+            "one key with four numbers, all asked (RULER niah_multivalue)",
+            True,
+            synthetic.niah_multivalue,
+            True,
+        ),
+        TaskSpec(
+            "variable_tracking",
+            "a chain of variable assignments, all asked (RULER vt)",
+            True,
+            synthetic.variable_tracking,
+        ),
         TaskSpec("needle_grid", "single needles at depths 0, 25, 50, 75, 100 %", True, synthetic.needle_grid, True),
-        TaskSpec("quality", "QuALITY four-way multiple choice by option log-likelihood (shared data)", False, datasets.quality),
+        TaskSpec(
+            "quality",
+            "QuALITY four-way multiple choice by option log-likelihood (shared data)",
+            False,
+            datasets.quality,
+        ),
         TaskSpec("hotpotqa", "HotpotQA distractor setting, token F1 (shared data)", False, datasets.hotpotqa),
         TaskSpec("examples", "the bundled examples' suggested questions", False, datasets.examples),
-        TaskSpec("copy_codes", "copy a list of codes back: a long answer, token F1 (the Generate tab's task)", True,
-                 copy_codes),
+        TaskSpec(
+            "copy_codes",
+            "copy a list of codes back: a long answer, token F1 (the Generate tab's task)",
+            True,
+            copy_codes,
+        ),
     )
 }
 
 
-def build_items(task: str, lm: LoadedModel, n: int, seed: int = 0, length: int = DEFAULT_LENGTH,
-                haystack: synthetic.Haystack = "noise", values: synthetic.ValueShape = "number") -> list[TaskItem]:
+def build_items(
+    task: str,
+    lm: LoadedModel,
+    n: int,
+    seed: int = 0,
+    length: int = DEFAULT_LENGTH,
+    haystack: synthetic.Haystack = "noise",
+    values: synthetic.ValueShape = "number",
+) -> list[TaskItem]:
     """Up to ``n`` items of ``task``; synthetic documents are at most ``length`` tokens of ``lm``'s tokenizer.
 
     haystack, values: the needle tasks' filler and value shape (synthetic.HAYSTACKS,

@@ -16,6 +16,7 @@ The models have random weights and read through a byte-level tokenizer with
 a ChatML template (:func:`kvlab.testing.random_models.byte_tokenizer`), so any text reads
 as tokens and nothing is downloaded.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,8 +37,14 @@ from kvlab.testing.random_models import byte_tokenizer, synthetic_lm
 
 #: Tiny Llama geometry: GQA 2:1, 2 layers, head dim 16; the vocabulary covers the byte tokenizer.
 TINY = dict(
-    num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    intermediate_size=128, vocab_size=260, max_position_embeddings=4096,
+    num_hidden_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=260,
+    max_position_embeddings=4096,
 )
 DOCUMENT = (
     "The lighthouse keeper wrote in her log every evening. On Monday the wind came from the north "
@@ -105,8 +112,12 @@ def method_configs() -> list[tuple[str, str | None]]:
         presets = getattr(REGISTRY[name], "presets", {})
         if presets and not any(presets is table for table in seen):
             seen.append(presets)
-            out += [(name, preset) for preset in presets if COVERED_PRESETS.get(preset) not in presets
-                    and (preset not in SELECTION_PRESETS or name in WRAPPED_IN_SUITE)]
+            out += [
+                (name, preset)
+                for preset in presets
+                if COVERED_PRESETS.get(preset) not in presets
+                and (preset not in SELECTION_PRESETS or name in WRAPPED_IN_SUITE)
+            ]
     return out
 
 
@@ -164,8 +175,15 @@ def _budgets(lm: LoadedModel, workdir: Path) -> None:
     before = os.environ.get("KVLAB_BUDGETS_DIR")
     os.environ["KVLAB_BUDGETS_DIR"] = str(workdir)
     try:
-        sweep = compare(DOCUMENT, None, ["snapkv", "attention_matching"], [2.0, 8.0], QUESTION, max_new_tokens=4,
-                        budgets=["profile", "document", "global"])
+        sweep = compare(
+            DOCUMENT,
+            None,
+            ["snapkv", "attention_matching"],
+            [2.0, 8.0],
+            QUESTION,
+            max_new_tokens=4,
+            budgets=["profile", "document", "global"],
+        )
     finally:
         if before is None:
             os.environ.pop("KVLAB_BUDGETS_DIR")
@@ -190,8 +208,21 @@ def _generate(lm: LoadedModel, workdir: Path) -> None:
 def _bench(lm: LoadedModel, workdir: Path) -> None:
     from kvlab.cli import main
 
-    argv = ["bench", "--tasks", "niah_single", "--limit", "1", "--length", "300", "--ratios", "4",
-            "--methods", "snapkv,attention_matching", "--out", str(workdir / "bench")]
+    argv = [
+        "bench",
+        "--tasks",
+        "niah_single",
+        "--limit",
+        "1",
+        "--length",
+        "300",
+        "--ratios",
+        "4",
+        "--methods",
+        "snapkv,attention_matching",
+        "--out",
+        str(workdir / "bench"),
+    ]
     if main(argv) != 0:
         raise AssertionError("kvlab bench failed")
 

@@ -20,6 +20,7 @@ is on the CPU. This module makes the mistake visible there. Inside
 The tag lives on the Python object only: the maths runs on the CPU as usual,
 so the results are the CPU's and every other check still holds.
 """
+
 from __future__ import annotations
 
 import contextlib

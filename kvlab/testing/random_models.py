@@ -11,6 +11,7 @@ its own transformers config class so that the family's own modelling code
 runs (Llama 3.1's RoPE scaling, Qwen2's q/k/v biases, Qwen3's and Gemma 3's
 q/k norms, Gemma 3's interleaved sliding and global layers).
 """
+
 from __future__ import annotations
 
 import copy
@@ -85,16 +86,20 @@ FAMILIES: dict[str, Family] = {
     # Gemma 3 with sliding layers interleaved with a global one (Gemma 3 has five to one), a window
     # as long as the context and one RoPE for both layer types; Gemma 3 as released (a window shorter
     # than the document, two RoPEs, another scaling) is built in tests/test_architectures.py.
-    "gemma3": Family(Gemma3TextConfig, Gemma3ForCausalLM, {
-        "num_hidden_layers": 3,
-        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
-        "sliding_window": 512,
-        "query_pre_attn_scalar": 16,  # = head_dim
-        "rope_parameters": {
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    "gemma3": Family(
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        {
+            "num_hidden_layers": 3,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "sliding_window": 512,
+            "query_pre_attn_scalar": 16,  # = head_dim
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
         },
-    }),
+    ),
 }
 
 #: Token ids of :func:`word_tokenizer`'s vocabulary, for every config built here.
@@ -146,7 +151,11 @@ def perturb_constant_init(model: PreTrainedModel, scale: float = 0.1) -> None:
 
 
 def random_weights(
-    family: str, config: dict[str, Any], device: torch.device, dtype: torch.dtype, name: str | None = None,
+    family: str,
+    config: dict[str, Any],
+    device: torch.device,
+    dtype: torch.dtype,
+    name: str | None = None,
     perturb: bool = True,
 ) -> PreTrainedModel:
     """A ``family`` model of ``config`` (its config class's fields) with random weights on ``device``,

@@ -7,6 +7,7 @@ as widgets (knobs), what the tabs share (common), and the page and its
 serving (app). ``app.py`` at the
 repository root calls :func:`main`.
 """
+
 from kvlab.ui.app import build_app, default_method, launch_options, main, prepare
 
 __all__ = ["build_app", "default_method", "launch_options", "main", "prepare"]

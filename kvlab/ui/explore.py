@@ -19,6 +19,7 @@ Endpoints (each event has an ``api_name``, so ``gradio_client`` can drive it):
 - ``/select_method``: (method) -> its description, which knobs show, and (for a method with
   document-only work to do) the value whose change prepares it.
 """
+
 from __future__ import annotations
 
 import time
@@ -199,8 +200,16 @@ def build_explore_tab(
     wire_token_view(last, fates)
     # The page prepares the document it opens on after applying its link (kvlab.ui.app).
     return DocumentInputs(
-        doc.text, doc.upload, choice.question, choice.max_new, model, doc.example, choice.suggested,
-        choice.method, choice.ratio, prepare_args,
+        doc.text,
+        doc.upload,
+        choice.question,
+        choice.max_new,
+        model,
+        doc.example,
+        choice.suggested,
+        choice.method,
+        choice.ratio,
+        prepare_args,
     )
 
 
@@ -214,42 +223,62 @@ def build_document_column(examples: list[Example], first: Example | None) -> Doc
         elem_id="kvlab-example",
     )
     upload = gr.File(
-        label="Upload a document (.txt, .md, .pdf)", file_types=[".txt", ".md", ".pdf"],
-        type="filepath", height=110, elem_id="kvlab-file",
+        label="Upload a document (.txt, .md, .pdf)",
+        file_types=[".txt", ".md", ".pdf"],
+        type="filepath",
+        height=110,
+        elem_id="kvlab-file",
     )
     text = gr.Textbox(
-        label="Document", value=_example_text(first),
+        label="Document",
+        value=_example_text(first),
         placeholder="Paste a document here, upload a file or pick an example.",
-        lines=9, max_lines=16, elem_id="kvlab-text",
+        lines=9,
+        max_lines=16,
+        elem_id="kvlab-text",
     )
     return DocumentWidgets(example, upload, text, gr.Markdown(elem_id="kvlab-doc-status"))
 
 
 def build_choice_column(
-    methods: list[str], knobs: dict[str, list[Knob]], start_method: str, first: Example | None,
+    methods: list[str], knobs: dict[str, list[Knob]], start_method: str, first: Example | None
 ) -> ChoiceWidgets:
     """The method, ratio and question (``first``'s first), the "Advanced" settings, Run and Stop."""
     method = gr.Dropdown(
-        choices=[(method_label(n), n) for n in methods], value=start_method, label="Method",
-        elem_id="kvlab-method",
+        choices=[(method_label(n), n) for n in methods], value=start_method, label="Method", elem_id="kvlab-method"
     )
     info = gr.Markdown(method_info(start_method))
     ratio = gr.Slider(
-        RATIO_MIN, RATIO_MAX, value=RATIO_DEFAULT, step=1, label="Compression ratio",
-        info="The document's tokens are reduced to about 1/ratio per KV head", elem_id="kvlab-ratio",
+        RATIO_MIN,
+        RATIO_MAX,
+        value=RATIO_DEFAULT,
+        step=1,
+        label="Compression ratio",
+        info="The document's tokens are reduced to about 1/ratio per KV head",
+        elem_id="kvlab-ratio",
     )
     suggested = gr.Dropdown(
-        choices=list(first.questions) if first else [], value=first.questions[0] if first else None,
-        label="Suggested questions", info="From the bundled example", elem_id="kvlab-suggested",
+        choices=list(first.questions) if first else [],
+        value=first.questions[0] if first else None,
+        label="Suggested questions",
+        info="From the bundled example",
+        elem_id="kvlab-suggested",
     )
     question = gr.Textbox(
-        label="Question", value=first.questions[0] if first else "",
-        placeholder="Ask something the document answers.", lines=1, elem_id="kvlab-question",
+        label="Question",
+        value=first.questions[0] if first else "",
+        placeholder="Ask something the document answers.",
+        lines=1,
+        elem_id="kvlab-question",
     )
     with gr.Accordion("Advanced", open=False, elem_id="kvlab-advanced"):
         max_new = gr.Slider(
-            1, MAX_NEW_TOKENS_MAX, value=DEFAULT_MAX_NEW_TOKENS, step=1,
-            label="Answer length (max new tokens)", elem_id="kvlab-max-new",
+            1,
+            MAX_NEW_TOKENS_MAX,
+            value=DEFAULT_MAX_NEW_TOKENS,
+            step=1,
+            label="Answer length (max new tokens)",
+            elem_id="kvlab-max-new",
         )
         method_knobs = build_knobs(methods, knobs, start_method)
     with gr.Row():
@@ -266,8 +295,11 @@ def build_knobs(methods: list[str], knobs: dict[str, list[Knob]], start_method: 
             gr.Markdown(f"Knobs of **{name}**" if knobs[name] else f"**{name}** has no knobs.")
             if presets(name):
                 preset_menus[name] = gr.Dropdown(
-                    choices=[CUSTOM, *presets(name)], value=CUSTOM, label="Published configuration",
-                    info="Sets the knobs below to a configuration of the paper", elem_id=f"kvlab-preset-{name}",
+                    choices=[CUSTOM, *presets(name)],
+                    value=CUSTOM,
+                    label="Published configuration",
+                    info="Sets the knobs below to a configuration of the paper",
+                    elem_id=f"kvlab-preset-{name}",
                 )
             # One wrapping row for all of a method's knobs: a row (and its form) per pair of knobs
             # made the page's config some 300 components larger, which every page open copies.
@@ -285,18 +317,27 @@ def build_results() -> ResultWidgets:
         with gr.Column():
             mark_full = gr.Markdown(elem_id="kvlab-mark-full")
             answer_full = gr.Textbox(
-                label="Answer from the full cache", lines=3, interactive=False,
-                elem_id="kvlab-answer-full", elem_classes="kvlab-answer",
+                label="Answer from the full cache",
+                lines=3,
+                interactive=False,
+                elem_id="kvlab-answer-full",
+                elem_classes="kvlab-answer",
             )
         with gr.Column():
             mark_comp = gr.Markdown(elem_id="kvlab-mark-compressed")
             answer_comp = gr.Textbox(
-                label="Answer from the compressed cache", lines=3, interactive=False,
-                elem_id="kvlab-answer-compressed", elem_classes="kvlab-answer",
+                label="Answer from the compressed cache",
+                lines=3,
+                interactive=False,
+                elem_id="kvlab-answer-compressed",
+                elem_classes="kvlab-answer",
             )
     diff = gr.HighlightedText(
-        label="Differences (word diff)", color_map=figures.DIFF_COLORS,
-        show_legend=True, show_inline_category=False, elem_id="kvlab-diff",
+        label="Differences (word diff)",
+        color_map=figures.DIFF_COLORS,
+        show_legend=True,
+        show_inline_category=False,
+        elem_id="kvlab-diff",
     )
     with gr.Row():
         err_plot = gr.Plot(label="Attention-output error", elem_id="kvlab-err")
@@ -310,8 +351,21 @@ def build_results() -> ResultWidgets:
         bias_plot = gr.Plot(label="Fitted biases", elem_id="kvlab-bias")
         fit_plot = gr.Plot(label="Fitting vs evaluation queries", elem_id="kvlab-fit")
     return ResultWidgets(
-        summary, mark_full, answer_full, mark_comp, answer_comp, diff, err_plot, mass_plot, kept_plot, mem_plot,
-        time_plot, divergence_plot, fit_row, bias_plot, fit_plot,
+        summary,
+        mark_full,
+        answer_full,
+        mark_comp,
+        answer_comp,
+        diff,
+        err_plot,
+        mass_plot,
+        kept_plot,
+        mem_plot,
+        time_plot,
+        divergence_plot,
+        fit_row,
+        bias_plot,
+        fit_plot,
     )
 
 
@@ -320,13 +374,24 @@ def build_token_view(n_layers: int, n_kv: int) -> TokenWidgets:
     gr.Markdown("### The document, coloured by token fate, shaded by importance")
     with gr.Row():
         # As index_slider: Gradio refuses a slider with one value (a model with one KV head).
-        layer = gr.Slider(0, max(n_layers - 1, 1), value=n_layers // 2, step=1, interactive=n_layers > 1,
-                          label="Layer", elem_id="kvlab-layer")
-        head = gr.Slider(0, max(n_kv - 1, 1), value=0, step=1, interactive=n_kv > 1, label="KV head",
-                         elem_id="kvlab-head")
+        layer = gr.Slider(
+            0,
+            max(n_layers - 1, 1),
+            value=n_layers // 2,
+            step=1,
+            interactive=n_layers > 1,
+            label="Layer",
+            elem_id="kvlab-layer",
+        )
+        head = gr.Slider(
+            0, max(n_kv - 1, 1), value=0, step=1, interactive=n_kv > 1, label="KV head", elem_id="kvlab-head"
+        )
         intensity = gr.Radio(
-            INTENSITIES, value=INTENSITY_DEFAULT, label="Intensity",
-            info="Shade each token by its percentile within the head", elem_id="kvlab-intensity",
+            INTENSITIES,
+            value=INTENSITY_DEFAULT,
+            label="Intensity",
+            info="Shade each token by its percentile within the head",
+            elem_id="kvlab-intensity",
         )
     counts = gr.Markdown(token_view(None, 0, 0)[0])
     tokens = gr.HTML(elem_id="kvlab-tokens", label="Token fates")
@@ -337,7 +402,7 @@ def build_needle_test(methods: list[str], start_method: str) -> NeedleWidgets:
     """The needle test's folded section: which methods and ratios, how many depths, and its results."""
     with gr.Accordion("Needle test on this document", open=False, elem_id="kvlab-needle"):
         gr.Markdown(
-            "A sentence with a number (*\"The special magic number for ... is ...\"*) is inserted into **this "
+            'A sentence with a number (*"The special magic number for ... is ..."*) is inserted into **this '
             "document** at evenly spaced depths; the model is asked for the number from the full cache, with no "
             "context, and from each method at each ratio. Low attention error does not always mean the number "
             "survives: this shows whether it does. Each depth is a document of its own (one prefill each)."
@@ -346,12 +411,15 @@ def build_needle_test(methods: list[str], start_method: str) -> NeedleWidgets:
             needle_methods = gr.CheckboxGroup(
                 choices=[(n + aware_tag(n), n) for n in methods],
                 value=[m for m in dict.fromkeys([start_method, *NEEDLE_METHODS]) if m in REGISTRY],
-                label="Methods", elem_id="kvlab-needle-methods", scale=3,
+                label="Methods",
+                elem_id="kvlab-needle-methods",
+                scale=3,
             )
             with gr.Column(scale=2):
                 needle_ratios = gr.Textbox(value=NEEDLE_RATIOS, label="Ratios", lines=1, elem_id="kvlab-needle-ratios")
-                needle_depths = gr.Slider(1, MAX_DEPTHS, value=NEEDLE_DEPTHS, step=1, label="Depths",
-                                          elem_id="kvlab-needle-depths")
+                needle_depths = gr.Slider(
+                    1, MAX_DEPTHS, value=NEEDLE_DEPTHS, step=1, label="Depths", elem_id="kvlab-needle-depths"
+                )
         with gr.Row():
             needle_go = gr.Button("Run the needle test", elem_id="kvlab-needle-run", scale=4)
             needle_stop = gr.Button("Stop", variant="stop", elem_id="kvlab-needle-stop", scale=1)
@@ -360,9 +428,10 @@ def build_needle_test(methods: list[str], start_method: str) -> NeedleWidgets:
 
 
 def wire_document(
-    examples: list[Example], doc: DocumentWidgets, choice: ChoiceWidgets,
+    examples: list[Example], doc: DocumentWidgets, choice: ChoiceWidgets
 ) -> tuple[gr.events.Dependency, gr.events.Dependency]:
     """``/load_example``, ``/pick_question`` and ``/load_file``; returns the example's and the upload's events."""
+
     def on_example(example_id: str | None):
         ex = next((e for e in examples if e.id == example_id), None)
         if ex is None:
@@ -375,11 +444,19 @@ def wire_document(
 
     # .input, not .change: a link sets the menu with its own question (kvlab.ui.app), which .change would undo.
     loaded = doc.example.input(
-        on_example, [doc.example], [doc.text, choice.suggested, choice.question, doc.upload],
-        api_name="load_example", concurrency_limit=None,
+        on_example,
+        [doc.example],
+        [doc.text, choice.suggested, choice.question, doc.upload],
+        api_name="load_example",
+        concurrency_limit=None,
     )
-    choice.suggested.input(lambda q: q or gr.Textbox(), [choice.suggested], [choice.question],
-                           api_name="pick_question", concurrency_limit=None)
+    choice.suggested.input(
+        lambda q: q or gr.Textbox(),
+        [choice.suggested],
+        [choice.question],
+        api_name="pick_question",
+        concurrency_limit=None,
+    )
 
     def on_upload(path: str | None):
         if not path:
@@ -405,34 +482,60 @@ def wire_method(methods: list[str], knobs: dict[str, list[Knob]], choice: Choice
         return (method_info(name), *[gr.Column(visible=n == name) for n in methods], pick)
 
     choice.method.change(
-        on_method, [choice.method], [choice.info, *choice.knobs.groups, prepare_pick], api_name="select_method",
+        on_method,
+        [choice.method],
+        [choice.info, *choice.knobs.groups, prepare_pick],
+        api_name="select_method",
         concurrency_limit=None,
     )
 
     for name, menu in choice.knobs.presets.items():
         menu.input(
             lambda preset, name=name: preset_values(knobs[name], preset),
-            [menu], [choice.knobs.inputs[k.key] for k in knobs[name]], api_name=False, concurrency_limit=None,
+            [menu],
+            [choice.knobs.inputs[k.key] for k in knobs[name]],
+            api_name=False,
+            concurrency_limit=None,
         )
     return prepare_pick
 
 
 def wire_prepare(
-    doc: DocumentWidgets, choice: ChoiceWidgets, model: gr.Dropdown, start_method: str, specs: list[str],
-    loaded: gr.events.Dependency, uploaded: gr.events.Dependency, prepare_pick: gr.Textbox,
+    doc: DocumentWidgets,
+    choice: ChoiceWidgets,
+    model: gr.Dropdown,
+    start_method: str,
+    specs: list[str],
+    loaded: gr.events.Dependency,
+    uploaded: gr.events.Dependency,
+    prepare_pick: gr.Textbox,
 ) -> dict:
     """``/prepare``, after an example is ``loaded`` or a file ``uploaded``, when the text or question box is
     left, and on a change of ``prepare_pick`` (a method that prepares picked); returns the event's keyword arguments."""
 
-    def on_prepare(text=None, file=None, method=start_method, model=None, question=None,
-                   max_new_tokens=DEFAULT_MAX_NEW_TOKENS, progress=gr.Progress(), **knob_values):
+    def on_prepare(
+        text=None,
+        file=None,
+        method=start_method,
+        model=None,
+        question=None,
+        max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
+        progress=gr.Progress(),
+        **knob_values,
+    ):
         if common.spaces is not None:  # ZeroGPU: nothing computed outside a GPU slot survives it
             return "The document is read when you click Run."
         try:
             with common.bounded(slot=None):  # the time limit, Stop and a disconnect bound it too
                 prepared = prepare_document(
-                    common.document_input(text, file), None, method, options_from(method, knob_values),
-                    checked_model(model, specs), progress, question, max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+                    common.document_input(text, file),
+                    None,
+                    method,
+                    options_from(method, knob_values),
+                    checked_model(model, specs),
+                    progress,
+                    question,
+                    max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
                 )
         except USER_ERRORS as exc:
             return f"Not prepared: {exc}"
@@ -443,9 +546,14 @@ def wire_prepare(
         return prepared_status(prepared)
 
     prepare_args = dict(
-        fn=on_prepare, inputs=[doc.text, doc.upload, choice.method, model, choice.question, choice.max_new],
-        outputs=[doc.status], inputs_kwargs=choice.knobs.inputs,
-        concurrency_limit=1, concurrency_id="prepare", trigger_mode="always_last", show_progress_on=[doc.status],
+        fn=on_prepare,
+        inputs=[doc.text, doc.upload, choice.method, model, choice.question, choice.max_new],
+        outputs=[doc.status],
+        inputs_kwargs=choice.knobs.inputs,
+        concurrency_limit=1,
+        concurrency_id="prepare",
+        trigger_mode="always_last",
+        show_progress_on=[doc.status],
     )
     loaded.then(api_name="prepare", **prepare_args)
     uploaded.then(api_name=False, **prepare_args)
@@ -458,19 +566,52 @@ def wire_prepare(
 
 
 def wire_run(
-    doc: DocumentWidgets, choice: ChoiceWidgets, results: ResultWidgets, fates: TokenWidgets, last: gr.State,
-    model: gr.Dropdown, start_method: str, specs: list[str],
+    doc: DocumentWidgets,
+    choice: ChoiceWidgets,
+    results: ResultWidgets,
+    fates: TokenWidgets,
+    last: gr.State,
+    model: gr.Dropdown,
+    start_method: str,
+    specs: list[str],
 ) -> None:
     """``/run`` on Run, and Stop."""
     run_outputs = [
-        results.summary, results.answer_full, results.answer_comp, results.diff, results.err, results.mass,
-        results.kept, results.memory, results.time, fates.layer, fates.head, fates.counts, fates.tokens, last,
-        results.fit_row, results.bias, results.fit, results.divergence, results.mark_full, results.mark_comp,
+        results.summary,
+        results.answer_full,
+        results.answer_comp,
+        results.diff,
+        results.err,
+        results.mass,
+        results.kept,
+        results.memory,
+        results.time,
+        fates.layer,
+        fates.head,
+        fates.counts,
+        fates.tokens,
+        last,
+        results.fit_row,
+        results.bias,
+        results.fit,
+        results.divergence,
+        results.mark_full,
+        results.mark_comp,
     ]
     running = choice.run.click(
         run_handler(start_method, specs, len(run_outputs)),
-        [doc.text, doc.upload, choice.method, choice.ratio, choice.question, choice.max_new, fates.layer, fates.head,
-         model, fates.intensity],
+        [
+            doc.text,
+            doc.upload,
+            choice.method,
+            choice.ratio,
+            choice.question,
+            choice.max_new,
+            fates.layer,
+            fates.head,
+            model,
+            fates.intensity,
+        ],
         run_outputs,
         inputs_kwargs=choice.knobs.inputs,
         api_name="run",
@@ -485,22 +626,60 @@ def wire_run(
 
 def run_handler(start_method: str, specs: list[str], n_outputs: int) -> Callable[..., Iterator[tuple]]:
     """The function of ``/run``: it yields the ``n_outputs`` values of wire_run's outputs, the answers first."""
-    def on_run(text=None, file=None, method=start_method, ratio=RATIO_DEFAULT, question=None,
-               max_new_tokens=DEFAULT_MAX_NEW_TOKENS, layer=0, head=0, model=None,
-               intensity=INTENSITY_DEFAULT, request: gr.Request = None, progress=gr.Progress(), **knob_values):
+
+    def on_run(
+        text=None,
+        file=None,
+        method=start_method,
+        ratio=RATIO_DEFAULT,
+        question=None,
+        max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
+        layer=0,
+        head=0,
+        model=None,
+        intensity=INTENSITY_DEFAULT,
+        request: gr.Request = None,
+        progress=gr.Progress(),
+        **knob_values,
+    ):
         inputs: dict = {}
 
         def key():
-            inputs.update(text=common.document_input(text, file), options=options_from(method, knob_values),
-                          model=checked_model(model, specs))
-            inputs["key"] = explore_key(inputs["text"], None, method, ratio, question,
-                                        max_new_tokens or DEFAULT_MAX_NEW_TOKENS, inputs["options"], inputs["model"])
+            inputs.update(
+                text=common.document_input(text, file),
+                options=options_from(method, knob_values),
+                model=checked_model(model, specs),
+            )
+            inputs["key"] = explore_key(
+                inputs["text"],
+                None,
+                method,
+                ratio,
+                question,
+                max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+                inputs["options"],
+                inputs["model"],
+            )
             return inputs["key"]
 
-        stored, how = served(method, key, lambda: run_view(
-            inputs["text"], None, method, ratio, question, max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
-            inputs["options"], inputs["model"], progress,
-        ), owner=common.session_of(request), kind="run", progress=progress)
+        stored, how = served(
+            method,
+            key,
+            lambda: run_view(
+                inputs["text"],
+                None,
+                method,
+                ratio,
+                question,
+                max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+                inputs["options"],
+                inputs["model"],
+                progress,
+            ),
+            owner=common.session_of(request),
+            kind="run",
+            progress=progress,
+        )
         view = with_served_note(stored, how)
         digest = inputs["key"].digest
         if not is_drawn(digest):
@@ -532,30 +711,61 @@ def run_handler(start_method: str, specs: list[str], n_outputs: int) -> Callable
 
 def wire_needle(doc: DocumentWidgets, needle: NeedleWidgets, model: gr.Dropdown, specs: list[str]) -> None:
     """``/needle_test`` on its Run, and its Stop."""
-    def on_needle(text=None, file=None, methods=None, ratios="", depths=NEEDLE_DEPTHS, model=None,
-                  request: gr.Request = None, progress=gr.Progress()):
+
+    def on_needle(
+        text=None,
+        file=None,
+        methods=None,
+        ratios="",
+        depths=NEEDLE_DEPTHS,
+        model=None,
+        request: gr.Request = None,
+        progress=gr.Progress(),
+    ):
         chosen = list(methods or [])
-        run = guarded(", ".join(chosen), lambda: needle_view(
-            common.document_input(text, file), None, chosen, parse_ratios([], ratios), depths, checked_model(model, specs), progress,
-        ), owner=common.session_of(request), kind="needle_test", progress=progress)
+        run = guarded(
+            ", ".join(chosen),
+            lambda: needle_view(
+                common.document_input(text, file),
+                None,
+                chosen,
+                parse_ratios([], ratios),
+                depths,
+                checked_model(model, specs),
+                progress,
+            ),
+            owner=common.session_of(request),
+            kind="needle_test",
+            progress=progress,
+        )
         return show(run)
 
     needle_run = needle.run.click(
-        on_needle, [doc.text, doc.upload, needle.methods, needle.ratios, needle.depths, model], needle.views.all,
-        api_name="needle_test", concurrency_limit=common.COMPUTE_ADMITTED, concurrency_id="compute",
+        on_needle,
+        [doc.text, doc.upload, needle.methods, needle.ratios, needle.depths, model],
+        needle.views.all,
+        api_name="needle_test",
+        concurrency_limit=common.COMPUTE_ADMITTED,
+        concurrency_id="compute",
     )
     needle.stop.click(None, None, None, cancels=[needle_run], api_name=False)
 
 
 def wire_token_view(last: gr.State, fates: TokenWidgets) -> None:
     """``/token_view``: the last run's token fates again, at another layer, head or intensity."""
+
     def on_view(view: TokenFates | None, layer: int, head: int, intensity: str = INTENSITY_DEFAULT):
         return token_view(view, layer, head, intensity)
 
     gr.on(
-        [fates.layer.input, fates.head.input, fates.intensity.input], on_view,
-        [last, fates.layer, fates.head, fates.intensity], [fates.counts, fates.tokens],
-        api_name="token_view", show_progress="minimal", trigger_mode="always_last", concurrency_limit=4,
+        [fates.layer.input, fates.head.input, fates.intensity.input],
+        on_view,
+        [last, fates.layer, fates.head, fates.intensity],
+        [fates.counts, fates.tokens],
+        api_name="token_view",
+        show_progress="minimal",
+        trigger_mode="always_last",
+        concurrency_limit=4,
     )
 
 

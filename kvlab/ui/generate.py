@@ -4,6 +4,7 @@ Endpoint ``/generate``: (source, prompt, text, file, question, methods, budget,
 max_new_tokens, model) -> a status table, the texts side by side, the cache
 size while writing, the log-probabilities of the unbounded text, BeaconKV's beacons.
 """
+
 from __future__ import annotations
 
 import gradio as gr
@@ -19,20 +20,36 @@ from kvlab.ui.common import DocumentInputs, GenerateInputs, checked_model, guard
 SOURCES = ("the prompt below", "the Explore tab's document and question")
 #: The prompt the tab opens with: the copy task with 24 codes (about 120 tokens to write).
 DEFAULT_PROMPT = copy_prompt(make_codes(24, 0))
-COLUMNS = ["method", "first difference", "log-ppl of the unbounded text", "copy task F1", "in order",
-           "shrinks", "most keys per head", "memory at the end", "tokens/s"]
+COLUMNS = [
+    "method",
+    "first difference",
+    "log-ppl of the unbounded text",
+    "copy task F1",
+    "in order",
+    "shrinks",
+    "most keys per head",
+    "memory at the end",
+    "tokens/s",
+]
 
 
 def generation_rows(g: Generated) -> list[list]:
     """One table row per method, the unbounded reference first."""
     rows = []
     for m in [g.reference, *g.runs]:
-        rows.append([
-            m.label, "-" if m.divergence is None else m.divergence, round(m.logppl, 3),
-            "-" if m.task is None else round(m.task.f1, 3), "-" if m.task is None else f"{m.task.in_order}/{m.task.n_codes}",
-            len(m.run.events), m.run.max_size, human_bytes(m.run.nbytes[-1]) if m.run.nbytes else "-",
-            round(m.run.tokens_per_s, 1),
-        ])
+        rows.append(
+            [
+                m.label,
+                "-" if m.divergence is None else m.divergence,
+                round(m.logppl, 3),
+                "-" if m.task is None else round(m.task.f1, 3),
+                "-" if m.task is None else f"{m.task.in_order}/{m.task.n_codes}",
+                len(m.run.events),
+                m.run.max_size,
+                human_bytes(m.run.nbytes[-1]) if m.run.nbytes else "-",
+                round(m.run.tokens_per_s, 1),
+            ]
+        )
     return rows
 
 
@@ -41,13 +58,16 @@ def generation_figures(g: Generated) -> tuple:
     every = [g.reference, *g.runs]
     texts = texts_html([(m.label, m.same, m.rest) for m in every])
     size = cache_size_figure(
-        {m.label: m.run.sizes for m in every}, {m.label: m.run.nbytes for m in every},
-        {m.label: [(e.step, e.before, e.after) for e in m.run.events] for m in every}, g.budget,
+        {m.label: m.run.sizes for m in every},
+        {m.label: m.run.nbytes for m in every},
+        {m.label: [(e.step, e.before, e.after) for e in m.run.events] for m in every},
+        g.budget,
     )
     logp = logprob_figure({m.label: m.forced for m in every}, {m.label: m.divergence for m in g.runs})
     beacon = next((m.run.beacons for m in g.runs if m.method == "beaconkv"), [])
-    beacons = beacon_figure([b.step for b in beacon], [b.tokens for b in beacon], [b.rows for b in beacon],
-                            g.prompt_tokens)
+    beacons = beacon_figure(
+        [b.step for b in beacon], [b.tokens for b in beacon], [b.rows for b in beacon], g.prompt_tokens
+    )
     return texts, size, logp, beacons
 
 
@@ -62,14 +82,30 @@ def build_generate_tab(inputs: DocumentInputs, specs: list[str]) -> GenerateInpu
     with gr.Row():
         source = gr.Radio(list(SOURCES), value=SOURCES[0], label="Write after", elem_id="kvlab-gen-source", scale=2)
         offered = bounded_policies()
-        methods = gr.CheckboxGroup([(policy_class(m).label, m) for m in offered], value=offered,
-                                   label="Bounded-cache methods", elem_id="kvlab-gen-methods", scale=3)
+        methods = gr.CheckboxGroup(
+            [(policy_class(m).label, m) for m in offered],
+            value=offered,
+            label="Bounded-cache methods",
+            elem_id="kvlab-gen-methods",
+            scale=3,
+        )
     prompt = gr.Textbox(value=DEFAULT_PROMPT, lines=6, max_lines=12, label="Prompt", elem_id="kvlab-gen-prompt")
     with gr.Row():
-        budget = gr.Number(value=0, precision=0, minimum=0, label="Budget (keys per KV head; 0: a quarter of the "
-                           "unbounded length)", elem_id="kvlab-gen-budget")
-        max_new = gr.Slider(1, MAX_GENERATE_TOKENS, value=DEFAULT_GENERATE_TOKENS, step=1, label="New tokens at most",
-                            elem_id="kvlab-gen-max-new")
+        budget = gr.Number(
+            value=0,
+            precision=0,
+            minimum=0,
+            label="Budget (keys per KV head; 0: a quarter of the unbounded length)",
+            elem_id="kvlab-gen-budget",
+        )
+        max_new = gr.Slider(
+            1,
+            MAX_GENERATE_TOKENS,
+            value=DEFAULT_GENERATE_TOKENS,
+            step=1,
+            label="New tokens at most",
+            elem_id="kvlab-gen-max-new",
+        )
     with gr.Row():
         go_button = gr.Button("Generate", variant="primary", elem_id="kvlab-gen-run", scale=4)
         stop_button = gr.Button("Stop", variant="stop", elem_id="kvlab-gen-stop", scale=1)
@@ -81,27 +117,50 @@ def build_generate_tab(inputs: DocumentInputs, specs: list[str]) -> GenerateInpu
         logp_plot = gr.Plot(label="Log-probability of the unbounded text", elem_id="kvlab-gen-logp")
     beacon_plot = gr.Plot(label="BeaconKV's beacons", elem_id="kvlab-gen-beacons")
 
-    def on_generate(source_=SOURCES[0], prompt_="", text=None, file=None, question=None, methods_=None,
-                    budget_=0, max_new_=DEFAULT_GENERATE_TOKENS, model=None, request: gr.Request = None,
-                    progress=gr.Progress()):
+    def on_generate(
+        source_=SOURCES[0],
+        prompt_="",
+        text=None,
+        file=None,
+        question=None,
+        methods_=None,
+        budget_=0,
+        max_new_=DEFAULT_GENERATE_TOKENS,
+        model=None,
+        request: gr.Request = None,
+        progress=gr.Progress(),
+    ):
         chosen = list(methods_ or [])
         use_prompt = source_ != SOURCES[1]
-        g = guarded("generation", lambda: generate(
-            prompt=prompt_ if use_prompt else None,
-            document=None if use_prompt else common.document_input(text, file),
-            question=None if use_prompt else question, methods=chosen,
-            budget=budget_ or None, max_new_tokens=max_new_ or DEFAULT_GENERATE_TOKENS,
-            model=checked_model(model, specs), progress=progress,
-        ), owner=common.session_of(request), kind="generate", progress=progress)
-        summary = (f"**{g.model}**: {g.prompt_tokens} prompt tokens, {len(g.reference.run.ids)} written by the "
-                   f"unbounded cache; budget **{g.budget}** keys per KV head; {g.wall_s:.1f} s in all.")
+        g = guarded(
+            "generation",
+            lambda: generate(
+                prompt=prompt_ if use_prompt else None,
+                document=None if use_prompt else common.document_input(text, file),
+                question=None if use_prompt else question,
+                methods=chosen,
+                budget=budget_ or None,
+                max_new_tokens=max_new_ or DEFAULT_GENERATE_TOKENS,
+                model=checked_model(model, specs),
+                progress=progress,
+            ),
+            owner=common.session_of(request),
+            kind="generate",
+            progress=progress,
+        )
+        summary = (
+            f"**{g.model}**: {g.prompt_tokens} prompt tokens, {len(g.reference.run.ids)} written by the "
+            f"unbounded cache; budget **{g.budget}** keys per KV head; {g.wall_s:.1f} s in all."
+        )
         return (summary, {"headers": COLUMNS, "data": generation_rows(g)}, *generation_figures(g))
 
     generating = go_button.click(
         on_generate,
         [source, prompt, inputs.text, inputs.upload, inputs.question, methods, budget, max_new, inputs.model],
         [status, table, texts, size_plot, logp_plot, beacon_plot],
-        api_name="generate", concurrency_limit=common.COMPUTE_ADMITTED, concurrency_id="compute",
+        api_name="generate",
+        concurrency_limit=common.COMPUTE_ADMITTED,
+        concurrency_id="compute",
     )
     stop_button.click(None, None, None, cancels=[generating], api_name=False)
     return GenerateInputs(source, methods, budget)

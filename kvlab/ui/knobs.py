@@ -1,4 +1,5 @@
 """Method knobs as widgets: one input per field of a method's Options (kvlab.catalog.Knob)."""
+
 from __future__ import annotations
 
 import gradio as gr

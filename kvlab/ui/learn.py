@@ -1,4 +1,5 @@
 """The Learn tab: what the lab measures, then every method's own Learn text (kvlab.catalog)."""
+
 from __future__ import annotations
 
 import gradio as gr

@@ -5,6 +5,7 @@ ZeroGPU Space runs on its GPU (``spaces.GPU``): they take and return only
 plain data (no model, no cache), because ZeroGPU runs them in a forked
 worker and pickles what they return.
 """
+
 from __future__ import annotations
 
 import threading
@@ -35,14 +36,20 @@ INTENSITY_NOTES = {
 T = TypeVar("T")
 
 COMPARE_COLUMNS = [
-    "method", "ratio", "query-aware", "memory ratio", "output error", "output error (weighted)", "mass error",
-    "log-ppl (full answer)", "compression s", "answer (compressed cache)",
+    "method",
+    "ratio",
+    "query-aware",
+    "memory ratio",
+    "output error",
+    "output error (weighted)",
+    "mass error",
+    "log-ppl (full answer)",
+    "compression s",
+    "answer (compressed cache)",
 ]
 
 
-def token_view(
-    view: TokenFates | None, layer: int, head: int, intensity: str = INTENSITY_DEFAULT
-) -> tuple[str, str]:
+def token_view(view: TokenFates | None, layer: int, head: int, intensity: str = INTENSITY_DEFAULT) -> tuple[str, str]:
     """(counts line, the document as HTML coloured by token fate) for one layer and KV head of a run.
 
     intensity: a value of INTENSITIES; tokens are shaded by that source's
@@ -95,20 +102,27 @@ def draw(view: RunView) -> Drawn:
     if view.fitted_biases is not None:
         fit = (
             plotted(figures.bias_histogram(view.fitted_biases)),
-            plotted(figures.fit_vs_eval_figure(r.details["train_attn_output_rel_err"],
-                                               r.per_head["attn_output_rel_err"])),
+            plotted(
+                figures.fit_vs_eval_figure(r.details["train_attn_output_rel_err"], r.per_head["attn_output_rel_err"])
+            ),
         )
     return Drawn(
-        tuple(plotted(f) for f in (
-            figures.error_heatmap(r.per_head),
-            figures.mass_heatmap(r.per_head),
-            figures.kept_heatmap(r.per_head, budgets_text(r.details) or ""),
-            figures.memory_figure(r.bytes_full, r.bytes_compressed, r.memory_breakdown),
-            figures.time_figure(view.timings, view.notes, total=view.wall_s),
-        )),
+        tuple(
+            plotted(f)
+            for f in (
+                figures.error_heatmap(r.per_head),
+                figures.mass_heatmap(r.per_head),
+                figures.kept_heatmap(r.per_head, budgets_text(r.details) or ""),
+                figures.memory_figure(r.bytes_full, r.bytes_compressed, r.memory_breakdown),
+                figures.time_figure(view.timings, view.notes, total=view.wall_s),
+            )
+        ),
         fit,
-        plotted(figures.divergence_figure(r.answer_tokens, r.answer_logprobs_full, r.answer_logprobs_compressed,
-                                          r.first_divergence)),
+        plotted(
+            figures.divergence_figure(
+                r.answer_tokens, r.answer_logprobs_full, r.answer_logprobs_compressed, r.first_divergence
+            )
+        ),
     )
 
 
@@ -200,8 +214,13 @@ def sweep_charts(sweep: Sweep) -> tuple:
     The full cache's log-perplexity is drawn as a reference on a one-model sweep; on several models each
     has its own (the status line lists them), so none is drawn."""
     points = [
-        {"method": sweep_label(sweep, r), "ratio": r.ratio, "output": r.attn_output_rel_err,
-         "mass": r.attn_mass_rel_err, "logppl": r.logppl_compressed}
+        {
+            "method": sweep_label(sweep, r),
+            "ratio": r.ratio,
+            "output": r.attn_output_rel_err,
+            "mass": r.attn_mass_rel_err,
+            "logppl": r.logppl_compressed,
+        }
         for r in sweep.results
     ]
     one_model = len(sweep.ceilings) <= 1
@@ -209,8 +228,12 @@ def sweep_charts(sweep: Sweep) -> tuple:
         figures.sweep_figure(points, "output", "Attention-output error vs ratio (held-out queries)", "relative error"),
         figures.sweep_figure(points, "mass", "Attention-mass error vs ratio (held-out queries)", "relative error"),
         figures.sweep_figure(
-            points, "logppl", "Log-perplexity of the full cache's answer vs ratio", "log-perplexity (nats/token)",
-            reference=sweep.logppl_full if one_model else None, reference_label="full cache",
+            points,
+            "logppl",
+            "Log-perplexity of the full cache's answer vs ratio",
+            "log-perplexity (nats/token)",
+            reference=sweep.logppl_full if one_model else None,
+            reference_label="full cache",
         ),
     )
 
@@ -253,10 +276,15 @@ def sweep_status(sweep: Sweep) -> str:
         f"{sweep.logppl_full:.3f}."
     )
     if len(sweep.ceilings) > 1:
-        text += "\n\nEach model's own full cache (its ceiling): " + "; ".join(
-            f"**{c.model}** answers {c.answer_full!r} (log-perplexity {c.logppl_full:.3f}, "
-            f"{c.doc_tokens:,} document tokens)" for c in sweep.ceilings
-        ) + "."
+        text += (
+            "\n\nEach model's own full cache (its ceiling): "
+            + "; ".join(
+                f"**{c.model}** answers {c.answer_full!r} (log-perplexity {c.logppl_full:.3f}, "
+                f"{c.doc_tokens:,} document tokens)"
+                for c in sweep.ceilings
+            )
+            + "."
+        )
     if sweep.errors:
         text += "\n\n**Failed** (left out of the charts): " + "; ".join(
             f"{e.method} at {e.ratio:g}x{f' on {e.model}' if e.model else ''} ({e.message})" for e in sweep.errors

@@ -7,6 +7,7 @@ floor, a needle heatmap per method, the table) and :func:`show` fills them.
 A user keeps only the run's plain results (``gr.State``), so switching the
 task or the method shown redraws without recomputing.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,15 +43,23 @@ def build_task_outputs(prefix: str) -> TaskOutputs:
     status = gr.Markdown(elem_id=f"kvlab-{prefix}-status")
     with gr.Row():
         task = gr.Dropdown(choices=[], label="Task shown", elem_id=f"kvlab-{prefix}-task", scale=1)
-        method = gr.Dropdown(choices=[], label="Method shown in the needle heatmap", elem_id=f"kvlab-{prefix}-method", scale=1)
+        method = gr.Dropdown(
+            choices=[], label="Method shown in the needle heatmap", elem_id=f"kvlab-{prefix}-method", scale=1
+        )
     with gr.Row():
         accuracy = gr.Plot(label="Accuracy vs ratio", elem_id=f"kvlab-{prefix}-accuracy")
         heatmap = gr.Plot(label="Needles found, by depth and ratio", elem_id=f"kvlab-{prefix}-heatmap")
-    table = gr.Dataframe(headers=TABLE_COLUMNS, label="Accuracy table", interactive=False, wrap=True,
-                         elem_id=f"kvlab-{prefix}-table")
+    table = gr.Dataframe(
+        headers=TABLE_COLUMNS, label="Accuracy table", interactive=False, wrap=True, elem_id=f"kvlab-{prefix}-table"
+    )
     out = TaskOutputs(state, status, task, accuracy, method, heatmap, table)
-    task.input(lambda run, t, m: (accuracy_figure(run.rows, t) if run else None, _heatmap(run, m, t)),
-               [state, task, method], [accuracy, heatmap], api_name=False, concurrency_limit=None)
+    task.input(
+        lambda run, t, m: (accuracy_figure(run.rows, t) if run else None, _heatmap(run, m, t)),
+        [state, task, method],
+        [accuracy, heatmap],
+        api_name=False,
+        concurrency_limit=None,
+    )
     method.input(_heatmap, [state, method, task], [heatmap], api_name=False, concurrency_limit=None)
     return out
 
@@ -87,8 +96,15 @@ def status_line(run: TaskRun) -> str:
 def table_rows(run: TaskRun) -> list[list]:
     """The accuracy table's rows (see TABLE_COLUMNS)."""
     return [
-        [r.task, run_label(r.method, r.preset), "-" if r.ratio is None else r.ratio, r.n,
-         round(r.accuracy, 3), round(r.agreement, 3), r.note]
+        [
+            r.task,
+            run_label(r.method, r.preset),
+            "-" if r.ratio is None else r.ratio,
+            r.n,
+            round(r.accuracy, 3),
+            round(r.agreement, 3),
+            r.note,
+        ]
         for r in run.rows
     ]
 

@@ -1,6 +1,7 @@
 """BeaconKV under a budget while writing: keys scored by the query history (the method's own
 maths, kvlab.methods.families.beacon_core, and its options), the template prefix and a window kept.
 :func:`kvlab.bounded.beacon.beacon_generate` runs it after a document (the paper's setting)."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -40,9 +41,16 @@ class BeaconPolicy(EvictionPolicy):
     Options = BeaconOptions
     wants_queries = True
 
-    def __init__(self, lm: LoadedModel, budget: int | None = None, stored: CompressedKV | None = None,
-                 options: BeaconOptions | None = None, protected: int = 0, evict_chunk: int = EVICT_CHUNK,
-                 state: BeaconState | None = None):
+    def __init__(
+        self,
+        lm: LoadedModel,
+        budget: int | None = None,
+        stored: CompressedKV | None = None,
+        options: BeaconOptions | None = None,
+        protected: int = 0,
+        evict_chunk: int = EVICT_CHUNK,
+        state: BeaconState | None = None,
+    ):
         super().__init__(lm, budget, stored, options, protected)
         opts = self.options
         if opts.beacon_source != "context":

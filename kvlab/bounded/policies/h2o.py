@@ -1,6 +1,7 @@
 """H2O while writing: heavy hitters by accumulated attention + a recent window, by the method's own
 maths (:func:`kvlab.methods.families.scorers.received_per_group`,
 :func:`kvlab.methods.families.scorers.protect_recent`) and options."""
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,14 @@ class H2OPolicy(EvictionPolicy):
     Options = H2OOptions
     wants_queries = True
 
-    def __init__(self, lm: LoadedModel, budget: int | None = None, stored: CompressedKV | None = None,
-                 options: H2OOptions | None = None, protected: int = 0):
+    def __init__(
+        self,
+        lm: LoadedModel,
+        budget: int | None = None,
+        stored: CompressedKV | None = None,
+        options: H2OOptions | None = None,
+        protected: int = 0,
+    ):
         super().__init__(lm, budget, stored, options, protected)
         # A starting cache's keys have received no attention that this policy saw.
         self.scores = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.k_pos]

@@ -1,5 +1,6 @@
 """Online Attention Matching while writing: compaction to half the budget whenever the cache is full,
 by the method's own fit (kvlab.methods.families.compaction, through kvlab.bounded.online) and its options."""
+
 from __future__ import annotations
 
 import torch
@@ -31,18 +32,28 @@ class OnlineAMPolicy(CachePolicy):
     Options = AMOptions
     wants_queries = True
 
-    def __init__(self, lm: LoadedModel, budget: int | None = None, stored: CompressedKV | None = None,
-                 options: AMOptions | None = None, protected: int = 0, compactor: Compactor | None = None):
+    def __init__(
+        self,
+        lm: LoadedModel,
+        budget: int | None = None,
+        stored: CompressedKV | None = None,
+        options: AMOptions | None = None,
+        protected: int = 0,
+        compactor: Compactor | None = None,
+    ):
         super().__init__(lm, budget, stored, options, protected)
         self.compactor = compactor or am_compactor(self.options)
         self.stored, self.appended = stored, 0
         self.queries: list[list[torch.Tensor]] = [[] for _ in range(lm.n_layers)]
 
     def check(self, chunk: int) -> None:
-        if self.budget is not None and (self.budget <= 2 * self.protected + 2 or self.budget // 2 + chunk > self.budget):
+        if self.budget is not None and (
+            self.budget <= 2 * self.protected + 2 or self.budget // 2 + chunk > self.budget
+        ):
             raise MethodError(
                 f"{self.name}: a budget of {self.budget} keys per head is too small to compact to half "
-                f"beside the {self.protected} template tokens and {chunk} new tokens; raise the budget")
+                f"beside the {self.protected} template tokens and {chunk} new tokens; raise the budget"
+            )
 
     def make_room(self, n: int) -> None:
         before = self.size()

@@ -1,5 +1,6 @@
 """StreamingLLM while writing: attention sinks + the most recent tokens, by the method's own keep
 rule (:func:`kvlab.methods.families.scorers.sink_window_scores`) and its options."""
+
 from __future__ import annotations
 
 import torch

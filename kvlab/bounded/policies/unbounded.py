@@ -1,4 +1,5 @@
 """The unbounded cache: keeps every key, the reference every bounded policy is measured against."""
+
 from __future__ import annotations
 
 from kvlab.bounded.loop import CachePolicy

@@ -16,6 +16,7 @@ compacted together, e.g. all KV heads of a layer); all maths is float32 whatever
 Shapes: ``B`` heads, ``n`` reference queries, ``T`` original keys, ``t`` compact keys, ``d`` key
 dim, ``dv`` value dim.
 """
+
 from __future__ import annotations
 
 import math
@@ -72,7 +73,7 @@ class CompactBlock:
 
 
 def fit_residuals(
-    x: torch.Tensor, lse_c: torch.Tensor, cv: torch.Tensor, y: torch.Tensor, lse: torch.Tensor,
+    x: torch.Tensor, lse_c: torch.Tensor, cv: torch.Tensor, y: torch.Tensor, lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The compact block's errors on its own fitting queries: (output [B], mass [B]).
 
@@ -118,8 +119,10 @@ class FitSettings:
 
     def __post_init__(self) -> None:
         if self.value_fit not in ("least_squares", "original") or self.value_anchor < 0:
-            raise ValueError(f"value_fit must be 'least_squares' or 'original' and value_anchor >= 0, "
-                             f"got {self.value_fit!r}, {self.value_anchor}")
+            raise ValueError(
+                f"value_fit must be 'least_squares' or 'original' and value_anchor >= 0, "
+                f"got {self.value_fit!r}, {self.value_anchor}"
+            )
 
 
 def compact_block(
@@ -176,8 +179,17 @@ def compact_block(
 
         start = _clock(dev)
         root_w = None if query_weights is None else query_weights.to(dev).float().sqrt()  # [B, n]
-        data = BlockData(q, k, v, bias, 1.0 / math.sqrt(d) if scale is None else scale, query_weights, root_w,
-                         key_valid, block_elements)
+        data = BlockData(
+            q,
+            k,
+            v,
+            bias,
+            1.0 / math.sqrt(d) if scale is None else scale,
+            query_weights,
+            root_w,
+            key_valid,
+            block_elements,
+        )
         chosen = keys.choose(data, t, lengths, fit.ridge)
         index = torch.where(slot_valid, chosen.index, torch.full_like(chosen.index, -1))
         safe = index.clamp_min(0)
@@ -189,23 +201,35 @@ def compact_block(
         ck = k.gather(1, safe.unsqueeze(-1).expand(B, t, d)) * slot_valid.unsqueeze(-1).to(k.dtype)
         own = v.gather(1, safe.unsqueeze(-1).expand(B, t, v.shape[-1])) * slot_valid.unsqueeze(-1).to(v.dtype)
         x, lse_c = compact_attention(q, ck, beta, data.scale)
-        cv = (own.float() if fit.value_fit == "original"
-              else refit_values(x, chosen.mass.y, own, chosen.exact, slot_valid, root_w, fit))
+        cv = (
+            own.float()
+            if fit.value_fit == "original"
+            else refit_values(x, chosen.mass.y, own, chosen.exact, slot_valid, root_w, fit)
+        )
         timings = {"keys": tick - start, "bias": tock - tick, "values": _clock(dev) - tock}
 
         cv, beta, nonfinite = finite_fit(cv, beta, own, fit.value_fit == "original", lo)
         train_output, train_mass = fit_residuals(x, lse_c, cv, chosen.mass.y, chosen.mass.shift + chosen.mass.z.log())
         return CompactBlock(
-            keys=ck, values=cv, bias=beta, index=index, lengths=lengths, timings=timings,
-            scores=chosen.mass.scores, fallbacks=fallbacks.clone(), nonfinite=nonfinite,
-            train_output=train_output, train_mass=train_mass, exact=chosen.exact,
+            keys=ck,
+            values=cv,
+            bias=beta,
+            index=index,
+            lengths=lengths,
+            timings=timings,
+            scores=chosen.mass.scores,
+            fallbacks=fallbacks.clone(),
+            nonfinite=nonfinite,
+            train_output=train_output,
+            train_mass=train_mass,
+            exact=chosen.exact,
         )
     finally:
         FALLBACKS.reset(counting)
 
 
 def slot_lengths(
-    key_valid: torch.Tensor | None, budgets: torch.Tensor | None, B: int, T: int, t: int, dev: torch.device,
+    key_valid: torch.Tensor | None, budgets: torch.Tensor | None, B: int, T: int, t: int, dev: torch.device
 ) -> torch.Tensor:
     """[B] long real slots of each head: its real keys (key_valid [B, T] bool, None: all T), at most
     ``t`` and its budget (budgets [B], None: no budget)."""
@@ -217,7 +241,11 @@ def slot_lengths(
 
 
 def mass_fit(
-    data: BlockData, chosen: Chosen, safe: torch.Tensor, slot_valid: torch.Tensor, fit: FitSettings,
+    data: BlockData,
+    chosen: Chosen,
+    safe: torch.Tensor,
+    slot_valid: torch.Tensor,
+    fit: FitSettings,
     bounds: tuple[float, float],
 ) -> MassFit:
     """The bias stage's problem on the chosen keys (safe: [B, t] their index, 0 on padding slots;
@@ -231,8 +259,12 @@ def mass_fit(
         features = mass.phi.gather(2, safe.unsqueeze(1).expand(B, n, t))
         mass.phi = None
     else:
-        logits = attention_logits(q, k.gather(1, safe.unsqueeze(-1).expand(B, t, d)),
-                                  None if bias is None else bias.gather(1, safe), data.scale)
+        logits = attention_logits(
+            q,
+            k.gather(1, safe.unsqueeze(-1).expand(B, t, d)),
+            None if bias is None else bias.gather(1, safe),
+            data.scale,
+        )
         features = logits.sub_(mass.shift.unsqueeze(-1)).exp_()
         if root_w is not None:
             features.mul_(root_w.unsqueeze(-1))
@@ -243,7 +275,7 @@ def mass_fit(
 
 
 def compact_attention(
-    q: torch.Tensor, ck: torch.Tensor, beta: torch.Tensor, scale: float,
+    q: torch.Tensor, ck: torch.Tensor, beta: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The queries' attention over the compact block: (x [B, n, t], its log-mass lse_c [B, n]).
 
@@ -256,8 +288,13 @@ def compact_attention(
 
 
 def refit_values(
-    x: torch.Tensor, y: torch.Tensor, own: torch.Tensor, exact: torch.Tensor | None, slot_valid: torch.Tensor,
-    root_w: torch.Tensor | None, fit: FitSettings,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    own: torch.Tensor,
+    exact: torch.Tensor | None,
+    slot_valid: torch.Tensor,
+    root_w: torch.Tensor | None,
+    fit: FitSettings,
 ) -> torch.Tensor:
     """The least-squares values [B, t, dv] float32 from ``x`` [B, n, t] to the block's output
     ``y`` [B, n, dv] (:class:`FitSettings`: the ridge, or the anchor toward the chosen keys' own
@@ -289,7 +326,7 @@ def refit_values(
 
 
 def finite_fit(
-    cv: torch.Tensor, beta: torch.Tensor, own: torch.Tensor, original: bool, lo: float,
+    cv: torch.Tensor, beta: torch.Tensor, own: torch.Tensor, original: bool, lo: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The stored values and biases, non-finite ones replaced and counted (never stored silently):
     (values [B, t, dv] in own's dtype, beta [B, t], nonfinite [B] long). Non-finite values become

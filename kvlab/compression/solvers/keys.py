@@ -11,6 +11,7 @@ Every function is a pure function on tensors, batched over a leading dim ``B`` (
 compacted together); all maths is float32 whatever the input dtype. Shapes: ``B`` heads, ``n``
 reference queries, ``T`` original keys, ``t`` compact keys, ``d`` key dim, ``dv`` value dim.
 """
+
 from __future__ import annotations
 
 import math
@@ -107,8 +108,9 @@ def ranked_by(scores: torch.Tensor, data: BlockData) -> torch.Tensor:
 def streamed(data: BlockData, scoring: Scoring | None) -> Mass:
     """The block's mass, a chunk of queries at a time (:func:`streamed_mass`), with the keys'
     HighestAttnKeys scores under ``scoring`` (None: no scores)."""
-    shift, z, y, scores = streamed_mass(data.q, data.k, data.v, data.bias, data.scale, scoring,
-                                        data.block_elements, data.weights)
+    shift, z, y, scores = streamed_mass(
+        data.q, data.k, data.v, data.bias, data.scale, scoring, data.block_elements, data.weights
+    )
     return Mass(shift, z, y, scores)
 
 
@@ -193,7 +195,8 @@ class GivenScoresUnion(KeyChoice):
         first = torch.ceil(self.share * lengths.float()).long()
         order = ranked.topk(t, dim=-1).indices
         taken = torch.zeros_like(ranked, dtype=torch.bool).scatter_(
-            1, order, torch.arange(t, device=ranked.device) < first.unsqueeze(-1))
+            1, order, torch.arange(t, device=ranked.device) < first.unsqueeze(-1)
+        )
         return Chosen(select_highest_attn(mass.scores.masked_fill(taken, float("inf")), t), mass)
 
 
@@ -216,8 +219,10 @@ class ExactFirst(KeyChoice):
         if not 0.0 < self.share <= 1.0:
             raise ValueError(f"the exact share must be in (0, 1], got {self.share}")
         if not isinstance(self.ranking, Ranking):
-            raise ValueError(f"exact keys need a ranking by one score (HighestAttn or GivenScores), "
-                             f"got {type(self.ranking).__name__}")
+            raise ValueError(
+                f"exact keys need a ranking by one score (HighestAttn or GivenScores), "
+                f"got {type(self.ranking).__name__}"
+            )
 
     def choose(self, data: BlockData, t: int, lengths: torch.Tensor, ridge: float) -> Chosen:
         check_scores("exact_scores", self.exact_scores, data)
@@ -236,7 +241,11 @@ class ExactFirst(KeyChoice):
 
 
 def exact_first(
-    scores: torch.Tensor, exact_scores: torch.Tensor | None, lengths: torch.Tensor, t: int, share: float,
+    scores: torch.Tensor,
+    exact_scores: torch.Tensor | None,
+    lengths: torch.Tensor,
+    t: int,
+    share: float,
     key_valid: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each head's slots, its exact keys first: (index [B, t], exact [B, t] bool).
@@ -291,8 +300,17 @@ class OMP(KeyChoice):
         root_w = data.root_w
         if root_w is not None:  # weighted least squares: each query's row times sqrt(w_i)
             phi.mul_(root_w.unsqueeze(-1))
-        index, w = omp_select(phi, z if root_w is None else z * root_w, t, self.keys_per_iter, self.refit_every,
-                              self.drop_below, data.key_valid, self.nnls_iters, ridge)
+        index, w = omp_select(
+            phi,
+            z if root_w is None else z * root_w,
+            t,
+            self.keys_per_iter,
+            self.refit_every,
+            self.drop_below,
+            data.key_valid,
+            self.nnls_iters,
+            ridge,
+        )
         return Chosen(index, Mass(shift, z, y, scores, phi), weights=w)
 
     def fit_bias(self, chosen: Chosen, fit: MassFit) -> torch.Tensor:
@@ -302,8 +320,9 @@ class OMP(KeyChoice):
         w = chosen.weights
         cut = (fit.slot_valid != (chosen.index >= 0)).any(-1)
         if bool(cut.any()):
-            w = torch.where(cut.unsqueeze(-1), nnls(fit.features, fit.target, fit.slot_valid, self.nnls_iters,
-                                                    fit.ridge), w)
+            w = torch.where(
+                cut.unsqueeze(-1), nnls(fit.features, fit.target, fit.slot_valid, self.nnls_iters, fit.ridge), w
+            )
         lo, hi = fit.bounds
         beta = (w.clamp_min(torch.finfo(torch.float32).tiny).log() + fit.old).clamp(lo, hi)
         return beta.masked_fill(~fit.slot_valid, float("-inf"))

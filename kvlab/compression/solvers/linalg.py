@@ -13,6 +13,7 @@ Ridge convention: every ``ridge`` argument is *relative*: the added diagonal is
 from ``n`` (mass features near 1) to ``n / t**2`` (softmax weights), so an absolute lambda would
 be negligible for one and dominant for the other.
 """
+
 from __future__ import annotations
 
 from contextvars import ContextVar
@@ -71,10 +72,7 @@ def _record_fallbacks(bad: torch.Tensor) -> None:
 
 
 def ridge_factor(
-    gram: torch.Tensor,
-    active: torch.Tensor,
-    ridge: float,
-    ridge_scale: torch.Tensor | None = None,
+    gram: torch.Tensor, active: torch.Tensor, ridge: float, ridge_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cholesky factor of ``gram + lam I`` on the active rows: ``(chol, ok)``.
 
@@ -132,9 +130,7 @@ def active_block(gram: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
     return gram * (active.unsqueeze(-1) * active.unsqueeze(-2))
 
 
-def factor_solve(
-    chol: torch.Tensor, ok: torch.Tensor, rhs: torch.Tensor, active: torch.Tensor
-) -> torch.Tensor:
+def factor_solve(chol: torch.Tensor, ok: torch.Tensor, rhs: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
     """Solve with a factor from :func:`ridge_factor`; rhs [B, m, c] -> [B, m, c]."""
     mask = active.unsqueeze(-1) * ok.view(-1, 1, 1).to(rhs.dtype)
     # Two triangular solves: cholesky_solve copies the factor to another layout first, which costs
@@ -193,13 +189,7 @@ def ridge_lstsq(
     rhs = torch.bmm(dt, target) if rhs is None else rhs
     chol, ok = ridge_factor(gram, active, ridge)
     solve = lambda b: factor_solve(chol, ok, b, active)  # noqa: E731
-    return _refine(
-        solve(rhs),
-        lambda x: target - torch.bmm(design, x),
-        lambda r: torch.bmm(dt, r),
-        solve,
-        steps,
-    )
+    return _refine(solve(rhs), lambda x: target - torch.bmm(design, x), lambda r: torch.bmm(dt, r), solve, steps)
 
 
 def ridge_lstsq_dual(
@@ -226,13 +216,7 @@ def ridge_lstsq_dual(
     rows = torch.ones(design.shape[0], design.shape[1], dtype=design.dtype, device=design.device)
     chol, ok = ridge_factor(kern, rows, ridge, fro2 / active.sum(-1).clamp_min(1.0))
     solve = lambda b: factor_solve(chol, ok, b, rows)  # noqa: E731
-    alpha = _refine(
-        solve(target),
-        lambda a: target - torch.bmm(design, torch.bmm(dt, a)),
-        lambda r: r,
-        solve,
-        steps,
-    )
+    alpha = _refine(solve(target), lambda a: target - torch.bmm(design, torch.bmm(dt, a)), lambda r: r, solve, steps)
     return torch.bmm(dt, alpha)
 
 

@@ -6,6 +6,7 @@ compacted together, e.g. all KV heads of a layer); all maths is float32 whatever
 Shapes: ``B`` heads, ``n`` reference queries, ``T`` original keys, ``t`` compact keys, ``d`` key
 dim, ``dv`` value dim.
 """
+
 from __future__ import annotations
 
 import math
@@ -69,8 +70,9 @@ def box_nnls_gram(
     else:
         w = ridge_lstsq(design, target.unsqueeze(-1), active, ridge, gram, b.unsqueeze(-1)).squeeze(-1)
     g, b = active_block(gram, active), b * active
-    return _box_steps(w, active, lo, hi, iters, lambda: _top_eig(g, active),
-                      lambda x: torch.bmm(g, x.unsqueeze(-1)).squeeze(-1) - b)
+    return _box_steps(
+        w, active, lo, hi, iters, lambda: _top_eig(g, active), lambda x: torch.bmm(g, x.unsqueeze(-1)).squeeze(-1) - b
+    )
 
 
 def _box_steps(
@@ -100,8 +102,9 @@ def _box_steps(
     return w
 
 
-def _box_nnls_dual(m: torch.Tensor, z: torch.Tensor, active: torch.Tensor, lo: float, hi: float, iters: int,
-                   ridge: float) -> torch.Tensor:
+def _box_nnls_dual(
+    m: torch.Tensor, z: torch.Tensor, active: torch.Tensor, lo: float, hi: float, iters: int, ridge: float
+) -> torch.Tensor:
     """:func:`box_nnls_gram` for a wide design, never forming the m x m Gram: [B, m].
 
     m: [B, n, m] design with fewer rows than active columns (padding columns
@@ -116,17 +119,18 @@ def _box_nnls_dual(m: torch.Tensor, z: torch.Tensor, active: torch.Tensor, lo: f
     w = ridge_lstsq_dual(m, z.unsqueeze(-1), active, ridge, kern).squeeze(-1)
     rows = torch.ones(m.shape[0], m.shape[1], dtype=m.dtype, device=m.device)
     return _box_steps(
-        w, active, lo, hi, iters, lambda: _top_eig(kern, rows),
+        w,
+        active,
+        lo,
+        hi,
+        iters,
+        lambda: _top_eig(kern, rows),
         lambda x: torch.bmm(mt, torch.bmm(m, x.unsqueeze(-1)) - z.unsqueeze(-1)).squeeze(-1),
     )
 
 
 def nnls(
-    m: torch.Tensor,
-    z: torch.Tensor,
-    valid: torch.Tensor | None = None,
-    iters: int = 20,
-    ridge: float = 1e-6,
+    m: torch.Tensor, z: torch.Tensor, valid: torch.Tensor | None = None, iters: int = 20, ridge: float = 1e-6
 ) -> torch.Tensor:
     """Non-negative least squares ``argmin_{w >= 0} ||m w - z||^2``: [B, t].
 

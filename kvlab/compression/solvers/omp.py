@@ -7,6 +7,7 @@ compacted together, e.g. all KV heads of a layer); all maths is float32 whatever
 Shapes: ``B`` heads, ``n`` reference queries, ``T`` original keys, ``t`` compact keys, ``d`` key
 dim, ``dv`` value dim.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,15 +44,26 @@ class Pursuit:
     ridge: float
 
     @classmethod
-    def empty(cls, phi: torch.Tensor, z: torch.Tensor, t: int, valid_keys: torch.Tensor, nnls_iters: int,
-              ridge: float) -> Pursuit:
+    def empty(
+        cls, phi: torch.Tensor, z: torch.Tensor, t: int, valid_keys: torch.Tensor, nnls_iters: int, ridge: float
+    ) -> Pursuit:
         """No key selected yet; valid_keys: [B, T] bool (False: padding, never selected)."""
         B, n, _ = phi.shape
         dev = phi.device
-        return cls(phi, z, torch.full((B, t + 1), -1, dtype=torch.long, device=dev), phi.new_zeros(B, n, t + 1),
-                   phi.new_zeros(B, t + 1, t + 1), phi.new_zeros(B, t + 1), phi.new_zeros(B, t + 1),
-                   torch.zeros(B, dtype=torch.long, device=dev), ~valid_keys, torch.arange(t + 1, device=dev),
-                   nnls_iters, ridge)
+        return cls(
+            phi,
+            z,
+            torch.full((B, t + 1), -1, dtype=torch.long, device=dev),
+            phi.new_zeros(B, n, t + 1),
+            phi.new_zeros(B, t + 1, t + 1),
+            phi.new_zeros(B, t + 1),
+            phi.new_zeros(B, t + 1),
+            torch.zeros(B, dtype=torch.long, device=dev),
+            ~valid_keys,
+            torch.arange(t + 1, device=dev),
+            nnls_iters,
+            ridge,
+        )
 
     @property
     def t(self) -> int:
@@ -77,8 +89,17 @@ class Pursuit:
         B, t = self.w.shape[0], self.t
         active = (self.slots[:t] < self.count.unsqueeze(-1)).float()
         out = self.phi.new_zeros(B, t + 1)
-        out[:, :t] = box_nnls_gram(self.gram[:, :t, :t], self.rhs[:, :t], active, 0.0, math.inf, self.nnls_iters,
-                                   self.ridge, self.m_sel[:, :, :t], self.z)
+        out[:, :t] = box_nnls_gram(
+            self.gram[:, :t, :t],
+            self.rhs[:, :t],
+            active,
+            0.0,
+            math.inf,
+            self.nnls_iters,
+            self.ridge,
+            self.m_sel[:, :, :t],
+            self.z,
+        )
         self.w = out
 
     def correlation(self) -> torch.Tensor:
@@ -170,7 +191,7 @@ def omp_select(
 
 
 def pursue(
-    state: Pursuit, target: torch.Tensor, kpi: int, max_iters: int, refit_every: int, drop_w: float | None,
+    state: Pursuit, target: torch.Tensor, kpi: int, max_iters: int, refit_every: int, drop_w: float | None
 ) -> tuple[torch.Tensor, bool]:
     """OMP's rounds until every head holds its ``target`` [B] keys, none has a candidate left, or
     ``max_iters`` rounds: ``kpi`` picks a round, a refit every ``refit_every`` rounds (and when all

@@ -9,6 +9,7 @@ HighestAttnKeys streams over query chunks instead of holding the ``[B, n, T]`` m
 (also the faster way on a CPU: see :data:`STREAM_BLOCK_ELEMENTS`). Attention itself is computed
 only through :mod:`kvlab.runtime.attention`.
 """
+
 from __future__ import annotations
 
 from typing import Literal
@@ -32,10 +33,7 @@ def shifted_exp(
 
 
 def mass_features(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    scale: float | None = None,
+    q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None = None, scale: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-query shifted exponentials of the logits and their sums.
 
@@ -55,7 +53,10 @@ def mass_features(
 
 
 def _score_sums(
-    phi: torch.Tensor, inv_z: torch.Tensor, scoring: Scoring, weights: torch.Tensor | None = None,
+    phi: torch.Tensor,
+    inv_z: torch.Tensor,
+    scoring: Scoring,
+    weights: torch.Tensor | None = None,
     in_place: bool = False,
 ) -> torch.Tensor:
     """One batch of queries' share of the HighestAttnKeys scores: [B, T] (see :func:`_finish_scores`).
@@ -98,13 +99,17 @@ def _finish_scores(
 
 
 def scores_from_mass(
-    phi: torch.Tensor, z: torch.Tensor, scoring: Scoring, key_valid: torch.Tensor | None,
+    phi: torch.Tensor,
+    z: torch.Tensor,
+    scoring: Scoring,
+    key_valid: torch.Tensor | None,
     weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """HighestAttnKeys scores from precomputed mass features (see :func:`score_keys`); weights: [B, n] or None."""
     inv_z = 1.0 / z.clamp_min(torch.finfo(torch.float32).tiny)  # [B, n]
-    return _finish_scores(_score_sums(phi, inv_z, scoring, weights), _total_weight(phi.shape[-2], weights),
-                          scoring, key_valid)
+    return _finish_scores(
+        _score_sums(phi, inv_z, scoring, weights), _total_weight(phi.shape[-2], weights), scoring, key_valid
+    )
 
 
 def _total_weight(n: int, weights: torch.Tensor | None) -> torch.Tensor | float:
@@ -164,7 +169,9 @@ def streamed_mass(
         zs.append(z)
     scores = None
     if scoring is not None:
-        scores = _finish_scores(sums, _total_weight(n, weights), scoring, None if bias is None else torch.isfinite(bias))
+        scores = _finish_scores(
+            sums, _total_weight(n, weights), scoring, None if bias is None else torch.isfinite(bias)
+        )
     return torch.cat(shifts, dim=1), torch.cat(zs, dim=1), torch.cat(ys, dim=1), scores
 
 

@@ -6,6 +6,7 @@ compacted together, e.g. all KV heads of a layer); all maths is float32 whatever
 Shapes: ``B`` heads, ``n`` reference queries, ``T`` original keys, ``t`` compact keys, ``d`` key
 dim, ``dv`` value dim.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,11 +15,7 @@ from kvlab.compression.solvers.linalg import REFINE_STEPS, ridge_lstsq, ridge_ls
 
 
 def fit_values(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    valid: torch.Tensor | None = None,
-    ridge: float = 1e-6,
-    exact_ridge: bool = False,
+    x: torch.Tensor, y: torch.Tensor, valid: torch.Tensor | None = None, ridge: float = 1e-6, exact_ridge: bool = False
 ) -> torch.Tensor:
     """Least-squares values ``argmin ||x cv - y||_F``: [B, t, dv] float32.
 
@@ -46,8 +43,11 @@ def fit_values(
         t_real = t
     active = torch.ones(B, t, dtype=x.dtype, device=x.device) if valid is None else valid.to(x.dtype)
     steps = 0 if exact_ridge else REFINE_STEPS
-    cv = (ridge_lstsq_dual(x, y, active, ridge, steps=steps) if n < t_real
-          else ridge_lstsq(x, y, active, ridge, steps=steps))
+    cv = (
+        ridge_lstsq_dual(x, y, active, ridge, steps=steps)
+        if n < t_real
+        else ridge_lstsq(x, y, active, ridge, steps=steps)
+    )
     if valid is not None:
         cv = cv * valid.unsqueeze(-1)
     return cv

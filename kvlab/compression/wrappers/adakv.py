@@ -16,6 +16,7 @@ kvlab stores the result ragged (kvlab.runtime.cache.DenseSegment packs each
 head's own length), so the bytes stored are those of the tokens kept. kvpress's
 AdaKVPress masks the evicted keys instead and stores every key.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,11 +55,14 @@ class AllocationKnobs:
     """Where each head's budget comes from (:func:`allocate`); on when ``budgets`` is not uniform."""
 
     budgets: Literal["uniform", "adakv", "nonuniform", "global"] = knob(
-        "uniform", "uniform (the method's own per-head budgets), adakv (a layer's budget shared among its heads by "
+        "uniform",
+        "uniform (the method's own per-head budgets), adakv (a layer's budget shared among its heads by "
         "their scores), nonuniform (the model's head-budget profile, as Attention Matching's) or global (one "
-        "ranking of the scores across every head and layer, as KVzip's); the last three stored ragged")
+        "ranking of the scores across every head and layer, as KVzip's); the last three stored ragged",
+    )
     alpha_safeguard: float = knob(
-        0.2, "adakv: fewest tokens a head keeps, as a share of the mean per-head budget", low=0.0, high=1.0)
+        0.2, "adakv: fewest tokens a head keeps, as a share of the mean per-head budget", low=0.0, high=1.0
+    )
 
 
 def allocate(
@@ -73,14 +77,22 @@ def allocate(
     """
     if opts.budgets in ("nonuniform", "global"):
         if own.mode != "uniform":
-            raise MethodError(f"budgets={opts.budgets} would replace the method's own allocation ({own.source}); "
-                              "use budgets=uniform or adakv with it")
+            raise MethodError(
+                f"budgets={opts.budgets} would replace the method's own allocation ({own.source}); "
+                "use budgets=uniform or adakv with it"
+            )
         return scores, from_profile(req) if opts.budgets == "nonuniform" else global_ranking(req, scores)
     n_heads = own.budgets.shape[1]
-    return scores, HeadBudgets(torch.stack([
-        adakv_budgets(s, int(b.sum()), safeguard(int(b.sum()), n_heads, opts.alpha_safeguard))
-        for s, b in zip(scores, own.budgets)
-    ]), "adakv", BUDGET_SOURCES["adakv"] + ("" if own.mode == "uniform" else f", from {own.source}"))
+    return scores, HeadBudgets(
+        torch.stack(
+            [
+                adakv_budgets(s, int(b.sum()), safeguard(int(b.sum()), n_heads, opts.alpha_safeguard))
+                for s, b in zip(scores, own.budgets)
+            ]
+        ),
+        "adakv",
+        BUDGET_SOURCES["adakv"] + ("" if own.mode == "uniform" else f", from {own.source}"),
+    )
 
 
 STAGE = Stage(

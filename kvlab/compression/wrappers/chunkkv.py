@@ -14,6 +14,7 @@ last chunk it reaches may be kept in part (its own best tokens); kvpress keeps
 the document's first token (kvpress's at the context's first, the template
 included).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -62,7 +63,8 @@ class ChunkKnobs:
     """ChunkKV's knobs (:func:`chunks`); on with ``granularity=chunk``."""
 
     granularity: Literal["token", "chunk"] = knob(
-        "token", "token, or chunk (ChunkKV: keep whole chunks of consecutive tokens, the same in every head)")
+        "token", "token, or chunk (ChunkKV: keep whole chunks of consecutive tokens, the same in every head)"
+    )
     chunk_size: int = knob(10, "chunk: tokens per chunk", low=1)
 
 

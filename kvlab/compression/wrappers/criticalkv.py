@@ -17,6 +17,7 @@ paper's and kvpress's CriticalKVPress):
 With Expected Attention, whose scores already carry ||v||, kvpress advises
 ``use_vnorm=false``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,7 +33,9 @@ from kvlab.compression.stage import Stage
 from kvlab.runtime.attention import output_projection
 
 
-def projected_value_norm(values: torch.Tensor, o_weight: torch.Tensor, block_elements: int = BLOCK_ELEMENTS) -> torch.Tensor:
+def projected_value_norm(
+    values: torch.Tensor, o_weight: torch.Tensor, block_elements: int = BLOCK_ELEMENTS
+) -> torch.Tensor:
     """|| v_j W_o^(h) ||_1 per token, mean over each KV head's query-head group.
 
     values: [H_kv, T, d]; o_weight: the output projection's weight [hidden, H * d]
@@ -79,9 +82,11 @@ class CriticalKnobs:
     """CriticalKV's knobs (:func:`reweight`); on with ``critical=true``."""
 
     critical: bool = knob(
-        False, "CriticalKV: after a first stage by the method's scores, reweight by the value's norm through o_proj")
+        False, "CriticalKV: after a first stage by the method's scores, reweight by the value's norm through o_proj"
+    )
     first_stage_ratio: float = knob(
-        0.5, "critical: share of each head's budget chosen by the method's own scores", low=0.0, high=1.0)
+        0.5, "critical: share of each head's budget chosen by the method's own scores", low=0.0, high=1.0
+    )
     critical_epsilon: float = knob(1e-4, "critical: added to the scores before the reweighting", low=0.0)
 
 
@@ -93,9 +98,13 @@ def reweight(
     layer's o_proj; the budgets as they are."""
     ctx = req.ctx
     return [
-        critical_scores(s, projected_value_norm(ctx.full.values[i][:, ctx.prefix_len :],
-                                                output_projection(ctx.lm.model, i)),
-                        head.budgets[i], opts.first_stage_ratio, opts.critical_epsilon)
+        critical_scores(
+            s,
+            projected_value_norm(ctx.full.values[i][:, ctx.prefix_len :], output_projection(ctx.lm.model, i)),
+            head.budgets[i],
+            opts.first_stage_ratio,
+            opts.critical_epsilon,
+        )
         for i, s in enumerate(scores)
     ], head
 

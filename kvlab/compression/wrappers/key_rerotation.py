@@ -16,6 +16,7 @@ this is kvpress's 0 .. n_kept - 1 with P = n_kept. With ragged heads (``budgets=
 per-layer budgets (pyramidkv) each head's latest kept key stays right before the question, as
 it was in the full cache: kvpress has one budget for all and never meets the case.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,13 +62,17 @@ def check_rerotation(lm: LoadedModel) -> None:
     :data:`UNEVEN_ROPE` cannot turn a key by a difference of positions."""
     windowed = [i for i, g in enumerate(lm.geometry) if g.window is not None]
     if windowed:
-        raise MethodError(f"rerotate=true needs full-attention layers only; {lm.name} has sliding-window layers "
-                          f"({', '.join(map(str, windowed))}), whose windows count original positions")
+        raise MethodError(
+            f"rerotate=true needs full-attention layers only; {lm.name} has sliding-window layers "
+            f"({', '.join(map(str, windowed))}), whose windows count original positions"
+        )
     kinds = getattr(lm.model.model.rotary_emb, "rope_type", None)
     kinds = set(kinds.values()) if isinstance(kinds, dict) else {kinds}
     if kinds & set(UNEVEN_ROPE):
-        raise MethodError(f"rerotate=true needs a RoPE whose angle grows evenly with the position; {lm.name}'s "
-                          f"({', '.join(sorted(kinds & set(UNEVEN_ROPE)))}) picks its frequencies by the length read")
+        raise MethodError(
+            f"rerotate=true needs a RoPE whose angle grows evenly with the position; {lm.name}'s "
+            f"({', '.join(sorted(kinds & set(UNEVEN_ROPE)))}) picks its frequencies by the length read"
+        )
 
 
 def rerotate_keys(lm: LoadedModel, layers: list[list[Segment]]) -> tuple[list[list[Segment]], int]:
@@ -84,10 +89,12 @@ def rerotate_keys(lm: LoadedModel, layers: list[list[Segment]]) -> tuple[list[li
         if not all(isinstance(seg, DenseSegment) and bool((seg.token_index >= 0).all()) for seg in layer):
             raise MethodError("rerotate=true needs segments of kept tokens, each key at its own token's position")
         new = packed_positions([seg.lengths() for seg in layer], total)
-        out.append([
-            dataclasses.replace(seg, keys=turn_keys(seg.keys, *rotation_tables(lm, i, pos - seg.token_index)))
-            for seg, pos in zip(layer, new)
-        ])
+        out.append(
+            [
+                dataclasses.replace(seg, keys=turn_keys(seg.keys, *rotation_tables(lm, i, pos - seg.token_index)))
+                for seg, pos in zip(layer, new)
+            ]
+        )
     return out, total
 
 
@@ -96,8 +103,10 @@ class RerotationKnobs:
     """Key re-rotation's knob (:func:`rerotate_keys`); on with ``rerotate=true``."""
 
     rerotate: bool = knob(
-        False, "key re-rotation (kvpress's KeyRerotationPress): the kept keys moved to contiguous positions, "
-        "what follows the cache right after them")
+        False,
+        "key re-rotation (kvpress's KeyRerotationPress): the kept keys moved to contiguous positions, "
+        "what follows the cache right after them",
+    )
 
 
 STAGE = Stage(

@@ -4,6 +4,7 @@ published configurations, the knobs (:class:`QueryOptions`, :class:`ScoredOption
 :class:`AMOptions`), the reference queries, the per-head budgets and :class:`QuerySourced`, the base
 of the methods fitted on reference queries. The fit itself is kvlab.methods.families.compaction.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,13 +28,7 @@ from kvlab.compression.request import Request
 from kvlab.context import Context
 from kvlab.kernels import dispatch as kernels
 from kvlab.prompts import question_tokens, repeat_tokens
-from kvlab.queries import (
-    context_queries,
-    question_queries,
-    random_queries,
-    repeat_queries,
-    self_study_queries,
-)
+from kvlab.queries import context_queries, question_queries, random_queries, repeat_queries, self_study_queries
 from kvlab.runtime.attention import attention_weights, group_queries
 
 PAPER = Paper("Zweiger, Fu, Guo, Kim", 2026, "Fast KV Compaction via Attention Matching", arxiv="2602.16284")
@@ -55,16 +50,22 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 QuerySource = Literal["repeat", "context", "self_study", "random", "question"]
 
+
 @dataclass(frozen=True)
 class QueryOptions(Options):
     """Where reference queries come from (shared by the methods that use them)."""
 
     query_source: QuerySource = knob(
-        "repeat", "reference queries: repeat (repeat-prefill), context (prefill), self_study, random, "
-                  "question (query-aware: the user's question)")
+        "repeat",
+        "reference queries: repeat (repeat-prefill), context (prefill), self_study, random, "
+        "question (query-aware: the user's question)",
+    )
     max_queries: int = knob(
-        2048, "cap on reference queries per KV head (seeded subsample; 50000, the published runs' cap, keeps "
-              "every repeat-pass query of the lab's documents)", low=1)
+        2048,
+        "cap on reference queries per KV head (seeded subsample; 50000, the published runs' cap, keeps "
+        "every repeat-pass query of the lab's documents)",
+        low=1,
+    )
     seed: int = knob(0, "seed of the query subsample and of random queries", low=0)
     self_study_tokens: int = knob(256, "self-study: generated tokens over all prompts", low=1)
 
@@ -77,58 +78,80 @@ class ScoredOptions(QueryOptions):
     # model's own answers closer to the full cache at the same attention error
     # (`python -m benchmarks.attention_matching`); the default stays the paper's.
     scoring: Literal["rms", "mean", "max"] = knob(
-        "rms", "HighestAttnKeys score over queries: rms (the published code's), mean or max attention")
+        "rms", "HighestAttnKeys score over queries: rms (the published code's), mean or max attention"
+    )
 
 
 @dataclass(frozen=True)
 class AMOptions(ScoredOptions):
     key_selection: Literal["highest_attn", "omp", "kvzip", "kvzip_union"] = knob(
-        "highest_attn", "highest_attn (HighestAttnKeys), omp (orthogonal matching pursuit on the mass), "
-                        "kvzip (KVzip's reconstruction scores per head, then the same bias and value fit) or "
-                        "kvzip_union (kvzip_share of each head's keys by KVzip's scores, the rest by HighestAttnKeys)")
+        "highest_attn",
+        "highest_attn (HighestAttnKeys), omp (orthogonal matching pursuit on the mass), "
+        "kvzip (KVzip's reconstruction scores per head, then the same bias and value fit) or "
+        "kvzip_union (kvzip_share of each head's keys by KVzip's scores, the rest by HighestAttnKeys)",
+    )
     kvzip_share: float = knob(0.5, "kvzip_union: share of each head's keys chosen by KVzip's scores", low=0.0, high=1.0)
     keys_per_iter: int = knob(4, "OMP: keys added per iteration (the fast variant's 4; plain OMP: 1)", low=1)
-    refit_every: int = knob(2, "OMP: refit the weights every this many iterations (the fast variant's 2; plain OMP: 1)", low=1)
+    refit_every: int = knob(
+        2, "OMP: refit the weights every this many iterations (the fast variant's 2; plain OMP: 1)", low=1
+    )
     # Also OMP's lower bound on beta: above 0 it would drop keys standing for a whole original key.
     drop_below: float = knob(-7.0, "OMP: drop and replace keys whose beta falls below this", high=0.0)
     nnls_iters: int = knob(2, "projected-gradient steps of the bounded bias fit", low=0)
-    ridge: float = knob(1e-6, "ridge of the value and bias least squares, relative to the Gram's mean diagonal", low=0.0)
+    ridge: float = knob(
+        1e-6, "ridge of the value and bias least squares, relative to the Gram's mean diagonal", low=0.0
+    )
     budgets: Literal["auto", "uniform", "nonuniform", "document", "global"] = knob(
-        "auto", "per-head budgets, the total always T/r per head on average: auto (the paper's recipe: the model's "
-                "profile where it has one, else uniform, said), uniform, nonuniform (the model's profile from its "
-                "sensitivity sweep, kvlab budgets), document (this document's reference queries: heads whose "
-                "attention is concentrated keep more) or global (one ranking of the reference queries' attention "
-                "across every head and layer)")
+        "auto",
+        "per-head budgets, the total always T/r per head on average: auto (the paper's recipe: the model's "
+        "profile where it has one, else uniform, said), uniform, nonuniform (the model's profile from its "
+        "sensitivity sweep, kvlab budgets), document (this document's reference queries: heads whose "
+        "attention is concentrated keep more) or global (one ranking of the reference queries' attention "
+        "across every head and layer)",
+    )
     compaction_chunk: int = knob(0, "compact the document in chunks of this many tokens (0: one block)", low=0)
     on_policy: bool = knob(
-        False, "re-extract each layer's queries with the layers before it already compacted (slow: one pass per layer)")
+        False, "re-extract each layer's queries with the layers before it already compacted (slow: one pass per layer)"
+    )
     value_fit: Literal["least_squares", "original"] = knob(
-        "least_squares", "least_squares (the paper's refitted values) or original (keep the kept keys' own values, "
-                         "fit only beta)")
+        "least_squares",
+        "least_squares (the paper's refitted values) or original (keep the kept keys' own values, fit only beta)",
+    )
     value_anchor: float = knob(
-        0.0, "ridge pulling the fitted values toward the kept keys' own values instead of toward 0, relative to "
-             "the Gram's mean diagonal (0: the paper's fit)", low=0.0)
+        0.0,
+        "ridge pulling the fitted values toward the kept keys' own values instead of toward 0, relative to "
+        "the Gram's mean diagonal (0: the paper's fit)",
+        low=0.0,
+    )
     self_study_weight: float = knob(
-        0.0, "self-study queries added to query_source's, each weighted this much in the fit (0: none)", low=0.0)
+        0.0, "self-study queries added to query_source's, each weighted this much in the fit (0: none)", low=0.0
+    )
     exact_share: float = knob(
-        0.0, "share of each head's budget kept as exact tokens (own key and value, bias 0, outside the fit); the "
-             "compact keys fit only what they leave unexplained (0: none; 1: eviction)", low=0.0, high=1.0)
+        0.0,
+        "share of each head's budget kept as exact tokens (own key and value, bias 0, outside the fit); the "
+        "compact keys fit only what they leave unexplained (0: none; 1: eviction)",
+        low=0.0,
+        high=1.0,
+    )
     exact_keys: Literal["kvzip", "attention"] = knob(
-        "kvzip", "exact_share: which keys stay exact: kvzip (KVzip's reconstruction scores) or attention (the "
-                 "reference queries' HighestAttnKeys scores)")
+        "kvzip",
+        "exact_share: which keys stay exact: kvzip (KVzip's reconstruction scores) or attention (the "
+        "reference queries' HighestAttnKeys scores)",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.exact_share > 0 and self.key_selection in ("omp", "kvzip_union"):
-            raise MethodError("exact_share needs key_selection=highest_attn or kvzip (the compact keys are the best "
-                              "remaining keys by one score)")
+            raise MethodError(
+                "exact_share needs key_selection=highest_attn or kvzip (the compact keys are the best "
+                "remaining keys by one score)"
+            )
         if self.budgets in ("document", "global") and self.on_policy:
             raise MethodError(f"budgets={self.budgets} reads the reference queries before the fit: not on-policy")
         if self.value_fit == "original" and self.value_anchor > 0:
             raise MethodError("value_anchor needs value_fit=least_squares (value_fit=original fits no values)")
         if self.self_study_weight > 0 and (self.query_source == "self_study" or self.on_policy):
             raise MethodError("self_study_weight mixes self-study queries into another, not on-policy, query_source")
-
 
 
 def reference_queries(ctx: Context, opts: QueryOptions, question: str | None) -> list[torch.Tensor]:
@@ -187,10 +210,13 @@ def mixed_queries(
     if extra is None or opts.self_study_weight == 0:
         return grouped, None
     more = fitting_queries(extra, n_kv_heads, opts).to(grouped.device)
-    weights = torch.cat([
-        torch.ones(grouped.shape[:2], device=grouped.device),
-        torch.full(more.shape[:2], opts.self_study_weight, device=grouped.device),
-    ], dim=1)
+    weights = torch.cat(
+        [
+            torch.ones(grouped.shape[:2], device=grouped.device),
+            torch.full(more.shape[:2], opts.self_study_weight, device=grouped.device),
+        ],
+        dim=1,
+    )
     return torch.cat([grouped, more], dim=1), weights
 
 
@@ -252,8 +278,9 @@ def am_budgets(req: Request, opts: AMOptions, queries: list[torch.Tensor] | None
     if queries is None:
         raise MethodError(f"budgets={mode} reads the reference queries before the fit: not on-policy")
     if mode == "document":
-        return HeadBudgets(document_budgets(req.ctx, queries, opts, req.doc_budget), "document",
-                           BUDGET_SOURCES["document"])
+        return HeadBudgets(
+            document_budgets(req.ctx, queries, opts, req.doc_budget), "document", BUDGET_SOURCES["document"]
+        )
     return global_ranking(req, attention_scores(req.ctx, queries, opts))
 
 

@@ -11,6 +11,7 @@ attention it gets over the scoring set (the recent queries + the beacons) and
 over the query heads of its GQA group. The methods and budgeted generation
 both score keys this way.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,8 +37,10 @@ INSTRUCTION = "Answer the question using the document."
 @dataclass(frozen=True)
 class BeaconOptions(Options):
     beacon_source: BeaconSource = knob(
-        "context", "where beacons come from: context (the model's own prefill queries, as published), "
-                   "question (the user's question: query-aware), instruction (a fixed instruction)")
+        "context",
+        "where beacons come from: context (the model's own prefill queries, as published), "
+        "question (the user's question: query-aware), instruction (a fixed instruction)",
+    )
     n_beacons: int = knob(16, "beacon queries per query head", low=0)
     n_recent: int = knob(16, "recent queries in the scoring set", low=0)
     buffer: int = knob(128, "continual FPS: queries buffered per head before re-sampling", low=1)
@@ -291,8 +294,14 @@ def beacon_scores(req: Request, opts: BeaconOptions) -> tuple[list[torch.Tensor]
     """
     ctx = req.ctx
     question = req.question if opts.beacon_source == "question" else None
-    key = BeaconScores(opts.beacon_source, opts.n_beacons, opts.n_recent, opts.buffer,
-                       opts.beacon_instruction if opts.beacon_source == "instruction" else None, question=question)
+    key = BeaconScores(
+        opts.beacon_source,
+        opts.n_beacons,
+        opts.n_recent,
+        opts.buffer,
+        opts.beacon_instruction if opts.beacon_source == "instruction" else None,
+        question=question,
+    )
 
     def make() -> tuple[list[torch.Tensor], list[list[list[int]]]]:
         state = document_state(ctx, opts, req.question)
@@ -340,9 +349,12 @@ def split_head(score: torch.Tensor, n_fp: int, n_quant: int, window: int) -> Tok
 
 class BeaconBase(Method):
     paper = Paper(
-        "Kim, Kim, Shim, Choi", 2026,
+        "Kim, Kim, Shim, Choi",
+        2026,
         "BeaconKV: Key-Value Cache Compression Guided by Beacon Queries for Efficient Large Reasoning Model Inference",
-        arxiv="2609.04971", note="details from secondary summaries")
+        arxiv="2609.04971",
+        note="details from secondary summaries",
+    )
 
     query_aware_when = "beacon_source=question"
 

@@ -6,6 +6,7 @@ kvlab.compression.solvers), and :func:`compact_document`, the cache of a request
 (reference queries, per-head budgets, the fit; on-policy: layer by layer). The knobs, reference
 queries and budgets are kvlab.methods.families.am_recipe.
 """
+
 from __future__ import annotations
 
 import time
@@ -63,8 +64,13 @@ def split_budget(budgets: torch.Tensor, spans: list[tuple[int, int]], total: int
 
 
 def block_jobs(
-    block: PaddedView, queries: torch.Tensor, budgets: torch.Tensor, opts: AMOptions,
-    key_scores: torch.Tensor | None = None, weights: torch.Tensor | None = None, scale: float | None = None,
+    block: PaddedView,
+    queries: torch.Tensor,
+    budgets: torch.Tensor,
+    opts: AMOptions,
+    key_scores: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    scale: float | None = None,
     exact_scores: torch.Tensor | None = None,
 ) -> tuple[list[BlockJob], list[torch.Tensor]]:
     """One layer's block (all heads) as the solves it takes, chunk by chunk (``compaction_chunk``), and
@@ -80,9 +86,19 @@ def block_jobs(
     jobs, offsets = [], []
     for (s, e), share in zip(spans, split_budget(budgets, spans, block.keys.shape[1])):
         bias = block.bias[:, s:e]
-        jobs.append(BlockJob(queries, block.keys[:, s:e], block.values[:, s:e], None if bool((bias == 0).all()) else bias,
-                             share, None if key_scores is None else key_scores[:, s:e], weights, scale,
-                             None if exact_scores is None else exact_scores[:, s:e]))
+        jobs.append(
+            BlockJob(
+                queries,
+                block.keys[:, s:e],
+                block.values[:, s:e],
+                None if bool((bias == 0).all()) else bias,
+                share,
+                None if key_scores is None else key_scores[:, s:e],
+                weights,
+                scale,
+                None if exact_scores is None else exact_scores[:, s:e],
+            )
+        )
         offsets.append(torch.tensor(s, device=block.keys.device))
     return jobs, offsets
 
@@ -94,13 +110,18 @@ def block_scores(jobs: list[BlockJob], solved: list[CompactBlock], opts: AMOptio
     for job, block in zip(jobs, solved):
         got = block.scores
         if got is None:
-            got = job.key_scores if job.key_scores is not None else kernels.key_scores(
-                job.queries, job.keys, job.bias, scale=job.scale, scoring=opts.scoring)
+            got = (
+                job.key_scores
+                if job.key_scores is not None
+                else kernels.key_scores(job.queries, job.keys, job.bias, scale=job.scale, scoring=opts.scoring)
+            )
         scores.append(got)
     return torch.cat(scores, dim=1)
 
 
-def to_segments(blocks: list[CompactBlock], offsets: list[torch.Tensor], token_index: torch.Tensor) -> list[DenseSegment]:
+def to_segments(
+    blocks: list[CompactBlock], offsets: list[torch.Tensor], token_index: torch.Tensor
+) -> list[DenseSegment]:
     """Join the chunks' compact keys per head into one stored segment (fate "compacted"), the exact keys
     (``CompactBlock.exact``) first into their own (fate "kept", no bias stored when theirs are all 0).
 
@@ -116,15 +137,23 @@ def to_segments(blocks: list[CompactBlock], offsets: list[torch.Tensor], token_i
     # Chunks leave padding between them: pack each head's real slots first.
     if all(b.exact is None for b in blocks):
         return [segment_from_view(select_keys(joined, local >= 0), fate="compacted")]
-    exact = torch.cat([torch.zeros_like(b.index, dtype=torch.bool) if b.exact is None else b.exact for b in blocks], dim=1)
+    exact = torch.cat(
+        [torch.zeros_like(b.index, dtype=torch.bool) if b.exact is None else b.exact for b in blocks], dim=1
+    )
     kept = select_keys(joined, (local >= 0) & exact)
     plain = bool((kept.bias[torch.isfinite(kept.bias)] == 0).all())
-    return [segment_from_view(kept, fate="kept", keep_bias=not plain),
-            segment_from_view(select_keys(joined, (local >= 0) & ~exact), fate="compacted")]
+    return [
+        segment_from_view(kept, fate="kept", keep_bias=not plain),
+        segment_from_view(select_keys(joined, (local >= 0) & ~exact), fate="compacted"),
+    ]
 
 
 def train_errors(
-    queries: torch.Tensor, block: PaddedView, stored: PaddedView, blocks: list[CompactBlock], n_max: int = 512,
+    queries: torch.Tensor,
+    block: PaddedView,
+    stored: PaddedView,
+    blocks: list[CompactBlock],
+    n_max: int = 512,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Output and mass errors [H_kv] on the fitting queries themselves.
@@ -172,9 +201,15 @@ class LayerWork:
 
 
 def layer_work(
-    view: PaddedView, q: torch.Tensor, budgets: torch.Tensor, opts: AMOptions, protected: int,
-    key_scores: torch.Tensor | None = None, extra: torch.Tensor | None = None,
-    scale: float | None = None, exact_scores: torch.Tensor | None = None,
+    view: PaddedView,
+    q: torch.Tensor,
+    budgets: torch.Tensor,
+    opts: AMOptions,
+    protected: int,
+    key_scores: torch.Tensor | None = None,
+    extra: torch.Tensor | None = None,
+    scale: float | None = None,
+    exact_scores: torch.Tensor | None = None,
 ) -> LayerWork:
     """Prepare one layer of a stored cache (see :func:`compact_layer` for the arguments)."""
     checkpoint()
@@ -186,9 +221,13 @@ def layer_work(
             raise MethodError("KVzip's scores are the full document's: they cannot re-compact a compacted cache")
     device = block.keys.device
     jobs, offsets = block_jobs(
-        block, grouped.to(device), budgets, opts,
+        block,
+        grouped.to(device),
+        budgets,
+        opts,
         key_scores=None if key_scores is None else key_scores.to(device),
-        weights=None if weights is None else weights.to(device), scale=scale,
+        weights=None if weights is None else weights.to(device),
+        scale=scale,
         exact_scores=None if exact_scores is None else exact_scores.to(device),
     )
     return LayerWork(view, keep, block, grouped, jobs, offsets, scale)
@@ -207,13 +246,14 @@ def solve_layers(work: list[LayerWork], opts: AMOptions) -> list[list[CompactBlo
 
 
 def finish_layer(
-    work: LayerWork, blocks: list[CompactBlock], opts: AMOptions, protected: int, importance_len: int | None,
+    work: LayerWork, blocks: list[CompactBlock], opts: AMOptions, protected: int, importance_len: int | None
 ) -> LayerFit:
     """The layer's stored segments and what the fit measured, from its solved blocks."""
     timings = {k: sum(b.timings.get(k, 0.0) for b in blocks) for k in ("keys", "bias", "values")}
     stored = to_segments(blocks, work.offsets, work.block.token_index)
-    out_err, mass_err = train_errors(work.grouped, work.block, concat_views([seg.view() for seg in stored]), blocks,
-                                     scale=work.scale)
+    out_err, mass_err = train_errors(
+        work.grouped, work.block, concat_views([seg.view() for seg in stored]), blocks, scale=work.scale
+    )
     segments: list[Segment] = list(stored)
     if protected:
         # The template's keys, left-packed in reading order; their bias is 0 (never fitted).
@@ -232,9 +272,16 @@ def finish_layer(
 
 
 def compact_layer(
-    view: PaddedView, q: torch.Tensor, budgets: torch.Tensor, opts: AMOptions, protected: int,
-    importance_len: int | None = None, key_scores: torch.Tensor | None = None, extra: torch.Tensor | None = None,
-    scale: float | None = None, exact_scores: torch.Tensor | None = None,
+    view: PaddedView,
+    q: torch.Tensor,
+    budgets: torch.Tensor,
+    opts: AMOptions,
+    protected: int,
+    importance_len: int | None = None,
+    key_scores: torch.Tensor | None = None,
+    extra: torch.Tensor | None = None,
+    scale: float | None = None,
+    exact_scores: torch.Tensor | None = None,
 ) -> LayerFit:
     """Attention Matching on one layer of a stored cache.
 
@@ -271,8 +318,16 @@ def window_fit(segments: list[Segment], n_queries: int, importance_len: int | No
     zeros = torch.zeros(segments[0].lengths().shape[0], device=segments[0].lengths().device)
     n_heads = zeros.shape[0]
     importance = None if importance_len is None else torch.full((n_heads, importance_len), float("nan"), device="cpu")
-    return LayerFit(list(segments), {"keys": 0.0, "bias": 0.0, "values": 0.0}, n_queries, zeros, zeros,
-                    importance, [0] * n_heads, [0] * n_heads)
+    return LayerFit(
+        list(segments),
+        {"keys": 0.0, "bias": 0.0, "values": 0.0},
+        n_queries,
+        zeros,
+        zeros,
+        importance,
+        [0] * n_heads,
+        [0] * n_heads,
+    )
 
 
 def is_window(segments: list[Segment]) -> bool:
@@ -311,16 +366,25 @@ def compact_cache(
     scales = reference.scales or [None] * reference.n_layers
     fitted = [i for i in range(reference.n_layers) if not is_window(reference.layers[i])]
     work = {
-        i: layer_work(reference.layer_view(i), queries[i], budgets[i], opts, protected,
-                      None if key_scores is None else key_scores[i], None if extra is None else extra[i], scales[i],
-                      None if exact_scores is None else exact_scores[i])
+        i: layer_work(
+            reference.layer_view(i),
+            queries[i],
+            budgets[i],
+            opts,
+            protected,
+            None if key_scores is None else key_scores[i],
+            None if extra is None else extra[i],
+            scales[i],
+            None if exact_scores is None else exact_scores[i],
+        )
         for i in fitted
     }
     # Every layer's heads solved together, regrouped by budget (ragged budgets batched, not padded).
     solved = dict(zip(fitted, solve_layers([work[i] for i in fitted], opts)))
     fits = [
-        finish_layer(work[i], solved[i], opts, protected, length) if i in work else
-        window_fit(reference.layers[i], q.shape[1], length)
+        finish_layer(work[i], solved[i], opts, protected, length)
+        if i in work
+        else window_fit(reference.layers[i], q.shape[1], length)
         for i, q in enumerate(queries)
     ]
     return fitted_cache(fits, reference.logical_len)
@@ -335,7 +399,9 @@ def compact_document(req: Request, opts: AMOptions, method: str) -> CompressedKV
     start = time.perf_counter()
     # KVzip's scores need the reconstruction pass: timed with the queries.
     exact_kvzip = opts.exact_share > 0 and opts.exact_keys == "kvzip"
-    scores = kvzip_scores(req, KVzipOptions()) if opts.key_selection in ("kvzip", "kvzip_union") or exact_kvzip else None
+    scores = (
+        kvzip_scores(req, KVzipOptions()) if opts.key_selection in ("kvzip", "kvzip_union") or exact_kvzip else None
+    )
     key_scores = scores if opts.key_selection in ("kvzip", "kvzip_union") else None
     exact_scores = scores if exact_kvzip else None
     if opts.on_policy:
@@ -349,8 +415,17 @@ def compact_document(req: Request, opts: AMOptions, method: str) -> CompressedKV
         head = am_budgets(req, opts, queries)
         queries_s = time.perf_counter() - start
         req.progress(0.4, "fitting keys, biases and values")
-        stored = compact_cache(ctx.full.stored, queries, head.budgets, opts, ctx.prefix_len, req.record_importance,
-                               key_scores, extra, exact_scores)
+        stored = compact_cache(
+            ctx.full.stored,
+            queries,
+            head.budgets,
+            opts,
+            ctx.prefix_len,
+            req.record_importance,
+            key_scores,
+            extra,
+            exact_scores,
+        )
     stored.meta = {
         "method": method,
         "query_source": opts.query_source,
@@ -363,7 +438,10 @@ def compact_document(req: Request, opts: AMOptions, method: str) -> CompressedKV
 
 
 def on_policy_cache(
-    req: Request, opts: AMOptions, budgets: torch.Tensor, key_scores: list[torch.Tensor] | None,
+    req: Request,
+    opts: AMOptions,
+    budgets: torch.Tensor,
+    key_scores: list[torch.Tensor] | None,
     exact_scores: list[torch.Tensor] | None = None,
 ) -> tuple[CompressedKV, float]:
     """Compact layer by layer, each layer's queries read with the layers before it compacted."""
@@ -378,10 +456,20 @@ def on_policy_cache(
         mixed = CompressedKV([f.segments for f in fits] + full.layers[layer:], full.logical_len)
         q = read_after(ctx, ids, mixed, layers=layer + 1)[layer]
         queries_s += time.perf_counter() - start
-        fits.append(window_fit(full.layers[layer], q.shape[1], length) if is_window(full.layers[layer]) else
-                    compact_layer(full.layer_view(layer), q, budgets[layer], opts, ctx.prefix_len, length,
-                                  None if key_scores is None else key_scores[layer],
-                                  scale=ctx.lm.geometry[layer].scaling,
-                                  exact_scores=None if exact_scores is None else exact_scores[layer]))
+        fits.append(
+            window_fit(full.layers[layer], q.shape[1], length)
+            if is_window(full.layers[layer])
+            else compact_layer(
+                full.layer_view(layer),
+                q,
+                budgets[layer],
+                opts,
+                ctx.prefix_len,
+                length,
+                None if key_scores is None else key_scores[layer],
+                scale=ctx.lm.geometry[layer].scaling,
+                exact_scores=None if exact_scores is None else exact_scores[layer],
+            )
+        )
         req.progress(0.3 + 0.3 * (layer + 1) / ctx.lm.n_layers, f"on-policy: layer {layer + 1}")
     return fitted_cache(fits, full.logical_len), queries_s

@@ -26,6 +26,7 @@ until it fits (``evict_with``: the oldest, or a scoring method's lowest), the sa
 head and layer: "evict, then store the rest in the format". The memory ratio is counted against
 the model's own cache dtype.
 """
+
 from __future__ import annotations
 
 from abc import abstractmethod
@@ -84,21 +85,28 @@ def scoring_methods() -> list[str]:
 
 def evict_with_knob() -> str:
     """The ``evict_with`` knob every engine format declares."""
-    return knob(OLDEST, "when the format alone is above full bytes / ratio, which document tokens go: oldest, or "
-                        "the name of a scoring method (its lowest scores)")
+    return knob(
+        OLDEST,
+        "when the format alone is above full bytes / ratio, which document tokens go: oldest, or "
+        "the name of a scoring method (its lowest scores)",
+    )
 
 
 def check_evict_with(name: str) -> None:
     """Refuse an ``evict_with`` that is neither ``oldest`` nor a registered scoring method."""
     if name != OLDEST and name not in scoring_methods():
-        raise MethodError(f"evict_with must be oldest or a scoring method ({', '.join(scoring_methods())}), got {name!r}")
+        raise MethodError(
+            f"evict_with must be oldest or a scoring method ({', '.join(scoring_methods())}), got {name!r}"
+        )
 
 
 @dataclass(frozen=True)
 class FP8Options(Options):
     scale: Literal["fixed", "calculated", "checkpoint"] = knob(
-        "fixed", "per-tensor scales: fixed (1.0, vLLM's default), calculated (vLLM's --calculate-kv-scales: "
-                 "max|k| / 200, max|v| / 100) or checkpoint (max|x| / the format's largest value)")
+        "fixed",
+        "per-tensor scales: fixed (1.0, vLLM's default), calculated (vLLM's --calculate-kv-scales: "
+        "max|k| / 200, max|v| / 100) or checkpoint (max|x| / the format's largest value)",
+    )
     evict_with: str = evict_with_knob()
 
     def __post_init__(self) -> None:
@@ -133,8 +141,15 @@ class EngineFormat(Method):
         """Bytes one token of one KV head costs in the format (keys and values)."""
 
     @abstractmethod
-    def store(self, ctx: Context, layer: int, keys: torch.Tensor, values: torch.Tensor,
-              lengths: torch.Tensor, index: torch.Tensor) -> Segment:
+    def store(
+        self,
+        ctx: Context,
+        layer: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        index: torch.Tensor,
+    ) -> Segment:
         """One layer's stored tokens (keys/values [H, L, d], lengths [H], index [H, L]) in the format;
         per-tensor scales come from the whole layer of the full cache, ``ctx.full``."""
 
@@ -159,8 +174,11 @@ class EngineFormat(Method):
     def compress(self, req: Request) -> CompressedKV:
         ctx = req.ctx
         if req.ratio == 1.0:
-            return CompressedKV([list(layer) for layer in ctx.full.stored.layers], ctx.length,
-                                meta={"method": self.name, "memory_ratio": 1.0})
+            return CompressedKV(
+                [list(layer) for layer in ctx.full.stored.layers],
+                ctx.length,
+                meta={"method": self.name, "memory_ratio": 1.0},
+            )
         n_doc = self.fit_tokens(ctx, req.ratio)
         scorer, importance = self.scorer(), None
         device, n_heads = ctx.lm.device, ctx.lm.n_kv_heads
@@ -211,8 +229,15 @@ class FP8Format(EngineFormat):
     def details(self) -> dict:
         return {"format": f"fp8_{self.fp8}", "scale": self.options.scale}
 
-    def store(self, ctx: Context, layer: int, keys: torch.Tensor, values: torch.Tensor,
-              lengths: torch.Tensor, index: torch.Tensor) -> Segment:
+    def store(
+        self,
+        ctx: Context,
+        layer: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        index: torch.Tensor,
+    ) -> Segment:
         dtype, convention = FP8_DTYPES[self.fp8], self.options.scale
         k_scale = fp8_scale(ctx.full.keys[layer], convention, dtype, K_SCALE_CONSTANT)
         v_scale = fp8_scale(ctx.full.values[layer], convention, dtype, V_SCALE_CONSTANT)
@@ -245,5 +270,7 @@ class FP4Format(EngineFormat):
     def compress(self, req: Request) -> CompressedKV:
         head_dim = req.ctx.lm.head_dim
         if head_dim % NVFP4_BLOCK:
-            raise MethodError(f"{self.name} needs a head dim that is a multiple of {NVFP4_BLOCK}; this model's is {head_dim}")
+            raise MethodError(
+                f"{self.name} needs a head dim that is a multiple of {NVFP4_BLOCK}; this model's is {head_dim}"
+            )
         return super().compress(req)

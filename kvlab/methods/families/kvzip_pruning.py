@@ -1,5 +1,6 @@
 """What KVzip and KVzip+ share (kvlab/methods/kvzip.py, kvlab/methods/kvzip_plus.py): their scores'
 pruning across heads (``prune``) and the document-only preparation; each method brings its scores."""
+
 from __future__ import annotations
 
 import torch
@@ -48,7 +49,10 @@ class KVzipPruning(EvictionMethod):
         if self.options.prune == "head":
             return None
         across = "every head and layer" if self.options.prune == "global" else "the heads of each layer"
-        return self.options.prune, f"KVzip's pruning: one ranking of its scores across {across} (prune={self.options.prune})"
+        return (
+            self.options.prune,
+            f"KVzip's pruning: one ranking of its scores across {across} (prune={self.options.prune})",
+        )
 
     def details(self) -> dict:
         return {"prune": self.options.prune}

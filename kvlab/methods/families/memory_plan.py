@@ -6,6 +6,7 @@ the rest evicted, so that the whole cache takes at most ``full bytes / ratio``.
 :func:`plan_memory` says how many tokens of each kind every head can afford;
 the method says which tokens (:class:`TokenSplit`); :func:`build_layer` stores them.
 """
+
 from __future__ import annotations
 
 import math
@@ -113,7 +114,9 @@ def plan_memory(
     return MemoryPlan(n_fp.view(n_layers, n_kv_heads), n_q.view(n_layers, n_kv_heads), target, planned)
 
 
-def context_plan(ctx: Context, ratio: float, bits: int | None, group_size: int, fp_newest: int | None = None) -> MemoryPlan:
+def context_plan(
+    ctx: Context, ratio: float, bits: int | None, group_size: int, fp_newest: int | None = None
+) -> MemoryPlan:
     """:func:`plan_memory` for a prepared context's full cache, over the layers a method compresses
     (a sliding-window layer keeps its window: its rows of the plan are the first compressed layer's,
     never used)."""
@@ -121,8 +124,17 @@ def context_plan(ctx: Context, ratio: float, bits: int | None, group_size: int, 
     keys = ctx.full.keys[layers[0]]
     full_nbytes = sum(ctx.full.keys[i].nbytes + ctx.full.values[i].nbytes for i in layers)
     plan = plan_memory(
-        ctx.doc_len, ctx.prefix_len, len(layers), keys.shape[0], keys.shape[-1], keys.element_size(),
-        full_nbytes, ratio, bits, group_size, fp_newest,
+        ctx.doc_len,
+        ctx.prefix_len,
+        len(layers),
+        keys.shape[0],
+        keys.shape[-1],
+        keys.element_size(),
+        full_nbytes,
+        ratio,
+        bits,
+        group_size,
+        fp_newest,
     )
     if len(layers) == len(ctx.full.keys):
         return plan
@@ -164,11 +176,7 @@ def _padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build_layer(
-    ctx: Context,
-    layer: int,
-    splits: list[TokenSplit],
-    bits: int | None = None,
-    group_size: int = 32,
+    ctx: Context, layer: int, splits: list[TokenSplit], bits: int | None = None, group_size: int = 32
 ) -> list[Segment]:
     """Segments of one layer: the template, then each head's split (one TokenSplit per KV head)."""
     keys, values, prefix = ctx.full.keys[layer], ctx.full.values[layer], ctx.prefix_len

@@ -2,6 +2,7 @@
 selection (the ``scorer`` knob: :data:`SCORERS`), then a method's ``fold`` of the evicted values into
 the kept ones, stored as dense segments (fate "merged" for a kept token that absorbed others, "kept"
 otherwise)."""
+
 from __future__ import annotations
 
 from abc import abstractmethod
@@ -105,7 +106,9 @@ class MergingMethod(EvictionMethod):
         return {"scorer": self.options.scorer}
 
     @abstractmethod
-    def fold(self, req: Request, layer: int, kept_index: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def fold(
+        self, req: Request, layer: int, kept_index: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's kept values after the merge: kept_index [H_kv, K] ascending document positions
         (padded past ``lengths`` [H_kv]) -> (values [H_kv, K, d], absorbed [H_kv, K] bool)."""
 

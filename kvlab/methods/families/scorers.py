@@ -10,6 +10,7 @@ StreamingLLM's recency (streaming_llm, simlayerkv), Expected Attention's query s
 compactor), and KNorm's and TOVA's scores, which the merging family's ``scorer`` knob names
 (kvlab.methods.families.merging_core). The options a shared scorer reads live here with it.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,7 +37,8 @@ from kvlab.runtime.rope import rope_cos_sin, unrotate
 @dataclass(frozen=True)
 class KVzipOptions(SelectionOptions):
     prune: Literal["global", "layer", "head"] = knob(
-        "global", "global (across all layers and heads, ragged), layer (across the heads of each layer), head (uniform)")
+        "global", "global (across all layers and heads, ragged), layer (across the heads of each layer), head (uniform)"
+    )
     n_sink: int = knob(4, "first context tokens in every reconstruction softmax (never evicted)", low=0)
     instruction: str = knob(REPEAT_INSTRUCTION, "the reconstruction prompt read after the document")
 
@@ -88,8 +90,7 @@ class SnapKVOptions(SelectionOptions):
 
 
 def pooled_window_scores(
-    queries: torch.Tensor, keys: torch.Tensor, kernel: int, causal: bool, drop_last: int = 0,
-    scale: float | None = None,
+    queries: torch.Tensor, keys: torch.Tensor, kernel: int, causal: bool, drop_last: int = 0, scale: float | None = None
 ) -> torch.Tensor:
     """Mean attention from a query window, pooled along the tokens.
 
@@ -122,7 +123,9 @@ def snap_scores(req: Request, window: int, kernel: int, from_question: bool) -> 
             score = pooled_window_scores(q, keys, kernel, causal=False, scale=scale)[:, ctx.prefix_len :]
         else:
             cut = pooled_window_scores(q[:, -window:], keys, kernel, causal=True, drop_last=window, scale=scale)
-            score = torch.cat([cut[:, ctx.prefix_len :], torch.full((keys.shape[0], window), float("inf"), device=cut.device)], dim=1)
+            score = torch.cat(
+                [cut[:, ctx.prefix_len :], torch.full((keys.shape[0], window), float("inf"), device=cut.device)], dim=1
+            )
         out.append(score)
     return out
 
@@ -133,8 +136,9 @@ def snap_scores(req: Request, window: int, kernel: int, from_question: bool) -> 
 H2O_RECENT_SHARE = 0.5
 
 
-def received_per_group(q: torch.Tensor, keys: torch.Tensor, n_kv: int, scale: float,
-                       seen_by: torch.Tensor | None = None) -> torch.Tensor:
+def received_per_group(
+    q: torch.Tensor, keys: torch.Tensor, n_kv: int, scale: float, seen_by: torch.Tensor | None = None
+) -> torch.Tensor:
     """[H_kv, L]: the attention each key of ``keys`` [H_kv, L, d] received from the queries ``q``
     [H, n, d] (the last n positions, causal), summed over the queries, divided by ``seen_by`` [L]
     when given, averaged over the query heads of each KV head's group."""
@@ -163,9 +167,12 @@ def h2o_scores(req: Request) -> list[torch.Tensor]:
     def make() -> list[torch.Tensor]:
         # Key j is seen by queries j..N-1.
         seen_by = torch.arange(ctx.length, 0, -1, dtype=torch.float32, device=ctx.lm.device)
-        return [received_per_group(q, ctx.full.keys[layer], ctx.lm.n_kv_heads, ctx.lm.geometry[layer].scaling,
-                                   seen_by)[:, ctx.prefix_len :]
-                for layer, q in enumerate(ctx.queries["context"])]
+        return [
+            received_per_group(q, ctx.full.keys[layer], ctx.lm.n_kv_heads, ctx.lm.geometry[layer].scaling, seen_by)[
+                :, ctx.prefix_len :
+            ]
+            for layer, q in enumerate(ctx.queries["context"])
+        ]
 
     return ctx.cached(H2OScores(), make)
 
@@ -230,7 +237,8 @@ class ExpectedAttentionOptions(SelectionOptions):
     n_future_positions: int = knob(512, "future positions whose RoPE rotations are averaged", low=1)
     n_sink: int = knob(4, "first context tokens left out of the statistics and the softmax (always kept)", low=0)
     stats_window: int = knob(
-        0, "estimate the query statistics from the last N context queries (0: all but the sinks, as kvpress)", low=0)
+        0, "estimate the query statistics from the last N context queries (0: all but the sinks, as kvpress)", low=0
+    )
     use_covariance: bool = knob(True, "include the query covariance term")
     use_vnorm: bool = knob(True, "multiply the expected attention by ||v||")
     epsilon: float = knob(0.0, "added to the scores before the ||v|| rescaling", low=0.0)
@@ -291,7 +299,9 @@ def expected_attention_scores(req: Request, opts: ExpectedAttentionOptions) -> l
             score = (score + opts.epsilon) * ctx.full.values[layer][:, sink:].float().norm(dim=-1)
         # Back to document coordinates; document tokens that are sinks are kept.
         doc_sinks = max(0, sink - ctx.prefix_len)
-        score = torch.cat([score.new_zeros(score.shape[0], doc_sinks), score[:, max(0, ctx.prefix_len - sink) :]], dim=1)
+        score = torch.cat(
+            [score.new_zeros(score.shape[0], doc_sinks), score[:, max(0, ctx.prefix_len - sink) :]], dim=1
+        )
         out.append(protect(score, slice(0, doc_sinks)))
     return out
 
@@ -346,8 +356,9 @@ def chunk_attention(queries: torch.Tensor, keys: torch.Tensor, chunk_size: int, 
     return out
 
 
-def non_causal_layer(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, chunk_size: int,
-                     scale: float) -> torch.Tensor:
+def non_causal_layer(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, chunk_size: int, scale: float
+) -> torch.Tensor:
     """One layer's scores before the z-score: [H, N, d] queries, [H_kv, N, d] keys and values -> [H_kv, N]."""
     received = pool_group(chunk_attention(queries, keys, chunk_size, scale), keys.shape[0], "mean")
     weighted = received * values.float().norm(dim=-1)

@@ -1,6 +1,7 @@
 """What SnapKV and its query-aware reading share (kvlab/methods/snapkv.py, snapkv_question.py): the
 paper, the knobs and the scores from an observation window (pyramidkv reads the same scores,
 kvlab.methods.families.scorers.snap_scores, with budgets of its own)."""
+
 from __future__ import annotations
 
 from typing import ClassVar
@@ -17,8 +18,7 @@ class SnapKVWindow(EvictionMethod):
     """SnapKV's scores (:func:`~kvlab.methods.families.scorers.snap_scores`): the observation window
     is the document's last queries, or the question's when ``from_question``."""
 
-    paper = Paper(
-        "Li et al.", 2024, "SnapKV: LLM Knows What You are Looking for Before Generation", arxiv="2404.14469")
+    paper = Paper("Li et al.", 2024, "SnapKV: LLM Knows What You are Looking for Before Generation", arxiv="2404.14469")
     Options = SnapKVOptions
     from_question: ClassVar[bool] = False
 

@@ -1,5 +1,6 @@
 """What the summarising methods share (kvlab/methods/summarisation.py, summary_am.py): the request
 for a summary and the greedy writing of it after the document."""
+
 from __future__ import annotations
 
 import torch
@@ -11,7 +12,9 @@ from kvlab.runtime.model import LoadedModel
 SUMMARY_PROMPT = "Summarise the text above in about {words} words. Keep the names, numbers and dates."
 
 
-def write_summary(lm: LoadedModel, stored: CompressedKV, prompt_ids: torch.Tensor, n_tokens: int, fill: bool) -> list[int]:
+def write_summary(
+    lm: LoadedModel, stored: CompressedKV, prompt_ids: torch.Tensor, n_tokens: int, fill: bool
+) -> list[int]:
     """Greedy summary ids after ``prompt_ids``: 1 to ``n_tokens`` of them, exactly ``n_tokens`` with ``fill``."""
     session = open_session(lm, stored)
     stops = stop_token_ids(lm)
