@@ -53,7 +53,8 @@ def table(rows: list[Measured], ref_ppl: float, ref_first: float) -> str:
     for r in rows:
         lines.append(
             f"| {r.method} | {r.ratio:g}x | {r.output_err:.3f} | {r.mass_err:.3f} | {r.output_err_cache:.3f} "
-            f"| {r.logppl:.3f} | {r.answer_gap:.3f} | {r.token_gap:.3f} | {r.first_nll:.3f} | {r.bytes:,} | {r.compress_s:.2f} |"
+            f"| {r.logppl:.3f} | {r.answer_gap:.3f} | {r.token_gap:.3f} | {r.first_nll:.3f} | {r.bytes:,} "
+            f"| {r.compress_s:.2f} |"
         )
     return "\n".join(lines)
 

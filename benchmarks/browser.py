@@ -134,7 +134,8 @@ _MARK_JS = """(ids) => {
   // The page's own clock: the Run click as the page receives it, and when each wait below first holds.
   window.__kvlabClick = window.__kvlabAnswersAt = window.__kvlabShownAt = null;
   const run = document.querySelector('#kvlab-run');
-  if (run) run.addEventListener('click', () => { window.__kvlabClick = performance.now(); }, {capture: true, once: true});
+  if (run) run.addEventListener('click', () => { window.__kvlabClick = performance.now(); }, \
+{capture: true, once: true});
 }"""
 
 _ANSWERS_JS = """([method, ratio]) => {

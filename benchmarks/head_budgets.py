@@ -6,8 +6,9 @@
 For each ratio, in one process, on one prepared document (its reference queries recorded first, so
 both runs time the fit alone): the compression time of ``budgets=uniform`` and of the default
 (the model's profile where it has one), each the best and the median of ``--repeats`` runs taken in
-turn (this machine's times wander by 20-30 % between identical runs), their ratios, and the memory ratio of each stored cache (the same bytes: what a head capped at the
-document's length cannot use goes to the others). The non-uniform heads are solved batched by
+turn (this machine's times wander by 20-30 % between identical runs), their ratios, and the memory
+ratio of each stored cache (the same bytes: what a head capped at the document's length cannot use
+goes to the others). The non-uniform heads are solved batched by
 budget (kvlab.compression.block_solve.solve_ragged), never padded to the largest.
 
 Then, for the story's questions, each cache's attention-output error on the held-out queries, the

@@ -57,7 +57,8 @@ def main() -> None:
         row = measure(setting, label, get_method(name, **opts), ratio, queries)
         rows.append(row)
         print(
-            f"  {label} {ratio:g}x: err {row.output_err:.3f}, memory {full_bytes / row.bytes:.2f}x, {row.compress_s:.2f}s",
+            f"  {label} {ratio:g}x: err {row.output_err:.3f}, memory {full_bytes / row.bytes:.2f}x, "
+            f"{row.compress_s:.2f}s",
             flush=True,
         )
     ref = full_logppl(setting)
@@ -69,7 +70,8 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(
-            f"| {r.method} | {r.ratio:g}x | {full_bytes / r.bytes:.2f}x | {r.output_err:.3f} | {r.mass_err:.3f} | {r.logppl:.3f} | {r.first_nll:.3f} | {r.bytes:,} | {r.compress_s:.2f} |"
+            f"| {r.method} | {r.ratio:g}x | {full_bytes / r.bytes:.2f}x | {r.output_err:.3f} | {r.mass_err:.3f} "
+            f"| {r.logppl:.3f} | {r.first_nll:.3f} | {r.bytes:,} | {r.compress_s:.2f} |"
         )
     if 4 in args.ratios and "beaconkv_mixed" in args.methods:
         mixed = next(r for r in rows if r.method == "beaconkv_mixed" and r.ratio == 4)

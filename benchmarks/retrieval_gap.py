@@ -11,8 +11,8 @@
 
 Setting: single-needle items (``niah_single``, a 7-digit number in noise
 lines, seeded; or ``--task niah_multikey``: four keyed numbers, one asked; ``--haystack prose``: in the
-project's essay text instead, as ``kvlab bench --haystack prose``) at about 2,000 tokens of the embedded model, keeping only the
-items whose full cache answers right. For every variant at 5x and 10x:
+project's essay text instead, as ``kvlab bench --haystack prose``) at about 2,000 tokens of the
+embedded model, keeping only the items whose full cache answers right. For every variant at 5x and 10x:
 
 - accuracy: the needle's number is in the compressed cache's greedy answer;
 - attention-output error on held-out queries: the question turn's and the
@@ -284,8 +284,9 @@ def table(rows: list[Row], ratios: list[float]) -> str:
                 return sum(getattr(r, field) for r in rs) / len(rs)
 
             lines.append(
-                f"| {label} | {ratio:g}x | {len(rs)} | {sum(r.correct for r in rs)}/{len(rs)} | {mean('err_cache'):.3f} "
-                f"| {mean('err_block'):.3f} | {mean('heads_kept'):.0%} | {mean('attention_kept'):.0%} "
+                f"| {label} | {ratio:g}x | {len(rs)} | {sum(r.correct for r in rs)}/{len(rs)} "
+                f"| {mean('err_cache'):.3f} | {mean('err_block'):.3f} | {mean('heads_kept'):.0%} "
+                f"| {mean('attention_kept'):.0%} "
                 f"| {mean('compress_s'):.1f} |"
             )
     return "\n".join(lines)

@@ -64,7 +64,10 @@ GROUP = 32  # Q4_1's block: 32 weights along the input share d and m
 
 @dataclass
 class Int4Weight:
-    """One projection's 4-bit groups packed for the CPU kernel: packed [N, K / 2] uint8, scale_zero [K / 32, N, 2] bf16."""
+    """One projection's 4-bit groups packed for the CPU kernel.
+
+    packed [N, K / 2] uint8, scale_zero [K / 32, N, 2] bf16.
+    """
 
     packed: torch.Tensor
     scale_zero: torch.Tensor
@@ -292,8 +295,10 @@ def main(argv: list[str] | None = None) -> int:
             else f"{sum(a.answer != b.answer for a, b in zip(answers[name], answers['float32']))}/{n}"
         )
         print(
-            f"| {label} | {right}/{n} | {changed} | {seconds[name]:.1f} s ({seconds['float32'] / seconds[name]:.2f}x) | "
-            f"{per_token[name]:.1f} ms ({per_token['float32'] / per_token[name]:.2f}x) | {floors[name]:.1f} ms ({floors['float32'] / floors[name]:.2f}x) |"
+            f"| {label} | {right}/{n} | {changed} "
+            f"| {seconds[name]:.1f} s ({seconds['float32'] / seconds[name]:.2f}x) | "
+            f"{per_token[name]:.1f} ms ({per_token['float32'] / per_token[name]:.2f}x) "
+            f"| {floors[name]:.1f} ms ({floors['float32'] / floors[name]:.2f}x) |"
         )
     holding = [name for name in chosen if all(a.answer == b.answer for a, b in zip(answers[name], answers["float32"]))]
     print(f"\nformats whose bundled answers all hold: {', '.join(holding) or 'none'}")

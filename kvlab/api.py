@@ -141,7 +141,8 @@ class KVCache:
         )
 
     def answer(self, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Generation:
-        """kvlab's own greedy answer (kvlab.runtime.decode.greedy: it stops at end-of-turn, and at a base model's line end)."""
+        """kvlab's own greedy answer (kvlab.runtime.decode.greedy: it stops at end-of-turn, and at a base model's
+        line end)."""
         return greedy(self.lm, self.stored, question_tokens(self.lm.tokenizer, question), max_new_tokens)
 
     def save(self, path: str | Path) -> Path:

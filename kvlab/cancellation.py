@@ -162,7 +162,8 @@ def between_units(step: str | None = None) -> None:
 def leave_slot() -> None:
     """The request's exclusive part is over: the compute slot goes to the next request now, and
     the rest of this one (its decode steps, batched with others', kvlab.runtime.batching) runs
-    beside it. A no-op outside a scope, or where the slot's holder did not allow it (:func:`kvlab.scheduler.may_leave`)."""
+    beside it. A no-op outside a scope, or where the slot's holder did not allow it
+    (:func:`kvlab.scheduler.may_leave`)."""
     s = _SCOPE.get()
     if s is not None:
         leave, s.leave = s.leave, lambda: None

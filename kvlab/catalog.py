@@ -182,7 +182,8 @@ def method_info(name: str) -> str:
     """The markdown line under the app's method menu: whether the question matters, and the paper."""
     cls = method_class(name)
     aware = {
-        "yes": "**Query-aware**: the compression depends on your question (change the question, and the cache changes).",
+        "yes": "**Query-aware**: the compression depends on your question "
+        "(change the question, and the cache changes).",
         "no": "Query-agnostic: the same compressed cache serves any question.",
         "options": f"Query-agnostic with its default knobs; with {cls.query_aware_when} (see Advanced) it is "
         "**query-aware**, i.e. the compression then depends on your question.",

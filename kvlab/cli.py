@@ -3,7 +3,8 @@
     python -m kvlab methods [--long]
     python -m kvlab run --doc PATH --method NAME --ratio R --question TEXT [--model M] [--json] [--save-cache FILE]
     python -m kvlab ask --cache FILE --question TEXT [--model M] [--json]
-    python -m kvlab compare --doc PATH --methods A,B --ratios 2,5,10 --question TEXT --out DIR [--model M | --models A,B]
+    python -m kvlab compare --doc PATH --methods A,B --ratios 2,5,10 --question TEXT --out DIR
+                            [--model M | --models A,B]
     python -m kvlab generate --prompt TEXT | --doc PATH --question Q [--method M] [--budget KEYS] [--json]
     python -m kvlab warm SHEET [--model M]
 
@@ -106,10 +107,32 @@ def method_from_args(name: str, args: argparse.Namespace) -> Any:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m kvlab", description="kvlab: KV-cache compression lab")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_methods_parser(sub)
+    run = _add_run_parser(sub)
+    _add_compare_parser(sub)
+    _add_budgets_parser(sub)
+    _add_generate_parser(sub)
+    _add_warm_parser(sub)
+    add_method_options(run)
+    from kvlab.bench_command import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
+    from kvlab.cache_command import add_parser as add_ask_parser
+
+    add_ask_parser(sub)
+    return parser
+
+
+def _add_methods_parser(sub: Any) -> None:
+    """The ``methods`` subcommand."""
     methods = sub.add_parser("methods", help="list the registered methods, one line each")
     methods.add_argument(
         "--long", action="store_true", help="every method's full text: idea, formula, paper, presets, knobs"
     )
+
+
+def _add_run_parser(sub: Any) -> argparse.ArgumentParser:
+    """The ``run`` subcommand (its method knobs are added by :func:`build_parser`)."""
     run = sub.add_parser("run", help="compress a document's cache and compare answers and errors")
     run.add_argument("--doc", required=True, help="document: .txt, .md or .pdf")
     run.add_argument("--method", required=True, help="a name from `python -m kvlab methods`")
@@ -128,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="also write the compressed cache to FILE (safetensors), for `kvlab ask --cache FILE`",
     )
+    return run
+
+
+def _add_compare_parser(sub: Any) -> None:
+    """The ``compare`` subcommand."""
     compare = sub.add_parser("compare", help="a sweep: every method (default knobs) at every ratio -> CSV and JSON")
     compare.add_argument("--doc", required=True, help="document: .txt, .md or .pdf")
     compare.add_argument("--methods", required=True, help="comma-separated names from `python -m kvlab methods`")
@@ -148,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
         "document (the document's own), global (one ranking across heads and layers); each "
         "method with a budgets knob runs once per value",
     )
+
+
+def _add_budgets_parser(sub: Any) -> None:
+    """The ``budgets`` subcommand."""
     sweep = sub.add_parser(
         "budgets",
         help="sensitivity sweep -> a model's head-budget profile (Attention Matching's "
@@ -168,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="folder for the profile (default: KVLAB_BUDGETS_DIR or ~/.cache/kvlab/budgets, where the lab looks first)",
     )
+
+
+def _add_generate_parser(sub: Any) -> None:
+    """The ``generate`` subcommand."""
     gen = sub.add_parser("generate", help="write after a prompt with every bounded-cache method (or those named)")
     gen_source = gen.add_mutually_exclusive_group(required=True)
     gen_source.add_argument("--prompt", default=None, help="the prompt (one user turn)")
@@ -182,19 +218,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--model", default=None, help="as for run")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_warm_parser(sub: Any) -> None:
+    """The ``warm`` subcommand."""
     warm = sub.add_parser("warm", help="compute a workshop sheet's configurations into the result store (resumable)")
     warm.add_argument(
         "sheet", help="a file of Explore links or METHOD RATIO EXAMPLE [QUESTION] lines (docs/workshop.md)"
     )
     warm.add_argument("--model", default=None, help="the model of lines that name none (default: the lab's default)")
-    add_method_options(run)
-    from kvlab.bench_command import add_parser as add_bench_parser
-
-    add_bench_parser(sub)
-    from kvlab.cache_command import add_parser as add_ask_parser
-
-    add_ask_parser(sub)
-    return parser
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
@@ -321,7 +353,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 0
     print(f"{g.model}: {g.prompt_tokens} prompt tokens, budget {g.budget} keys per head, {g.wall_s:.1f} s")
     print(
-        f"{'method':<16} {'diverges':>8} {'log-ppl':>8} {'task F1':>8} {'shrinks':>7} {'max keys':>8} {'tok/s':>6}  text"
+        f"{'method':<16} {'diverges':>8} {'log-ppl':>8} {'task F1':>8} "
+        f"{'shrinks':>7} {'max keys':>8} {'tok/s':>6}  text"
     )
     for m in record["methods"]:
         diverges = "-" if m["divergence"] is None else m["divergence"]
@@ -396,7 +429,8 @@ def _stderr_progress(fraction: float, desc: str) -> None:
 def _print_summary(r: Any) -> None:
     print(f"model           {r.model}")
     print(
-        f"method          {r.method} at {r.ratio:g}x  ({r.doc_tokens} document tokens, {r.kept_tokens_mean:.1f} kept per head)"
+        f"method          {r.method} at {r.ratio:g}x  "
+        f"({r.doc_tokens} document tokens, {r.kept_tokens_mean:.1f} kept per head)"
     )
     print(f"memory          {r.bytes_full:,} B full -> {r.bytes_compressed:,} B compressed ({r.memory_ratio:.2f}x)")
     if budgets := budgets_text(r.details):

@@ -36,7 +36,9 @@ from kvlab.compression.stage import Stage
 
 @dataclass(frozen=True)
 class OldestKnobs:
-    oldest_share: float = knob(0.0, "share of each head's budget kept for the oldest document tokens", low=0.0, high=1.0)
+    oldest_share: float = knob(
+        0.0, "share of each head's budget kept for the oldest document tokens", low=0.0, high=1.0
+    )
 
 
 def keep_oldest(req, scores, head, opts):

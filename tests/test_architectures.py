@@ -477,7 +477,8 @@ def test_bounded_generation_stays_within_its_budget(lm, policy_name):
         (  # Gemma 2's cap (Gemma 3 has none): a tanh on every logit, which kvlab's attention does not apply
             "gemma3",
             {"attn_logit_softcapping": 50.0},
-            "tiny-gemma3: attention logit softcapping (50) is not supported by kvlab (kvlab's attention applies no tanh cap)",
+            "tiny-gemma3: attention logit softcapping (50) is not supported by kvlab "
+            "(kvlab's attention applies no tanh cap)",
         ),
         (
             "gemma3",

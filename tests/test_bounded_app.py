@@ -26,8 +26,7 @@ from gradio_client.exceptions import AppError  # noqa: E402
 
 from benchmarks.browser import serve_app  # noqa: E402
 from kvlab import cancellation, lab, limits, models  # noqa: E402
-from kvlab.ui import common  # noqa: E402
-from kvlab.ui import explore as explore_tab  # noqa: E402
+from kvlab.ui import common, explore_events  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a served app: left out of make test-fast
 
@@ -217,7 +216,7 @@ def test_another_clients_run_starts_within_one_unit_of_a_forty_run_sweep(app, mo
         between(step)
         resumes.append(time.monotonic())
 
-    run_view = explore_tab.run_view
+    run_view = explore_events.run_view
 
     def timed_run_view(*args, **kwargs):
         started["at"] = time.monotonic()
@@ -230,7 +229,7 @@ def test_another_clients_run_starts_within_one_unit_of_a_forty_run_sweep(app, mo
         return bounded(*args, **kwargs)
 
     monkeypatch.setattr(cancellation, "between_units", timed_between)
-    monkeypatch.setattr(explore_tab, "run_view", timed_run_view)
+    monkeypatch.setattr(explore_events, "run_view", timed_run_view)
     monkeypatch.setattr(common, "bounded", timed_bounded)
     sweeper, visitor = gradio_client.Client(url, verbose=False), gradio_client.Client(url, verbose=False)
     sweep = sweeper.submit(

@@ -101,7 +101,8 @@ TARGETS, COMMANDS = all_quoted()
 
 def test_the_parser_reads_commands_the_way_they_are_quoted() -> None:
     text = (
-        "Run `make run`, then\n\n```python\nfrom kvlab import lab\n```\n\n```\nkvlab run --doc a.txt \\\n    --ratio 10   # a comment --not-a-flag\n"
+        "Run `make run`, then\n\n```python\nfrom kvlab import lab\n```\n\n"
+        "```\nkvlab run --doc a.txt \\\n    --ratio 10   # a comment --not-a-flag\n"
         "python -m benchmarks.methods --ratios 4\n```\n\nand `python benchmarks/kvpress_peer.py --side kvlab`; "
         "not kvlab alone, nor `kvlab.lab`, nor `cmake install`.\n"
     )

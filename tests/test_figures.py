@@ -31,7 +31,10 @@ def _heights_set(fig: go.Figure) -> None:
 
 def test_figures_import_no_model_code():
     # figures is plain-data only: importing it (all its modules) must not pull torch or a model in.
-    code = "import sys, kvlab.figures; print(sorted(m for m in ('torch', 'transformers', 'kvlab.models') if m in sys.modules))"
+    code = (
+        "import sys, kvlab.figures; "
+        "print(sorted(m for m in ('torch', 'transformers', 'kvlab.models') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -90,7 +90,10 @@ def module_files(root: Path = ROOT) -> dict[str, tuple[Path, bool]]:
 
 
 def imported_names(path: Path, module: str, package: bool) -> set[str]:
-    """Every absolute name ``path`` imports: ``module`` for ``import module``, ``module.attr`` for ``from module import attr``."""
+    """Every absolute name ``path`` imports.
+
+    ``module`` for ``import module``, ``module.attr`` for ``from module import attr``.
+    """
     names = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):

@@ -205,7 +205,7 @@ def test_two_hundred_questions_keep_one_documents_memory_bounded(tiny, monkeypat
     assert len(asked) == 200 and tensors[1] <= tensors[0]  # nothing accumulates from cycle to cycle
 
 
-# --------------------------------------------------------------------------- a mixed load, with a client stopped mid-run
+# -------------------------------------------------------------------------- a mixed load, with a client stopped mid-run
 
 
 class StepsAfterGone:

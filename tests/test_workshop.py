@@ -388,7 +388,8 @@ def test_the_app_refuses_a_warm_sheet_that_is_not_there_in_one_line():
     )
     lines = [ln for ln in done.stderr.splitlines() if "kvlab: error" in ln]
     assert done.returncode == 2 and lines == [
-        "kvlab: error: KVLAB_WARM='/nonexistent/sheet.txt' is not a readable file (a workshop sheet: see docs/workshop.md)"
+        "kvlab: error: KVLAB_WARM='/nonexistent/sheet.txt' is not a readable file "
+        "(a workshop sheet: see docs/workshop.md)"
     ]
 
 

@@ -121,6 +121,32 @@ def _beside(lm, name: str, run: BoundedRun, forced: list[float], reference: list
     )
 
 
+def _checked_request(
+    prompt: str | None,
+    document: str | None,
+    file: str | None,
+    question: str | None,
+    methods: list[str] | None,
+    budget: int | None,
+    max_new_tokens: int,
+) -> tuple[int, list[str], int | None, str | None, list[str] | None, str | None, str | None]:
+    """:func:`generate`'s arguments checked before any model is loaded: (max_new_tokens, chosen methods,
+    budget, prompt, its copy-task codes, document, question); InputError or DocumentError if refused."""
+    max_new_tokens = check_new_tokens(max_new_tokens)
+    chosen = check_methods(methods)
+    if budget is not None:
+        budget = whole_number(budget, "budget (keys per KV head)")
+        if budget < 1:
+            raise InputError(f"The budget is in keys per head and must be at least 1, got {budget}.")
+    if prompt is not None and prompt.strip():
+        prompt = check_prompt(prompt)
+        codes = codes_in_prompt(prompt)
+    else:
+        prompt, codes = None, None
+        document, question = document_text(document, file), check_question(question)
+    return max_new_tokens, chosen, budget, prompt, codes, document, question
+
+
 def generate(
     prompt: str | None = None,
     document: str | None = None,
@@ -139,18 +165,9 @@ def generate(
     Raises InputError, DocumentError, MethodError or ModelLoadError with a message fit for the user.
     """
     start = time.perf_counter()
-    max_new_tokens = check_new_tokens(max_new_tokens)
-    chosen = check_methods(methods)
-    if budget is not None:
-        budget = whole_number(budget, "budget (keys per KV head)")
-        if budget < 1:
-            raise InputError(f"The budget is in keys per head and must be at least 1, got {budget}.")
-    if prompt is not None and prompt.strip():
-        prompt = check_prompt(prompt)
-        codes = codes_in_prompt(prompt)
-    else:
-        prompt, codes = None, None
-        document, question = document_text(document, file), check_question(question)
+    max_new_tokens, chosen, budget, prompt, codes, document, question = _checked_request(
+        prompt, document, file, question, methods, budget, max_new_tokens
+    )
     progress(0.0, f"loading the model {model or ''}")
     lm = models.get_model(model or None)
     if question is not None and prompt is None:

@@ -148,7 +148,8 @@ def check_ratio(ratio: object) -> float:
 def check_sweep(
     methods: typing.Sequence[str] | None, ratios: typing.Sequence[object] | None
 ) -> tuple[list[str], list[float]]:
-    """(methods, ratios) of a sweep (Compare, Tasks, the needle test): known, in range, at most ``KVLAB_MAX_SWEEP`` runs.
+    """(methods, ratios) of a sweep (Compare, Tasks, the needle test): known, in range, at most
+    ``KVLAB_MAX_SWEEP`` runs.
 
     InputError when either list is empty, a ratio is out of range or methods x
     ratios is over the limit; MethodError for an unknown method (before any

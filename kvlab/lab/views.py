@@ -43,7 +43,8 @@ def summary_markdown(ex: Explored) -> str:
         else f"Prefill {r.prefill_s:.2f} s (done now; reused by later runs on this document)."
     )
     return (
-        f"**{r.method}**{' (query-aware: compressed for this question)' if ex.query_aware else ''} at **{r.ratio:g}x** on {r.doc_tokens:,} document tokens "
+        f"**{r.method}**{' (query-aware: compressed for this question)' if ex.query_aware else ''} "
+        f"at **{r.ratio:g}x** on {r.doc_tokens:,} document tokens "
         f"(+ {prefix} chat-template tokens, always kept) with {r.model}: "
         f"{r.kept_tokens_mean:.1f} keys stored per head on average"
         f"{budgets_note(r)}. {verdict}{expected}\n\n"

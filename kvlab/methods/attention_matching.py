@@ -55,7 +55,8 @@ class AttentionMatching(QuerySourced, Method):
         "keys (the most attended while the model repeats the document) and fits their bias and values.\n\n"
         "**Knobs that aim at keeping a needle.** *What the values are pulled toward:* `value_anchor` "
         "$\\lambda>0$ fits the $C_v$ that minimises the squared error $\\lVert XC_v-Y\\rVert$ plus "
-        "$\\lambda$ times the squared distance $\\lVert C_v-V_S\\rVert$, a ridge toward the kept keys' own values $V_S$ rather than toward zero ($\\lambda$ relative to the "
+        "$\\lambda$ times the squared distance $\\lVert C_v-V_S\\rVert$, a ridge toward the kept keys' own values "
+        "$V_S$ rather than toward zero ($\\lambda$ relative to the "
         "Gram's mean diagonal, as `ridge`), so a key that no reference query reads keeps its own value; "
         "`value_fit=original` keeps the values and fits only $\\beta$. *Which queries the fit sees:* "
         "`max_queries=50000` (the published runs' cap) fits on every repeat-pass query instead of a "
@@ -91,7 +92,8 @@ class AttentionMatching(QuerySourced, Method):
     )
     paper = PAPER
     family = "compaction"
-    bf16_tolerance = "fit"  # a least-squares fit absorbs the rounding of its inputs (test_bf16's drift check sees a solver run in bf16)
+    # a least-squares fit absorbs the rounding of its inputs (test_bf16's drift check sees a solver run in bf16)
+    bf16_tolerance = "fit"
     Options = AMOptions
     presets = PRESETS
 

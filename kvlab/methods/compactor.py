@@ -4,8 +4,9 @@ with Approximate Leverage Scores", arXiv 2507.08143; kvpress's CompactorPress).
 Two query-agnostic signals blended: the approximate leverage of the pre-RoPE keys (outliers
 of the key matrix, kvlab.methods.leverage) and non-causal chunked attention x ||v||
 (kvlab.methods.non_causal_attn; their maths in kvlab.methods.families.scorers), each z-scored over
-the layer, s = lambda * z_leverage + z_attention. The first ``sink_size_start`` context tokens and the last ``sink_size_end`` are
-left out of both computations (their centring, chunks and z-scores) and always kept. As in
+the layer, s = lambda * z_leverage + z_attention. The first ``sink_size_start`` context tokens
+and the last ``sink_size_end`` are left out of both computations (their centring, chunks and
+z-scores) and always kept. As in
 kvpress, lambda defaults to the share of tokens evicted (there 1 - kept/context; here of the
 document, 1 - 1/ratio), "a good heuristic" by kvpress's docstring; ``blend_by_ratio=false``
 fixes it at ``blending``.

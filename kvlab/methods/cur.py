@@ -43,7 +43,8 @@ class CUROptions(SelectionOptions):
 
 
 def local_shares(x: torch.Tensor, window: int) -> torch.Tensor:
-    """[H, N] -> [H, N]: each entry's share of its window's sum (windows of ``window`` from 0, the last padded with 0)."""
+    """[H, N] -> [H, N]: each entry's share of its window's sum (windows of ``window`` from 0, the last
+    padded with 0)."""
     n = x.shape[-1]
     padded = F.pad(x, (0, (window - n % window) % window)).reshape(x.shape[0], -1, window)
     return (padded / padded.sum(dim=-1, keepdim=True)).reshape(x.shape[0], -1)[:, :n]

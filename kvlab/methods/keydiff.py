@@ -46,7 +46,8 @@ class KeyDiff(EvictionMethod):
     paper = Paper(
         "Park et al.",
         2025,
-        "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference in Resource-Constrained Environments",
+        "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference "
+        "in Resource-Constrained Environments",
         arxiv="2504.15364",
     )
     family = "selection"

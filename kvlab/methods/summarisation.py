@@ -37,7 +37,8 @@ class SummaryOptions(Options):
     max_tokens: int = knob(256, "cap on the summary's tokens (generation is slow on a CPU)", low=1)
     fill_budget: bool = knob(
         True,
-        "suppress the end of turn until the summary has T/ratio tokens (equal memory); false: the model stops when it wants",
+        "suppress the end of turn until the summary has T/ratio tokens (equal memory); "
+        "false: the model stops when it wants",
     )
     prompt: str = knob(SUMMARY_PROMPT, "the request read after the document; {words} is the target length")
 

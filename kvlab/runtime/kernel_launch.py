@@ -82,7 +82,8 @@ def launch_decode_attention(
     scale: float | None = None,
     causal: bool = True,
 ) -> KernelAttention:
-    """The Triton decode kernel, shapes as :func:`kvlab.kernels.dispatch.decode_attention`, whatever :func:`backend` says."""
+    """The Triton decode kernel, shapes as :func:`kvlab.kernels.dispatch.decode_attention`, whatever
+    :func:`backend` says."""
     bias, scale = decode_inputs(q, k, v, bias, scale)
     from kvlab.runtime import triton_decode as kernel  # triton is imported only when a kernel runs
 

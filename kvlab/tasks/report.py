@@ -27,7 +27,8 @@ def run_label(method: str, preset: str) -> str:
 
 
 def accuracy_figure(rows: Sequence[SummaryRow], task: str) -> go.Figure:
-    """Accuracy against ratio on ``task``, one line per method, the full cache (ceiling) and no_context (floor) marked."""
+    """Accuracy against ratio on ``task``, one line per method, the full cache (ceiling) and no_context
+    (floor) marked."""
     mine = [r for r in rows if r.task == task]
     points = [
         {"method": run_label(r.method, r.preset), "ratio": r.ratio, "accuracy": r.accuracy}

@@ -185,7 +185,8 @@ def insert_at_depths(units: Sequence[str], needles: Sequence[tuple[float, str]],
 
 
 def fit_filler(build: Callable[[int], str], count: TokenCounter, length: int) -> str:
-    """The document ``build(n)`` with the most filler units n (noise lines, prose sentences) whose length is at most ``length`` tokens."""
+    """The document ``build(n)`` with the most filler units n (noise lines, prose sentences) whose length
+    is at most ``length`` tokens."""
     if count(build(1)) > length:
         raise TaskError(f"length {length} tokens is too short for this task (one line of filler does not fit)")
     lo, hi = 1, 2
@@ -497,7 +498,8 @@ def variable_tracking(count: TokenCounter, n: int, seed: int, length: int, hops:
                 question=f"Which variables are assigned the value {value} in the text above?",
                 answers=tuple(names),
                 scoring="all",
-                answer_prefix=f"Following the assignments above, {len(names)} variables are assigned the value {value}: they are",
+                answer_prefix=f"Following the assignments above, {len(names)} variables "
+                f"are assigned the value {value}: they are",
                 max_new_tokens=40,
             )
         )

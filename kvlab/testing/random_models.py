@@ -6,8 +6,8 @@ script (``python -m benchmarks.gpu_check``) need the shapes of real models
 memory and speed depend on the geometry only.
 
 The tests need the architectures researchers use, as tiny models
-(:func:`random_model`; tests/conftest.py's ``tiny`` Llama is :func:`tiny_llama`): one per family of :data:`FAMILIES`, each built from
-its own transformers config class so that the family's own modelling code
+(:func:`random_model`; tests/conftest.py's ``tiny`` Llama is :func:`tiny_llama`): one per family
+of :data:`FAMILIES`, each built from its own transformers config class so that the family's own modelling code
 runs (Llama 3.1's RoPE scaling, Qwen2's q/k/v biases, Qwen3's and Gemma 3's
 q/k norms, Gemma 3's interleaved sliding and global layers).
 """

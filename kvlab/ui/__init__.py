@@ -1,11 +1,11 @@
 """The Gradio app: widgets and callbacks that call kvlab.lab; no maths here.
 
 One module per tab (explore, compare, generate, learn; a tab never imports
-another), presentation (present: texts, tables, figures of a result; tasks:
-the views of task results that Explore and Compare both show), method knobs
-as widgets (knobs), what the tabs share (common), and the page and its
-serving (app). ``app.py`` at the
-repository root calls :func:`main`.
+another; Explore's widgets and events are in explore_widgets and
+explore_events), presentation (present: texts, tables, figures of a result;
+tasks: the views of task results that Explore and Compare both show), method
+knobs as widgets (knobs), what the tabs share (common), and the page and its
+serving (app). ``app.py`` at the repository root calls :func:`main`.
 """
 
 from kvlab.ui.app import build_app, default_method, launch_options, main, prepare

@@ -7,6 +7,8 @@ size while writing, the log-probabilities of the unbounded text, BeaconKV's beac
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import gradio as gr
 
 from kvlab.bounded.policies import bounded_policies, policy_class
@@ -71,8 +73,40 @@ def generation_figures(g: Generated) -> tuple:
     return texts, size, logp, beacons
 
 
+@dataclass
+class GenerateWidgets:
+    """The Generate tab's settings, its Generate and Stop, and the views of a generation."""
+
+    source: gr.Radio
+    methods: gr.CheckboxGroup
+    prompt: gr.Textbox
+    budget: gr.Number
+    max_new: gr.Slider
+    go: gr.Button
+    stop: gr.Button
+    status: gr.Markdown
+    table: gr.Dataframe
+    texts: gr.HTML
+    size: gr.Plot
+    logp: gr.Plot
+    beacons: gr.Plot
+
+    @property
+    def outputs(self) -> list:
+        """The outputs of ``/generate``, in its order."""
+        return [self.status, self.table, self.texts, self.size, self.logp, self.beacons]
+
+
 def build_generate_tab(inputs: DocumentInputs, specs: list[str]) -> GenerateInputs:
     """The Generate tab's widgets and its ``/generate`` event (inside an open ``gr.Tab``); returns what a link sets."""
+    w = build_generate_widgets()
+    wire_generate(inputs, specs, w)
+    return GenerateInputs(w.source, w.methods, w.budget)
+
+
+def build_generate_widgets() -> GenerateWidgets:
+    """The tab's introduction, its settings (the prompt, the methods, the budget, the length), Generate and
+    Stop, then the status, the table, the texts and the figures."""
     gr.Markdown(
         "**Compression while the model writes.** The unbounded cache writes first; then each chosen method "
         "writes after the same prompt with at most *budget* keys per KV head, shrinking its cache as it goes, "
@@ -116,6 +150,25 @@ def build_generate_tab(inputs: DocumentInputs, specs: list[str]) -> GenerateInpu
         size_plot = gr.Plot(label="Cache size while writing", elem_id="kvlab-gen-size")
         logp_plot = gr.Plot(label="Log-probability of the unbounded text", elem_id="kvlab-gen-logp")
     beacon_plot = gr.Plot(label="BeaconKV's beacons", elem_id="kvlab-gen-beacons")
+    return GenerateWidgets(
+        source,
+        methods,
+        prompt,
+        budget,
+        max_new,
+        go_button,
+        stop_button,
+        status,
+        table,
+        texts,
+        size_plot,
+        logp_plot,
+        beacon_plot,
+    )
+
+
+def wire_generate(inputs: DocumentInputs, specs: list[str], w: GenerateWidgets) -> None:
+    """``/generate`` on Generate, and Stop."""
 
     def on_generate(
         source_=SOURCES[0],
@@ -154,13 +207,12 @@ def build_generate_tab(inputs: DocumentInputs, specs: list[str]) -> GenerateInpu
         )
         return (summary, {"headers": COLUMNS, "data": generation_rows(g)}, *generation_figures(g))
 
-    generating = go_button.click(
+    generating = w.go.click(
         on_generate,
-        [source, prompt, inputs.text, inputs.upload, inputs.question, methods, budget, max_new, inputs.model],
-        [status, table, texts, size_plot, logp_plot, beacon_plot],
+        [w.source, w.prompt, inputs.text, inputs.upload, inputs.question, w.methods, w.budget, w.max_new, inputs.model],
+        w.outputs,
         api_name="generate",
         concurrency_limit=common.COMPUTE_ADMITTED,
         concurrency_id="compute",
     )
-    stop_button.click(None, None, None, cancels=[generating], api_name=False)
-    return GenerateInputs(source, methods, budget)
+    w.stop.click(None, None, None, cancels=[generating], api_name=False)

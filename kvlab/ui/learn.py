@@ -57,7 +57,8 @@ behaves like the full one. The table and the CSV / JSON downloads hold every num
 
 ### The Generate tab
 Compression while the model *writes*: the cache may hold at most a budget B of keys per KV head while the \
-model reads the prompt and writes its answer, and each method makes room its own way: StreamingLLM's **sliding window** \
+model reads the prompt and writes its answer, and each method makes room its own way: StreamingLLM's \
+**sliding window** \
 (StreamingLLM: 4 sinks + the latest tokens, one eviction per step), **H2O** (the keys with the most attention \
 accumulated so far + a recent half), **BeaconKV** (keys scored by recent queries and beacon queries picked by \
 farthest-point sampling over the whole history; 16 evicted at a time) and **online Attention Matching** \

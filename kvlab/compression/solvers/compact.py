@@ -198,34 +198,59 @@ def compact_block(
         beta = keys.fit_bias(chosen, mass_fit(data, chosen, safe, slot_valid, fit, (lo, hi)))
         tock = _clock(dev)
 
-        ck = k.gather(1, safe.unsqueeze(-1).expand(B, t, d)) * slot_valid.unsqueeze(-1).to(k.dtype)
-        own = v.gather(1, safe.unsqueeze(-1).expand(B, t, v.shape[-1])) * slot_valid.unsqueeze(-1).to(v.dtype)
-        x, lse_c = compact_attention(q, ck, beta, data.scale)
-        cv = (
-            own.float()
-            if fit.value_fit == "original"
-            else refit_values(x, chosen.mass.y, own, chosen.exact, slot_valid, root_w, fit)
-        )
-        timings = {"keys": tick - start, "bias": tock - tick, "values": _clock(dev) - tock}
-
-        cv, beta, nonfinite = finite_fit(cv, beta, own, fit.value_fit == "original", lo)
-        train_output, train_mass = fit_residuals(x, lse_c, cv, chosen.mass.y, chosen.mass.shift + chosen.mass.z.log())
-        return CompactBlock(
-            keys=ck,
-            values=cv,
-            bias=beta,
-            index=index,
-            lengths=lengths,
-            timings=timings,
-            scores=chosen.mass.scores,
-            fallbacks=fallbacks.clone(),
-            nonfinite=nonfinite,
-            train_output=train_output,
-            train_mass=train_mass,
-            exact=chosen.exact,
+        return _fit_values(
+            data, chosen, beta, index, safe, slot_valid, lengths, fit, lo, fallbacks, (start, tick, tock)
         )
     finally:
         FALLBACKS.reset(counting)
+
+
+def _fit_values(
+    data: BlockData,
+    chosen: Chosen,
+    beta: torch.Tensor,
+    index: torch.Tensor,
+    safe: torch.Tensor,
+    slot_valid: torch.Tensor,
+    lengths: torch.Tensor,
+    fit: FitSettings,
+    lo: float,
+    fallbacks: torch.Tensor,
+    clocks: tuple[float, float, float],
+) -> CompactBlock:
+    """:func:`compact_block`'s last stage, the values (``fit.value_fit``), and its final checks: a
+    non-finite fit falls back (:func:`finite_fit`), and the fit's residuals on the reference queries.
+    ``clocks``: the times the keys and bias stages started and the bias stage ended."""
+    q, k, v, root_w, dev = data.q, data.k, data.v, data.root_w, data.q.device
+    B, t = slot_valid.shape
+    d = q.shape[-1]
+    start, tick, tock = clocks
+    ck = k.gather(1, safe.unsqueeze(-1).expand(B, t, d)) * slot_valid.unsqueeze(-1).to(k.dtype)
+    own = v.gather(1, safe.unsqueeze(-1).expand(B, t, v.shape[-1])) * slot_valid.unsqueeze(-1).to(v.dtype)
+    x, lse_c = compact_attention(q, ck, beta, data.scale)
+    cv = (
+        own.float()
+        if fit.value_fit == "original"
+        else refit_values(x, chosen.mass.y, own, chosen.exact, slot_valid, root_w, fit)
+    )
+    timings = {"keys": tick - start, "bias": tock - tick, "values": _clock(dev) - tock}
+
+    cv, beta, nonfinite = finite_fit(cv, beta, own, fit.value_fit == "original", lo)
+    train_output, train_mass = fit_residuals(x, lse_c, cv, chosen.mass.y, chosen.mass.shift + chosen.mass.z.log())
+    return CompactBlock(
+        keys=ck,
+        values=cv,
+        bias=beta,
+        index=index,
+        lengths=lengths,
+        timings=timings,
+        scores=chosen.mass.scores,
+        fallbacks=fallbacks.clone(),
+        nonfinite=nonfinite,
+        train_output=train_output,
+        train_mass=train_mass,
+        exact=chosen.exact,
+    )
 
 
 def slot_lengths(

@@ -147,7 +147,8 @@ def streamed_mass(
     ``shift`` [B, n] (each query's largest logit, 0 for a query that sees only
     padding), ``z`` [B, n] (``sum_j exp(s_ij - shift_i)``), ``y`` [B, n, dv]
     (the block's attention output) and the key scores [B, T] (:func:`score_keys`,
-    each query weighted by ``weights`` [B, n] when given; None when ``scoring`` is None). Each chunk of queries sees every key, so its
+    each query weighted by ``weights`` [B, n] when given; None when ``scoring``
+    is None). Each chunk of queries sees every key, so its
     softmax is complete and one pass gives all four; the [B, n, T] features are
     never held whole. ``block_elements``: logits per chunk (None: :func:`block_elements_for` q's device).
     """

@@ -306,7 +306,7 @@ def expected_attention_scores(req: Request, opts: ExpectedAttentionOptions) -> l
     return out
 
 
-# --------------------------------------------------------------------------- Compactor's halves: leverage, non-causal attention
+# ---------------------------------------------------------------- Compactor's halves: leverage, non-causal attention
 
 #: Ridge added to the sketched Gram matrix: kvpress's first Cholesky jitter.
 RIDGE = 1e-2

@@ -1,0 +1,418 @@
+"""The Explore tab's events: what each endpoint of kvlab.ui.explore does, and its wiring to the page's widgets."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import gradio as gr
+
+from kvlab.catalog import Knob, method_info, options_from, presets
+from kvlab.documents import DocumentError
+from kvlab.examples import Example
+from kvlab.lab import InputError, Prepared, needle_test, parse_ratios, prepare_document
+from kvlab.lab.explore import explore_key
+from kvlab.lab.views import with_served_note
+from kvlab.methods import method_class
+from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
+from kvlab.ui import common
+from kvlab.ui.common import GPU_MAX_S, USER_ERRORS, as_gr_error, checked_model, guarded, on_gpu, served
+from kvlab.ui.explore_widgets import (
+    CUSTOM,
+    NEEDLE_DEPTHS,
+    RATIO_DEFAULT,
+    ChoiceWidgets,
+    DocumentWidgets,
+    NeedleWidgets,
+    ResultWidgets,
+    TokenWidgets,
+)
+from kvlab.ui.present import INTENSITY_DEFAULT, TokenFates, drawn_for, is_drawn, run_view, token_view, token_view_for
+from kvlab.ui.tasks import show
+
+
+@on_gpu(duration=GPU_MAX_S)
+def needle_view(text, file, methods, ratios, depths, model, progress=None):  # noqa: ANN001 - a ZeroGPU function
+    """The heavy part of ``/needle_test``: kvlab.lab.needle_test (plain results come back)."""
+    return needle_test(text, file, methods, ratios, depths, model, progress=progress or (lambda f, d: None))
+
+
+def preset_values(method_knobs: list[Knob], preset: str) -> list:
+    """Each knob's value under ``preset`` (its default where the preset says nothing); unchanged for CUSTOM."""
+    if preset == CUSTOM or not method_knobs:
+        return [gr.update() for _ in method_knobs]
+    chosen = presets(method_knobs[0].method)[preset]
+    return [chosen.get(k.name, k.default) for k in method_knobs]
+
+
+def prepared_status(p: Prepared) -> str:
+    """The line under the document once it is prepared."""
+    prefill = f"prefill {p.prefill_s:.1f} s" + ("" if p.prefilled_now else " (already done)")
+    answer = "" if p.answer_s is None else f"; the full cache's answer to the question in {p.answer_s:.1f} s"
+    return (
+        f"Ready: {p.doc_tokens:,} document tokens read by {p.model} ({prefill}; {p.method} prepared in "
+        f"{p.method_s:.1f} s{answer}). Run reuses this work."
+    )
+
+
+def wire_document(
+    examples: list[Example], doc: DocumentWidgets, choice: ChoiceWidgets
+) -> tuple[gr.events.Dependency, gr.events.Dependency]:
+    """``/load_example``, ``/pick_question`` and ``/load_file``; returns the example's and the upload's events."""
+
+    def on_example(example_id: str | None):
+        ex = next((e for e in examples if e.id == example_id), None)
+        if ex is None:
+            return gr.Textbox(), gr.Dropdown(choices=[], value=None), gr.Textbox(), None
+        try:
+            body = ex.text()
+        except DocumentError as exc:
+            raise as_gr_error(exc) from exc
+        return body, gr.Dropdown(choices=list(ex.questions), value=ex.questions[0]), ex.questions[0], None
+
+    # .input, not .change: a link sets the menu with its own question (kvlab.ui.app), which .change would undo.
+    loaded = doc.example.input(
+        on_example,
+        [doc.example],
+        [doc.text, choice.suggested, choice.question, doc.upload],
+        api_name="load_example",
+        concurrency_limit=None,
+    )
+    choice.suggested.input(
+        lambda q: q or gr.Textbox(),
+        [choice.suggested],
+        [choice.question],
+        api_name="pick_question",
+        concurrency_limit=None,
+    )
+
+    def on_upload(path: str | None):
+        if not path:
+            return gr.Textbox()
+        try:
+            return common.read_upload(path)
+        except (DocumentError, InputError) as exc:
+            raise as_gr_error(exc) from exc
+
+    uploaded = doc.upload.upload(on_upload, [doc.upload], [doc.text], api_name="load_file", concurrency_limit=4)
+    return loaded, uploaded
+
+
+def wire_method(methods: list[str], knobs: dict[str, list[Knob]], choice: ChoiceWidgets) -> gr.Textbox:
+    """``/select_method`` and the preset menus; returns the hidden value whose change prepares a picked method."""
+    # Set by a pick of a method that has document-only work (KVzip's pass), to a new value each
+    # time: its change event prepares that method. Every Gradio event costs the browser CPU time
+    # (about a second for this page on a 2-core machine), so the other picks send none.
+    prepare_pick = gr.Textbox(visible=False)
+
+    def on_method(name: str):
+        pick = f"{name}@{time.monotonic_ns()}" if method_class(name).prepares() else gr.skip()
+        return (method_info(name), *[gr.Column(visible=n == name) for n in methods], pick)
+
+    choice.method.change(
+        on_method,
+        [choice.method],
+        [choice.info, *choice.knobs.groups, prepare_pick],
+        api_name="select_method",
+        concurrency_limit=None,
+    )
+
+    for name, menu in choice.knobs.presets.items():
+        menu.input(
+            lambda preset, name=name: preset_values(knobs[name], preset),
+            [menu],
+            [choice.knobs.inputs[k.key] for k in knobs[name]],
+            api_name=False,
+            concurrency_limit=None,
+        )
+    return prepare_pick
+
+
+def wire_prepare(
+    doc: DocumentWidgets,
+    choice: ChoiceWidgets,
+    model: gr.Dropdown,
+    start_method: str,
+    specs: list[str],
+    loaded: gr.events.Dependency,
+    uploaded: gr.events.Dependency,
+    prepare_pick: gr.Textbox,
+) -> dict:
+    """``/prepare``, after an example is ``loaded`` or a file ``uploaded``, when the text or question box is
+    left, and on a change of ``prepare_pick`` (a method that prepares picked); returns the event's keyword arguments."""
+
+    def on_prepare(
+        text=None,
+        file=None,
+        method=start_method,
+        model=None,
+        question=None,
+        max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
+        progress=gr.Progress(),
+        **knob_values,
+    ):
+        if common.spaces is not None:  # ZeroGPU: nothing computed outside a GPU slot survives it
+            return "The document is read when you click Run."
+        try:
+            with common.bounded(slot=None):  # the time limit, Stop and a disconnect bound it too
+                prepared = prepare_document(
+                    common.document_input(text, file),
+                    None,
+                    method,
+                    options_from(method, knob_values),
+                    checked_model(model, specs),
+                    progress,
+                    question,
+                    max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+                )
+        except USER_ERRORS as exc:
+            return f"Not prepared: {exc}"
+        except Exception as exc:  # noqa: BLE001 - Run will report it; the server stays up
+            ident = common.error_id()
+            common.log.error("error %s: preparing the document failed", ident, exc_info=exc)
+            return f"Not prepared ({type(exc).__name__}, error id {ident}); Run will try again."
+        return prepared_status(prepared)
+
+    prepare_args = dict(
+        fn=on_prepare,
+        inputs=[doc.text, doc.upload, choice.method, model, choice.question, choice.max_new],
+        outputs=[doc.status],
+        inputs_kwargs=choice.knobs.inputs,
+        concurrency_limit=1,
+        concurrency_id="prepare",
+        trigger_mode="always_last",
+        show_progress_on=[doc.status],
+    )
+    loaded.then(api_name="prepare", **prepare_args)
+    uploaded.then(api_name=False, **prepare_args)
+    doc.text.blur(api_name=False, **prepare_args)
+    choice.question.blur(api_name=False, **prepare_args)  # a new question: its full-cache answer in the background
+    # A method with document-only work picked: that work too, quietly: a progress animation
+    # beside the Run the user may click at once costs the browser, and a CPU machine's server, time.
+    prepare_pick.change(api_name=False, **{**prepare_args, "show_progress": "hidden"})
+    return prepare_args
+
+
+def wire_run(
+    doc: DocumentWidgets,
+    choice: ChoiceWidgets,
+    results: ResultWidgets,
+    fates: TokenWidgets,
+    last: gr.State,
+    model: gr.Dropdown,
+    start_method: str,
+    specs: list[str],
+) -> None:
+    """``/run`` on Run, and Stop."""
+    run_outputs = [
+        results.summary,
+        results.answer_full,
+        results.answer_comp,
+        results.diff,
+        results.err,
+        results.mass,
+        results.kept,
+        results.memory,
+        results.time,
+        fates.layer,
+        fates.head,
+        fates.counts,
+        fates.tokens,
+        last,
+        results.fit_row,
+        results.bias,
+        results.fit,
+        results.divergence,
+        results.mark_full,
+        results.mark_comp,
+    ]
+    running = choice.run.click(
+        run_handler(start_method, specs, len(run_outputs)),
+        [
+            doc.text,
+            doc.upload,
+            choice.method,
+            choice.ratio,
+            choice.question,
+            choice.max_new,
+            fates.layer,
+            fates.head,
+            model,
+            fates.intensity,
+        ],
+        run_outputs,
+        inputs_kwargs=choice.knobs.inputs,
+        api_name="run",
+        concurrency_limit=common.COMPUTE_ADMITTED,
+        concurrency_id="compute",
+        # One progress bar where the answers will appear: an animated overlay on
+        # every output costs a CPU machine's browser (and the server beside it) time.
+        show_progress_on=[results.summary, results.answer_full, results.answer_comp],
+    )
+    choice.stop.click(None, None, None, cancels=[running], api_name=False)
+
+
+def run_handler(start_method: str, specs: list[str], n_outputs: int) -> Callable[..., Iterator[tuple]]:
+    """The function of ``/run``: it yields the ``n_outputs`` values of wire_run's outputs, the answers first."""
+
+    def on_run(
+        text=None,
+        file=None,
+        method=start_method,
+        ratio=RATIO_DEFAULT,
+        question=None,
+        max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
+        layer=0,
+        head=0,
+        model=None,
+        intensity=INTENSITY_DEFAULT,
+        request: gr.Request = None,
+        progress=gr.Progress(),
+        **knob_values,
+    ):
+        inputs: dict = {}
+        key = run_key(inputs, specs, text, file, method, ratio, question, max_new_tokens, model, knob_values)
+        stored, how = served(
+            method,
+            key,
+            lambda: run_view(
+                inputs["text"],
+                None,
+                method,
+                ratio,
+                question,
+                max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+                inputs["options"],
+                inputs["model"],
+                progress,
+            ),
+            owner=common.session_of(request),
+            kind="run",
+            progress=progress,
+        )
+        yield from run_updates(stored, how, inputs, layer, head, intensity, n_outputs)
+
+    return on_run
+
+
+def run_key(
+    inputs: dict, specs: list[str], text, file, method, ratio, question, max_new_tokens, model, knob_values: dict
+) -> Callable[[], object]:
+    """The first stage of ``/run``: the function served() calls for the run's store key; it leaves the
+    document, the method's options, the model and the key in ``inputs``."""
+
+    def key():
+        inputs.update(
+            text=common.document_input(text, file),
+            options=options_from(method, knob_values),
+            model=checked_model(model, specs),
+        )
+        inputs["key"] = explore_key(
+            inputs["text"],
+            None,
+            method,
+            ratio,
+            question,
+            max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+            inputs["options"],
+            inputs["model"],
+        )
+        return inputs["key"]
+
+    return key
+
+
+def run_updates(stored, how, inputs: dict, layer, head, intensity, n_outputs: int) -> Iterator[tuple]:
+    """The last stage of ``/run``: the ``n_outputs`` values of wire_run's outputs for the run served
+    (``stored``, ``how``), the answers first."""
+    view = with_served_note(stored, how)
+    digest = inputs["key"].digest
+    if not is_drawn(digest):
+        # The answers and the summary first; the figures and the token view follow as they are drawn
+        # (on the CPU, outside the compute slot, which the next visitor's run can take meanwhile).
+        # Figures drawn already come in the same message: one update of the page instead of two.
+        yield (*view.texts, *[gr.skip()] * (n_outputs - len(view.texts) - 2), *view.answer_marks)
+    drawn = drawn_for(digest, stored)
+    fates = view.fates
+    layer = min(max(int(layer or 0), 0), fates.n_layers - 1)
+    head = min(max(int(head or 0), 0), fates.n_kv_heads - 1)
+    line, html = token_view_for(digest, fates, layer, head, intensity)
+    yield (
+        *view.texts,
+        *drawn.figures,
+        index_slider(fates.n_layers, layer),
+        index_slider(fates.n_kv_heads, head),
+        line,
+        html,
+        fates,
+        gr.Row(visible=drawn.fit is not None),
+        *(drawn.fit or (None, None)),
+        drawn.divergence,
+        *view.answer_marks,
+    )
+
+
+def wire_needle(doc: DocumentWidgets, needle: NeedleWidgets, model: gr.Dropdown, specs: list[str]) -> None:
+    """``/needle_test`` on its Run, and its Stop."""
+
+    def on_needle(
+        text=None,
+        file=None,
+        methods=None,
+        ratios="",
+        depths=NEEDLE_DEPTHS,
+        model=None,
+        request: gr.Request = None,
+        progress=gr.Progress(),
+    ):
+        chosen = list(methods or [])
+        run = guarded(
+            ", ".join(chosen),
+            lambda: needle_view(
+                common.document_input(text, file),
+                None,
+                chosen,
+                parse_ratios([], ratios),
+                depths,
+                checked_model(model, specs),
+                progress,
+            ),
+            owner=common.session_of(request),
+            kind="needle_test",
+            progress=progress,
+        )
+        return show(run)
+
+    needle_run = needle.run.click(
+        on_needle,
+        [doc.text, doc.upload, needle.methods, needle.ratios, needle.depths, model],
+        needle.views.all,
+        api_name="needle_test",
+        concurrency_limit=common.COMPUTE_ADMITTED,
+        concurrency_id="compute",
+    )
+    needle.stop.click(None, None, None, cancels=[needle_run], api_name=False)
+
+
+def wire_token_view(last: gr.State, fates: TokenWidgets) -> None:
+    """``/token_view``: the last run's token fates again, at another layer, head or intensity."""
+
+    def on_view(view: TokenFates | None, layer: int, head: int, intensity: str = INTENSITY_DEFAULT):
+        return token_view(view, layer, head, intensity)
+
+    gr.on(
+        [fates.layer.input, fates.head.input, fates.intensity.input],
+        on_view,
+        [last, fates.layer, fates.head, fates.intensity],
+        [fates.counts, fates.tokens],
+        api_name="token_view",
+        show_progress="minimal",
+        trigger_mode="always_last",
+        concurrency_limit=4,
+    )
+
+
+def index_slider(count: int, value: int) -> gr.Slider:
+    """A slider over 0..count-1 set to ``value``; with one choice (Gemma 3 270M's one KV head) a fixed
+    one, since Gradio refuses a slider whose minimum equals its maximum."""
+    return gr.Slider(minimum=0, maximum=max(count - 1, 1), value=value, step=1, interactive=count > 1)
