@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from kvlab import contexts as contexts_module
+from kvlab import context_store as contexts_module
 from kvlab import lab, models
 from kvlab import queries as queries_module
 from kvlab.cli import main
