@@ -112,6 +112,18 @@ def tiny_eager(tiny: LoadedModel) -> LoadedModel:
     return ref
 
 
+@pytest.fixture
+def own_models(monkeypatch):
+    """Models loaded by name inside the test (a CLI run with ``--model DIR``) go to a cache of the test's
+    own: they never push the session's models (the ``embedded`` fixture's, the app's) out of
+    kvlab.models' cache, which would make the next get_model load a second copy."""
+    from collections import OrderedDict
+
+    from kvlab import models
+
+    monkeypatch.setattr(models, "_cache", OrderedDict())
+
+
 @pytest.fixture(scope="session")
 def embedded() -> LoadedModel:
     """The embedded SmolLM2-135M-Instruct (loaded once per test session, ~20 s)."""

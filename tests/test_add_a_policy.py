@@ -85,7 +85,7 @@ def test_it_keeps_the_most_recent_tokens_by_hand(folder, tiny):
         assert policy.k_pos[layer].tolist() == [list(range(fed - budget, fed))] * tiny.n_kv_heads
 
 
-def test_kvlab_generate_offers_it_and_runs_it(folder, tiny_folder, capsys):
+def test_kvlab_generate_offers_it_and_runs_it(folder, tiny_folder, capsys, own_models):
     assert NAME in method_help()
     args = build_parser().parse_args(["generate", "--prompt", "w2 w3", "--method", NAME])
     assert args.method == NAME

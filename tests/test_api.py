@@ -408,7 +408,7 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-def test_run_saves_the_cache_and_ask_answers_from_it(folders, tmp_path, capsys):
+def test_run_saves_the_cache_and_ask_answers_from_it(folders, tmp_path, capsys, own_models):
     doc, file = tmp_path / "doc.txt", tmp_path / "caches" / "doc.kvcache"
     doc.write_text(DOC)
     code, out, err = run_cli(
@@ -447,7 +447,7 @@ def test_run_saves_the_cache_and_ask_answers_from_it(folders, tmp_path, capsys):
     assert (asked["method"], asked["ratio"], asked["options"]["window"]) == ("snapkv", 4.0, 8)
 
 
-def test_cli_refuses_a_bad_cache_in_one_line_with_status_2(folders, tmp_path, capsys):
+def test_cli_refuses_a_bad_cache_in_one_line_with_status_2(folders, tmp_path, capsys, own_models):
     doc, file = tmp_path / "doc.txt", tmp_path / "doc.kvcache"
     doc.write_text(DOC)
     base = [

@@ -37,6 +37,8 @@ def document_text(text: str | None, file: str | None) -> str:
     longer than ``KVLAB_MAX_DOCUMENT_CHARS`` (checked before any tokenising;
     an upload's bytes are checked before it is read, by read_document).
     """
+    if text is not None and not isinstance(text, str):
+        raise DocumentError(f"The document must be text, got {type(text).__name__} {text!r:.40}.")
     if text and text.strip():
         return clean_text(check_document_length(text))
     if file:
@@ -52,12 +54,19 @@ def check_document_length(text: str) -> str:
     return text
 
 
+def text_or_none(value: object, what: str) -> str | None:
+    """``value`` when it is a text or None; InputError naming ``what`` otherwise (an API caller's number)."""
+    if value is not None and not isinstance(value, str):
+        raise InputError(f"The {what} must be text, got {type(value).__name__} {value!r:.40}.")
+    return value
+
+
 def check_question(question: str | None) -> str:
     """The question without surrounding blanks; InputError when there is none or it is too long.
 
     Only characters are counted here (no model needed); see :func:`check_question_tokens`.
     """
-    question = (question or "").strip()
+    question = (text_or_none(question, "question") or "").strip()
     if not question:
         raise InputError("The question is empty: type a question about the document (or pick a suggested one).")
     limit = limits.LIMITS.question_chars
@@ -112,7 +121,7 @@ def check_new_tokens(max_new_tokens: object) -> int:
 
 def check_prompt(prompt: str) -> str:
     """``prompt`` without surrounding blanks; InputError when empty, DocumentError over ``KVLAB_MAX_DOCUMENT_CHARS``."""
-    prompt = prompt.strip()
+    prompt = (text_or_none(prompt, "prompt") or "").strip()
     if not prompt:
         raise InputError("The prompt is empty: type a prompt (or write after the Explore tab's document).")
     limit = limits.LIMITS.document_chars
