@@ -20,10 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from test_add_a_method import tiny_folder  # noqa: F401  (a fixture: a 2-layer random Llama saved as a model folder)
 
 import kvlab.bounded.policies
-from conftest import tiny_tokenizer
 from kvlab.bounded.loop import run_policy
 from kvlab.bounded.policies import POLICIES, bounded_policies, make_policy
 from kvlab.bounded.policy_registry import policies_table
@@ -85,7 +84,7 @@ def test_it_keeps_the_most_recent_tokens_by_hand(folder, tiny):
         assert policy.k_pos[layer].tolist() == [list(range(fed - budget, fed))] * tiny.n_kv_heads
 
 
-def test_kvlab_generate_offers_it_and_runs_it(folder, tiny_folder, capsys, own_models):
+def test_kvlab_generate_offers_it_and_runs_it(folder, tiny_folder, capsys, own_models):  # noqa: F811
     assert NAME in method_help()
     args = build_parser().parse_args(["generate", "--prompt", "w2 w3", "--method", NAME])
     assert args.method == NAME
@@ -130,29 +129,6 @@ def test_the_apps_generate_tab_offers_it(folder):
 def test_the_docs_table_has_its_row(folder):
     cls = POLICIES[NAME]
     assert f"| `{NAME}` | {cls.label} | {cls.summary} |" in policies_table().splitlines()
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    """A 2-layer random Llama with the tests' word tokenizer, saved as a model folder for ``--model``."""
-    out = tmp_path_factory.mktemp("model") / "tiny"
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        eos_token_id=1,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    LlamaForCausalLM(config).save_pretrained(out)
-    tiny_tokenizer().save_pretrained(out)
-    return out
 
 
 @pytest.mark.slow  # a second pytest
