@@ -58,6 +58,13 @@ class Knob:
         return self.field.metadata.get("help", "")
 
     @property
+    def slider(self) -> tuple[float, float] | None:
+        """The (low, high) range of a knob declared as a slider, else None."""
+        if not self.field.metadata.get("slider"):
+            return None
+        return self.field.metadata["low"], self.field.metadata["high"]
+
+    @property
     def choices(self) -> tuple[str, ...] | None:
         """The allowed values of a Literal field, else None."""
         return typing.get_args(self.kind) if typing.get_origin(self.kind) is typing.Literal else None

@@ -92,7 +92,7 @@ def _run(client, text=DOCUMENT, method=FAST, **kw):
 
 
 def test_every_knob_gets_the_widget_of_its_type():
-    # A Literal knob offers exactly its choices; numbers, flags and texts get their own inputs.
+    # A Literal knob offers exactly its choices; sliders, numbers, flags and texts get their own inputs.
     import typing
 
     import gradio as gr
@@ -106,6 +106,11 @@ def test_every_knob_gets_the_widget_of_its_type():
                 assert [c[1] for c in widget.choices] == list(typing.get_args(kind))
             elif kind is bool:
                 assert isinstance(widget, gr.Checkbox)
+            elif REGISTRY[name].Options.__dataclass_fields__[knob.name].metadata.get("slider"):
+                # A knob declared as a slider spans exactly its declared bounds.
+                field = REGISTRY[name].Options.__dataclass_fields__[knob.name]
+                assert isinstance(widget, gr.Slider)
+                assert (widget.minimum, widget.maximum) == (field.metadata["low"], field.metadata["high"])
             elif kind in (int, float):
                 assert isinstance(widget, gr.Number) and (widget.precision == 0) == (kind is int)
             assert widget.label == knob.name

@@ -28,8 +28,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ),
     ("cancellation and the compute slot; values made once", ["kvlab.cancellation", "kvlab.scheduler", "kvlab.memo"]),
     (
-        "text in: documents, the chat template, the bundled examples",
-        ["kvlab.documents", "kvlab.prompts", "kvlab.examples"],
+        "text in: documents, the chat template, the bundled examples, a document's sentences",
+        ["kvlab.documents", "kvlab.prompts", "kvlab.examples", "kvlab.sentences"],
     ),
     (
         "the runtime: a loaded model's geometry, the attention maths and its decode kernel, caches, decode",

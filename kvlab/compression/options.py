@@ -17,13 +17,25 @@ class MethodError(ValueError):
     """A method was asked for something it cannot do; the message says why."""
 
 
-def knob(default: Any, help: str, *, low: float | None = None, high: float | None = None, odd: bool = False) -> Any:
+def knob(
+    default: Any,
+    help: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    odd: bool = False,
+    slider: bool = False,
+) -> Any:
     """A dataclass field for one method knob: its default, its help line and what it allows.
 
     low / high: inclusive bounds of a number (None: open); odd: a whole number
-    that must be odd (a centred pooling kernel).
+    that must be odd (a centred pooling kernel); slider: the app shows the
+    number as a slider from low to high (both must be given), for knobs a
+    learner is meant to move and watch.
     """
-    return field(default=default, metadata={"help": help, "low": low, "high": high, "odd": odd})
+    if slider and (low is None or high is None):
+        raise ValueError("a slider knob needs both bounds (low and high)")
+    return field(default=default, metadata={"help": help, "low": low, "high": high, "odd": odd, "slider": slider})
 
 
 def allowed(f: dataclasses.Field, kind: Any) -> str:

@@ -29,6 +29,7 @@ from kvlab.figures.plots import (
     kept_heatmap,
     mass_heatmap,
     memory_figure,
+    roles_heatmap,
     sweep_figure,
     time_figure,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "level_step",
     "mass_heatmap",
     "memory_figure",
+    "roles_heatmap",
     "sweep_figure",
     "time_figure",
     "word_diff",

@@ -163,6 +163,30 @@ def kept_heatmap(per_head: Mapping[str, Sequence[Sequence[float]]], budgets: str
     return head_heatmap(per_head["kept_tokens"], title, "keys", colorscale="Greens", fmt=".0f")
 
 
+def roles_heatmap(shares: Sequence[Sequence[float]], labels: Sequence[Sequence[str]], settings: str) -> go.Figure:
+    """Each KV head's role for the question, beside "Keys per head": ``shares[layer][head]``, the share of the
+    question's attention beyond the sinks and the recent window (0 to 1), each cell marked R (retrieval) or S
+    (streaming) by ``labels[layer][head]``; ``settings``: the split's settings, one line under the title."""
+    fig = head_heatmap(
+        [[100.0 * float(v) for v in row] for row in shares],
+        f"Head roles: retrieval (R) or streaming (S)<br><sup>{settings}</sup>",
+        "% beyond",
+        colorscale="Purples",
+        fmt=".0f",
+    )
+    n_layers, n_heads = len(shares), len(shares[0]) if shares else 0
+    roles = [[str(labels[layer][head]) for layer in range(n_layers)] for head in range(n_heads)]
+    fig.update_traces(
+        zmax=100.0,
+        text=[[role[:1].upper() for role in row] for row in roles],
+        texttemplate="%{text}",
+        customdata=roles,
+        hovertemplate="layer %{x}, KV head %{y}: %{customdata}<br>%{z:.0f}% of the question's attention "
+        "beyond the window<extra></extra>",
+    )
+    return fig
+
+
 def budget_profile_figure(shares: Sequence[Sequence[float]], model: str) -> go.Figure:
     """A model's head-budget profile: each KV head's budget as a multiple of the uniform one
     (``shares[layer][head]``, mean 1; kvlab.compression.budget_profiles)."""

@@ -7,6 +7,8 @@ The app (kvlab.ui), the CLI (kvlab.cli) and the benchmarks call these:
   written out by :func:`write_exports` (CSV and JSON);
 - :func:`generate`: every bounded-cache method writing after one prompt -> :class:`Generated`;
 - :func:`prepare_document`: the prefill and a method's document-only work, ahead of a run;
+- :func:`pick`: the learner's own pick of the document's spans (the ``manual`` method) ranked among
+  the methods at one ratio -> :class:`Picked`; :func:`read_for_pick`, what to pick from;
 - :class:`TokenFates`: what happened to every token of a run, as light data;
 - :func:`run_tasks`, :func:`needle_test`, :func:`load_results`: accuracy on tasks
   with known answers (a small live set, a needle in the user's document, a bench's results);
@@ -28,6 +30,7 @@ from kvlab.lab.inputs import (
     model_choices,
     parse_ratios,
 )
+from kvlab.lab.pick import PickDocument, Picked, pick, read_for_pick, token_budget
 from kvlab.lab.prepare import Prepared, prepare_document
 from kvlab.lab.tasks import TaskRun, load_results, needle_test, run_tasks
 
@@ -41,6 +44,8 @@ __all__ = [
     "MAX_SWEEP_POINTS",
     "Explored",
     "InputError",
+    "PickDocument",
+    "Picked",
     "Prepared",
     "Sweep",
     "SweepError",
@@ -59,12 +64,15 @@ __all__ = [
     "export_dir",
     "model_choices",
     "parse_ratios",
+    "pick",
     "prepare_document",
     "prepared_context",
+    "read_for_pick",
     "sub_progress",
     "sweep_json",
     "sweep_label",
     "sweep_records",
+    "token_budget",
     "token_texts",
     "write_exports",
 ]

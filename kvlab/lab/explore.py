@@ -9,6 +9,7 @@ from typing import Any
 from kvlab import models
 from kvlab.context import Context, Memo, Progress, no_progress
 from kvlab.context_store import CONTEXTS
+from kvlab.lab.head_roles import HeadRoles, head_roles
 from kvlab.lab.inputs import (
     check_answer_length,
     check_question,
@@ -35,7 +36,9 @@ class Explored:
     prefill_reused: the document's prefill was not run by this call (an
     earlier run, or the background preparation, did it);
     full_answer_reused: so did the full cache's answer to this question;
-    wall_s: the seconds this run took, end to end.
+    wall_s: the seconds this run took, end to end;
+    roles: each KV head's role for the question in the full cache (kvlab.lab.head_roles), the same for
+    every method's run on it.
     """
 
     run: Run
@@ -45,6 +48,7 @@ class Explored:
     prefill_reused: bool = False
     full_answer_reused: bool = False
     wall_s: float = 0.0
+    roles: HeadRoles | None = None
 
     @property
     def full_right(self) -> bool | None:
@@ -187,13 +191,15 @@ def explore(
     check_question_tokens(lm.tokenizer, question)
     ctx, prefilled = prepared_context(lm, document, sub_progress(progress, 0.05, 0.35))
     answered = has_evaluation(ctx, question, max_new_tokens)
+    progress(0.4, "each head's role for the question (full cache)")
+    roles = head_roles(ctx, question)  # kept on the context: another method's run on it reuses them
     result = run(
         ctx,
         method_obj,
         float(ratio),
         question,
         max_new_tokens,
-        sub_progress(progress, 0.4, 0.6),
+        sub_progress(progress, 0.42, 0.58),
         record_importance=True,
     )
     return Explored(
@@ -204,4 +210,5 @@ def explore(
         prefill_reused=not prefilled,
         full_answer_reused=answered,
         wall_s=time.perf_counter() - start,
+        roles=roles,
     )

@@ -17,6 +17,7 @@ from kvlab import figures
 from kvlab.compression.budget_profiles import budgets_text
 from kvlab.lab.explore import Explored
 from kvlab.lab.fates import TokenFates
+from kvlab.lab.head_roles import HeadRoles
 from kvlab.pipeline import RunResult
 
 
@@ -130,7 +131,8 @@ class RunView:
     as the run is done; answer_marks: a line above each answer, right or
     wrong when the gold answer is known, else ""; result, timings, notes,
     wall_s and fitted_biases (Attention Matching's, None for other methods):
-    what :func:`draw` makes the figures from, after the texts are on the page.
+    what :func:`draw` makes the figures from, after the texts are on the page; roles: each KV head's
+    role for the question (kvlab.lab.head_roles; None for a view made without them).
     """
 
     texts: tuple[str, str, str, str]
@@ -141,6 +143,7 @@ class RunView:
     wall_s: float
     fitted_biases: list[float] | None = None
     answer_marks: tuple[str, str] = ("", "")
+    roles: HeadRoles | None = None
 
 
 def present(ex: Explored) -> RunView:
@@ -162,7 +165,26 @@ def present(ex: Explored) -> RunView:
         ex.wall_s,
         fitted,
         answer_marks(ex),
+        ex.roles,
     )
+
+
+def head_picker_label(roles: HeadRoles | None, layer: int) -> str:
+    """The token view's KV-head picker label at ``layer``: each head's role there, e.g. "KV head (layer 14:
+    0 streaming 12%, 1 retrieval 81%)"; "KV head" without roles or outside their layers."""
+    if roles is None or not 0 <= layer < len(roles.shares):
+        return "KV head"
+    heads = ", ".join(
+        f"{head} {role} {share:.0%}" for head, (role, share) in enumerate(zip(roles.labels[layer], roles.shares[layer]))
+    )
+    return f"KV head (layer {layer}: {heads})"
+
+
+def head_role_line(roles: HeadRoles | None, layer: int, head: int) -> str:
+    """One line on the picked head's role ("" without roles or outside them); the figure gives the settings."""
+    if roles is None or not 0 <= layer < len(roles.shares) or not 0 <= head < len(roles.shares[layer]):
+        return ""
+    return roles.descriptions[layer][head] + "."
 
 
 def answer_marks(ex: Explored) -> tuple[str, str]:

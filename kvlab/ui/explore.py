@@ -4,7 +4,7 @@ Endpoints (each event has an ``api_name``, so ``gradio_client`` can drive it):
 
 - ``/run``: (text, file, method, ratio, question, max_new_tokens, layer, head,
   model, intensity, and one keyword per knob named ``<method>__<field>``) ->
-  summary, both answers, their word diff, five figures, the token-fate view;
+  summary, both answers, their word diff, five figures, the token-fate view, the heads' roles (a figure);
   ``layer`` and ``head`` must lie in the sliders' range, which follows the
   model of the session's last run.
 - ``/prepare``: (text, file, method, model, question, max_new_tokens, knobs)
@@ -33,7 +33,15 @@ from kvlab.methods import REGISTRY
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
 from kvlab.ui import common
 from kvlab.ui.common import DocumentInputs
-from kvlab.ui.explore_events import wire_document, wire_method, wire_needle, wire_prepare, wire_run, wire_token_view
+from kvlab.ui.explore_events import (
+    wire_document,
+    wire_head_roles,
+    wire_method,
+    wire_needle,
+    wire_prepare,
+    wire_run,
+    wire_token_view,
+)
 from kvlab.ui.explore_widgets import (
     CUSTOM,
     MAX_NEW_TOKENS_MAX,
@@ -88,6 +96,7 @@ def build_explore_tab(
     wire_run(doc, choice, results, fates, last, model, start_method, specs)
     wire_needle(doc, needle, model, specs)
     wire_token_view(last, fates)
+    wire_head_roles(fates)
     # The page prepares the document it opens on after applying its link (kvlab.ui.app).
     return DocumentInputs(
         doc.text,
@@ -234,6 +243,8 @@ def build_results() -> ResultWidgets:
         mass_plot = gr.Plot(label="Attention mass, full vs compressed", elem_id="kvlab-mass")
     with gr.Row():
         kept_plot = gr.Plot(label="Keys per head", elem_id="kvlab-kept")
+        roles_plot = gr.Plot(label="Head roles", elem_id="kvlab-roles")
+    with gr.Row():
         mem_plot = gr.Plot(label="Memory", elem_id="kvlab-memory")
         time_plot = gr.Plot(label="Time", elem_id="kvlab-time")
     divergence_plot = gr.Plot(label="Where the answers part", elem_id="kvlab-divergence")
@@ -250,6 +261,7 @@ def build_results() -> ResultWidgets:
         err_plot,
         mass_plot,
         kept_plot,
+        roles_plot,
         mem_plot,
         time_plot,
         divergence_plot,
@@ -285,7 +297,7 @@ def build_token_view(n_layers: int, n_kv: int) -> TokenWidgets:
         )
     counts = gr.Markdown(token_view(None, 0, 0)[0])
     tokens = gr.HTML(elem_id="kvlab-tokens", label="Token fates")
-    return TokenWidgets(layer, head, intensity, counts, tokens)
+    return TokenWidgets(layer, head, intensity, counts, tokens, gr.State(None, time_to_live=3600))
 
 
 def build_needle_test(methods: list[str], start_method: str) -> NeedleWidgets:

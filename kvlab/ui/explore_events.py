@@ -7,12 +7,14 @@ from collections.abc import Callable, Iterator
 
 import gradio as gr
 
+from kvlab import figures
 from kvlab.catalog import Knob, method_info, options_from, presets
 from kvlab.documents import DocumentError
 from kvlab.examples import Example
 from kvlab.lab import InputError, Prepared, needle_test, parse_ratios, prepare_document
 from kvlab.lab.explore import explore_key
-from kvlab.lab.views import with_served_note
+from kvlab.lab.head_roles import HeadRoles
+from kvlab.lab.views import head_picker_label, head_role_line, with_served_note
 from kvlab.methods import method_class
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
 from kvlab.ui import common
@@ -27,7 +29,18 @@ from kvlab.ui.explore_widgets import (
     ResultWidgets,
     TokenWidgets,
 )
-from kvlab.ui.present import INTENSITY_DEFAULT, TokenFates, drawn_for, is_drawn, run_view, token_view, token_view_for
+from kvlab.ui.present import (
+    DRAWN_KEPT,
+    INTENSITY_DEFAULT,
+    Recent,
+    TokenFates,
+    drawn_for,
+    is_drawn,
+    plotted,
+    run_view,
+    token_view,
+    token_view_for,
+)
 from kvlab.ui.tasks import show
 
 
@@ -219,10 +232,12 @@ def wire_run(
         fates.counts,
         fates.tokens,
         last,
+        fates.roles,
         results.fit_row,
         results.bias,
         results.fit,
         results.divergence,
+        results.roles,
         results.mark_full,
         results.mark_comp,
     ]
@@ -341,15 +356,30 @@ def run_updates(stored, how, inputs: dict, layer, head, intensity, n_outputs: in
         *view.texts,
         *drawn.figures,
         index_slider(fates.n_layers, layer),
-        index_slider(fates.n_kv_heads, head),
+        index_slider(
+            fates.n_kv_heads, head, head_picker_label(view.roles, layer), head_role_line(view.roles, layer, head)
+        ),
         line,
         html,
         fates,
+        view.roles,
         gr.Row(visible=drawn.fit is not None),
         *(drawn.fit or (None, None)),
         drawn.divergence,
+        roles_plot(digest, view.roles),
         *view.answer_marks,
     )
+
+
+#: The head-roles figures drawn, per configuration (kvlab.results.RunKey.digest), as the other figures are.
+_roles_drawn = Recent(DRAWN_KEPT)
+
+
+def roles_plot(digest: str, roles: HeadRoles | None):  # noqa: ANN201 - gr.Plot's serialised figure, or None
+    """The "Head roles" figure of a run (None for a view without roles), drawn once per configuration."""
+    if roles is None:
+        return None
+    return _roles_drawn.get(digest, lambda: plotted(figures.roles_heatmap(roles.shares, roles.labels, roles.settings)))
 
 
 def wire_needle(doc: DocumentWidgets, needle: NeedleWidgets, model: gr.Dropdown, specs: list[str]) -> None:
@@ -412,7 +442,29 @@ def wire_token_view(last: gr.State, fates: TokenWidgets) -> None:
     )
 
 
-def index_slider(count: int, value: int) -> gr.Slider:
-    """A slider over 0..count-1 set to ``value``; with one choice (Gemma 3 270M's one KV head) a fixed
-    one, since Gradio refuses a slider whose minimum equals its maximum."""
-    return gr.Slider(minimum=0, maximum=max(count - 1, 1), value=value, step=1, interactive=count > 1)
+def wire_head_roles(fates: TokenWidgets) -> None:
+    """The KV-head picker's label follows the picked layer (each head's role there) and its line under it
+    the picked head (kvlab.lab.views.head_picker_label, head_role_line), from the last run's roles."""
+
+    def on_pick(roles: HeadRoles | None, layer: int, head: int) -> gr.Slider:
+        layer, head = int(layer or 0), int(head or 0)
+        return gr.Slider(label=head_picker_label(roles, layer), info=head_role_line(roles, layer, head))
+
+    gr.on(
+        [fates.layer.input, fates.head.input],
+        on_pick,
+        [fates.roles, fates.layer, fates.head],
+        [fates.head],
+        api_name=False,
+        show_progress="hidden",
+        trigger_mode="always_last",
+        concurrency_limit=None,
+    )
+
+
+def index_slider(count: int, value: int, label: str | None = None, info: str | None = None) -> gr.Slider:
+    """A slider over 0..count-1 set to ``value``, with a new ``label`` and ``info`` when given; with one
+    choice (Gemma 3 270M's one KV head) a fixed one, since Gradio refuses a slider whose minimum equals its maximum."""
+    # Only what is given: an update sets every argument it names, None included (a blank label).
+    texts = {k: v for k, v in (("label", label), ("info", info)) if v is not None}
+    return gr.Slider(minimum=0, maximum=max(count - 1, 1), value=value, step=1, interactive=count > 1, **texts)

@@ -55,7 +55,8 @@ class ChoiceWidgets:
 
 @dataclass
 class ResultWidgets:
-    """What a run shows above the token view: the summary, both answers with their marks, their diff, the figures."""
+    """What a run shows above the token view: the summary, both answers with their marks, their diff, the figures
+    (``roles``: each head's role for the question, beside the keys per head)."""
 
     summary: gr.Markdown
     mark_full: gr.Markdown
@@ -66,6 +67,7 @@ class ResultWidgets:
     err: gr.Plot
     mass: gr.Plot
     kept: gr.Plot
+    roles: gr.Plot
     memory: gr.Plot
     time: gr.Plot
     divergence: gr.Plot
@@ -76,13 +78,15 @@ class ResultWidgets:
 
 @dataclass
 class TokenWidgets:
-    """The token view: its layer, KV head and intensity, the counts line and the coloured document."""
+    """The token view: its layer, KV head (labelled with the heads' roles) and intensity, the counts line, the
+    coloured document, and the last run's head roles (kvlab.lab.head_roles.HeadRoles) the head's label reads."""
 
     layer: gr.Slider
     head: gr.Slider
     intensity: gr.Radio
     counts: gr.Markdown
     tokens: gr.HTML
+    roles: gr.State
 
 
 @dataclass

@@ -7,9 +7,11 @@ import gradio as gr
 from kvlab import figures
 from kvlab.catalog import methods_markdown
 from kvlab.compression.budget_profiles import BUDGETS_LEARN, shipped_profiles
+from kvlab.lab.head_roles import ROLES_LEARN
 from kvlab.ui.common import LATEX
 
-LEARN_INTRO = """\
+LEARN_INTRO = (
+    """\
 ## What the lab shows
 A language model reads your document once (the *prefill*) and keeps, for every layer and every KV head, \
 a key and a value vector per token: the **KV cache**. It grows with the document and is what limits how long \
@@ -35,6 +37,9 @@ document draws as a share of what the full one draws (1x: the same; blue below, 
 the document competes with the tokens after it (question, answer) for attention: eviction loses mass, \
 Attention Matching's biases put it back. The summary's *mass error* is $|\\text{ratio}-1|$, averaged.
 - **Keys per head** (heatmap): how many keys each head stores; some methods give heads different budgets.
+"""
+    + ROLES_LEARN
+    + """\
 - **Memory**: bytes of the full cache and of the compressed one, stacked by what is stored (keys and \
 values, biases, packed codes, scales).
 - **Time per stage**: prefill, reference queries, compression, the two answers and the measurements; \
@@ -70,6 +75,7 @@ second. The default prompt is a copy task (a list of codes to copy back), scored
 
 ## Methods
 """
+)
 
 
 def learn_markdown() -> str:
