@@ -32,6 +32,20 @@ from kvlab.runtime.model import LoadedModel
 from kvlab.testing import random_models
 from kvlab.testing.random_models import TINY, word_tokenizer
 
+#: The tiny models' document: 96 word tokens whose repeats give every scorer something to rank.
+TINY_DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(96))
+
+
+@pytest.fixture(scope="module")
+def templated(tiny: LoadedModel):
+    """The tiny model (2 layers, 4 query heads over 2 KV heads, head dim 16) with a 2-token chat template,
+    prefilled with TINY_DOC: its contexts start with a template prefix, as a chat model's do."""
+    from kvlab.context import prepare_context
+
+    ctx = prepare_context(with_template(tiny), TINY_DOC)
+    assert ctx.prefix_len == 2 and ctx.doc_len == 96
+    return ctx
+
 
 @pytest.fixture(autouse=True)
 def result_store(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,23 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import with_template
-from kvlab.context import prepare_context
+from conftest import TINY_DOC
 from kvlab.methods import Request, get_method
 from kvlab.methods.simlayerkv import laziness, lazy_budgets
 from kvlab.runtime.cache import DenseSegment
 from kvlab.runtime.channel_segment import ChannelSegment
 from kvlab.runtime.decode import extend, open_session
 
-DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(96))
-
-
-@pytest.fixture(scope="module")
-def templated(tiny):
-    """The tiny model (2 layers, 4 query heads over 2 KV heads, head dim 16) with a 2-token chat template."""
-    ctx = prepare_context(with_template(tiny), DOC)
-    assert ctx.prefix_len == 2 and ctx.doc_len == 96
-    return ctx
+DOC = TINY_DOC
 
 
 def logits_of(ctx, stored):

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import with_template
+from conftest import TINY_DOC
 from kvlab import models, results
 from kvlab.cli import main
 from kvlab.context import prepare_context
@@ -25,7 +25,7 @@ from kvlab.runtime.decode import extend, open_session
 from kvlab.sentences import sentence_bounds, split_sentences, token_pieces
 from kvlab.testing.device_suite import suite_model
 
-DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(96))  # 96 word tokens
+DOC = TINY_DOC
 QUESTION = "w3 w5 w8"
 PICK_MODULE = "kvlab.lab.pick"  # the module: kvlab.lab's attribute of that name is the function
 #: One token per byte on the byte model: token k is character k, so every span below is counted on the text.
@@ -36,13 +36,6 @@ S0, S1, S2 = TEXT[: TEXT.index("Mrs.")], TEXT[TEXT.index("Mrs.") : TEXT.index("N
 @pytest.fixture(scope="module")
 def ctx(tiny):
     return prepare_context(tiny, DOC)
-
-
-@pytest.fixture(scope="module")
-def templated(tiny):
-    ctx = prepare_context(with_template(tiny), DOC)
-    assert ctx.prefix_len == 2
-    return ctx
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvlab.methods
-from conftest import with_template
+from conftest import TINY_DOC
 from kvlab.compression.budget_profiles import allocate, cap_shares
 from kvlab.compression.interface import FAMILIES, Bf16Tolerance
 from kvlab.compression.paper import Baseline, Paper
@@ -25,7 +25,7 @@ from kvlab.queries import repeat_queries
 from kvlab.runtime.attention import attend, group_queries
 from kvlab.runtime.decode import extend, open_session
 
-DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(96))
+DOC = TINY_DOC
 QUESTION = "w3 w5 w8"
 
 
@@ -49,14 +49,6 @@ UNSCORED = {
 @pytest.fixture(scope="module")
 def ctx(tiny):
     return prepare_context(tiny, DOC)
-
-
-@pytest.fixture(scope="module")
-def templated(tiny):
-    """The tiny model given a chat template, so that its contexts start with a template prefix."""
-    ctx = prepare_context(with_template(tiny), DOC)
-    assert ctx.prefix_len == 2
-    return ctx
 
 
 def test_every_module_of_the_methods_package_registers_one_method_named_as_its_file():

@@ -11,14 +11,14 @@ import pytest
 import torch
 from test_add_a_method import tiny_folder  # noqa: F401  (a fixture: a 2-layer random Llama saved as a model folder)
 
-from conftest import with_template
+from conftest import TINY_DOC
 from kvlab import catalog
 from kvlab.cli import main
 from kvlab.context import prepare_context
 from kvlab.methods import MethodError, Request, get_method
 from kvlab.methods.mix import mix_ranks, rank_normalise
 
-DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(96))
+DOC = TINY_DOC
 QUESTION = "w3 w5 w8"
 
 #: Each preset and the method it must equal, at that method's default knobs.
@@ -28,14 +28,6 @@ CORNERS = {"mix_recency": "streaming_llm", "mix_h2o": "h2o", "mix_question": "sn
 @pytest.fixture(scope="module")
 def plain(tiny):
     return prepare_context(tiny, DOC)
-
-
-@pytest.fixture(scope="module")
-def templated(tiny):
-    """A 2-token template before the document: StreamingLLM's sinks count it, so the document keeps 2."""
-    ctx = prepare_context(with_template(tiny), DOC)
-    assert ctx.prefix_len == 2
-    return ctx
 
 
 def kept(stored, ctx) -> list[list[list[int]]]:
