@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvlab.methods import REGISTRY
     from kvlab.models import get_model
     from kvlab.ui import default_method
-    from kvlab.ui.explore import RATIO_DEFAULT
+    from kvlab.ui.common import RATIO_DEFAULT
 
     print(f"start: {_load()}", flush=True)
     start = time.perf_counter()

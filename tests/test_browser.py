@@ -24,8 +24,8 @@ sync_api = pytest.importorskip("playwright.sync_api")
 from benchmarks.browser import chromium_page, chromium_path, mark_outputs, pick_method, serve_app, wait_for_run  # noqa: E402
 from kvlab import lab  # noqa: E402
 from kvlab.ui import default_method  # noqa: E402
+from kvlab.ui.common import RATIO_DEFAULT  # noqa: E402
 from kvlab.ui.compare import SWEEP_DEFAULT_METHODS, SWEEP_DEFAULT_RATIOS, SWEEP_RATIOS  # noqa: E402
-from kvlab.ui.explore import RATIO_DEFAULT  # noqa: E402
 
 #: Where the screenshot goes when regenerating the asset (``make screenshot``); else the test's tmp_path.
 SCREENSHOT_ENV = "KVLAB_SCREENSHOT"
@@ -246,3 +246,38 @@ def test_a_bad_link_opens_the_defaults_with_a_note(app_url, page):
     tab_is_open(page, "Explore")
     expect(page.locator("#kvlab-method input")).to_have_value(re.compile("^" + re.escape(default_method())))
     expect(page.locator("#kvlab-ratio input[type=number]")).to_have_value(str(RATIO_DEFAULT))
+
+
+#: A short document for "Your pick" (a quick run of every rival): two short sentences hold the answer.
+PICK_DOCUMENT = (
+    "The lighthouse keeper is named Ada.\n"
+    "The harbour road runs along the old stone wall past the fish market and the ferry office.\n"
+    "Ada keeps a grey cat.\n"
+    "Every spring the town paints the benches on the promenade in bright blue and white stripes.\n"
+)
+
+
+def test_a_learner_ticks_two_sentences_runs_and_sees_the_rank(app_url, page):
+    """The "Your pick" tab: the document split into sentences, two ticked within the budget (the
+    counter follows), Run, and the pick's place among the methods."""
+    expect = sync_api.expect
+    page.goto(app_url, wait_until="domcontentloaded")
+    page.get_by_role("tab", name="Your pick").click()
+    page.locator("#kvlab-pick-text textarea").fill(PICK_DOCUMENT)
+    page.locator("#kvlab-pick-question textarea, #kvlab-pick-question input").first.fill("Who is the keeper?")
+    ratio = page.locator("#kvlab-pick-ratio input[type=number]")
+    ratio.fill("2")
+    ratio.press("Tab")
+    page.locator("#kvlab-pick-read").click()
+    sentences = page.locator("#kvlab-pick-sentences")
+    expect(sentences.locator('input[name="s3"]')).to_be_visible(timeout=RUN_TIMEOUT_MS)
+    counter = page.locator("#kvlab-pick-counter")
+    expect(counter).to_contain_text("picked 0 of")
+    sentences.locator('input[name="s0"]').check()
+    sentences.locator('input[name="s2"]').check()
+    expect(counter).to_contain_text(re.compile(r"picked [1-9]\d* of \d+ tokens \(budget at 2x\)"))
+    page.locator("#kvlab-pick-run").click()
+    expect(page.locator("#kvlab-pick-rank")).to_contain_text(
+        re.compile(r"Your pick ranks \d+(st|nd|rd|th) of 8"), timeout=RUN_TIMEOUT_MS
+    )
+    expect(page.locator("#kvlab-pick-table")).to_contain_text("your pick")

@@ -284,3 +284,33 @@ def pick(
         stopped=stopped,
         wall_s=time.perf_counter() - start,
     )
+
+
+def spans_of(indices: Sequence[int]) -> str:
+    """Sentence indices as the ``keep`` knob's text, runs joined (``[0, 1, 2, 3, 7]`` -> ``"s0-s3,s7"``);
+    none is the floor, ``none``."""
+    ordered = sorted(set(indices))
+    runs: list[list[int]] = []
+    for i in ordered:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"s{a}" if a == b else f"s{a}-s{b}" for a, b in runs) or NONE
+
+
+def tally(sentences: Sequence[Sentence], ticked: Sequence[str], ratio: float) -> tuple[str, str]:
+    """(the counter line, the ``keep`` text) of the sentences ticked by their labels (``s<k>``).
+
+    The counter reads "picked N of B tokens (budget at Rx)", B the ratio's budget over the whole
+    document (:func:`token_budget`), with a note when N is over it. Labels that name no sentence
+    are ignored (a stale tick after the document changed). InputError for a ratio outside kvlab's range.
+    """
+    chosen = set(ticked)
+    picked = [s for s in sentences if s.label in chosen]
+    n = sum(s.n_tokens for s in picked)
+    budget = token_budget(sum(s.n_tokens for s in sentences), ratio)
+    line = f"picked {n} of {budget} tokens (budget at {ratio:g}x)"
+    if n > budget:
+        line += f": {n - budget} over, untick a sentence"
+    return line, spans_of([s.index for s in picked])

@@ -1,4 +1,4 @@
-"""The whole page: the model menu, then the Explore, Compare, Generate and Learn tabs; serving it.
+"""The whole page: the model menu, then the Explore, Your pick, Compare, Generate and Learn tabs; serving it.
 
 The page builds itself from :data:`kvlab.methods.REGISTRY`: the method menu,
 the "Advanced" knobs (one input per field of each method's ``Options``) and
@@ -36,12 +36,13 @@ from kvlab.methods import REGISTRY
 from kvlab.models import EMBEDDED, EMBEDDED_PACKAGE, get_model
 from kvlab.runtime.model import LoadedModel, ModelLoadError
 from kvlab.ui import common
-from kvlab.ui.common import CSS, CompareInputs, DocumentInputs, GenerateInputs
+from kvlab.ui.common import CSS, RATIO_DEFAULT, RATIO_MAX, RATIO_MIN, CompareInputs, DocumentInputs, GenerateInputs
 from kvlab.ui.compare import SWEEP_RATIOS, build_compare_tab
-from kvlab.ui.explore import RATIO_DEFAULT, RATIO_MAX, RATIO_MIN, build_explore_tab
+from kvlab.ui.explore import build_explore_tab
 from kvlab.ui.generate import SOURCES as GENERATE_SOURCES
 from kvlab.ui.generate import build_generate_tab
 from kvlab.ui.learn import build_learn_tab
+from kvlab.ui.pick import build_pick_tab
 
 log = logging.getLogger("kvlab.app")
 
@@ -113,6 +114,7 @@ def build_app(
                     lm.n_layers if lm else _DEFAULT_LAYERS,
                     lm.n_kv_heads if lm else _DEFAULT_KV_HEADS,
                 )
+            build_pick_tab(model, examples, specs)  # its own gr.Tab("Your pick", id="pick")
             with gr.Tab("Compare", id="compare") as compare_tab:
                 sweep = build_compare_tab(inputs, specs)
             with gr.Tab("Generate", id="generate") as generate_tab:

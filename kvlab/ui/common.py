@@ -56,6 +56,8 @@ CSS = """
 .kvlab-mark-wrong { background: #b91c1c; }
 """
 # ZeroGPU time slots (seconds): one Explore run, and a sweep (per point, capped).
+#: The compression ratio's slider on every tab that has one (Explore, Your pick): bounds and first value.
+RATIO_MIN, RATIO_MAX, RATIO_DEFAULT = 2, 100, 10
 GPU_RUN_S = limits.LIMITS.gpu_run_s
 GPU_SWEEP_BASE_S, GPU_SWEEP_POINT_S = 60, 15
 GPU_MAX_S = limits.LIMITS.gpu_max_s

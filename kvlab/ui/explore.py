@@ -32,7 +32,7 @@ from kvlab.lab.tasks import MAX_DEPTHS
 from kvlab.methods import REGISTRY
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
 from kvlab.ui import common
-from kvlab.ui.common import DocumentInputs
+from kvlab.ui.common import RATIO_DEFAULT, RATIO_MAX, RATIO_MIN, DocumentInputs
 from kvlab.ui.explore_events import (
     wire_document,
     wire_head_roles,
@@ -48,9 +48,6 @@ from kvlab.ui.explore_widgets import (
     NEEDLE_DEPTHS,
     NEEDLE_METHODS,
     NEEDLE_RATIOS,
-    RATIO_DEFAULT,
-    RATIO_MAX,
-    RATIO_MIN,
     ChoiceWidgets,
     DocumentWidgets,
     KnobWidgets,

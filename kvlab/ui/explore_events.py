@@ -18,11 +18,10 @@ from kvlab.lab.views import head_picker_label, head_role_line, with_served_note
 from kvlab.methods import method_class
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
 from kvlab.ui import common
-from kvlab.ui.common import GPU_MAX_S, USER_ERRORS, as_gr_error, checked_model, guarded, on_gpu, served
+from kvlab.ui.common import GPU_MAX_S, RATIO_DEFAULT, USER_ERRORS, as_gr_error, checked_model, guarded, on_gpu, served
 from kvlab.ui.explore_widgets import (
     CUSTOM,
     NEEDLE_DEPTHS,
-    RATIO_DEFAULT,
     ChoiceWidgets,
     DocumentWidgets,
     NeedleWidgets,

@@ -9,7 +9,6 @@ import gradio as gr
 
 from kvlab.ui.tasks import TaskOutputs
 
-RATIO_MIN, RATIO_MAX, RATIO_DEFAULT = 2, 100, 10
 #: The needle test's first settings: methods besides the one chosen, ratios, depths.
 NEEDLE_METHODS, NEEDLE_RATIOS, NEEDLE_DEPTHS = ("streaming_llm",), "5, 10, 20", 3
 #: The preset menu's entry for knobs set by hand.
