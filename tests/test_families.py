@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from test_methods import templated  # noqa: F401  (a fixture: their 96-token document behind a two-token template prefix)
 from transformers import DynamicCache
 
 from kvlab.catalog import knobs, method_markdown

@@ -12,7 +12,6 @@ import typing
 
 import pytest
 import torch
-from test_methods import templated  # noqa: F401  (a fixture: a 96-token document behind a two-token template prefix)
 from transformers import DynamicCache
 
 from kvlab.methods import MethodError, Request, get_method
