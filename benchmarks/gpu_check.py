@@ -1,4 +1,4 @@
-"""The first command to run on a lent GPU: ``python -m benchmarks.gpu_check [--out PATH] [--dry-run]``.
+"""The first command to run on a lent GPU: ``python -m benchmarks.gpu_check [--out PATH] [--only S] [--dry-run]``.
 
 Needs no model download: every model is built in code with random weights
 (memory, speed and device placement depend on the geometry, not on what the
@@ -20,10 +20,11 @@ model knows) and reads through a byte-level tokenizer. One JSON file at
 5. ``decode``: decode tokens/s at batch 1, 4 and 8 over a full 32k-token
    cache and over Attention-Matching-shaped compacted caches (4x and 10x:
    ragged heads, one float32 bias per key), through the Triton kernel and
-   through SDPA with a float mask.
+   through the torch path (grouped float32 matmuls); the median step.
 
 Designed to finish in under 8 minutes on an H200: a section that would start
-past ``--budget-s`` is skipped and says so. ``--dry-run`` runs every section
+past ``--budget-s`` is skipped and says so. ``--only decode`` (any
+comma-separated sections) reruns some after a fix. ``--dry-run`` runs every section
 on tiny sizes on whatever device there is (on a CPU: the torch paths; a few
 suite steps), which ``make test`` does.
 """
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -271,6 +273,10 @@ def compacted_cache(
     return layers, (biases if biased else None)
 
 
+#: Steps before timing: the first steps of a new cache shape pay one-off costs (kernel selection, allocator growth).
+WARMUP_STEPS = 5
+
+
 @torch.inference_mode()
 def decode_speed(
     model: PreTrainedModel,
@@ -281,34 +287,40 @@ def decode_speed(
     steps: int,
     device: torch.device,
 ) -> float:
-    """Median-free plain timing: seconds per greedy step over ``steps`` steps (after 3 warm-up steps)."""
+    """Seconds per greedy step: the median over ``steps`` steps, each timed alone after WARMUP_STEPS.
+
+    Each step ends with a synchronisation, as a real decode loop's stop check
+    does; the median keeps one slow step (a sandbox's scheduling hiccup) out of
+    the figure, which a mean over all steps let in.
+    """
     cache = _working_cache(layers)
     ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
     ctx = ForwardContext(key_bias=bias)
-    position = logical_len
-    start = 0.0
-    for step in range(steps + 3):
-        if step == 3:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
+    times = []
+    for step in range(steps + WARMUP_STEPS):
+        start = time.perf_counter()
         out = model(
             input_ids=ids,
-            position_ids=torch.full((batch, 1), position, device=device),
+            position_ids=torch.full((batch, 1), logical_len + step, device=device),
             cache=cache,
             use_cache=True,
             logits_to_keep=1,
             kvlab=ctx,
         )
         ids = out.logits[:, -1].argmax(dim=-1, keepdim=True)
-        position += 1
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / steps
+        sync(device)
+        if step >= WARMUP_STEPS:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+#: What a compacted cache's decode step runs, per backend (kvlab.runtime.attention's decode step): Triton's
+#: split-K kernel, or two grouped float32 matmuls with the biases added to the logits.
+COMPACTED_ATTENTION = {"triton": "triton", "torch": "torch matmuls"}
 
 
 def end_to_end(device: torch.device, dry_run: bool, deadline: float) -> list[DecodeRow]:
-    """Decode tokens/s: full cache (SDPA) vs compacted caches (Triton kernel and SDPA with a float mask)."""
+    """Decode tokens/s: full cache (SDPA) vs compacted caches (the Triton kernel, and the torch path)."""
     config = device_suite.TINY if dry_run else LLAMA_31_8B
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_llama(config, device, dtype)
@@ -320,27 +332,23 @@ def end_to_end(device: torch.device, dry_run: bool, deadline: float) -> list[Dec
     rows = []
     for batch in (1, 4, 8) if not dry_run else (1, 2):
         for name, stored, biased in caches:
-            for attention in backends if biased else ["sdpa"]:
+            for attention in backends if biased else ["auto"]:
                 if time.monotonic() > deadline:
                     print(f"skipped {name} batch {batch} ({attention}): time budget spent", flush=True)
                     continue
-                os.environ["KVLAB_KERNELS"] = attention if biased else "auto"
+                os.environ["KVLAB_KERNELS"] = attention
                 layers, bias = compacted_cache(n_layers, batch, n_kv, stored, head_dim, device, dtype, biased)
                 per_step = decode_speed(model, layers, bias, batch, seq_len, steps, device)
-                rows.append(
-                    DecodeRow(
-                        name,
-                        "sdpa" if attention == "torch" else attention,
-                        batch,
-                        stored,
-                        batch / per_step,
-                        per_step * 1e3,
-                    )
-                )
+                label = COMPACTED_ATTENTION[attention] if biased else "sdpa"
+                rows.append(DecodeRow(name, label, batch, stored, batch / per_step, per_step * 1e3))
                 print(rows[-1], flush=True)
                 del layers, bias
     os.environ.pop("KVLAB_KERNELS", None)
     return rows
+
+
+#: The sections, in the order they run (``--only`` picks some: a rerun after a fix, inside a lent machine's minutes).
+SECTIONS = ("suite", "explore", "kernel_checks", "kernels", "decode")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,9 +359,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--budget-s", type=float, default=420.0, help="no section or step starts after this many seconds"
     )
+    parser.add_argument(
+        "--only", default=",".join(SECTIONS), help=f"sections to run, comma-separated (default: {','.join(SECTIONS)})"
+    )
     args = parser.parse_args(argv)
     if not args.out.parent.is_dir():
         parser.exit(2, f"error: {args.out.parent} is not a directory\n")
+    only = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = [name for name in only if name not in SECTIONS]
+    if unknown or not only:
+        parser.exit(2, f"error: --only takes sections among {', '.join(SECTIONS)}, got {args.only!r}\n")
     deadline = time.monotonic() + args.budget_s
     device, dtype = pick_device()
     on_gpu = device.type == "cuda"
@@ -368,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     small = args.dry_run or not on_gpu
 
     def section(name: str, fn: Callable[[], Any]) -> None:
+        if name not in only:
+            return
         if time.monotonic() > deadline:
             figures[name], figures[f"{name}_s"] = "skipped: time budget spent", 0.0
             return
@@ -379,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     section("explore", lambda: run_explore(device, dtype, small, deadline))
     if on_gpu:
         section("kernel_checks", lambda: check_kernels(device))
-    else:
+    elif "kernel_checks" in only:
         figures["kernel_checks"] = "skipped: Triton needs CUDA (tests/test_kernels.py runs them under the interpreter)"
     section("kernels", lambda: [asdict(r) for r in bench.run_benchmarks(device, dry_run=small, reps=20)])
     section("decode", lambda: [asdict(r) for r in end_to_end(device, small, deadline)])

@@ -178,3 +178,23 @@ def test_summarisation_cache_is_the_summary_context(ctx, fill):
     assert torch.allclose(
         extend(lm, open_session(lm, stored), probe), extend(lm, open_session(lm, fresh), probe), atol=1e-5
     )
+
+
+def test_summary_am_with_an_empty_summary_keeps_only_the_prefix(templated, monkeypatch):
+    """A summary that decodes to nothing (a random 8B-shaped model on the GPU wrote ids past its byte
+    tokenizer's vocabulary) leaves the template alone: reading after it is reading after the prefix."""
+    from kvlab.methods import summary_am
+
+    ctx = templated
+
+    special = ctx.lm.tokenizer.all_special_ids[0]  # dropped by decode(skip_special_tokens=True)
+    monkeypatch.setattr(summary_am, "write_summary", lambda *args, **kwargs: [special, special])
+    stored = get_method("summary_am").compress(Request(ctx, 8.0))
+    assert stored.meta["summary"] == "" and stored.logical_len == ctx.prefix_len
+    fresh = prefill(ctx.lm, ctx.tokens.ids[: ctx.prefix_len]).stored
+    probe = torch.tensor([5, 9, 11])
+    assert torch.allclose(
+        extend(ctx.lm, open_session(ctx.lm, stored), probe),
+        extend(ctx.lm, open_session(ctx.lm, fresh), probe),
+        atol=1e-5,
+    )

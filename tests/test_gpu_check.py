@@ -26,3 +26,13 @@ def test_the_dry_run_runs_every_section_and_writes_its_figures(tmp_path: Path) -
     assert all(r["bytes_compressed"] < r["bytes_full"] for r in figures["explore"])
     assert figures["kernels"] and figures["decode"]
     assert {r["cache"] for r in figures["decode"]} == {"full", "compacted 4x", "compacted 10x"}
+
+
+def test_only_runs_the_named_sections_and_refuses_unknown_ones(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--dry-run", "--only", "decode", "--out", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["decode"] and not {"suite", "explore", "kernels", "kernel_checks"} & set(figures)
+    with pytest.raises(SystemExit) as refused:
+        gpu_check.main(["--dry-run", "--only", "decode,nonsense", "--out", str(out)])
+    assert refused.value.code == 2

@@ -75,8 +75,17 @@ def layer_of(module: str, layers: list[tuple[str, list[str]]] = LAYERS) -> int |
 
 #: The UI's tabs: none imports another (what two share lives in kvlab.ui.common or kvlab.ui.tasks).
 TABS = ["kvlab.ui.explore", "kvlab.ui.compare", "kvlab.ui.generate", "kvlab.ui.learn"]
-#: Packages that never import gradio (the lab layer runs without the UI; methods and figures too).
-NO_GRADIO = ["kvlab.compression", "kvlab.methods", "kvlab.lab", "kvlab.runtime", "kvlab.figures", "kvlab.kernels"]
+#: Packages that never import gradio (the lab layer runs without the UI; methods and figures too), and the
+#: device suite, which ``python -m benchmarks.gpu_check`` runs on a GPU machine that may have no gradio.
+NO_GRADIO = [
+    "kvlab.compression",
+    "kvlab.methods",
+    "kvlab.lab",
+    "kvlab.runtime",
+    "kvlab.figures",
+    "kvlab.kernels",
+    "kvlab.testing.device_suite",
+]
 
 
 def module_files(root: Path = ROOT) -> dict[str, tuple[Path, bool]]:

@@ -28,11 +28,10 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from kvlab.kernels import dispatch as kernels
 from kvlab.kernels import reference
-from kvlab.runtime.attention import causal_bias_mask
+from kvlab.runtime.attention import causal_bias_mask, sdpa
 from kvlab.runtime.low_bit import PackedTensor, quantize_keys, quantize_values
 
 # Published peak HBM bandwidth (bytes/s) of GPUs whose name contains the key.
@@ -122,7 +121,7 @@ def packed_bytes(p: PackedTensor) -> int:
 def sdpa_with_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
     """The torch decode path over a biased cache: float mask [1, H, n, S] in q's dtype, then SDPA."""
     mask = causal_bias_mask(q.shape[2], k.shape[2], bias, q.shape[1], q.dtype, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 def peak_bandwidth(device: torch.device) -> float | None:

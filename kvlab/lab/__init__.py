@@ -15,7 +15,7 @@ The app (kvlab.ui), the CLI (kvlab.cli) and the benchmarks call these:
 - the input checks of :mod:`kvlab.lab.inputs` (their errors are fit to show as is).
 """
 
-from kvlab.lab.compare import MAX_SWEEP_POINTS, Sweep, SweepError, compare, sweep_label
+from kvlab.lab.compare import MAX_SWEEP_POINTS, Sweep, SweepError, compare, sweep_charts, sweep_label
 from kvlab.lab.explore import Explored, explore, prepared_context, sub_progress, token_texts
 from kvlab.lab.exports import EXPORT_FIELDS, export_dir, sweep_json, sweep_records, write_exports
 from kvlab.lab.fates import TokenFates
@@ -70,6 +70,7 @@ __all__ = [
     "read_for_pick",
     "sub_progress",
     "sweep_json",
+    "sweep_charts",
     "sweep_label",
     "sweep_records",
     "token_budget",

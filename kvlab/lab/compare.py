@@ -7,7 +7,7 @@ import time
 import typing
 from dataclasses import dataclass, field
 
-from kvlab import cancellation, limits
+from kvlab import cancellation, figures, limits
 from kvlab import models as models_module
 from kvlab.compression.budget_profiles import BUDGET_AXIS, axis_knob
 from kvlab.compression.options import option_types
@@ -296,4 +296,34 @@ def not_run(exc: cancellation.Cancelled, done: int, left: list[tuple[Method, flo
     return (
         f"Stopped after {exc.elapsed_s:.0f} s because {exc.why}: {done} of {done + len(left)} runs done; "
         f"not run: {names}."
+    )
+
+
+def sweep_charts(sweep: Sweep) -> tuple:
+    """(output error, mass error, log-perplexity) against the ratio, one line per method (and model).
+
+    The full cache's log-perplexity is drawn as a reference on a one-model sweep; on several models each
+    has its own (the status line lists them), so none is drawn."""
+    points = [
+        {
+            "method": sweep_label(sweep, r),
+            "ratio": r.ratio,
+            "output": r.attn_output_rel_err,
+            "mass": r.attn_mass_rel_err,
+            "logppl": r.logppl_compressed,
+        }
+        for r in sweep.results
+    ]
+    one_model = len(sweep.ceilings) <= 1
+    return (
+        figures.sweep_figure(points, "output", "Attention-output error vs ratio (held-out queries)", "relative error"),
+        figures.sweep_figure(points, "mass", "Attention-mass error vs ratio (held-out queries)", "relative error"),
+        figures.sweep_figure(
+            points,
+            "logppl",
+            "Log-perplexity of the full cache's answer vs ratio",
+            "log-perplexity (nats/token)",
+            reference=sweep.logppl_full if one_model else None,
+            reference_label="full cache",
+        ),
     )

@@ -202,6 +202,42 @@ def verdict_mark(right: bool) -> str:
     return f'<span class="kvlab-mark kvlab-mark-{word}">{word}</span>'
 
 
+@dataclass
+class RunFigures:
+    """The plotly figures of one run (built on the CPU from its results: no model, no gradio).
+
+    main: error, mass, kept, memory and time; fit: Attention Matching's bias
+    histogram and fitting vs evaluation error (None for other methods);
+    divergence: the answers token by token (kvlab.figures.divergence_figure).
+    """
+
+    main: tuple
+    fit: tuple | None
+    divergence: object
+
+
+def run_figures(view: "RunView") -> RunFigures:
+    """The figures a page draws for ``view``."""
+    r = view.result
+    fit = None
+    if view.fitted_biases is not None:
+        fit = (
+            figures.bias_histogram(view.fitted_biases),
+            figures.fit_vs_eval_figure(r.details["train_attn_output_rel_err"], r.per_head["attn_output_rel_err"]),
+        )
+    main = (
+        figures.error_heatmap(r.per_head),
+        figures.mass_heatmap(r.per_head),
+        figures.kept_heatmap(r.per_head, budgets_text(r.details) or ""),
+        figures.memory_figure(r.bytes_full, r.bytes_compressed, r.memory_breakdown),
+        figures.time_figure(view.timings, view.notes, total=view.wall_s),
+    )
+    divergence = figures.divergence_figure(
+        r.answer_tokens, r.answer_logprobs_full, r.answer_logprobs_compressed, r.first_divergence
+    )
+    return RunFigures(main, fit, divergence)
+
+
 #: The line a page shows above a run's summary when it did not compute the run itself (kvlab.results.Served).
 SERVED_NOTES = {
     "stored": "**Served from the result store**: this configuration was computed before (in {wall_s:.1f} s); "

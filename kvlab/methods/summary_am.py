@@ -21,7 +21,7 @@ from kvlab.methods.families.am_recipe import PAPER, PRESETS, AMOptions, QuerySou
 from kvlab.methods.families.compaction import compact_document
 from kvlab.methods.families.summary import SUMMARY_PROMPT, write_summary
 from kvlab.prompts import question_tokens
-from kvlab.runtime.cache import CompressedKV, keep_windows
+from kvlab.runtime.cache import CompressedKV, keep_windows, template_segment
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,11 @@ class SummaryThenAM(QuerySourced, Method):
         prompt = SUMMARY_PROMPT.format(words=round(opts.summary_tokens * 0.75))
         ids = write_summary(lm, ctx.full.stored, question_tokens(lm.tokenizer, prompt), opts.summary_tokens, fill=False)
         summary = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
+        if not summary:
+            # Nothing but special tokens or spaces (a random model's ids past its tokenizer's vocabulary, say):
+            # no summary to read, so the cache holds what no context holds, the template's prefix.
+            layers = [[template_segment(k, v, ctx.prefix_len)] for k, v in zip(ctx.full.keys, ctx.full.values)]
+            return CompressedKV(layers, ctx.prefix_len, meta={"method": self.name, "summary": "", "summary_tokens": 0})
         summary_ctx = prepare_context(lm, summary)
         target = max(1, round(ctx.doc_len / req.ratio))
         inner = max(1.0, summary_ctx.doc_len / target)

@@ -16,8 +16,22 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvlab.runtime import kernel_launch as launch
+
+#: SDPA's backends on CUDA, cuDNN's left out: it builds an execution plan for each new key length, and each
+#: decode step is a new length. On an H200 (torch 2.11) a Llama-3.1-8B-shaped step over 32k keys took about
+#: 100 ms with cuDNN's plans still to build and 35 ms without cuDNN (docs/benchmarks.md, "On a GPU").
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, **kwargs)``; on CUDA among CUDA_SDPA_BACKENDS only."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    with sdpa_kernel(CUDA_SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 def attention_logits(
@@ -172,23 +186,23 @@ def causal_attention(
         return _with_sinks(q, k, v, key_bias, scale, sinks, window)
     gqa = n_heads != k.shape[1]
     if key_bias is None and q_len == kv_len:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if q_len == 1 and (key_bias is not None or q.device.type == "cpu"):
         return _decode_step(q, k, v, key_bias, scale)
     if key_bias is None and q_len == 1:
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+        return sdpa(q, k, v, scale=scale, enable_gqa=gqa)
     if key_bias is None and _CPU_FLASH is not None and q.device.type == "cpu":
         return _past_then_causal(q, k, v, scale)
     if key_bias is None:
         # One boolean mask shared by all heads: a float one per head would be
         # [H, q, kv] (300 MB for a repeat-prefill of 2,000 tokens), rebuilt per layer.
         mask = ~future_mask(q_len, kv_len, q.device)[None, None]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     # SDPA takes a float mask only in the queries' dtype, and in bf16 a fitted
     # bias keeps 8 bits: this call (several tokens read after a fitted cache,
     # e.g. the question) runs in float32 so the biases stay exact.
     mask = causal_bias_mask(q_len, kv_len, key_bias, n_heads, torch.float32, q.device)
-    out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=gqa)
+    out = sdpa(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.to(q.dtype)
 
 
@@ -219,9 +233,9 @@ def _sliding_window(
     gqa, kv_len = n_heads != k.shape[1], kv_len - start
     if key_bias is None:
         mask = ~future_mask(q_len, kv_len, q.device, window)[None, None]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     mask = causal_bias_mask(q_len, kv_len, key_bias, n_heads, torch.float32, q.device, window)
-    out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=gqa)
+    out = sdpa(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.to(q.dtype)
 
 
@@ -247,7 +261,7 @@ def _with_sinks(
     sink = sinks.float().view(1, n_heads, 1, 1).expand(1, n_heads, q_len, 1)
     none = k.new_zeros(1, k.shape[1], 1, k.shape[-1])
     k, v = torch.cat([k, none], dim=2).float(), torch.cat([v, none], dim=2).float()
-    out = F.scaled_dot_product_attention(
+    out = sdpa(
         q.float(), k, v, attn_mask=torch.cat([mask, sink], dim=-1), scale=scale, enable_gqa=n_heads != k.shape[1]
     )
     return out.to(q.dtype)

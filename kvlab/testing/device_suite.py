@@ -140,23 +140,21 @@ def _method_step(name: str, preset: str | None) -> Step:
 
 
 def _explore(lm: LoadedModel, workdir: Path) -> None:
-    """One Explore run and everything the page draws from it (token view, figures, fit figures)."""
+    """One Explore run and the figures its page draws (run, fit and divergence figures), built by the lab
+    (the UI only serialises them): no gradio needed, which a GPU machine may lack."""
     from kvlab.lab import explore
-    from kvlab.lab.views import present
-    from kvlab.ui.present import draw
+    from kvlab.lab.views import present, run_figures
 
-    draw(present(explore(DOCUMENT, None, "attention_matching", 4.0, QUESTION, max_new_tokens=4)))
+    run_figures(present(explore(DOCUMENT, None, "attention_matching", 4.0, QUESTION, max_new_tokens=4)))
 
 
 def _compare(lm: LoadedModel, workdir: Path) -> None:
-    """A sweep, its table and its charts."""
-    from kvlab.lab import compare
-    from kvlab.ui.present import compare_rows, sweep_charts
+    """A sweep and its charts."""
+    from kvlab.lab import compare, sweep_charts
 
     sweep = compare(DOCUMENT, None, ["snapkv", "attention_matching"], list(RATIOS), QUESTION, max_new_tokens=4)
     if sweep.errors:
         raise AssertionError(f"sweep points failed: {sweep.errors}")
-    compare_rows(sweep)
     sweep_charts(sweep)
 
 

@@ -17,10 +17,9 @@ from typing import Any, Callable, Hashable, TypeVar
 from gradio.components.plot import PlotData
 
 from kvlab import figures
-from kvlab.compression.budget_profiles import budgets_text
 from kvlab.context import Progress, no_progress
-from kvlab.lab import Sweep, TokenFates, compare, explore, sweep_label
-from kvlab.lab.views import RunView, present
+from kvlab.lab import Sweep, TokenFates, compare, explore, sweep_charts, sweep_label
+from kvlab.lab.views import RunView, present, run_figures
 from kvlab.memo import compute_once, recently_used
 from kvlab.ui.common import GPU_MAX_S, GPU_RUN_S, GPU_SWEEP_BASE_S, GPU_SWEEP_POINT_S, on_gpu
 
@@ -76,12 +75,7 @@ def token_view(view: TokenFates | None, layer: int, head: int, intensity: str = 
 
 @dataclass
 class Drawn:
-    """The figures of one run, serialised as gr.Plot sends them (:func:`plotted`).
-
-    figures: error, mass, kept, memory and time; fit: Attention Matching's
-    bias histogram and fitting vs evaluation error (None for other methods);
-    divergence: the answers token by token (kvlab.figures.divergence_figure).
-    """
+    """The figures of one run (kvlab.lab.views.RunFigures), serialised as gr.Plot sends them (:func:`plotted`)."""
 
     figures: tuple
     fit: tuple | None
@@ -97,33 +91,9 @@ def plotted(figure: Any) -> PlotData:
 
 def draw(view: RunView) -> Drawn:
     """The figures of a run (plotly, on the CPU: no model or compute slot needed), serialised."""
-    r = view.result
-    fit = None
-    if view.fitted_biases is not None:
-        fit = (
-            plotted(figures.bias_histogram(view.fitted_biases)),
-            plotted(
-                figures.fit_vs_eval_figure(r.details["train_attn_output_rel_err"], r.per_head["attn_output_rel_err"])
-            ),
-        )
-    return Drawn(
-        tuple(
-            plotted(f)
-            for f in (
-                figures.error_heatmap(r.per_head),
-                figures.mass_heatmap(r.per_head),
-                figures.kept_heatmap(r.per_head, budgets_text(r.details) or ""),
-                figures.memory_figure(r.bytes_full, r.bytes_compressed, r.memory_breakdown),
-                figures.time_figure(view.timings, view.notes, total=view.wall_s),
-            )
-        ),
-        fit,
-        plotted(
-            figures.divergence_figure(
-                r.answer_tokens, r.answer_logprobs_full, r.answer_logprobs_compressed, r.first_divergence
-            )
-        ),
-    )
+    made = run_figures(view)
+    fit = None if made.fit is None else tuple(plotted(f) for f in made.fit)
+    return Drawn(tuple(plotted(f) for f in made.main), fit, plotted(made.divergence))
 
 
 class Recent:
@@ -206,36 +176,6 @@ class SweepView:
 
     sweep: Sweep
     charts: tuple
-
-
-def sweep_charts(sweep: Sweep) -> tuple:
-    """(output error, mass error, log-perplexity) against the ratio, one line per method (and model).
-
-    The full cache's log-perplexity is drawn as a reference on a one-model sweep; on several models each
-    has its own (the status line lists them), so none is drawn."""
-    points = [
-        {
-            "method": sweep_label(sweep, r),
-            "ratio": r.ratio,
-            "output": r.attn_output_rel_err,
-            "mass": r.attn_mass_rel_err,
-            "logppl": r.logppl_compressed,
-        }
-        for r in sweep.results
-    ]
-    one_model = len(sweep.ceilings) <= 1
-    return (
-        figures.sweep_figure(points, "output", "Attention-output error vs ratio (held-out queries)", "relative error"),
-        figures.sweep_figure(points, "mass", "Attention-mass error vs ratio (held-out queries)", "relative error"),
-        figures.sweep_figure(
-            points,
-            "logppl",
-            "Log-perplexity of the full cache's answer vs ratio",
-            "log-perplexity (nats/token)",
-            reference=sweep.logppl_full if one_model else None,
-            reference_label="full cache",
-        ),
-    )
 
 
 def sweep_duration(text, file, methods, ratios, *args, **kwargs) -> int:  # noqa: ANN001 - spaces' signature
