@@ -6,8 +6,13 @@ first line of the sheet: Attention Matching at 10x on the story's first
 question), then ``--clicks`` more runs drawn from the sheet (default
 assets/workshop.txt, 18 configurations), thinking ``--think`` seconds between
 clicks, arrivals spread over ``--spread`` seconds (``--together``: everyone
-clicks the link within one second). Bounded: at most ``--clients`` x
-(1 + ``--clicks``) requests, and everything stops after ``--limit-s``.
+clicks the link within one second). With ``--picks``, once every participant
+is done with the sheet, each makes a pick of their own in the Your pick tab
+(the sheet's ``?tab=pick`` link: its example, question and ratio; random
+sentences within the budget, seeded per participant: a new run by nature),
+the thirty picks clicked within ``--pick-window`` seconds. Bounded: at most
+``--clients`` x (1 + ``--clicks`` + 1) requests, and everything stops after
+``--limit-s``.
 
 Prints, per click kind (the link, a further run, all), n, p50, p95 and max
 seconds, the errors, and how many runs were served from the result store,
@@ -52,7 +57,7 @@ class Click:
     """One participant's run: what was asked, how long it took, how it was served, what came back."""
 
     client: int
-    kind: str  # "link" or "further"
+    kind: str  # "link", "further" or "pick"
     label: str
     asked: dict
     seconds: float = 0.0
@@ -155,6 +160,92 @@ def simulate(
         return list(done)
 
 
+@dataclass(frozen=True)
+class PickExercise:
+    """The sheet's Your pick link, and the document's sentences as the model reads them: (label, tokens)."""
+
+    example: str
+    question: str
+    ratio: float
+    text: str
+    sentences: tuple[tuple[str, int], ...]
+    budget: int
+
+
+def pick_exercise(path: Path) -> PickExercise | None:
+    """The first ``?tab=pick`` link of the sheet, its document split as the page splits it (the default
+    model's tokens); None when the sheet has none."""
+    from urllib.parse import parse_qsl
+
+    from kvlab.lab.inputs import examples
+    from kvlab.lab.pick import read_for_pick
+    from kvlab.lab.warm import parse_sheet
+
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if "tab=pick" in line and not line.lstrip().startswith("#"):
+            (item, *_) = parse_sheet(line)  # checked as kvlab warm checks it
+            query = dict(parse_qsl(line[line.index("?") + 1 :]))
+            text = next(ex for ex in examples() if ex.id == item.example).text()
+            doc = read_for_pick(text, None)
+            sentences = tuple((s.label, s.n_tokens) for s in doc.sentences)
+            question = query.get("question") or item.question
+            return PickExercise(item.example, question, item.ratio, text, sentences, doc.budget(item.ratio))
+    return None
+
+
+def own_pick(exercise: PickExercise, rng: random.Random) -> list[str]:
+    """A learner's pick: sentences in a random order, each ticked while the budget allows it."""
+    order = list(exercise.sentences)
+    rng.shuffle(order)
+    ticked, used = [], 0
+    for label, n_tokens in order:
+        if used + n_tokens <= exercise.budget:
+            ticked.append(label)
+            used += n_tokens
+    return ticked
+
+
+def pick_click(client: Any, index: int, exercise: PickExercise, ticked: list[str], origin: float) -> Click:
+    """One /pick through ``client``: the pick run, answered and ranked (its time; always computed or shared)."""
+    asked = {"text": exercise.text, "ticked": ticked, "ratio": exercise.ratio, "question": exercise.question}
+    c = Click(index, "pick", f"{len(ticked)} sentences at {exercise.ratio:g}x", {"ticked": ticked})
+    start = time.perf_counter()
+    c.started_s = start - origin
+    try:
+        client.predict(api_name="/pick", **asked)
+        c.served = "computed"
+    except Exception as exc:  # noqa: BLE001 - an error is a result of the benchmark
+        c.served, c.error = "error", f"{type(exc).__name__}: {exc}"[:300]
+    c.seconds = time.perf_counter() - start
+    return c
+
+
+def simulate_picks(url: str, clients: int, exercise: PickExercise, window_s: float, seed: int) -> list[Click]:
+    """Every participant's own pick (a session each), clicked at a random moment within ``window_s``."""
+    from gradio_client import Client
+
+    rng = random.Random(seed)
+    plans = [(rng.uniform(0, window_s), own_pick(exercise, random.Random(seed * 1000 + i))) for i in range(clients)]
+    done: list[Click] = []
+    lock = threading.Lock()
+    origin = time.perf_counter()
+
+    def participant(i: int) -> None:
+        at, ticked = plans[i]
+        client = Client(url, verbose=False)
+        time.sleep(max(0.0, at - (time.perf_counter() - origin)))
+        c = pick_click(client, i, exercise, ticked, origin)
+        with lock:
+            done.append(c)
+
+    threads = [threading.Thread(target=participant, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(window_s + 600)
+    return done
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (nearest rank) of ``values``."""
     ordered = sorted(values)
@@ -165,7 +256,8 @@ def percentile(values: list[float], q: float) -> float:
 ROWS = (
     ("the handed-out link", lambda c: c.kind == "link"),
     ("a further run", lambda c: c.kind == "further"),
-    ("all runs", lambda c: True),
+    ("the sheet's runs", lambda c: c.kind != "pick"),
+    ("a learner's own pick", lambda c: c.kind == "pick"),
     ("served from the store", lambda c: c.served == "stored"),
 )
 
@@ -232,11 +324,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--limit-s", type=float, default=900.0, help="the whole simulation stops after this")
     parser.add_argument("--json", type=Path, default=None, help="write every click here")
+    parser.add_argument("--picks", action="store_true", help="then each participant's own pick (the sheet's pick link)")
+    parser.add_argument("--pick-window", type=float, default=60.0, help="seconds within which the picks are clicked")
     args = parser.parse_args(argv)
     if args.clients < 1 or args.clicks < 0 or args.clients * (1 + args.clicks) > 1000:
         parser.error("--clients >= 1, --clicks >= 0, at most 1,000 requests in all")
     low, high = (float(x) for x in args.think.split(","))
     link, further = sheet_runs(args.sheet)
+    exercise = pick_exercise(args.sheet) if args.picks else None
+    if args.picks and exercise is None:
+        parser.error(f"--picks needs a ?tab=pick link in the sheet ({args.sheet} has none)")
     clicks = 0 if args.together else args.clicks
     spread = 1.0 if args.together else args.spread
 
@@ -246,7 +343,15 @@ def main(argv: list[str] | None = None) -> int:
             f"thinking {low:g}-{high:g} s; {os.getloadavg()[0]:.2f} load average",
             file=sys.stderr,
         )
-        return simulate(url, args.clients, link, further, clicks, spread, (low, high), args.seed, args.limit_s)
+        done = simulate(url, args.clients, link, further, clicks, spread, (low, high), args.seed, args.limit_s)
+        if exercise is not None:
+            print(
+                f"then {args.clients} own picks within {args.pick_window:g} s ({exercise.budget} tokens at "
+                f"{exercise.ratio:g}x); {os.getloadavg()[0]:.2f} load average",
+                file=sys.stderr,
+            )
+            done += simulate_picks(url, args.clients, exercise, args.pick_window, args.seed)
+        return done
 
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if args.url:

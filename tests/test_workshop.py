@@ -304,9 +304,9 @@ def test_a_sheet_reads_links_and_plain_lines():
         ("snapkv 10 nowhere", "line 1: example 'nowhere' is not bundled"),
         ("snapkv:wndow=8 10 story", "not knob=value"),
         ("snapkv 10", "expected METHOD RATIO EXAMPLE"),
-        ("?tab=compare&example=story&methods=snapkv&ratios=5", "only Explore links"),
+        ("?tab=compare&example=story&methods=snapkv&ratios=5", "only Explore and Your pick links"),
         ("?tab=explore&example=story&method=snapkv&ratio=10&colour=red", "`colour` is not a parameter"),
-        ("?tab=explore&example=story", "names an example, a method and a ratio"),
+        ("?tab=explore&example=story", "names an example and a ratio, an Explore link a method too"),
     ],
 )
 def test_a_bad_sheet_line_is_one_clear_line_and_exit_2(tmp_path, capsys, line, says):
@@ -331,6 +331,72 @@ def test_the_bundled_workshop_sheet_reads():
     items = read_sheet(ROOT / "assets" / "workshop.txt")
     assert len(items) == 18 and len({(i.method, i.ratio) for i in items}) == 18
     assert (items[0].method, items[0].ratio) == ("attention_matching", 10.0)
+
+
+PLAN_SHEET = ROOT / "assets" / "workshop-plan.txt"
+
+
+def plan_links() -> list[str]:
+    """The links of docs/workshop.md's 45-minute plan: its indented code lines that start with ``?tab=``."""
+    text = (ROOT / "docs" / "workshop.md").read_text(encoding="utf-8")
+    plan = text[text.index("## A 45-minute plan") : text.index("## The Space's settings")]
+    return [line.strip() for line in plan.splitlines() if line.startswith("    ?tab=")]
+
+
+def test_the_plans_four_links_are_on_its_sheet_and_open_the_page_configured():
+    """Each link of the plan is a line of its sheet and opens its tab with what its query says set:
+    Explore's method, knobs, ratio and question, or the Your pick tab's document, question and ratio."""
+    from urllib.parse import parse_qsl
+
+    from kvlab.catalog import all_knobs
+    from kvlab.lab import examples, links
+    from kvlab.ui import app
+
+    found = plan_links()
+    assert len(found) == 4 and set(found) <= {line.strip() for line in PLAN_SHEET.read_text().splitlines()}
+    pool = examples()
+    choices = app.link_choices(pool, [EMBEDDED])
+    knobs = [k for method_knobs in all_knobs().values() for k in method_knobs]
+    for query in found:
+        asked = dict(parse_qsl(query[1:]))
+        link = links.parse_link(asked, choices)
+        assert not link.notes, link.notes
+        ex = next(e for e in pool if e.id == asked["example"])
+        values = app._link_updates(link, ex, ex.text(), choices, knobs)
+        got = dict(zip(["note", "tabs", "tab"], values[:3]))
+        assert got["tab"] == asked["tab"] and got["tabs"].selected == asked["tab"]
+        if asked["tab"] == "pick":
+            assert values[17:22] == (ex.id, ex.text(), values[5], asked["question"], float(asked["ratio"]))
+            continue
+        method, *pairs = asked["method"].split(":")
+        assert values[7:9] == (method, float(asked["ratio"])) and values[6] == asked["question"]
+        set_knobs = {k.name: v for k, v in zip(knobs, values[22:]) if k.method == method and v != app.gr.update()}
+        assert set_knobs == dict(pair.split("=") for pair in pairs)
+
+
+def test_kvlab_warm_of_the_plans_sheet_stores_every_exercises_runs(tiny, tmp_path, monkeypatch):
+    """On the tiny model standing in for the story: `kvlab warm` stores every configuration of the sheet,
+    and afterwards a learner's pick at the pick exercise's ratio and question computes only the pick
+    itself (its seven rivals come from the store)."""
+    from kvlab.examples import Example
+    from kvlab.lab import warm as warming
+
+    picking = sys.modules["kvlab.lab.pick"]  # the module: kvlab.lab's ``pick`` is its function
+
+    path = tmp_path / "story.txt"
+    path.write_text(DOCS[120])
+    pool = [Example("story", "Story", "story", path, (QUESTIONS,), ("w5",), (("w5",),))]
+    monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
+    monkeypatch.setattr(warming, "examples", lambda: pool)
+    items = read_sheet(PLAN_SHEET)
+    assert cli.main(["warm", str(PLAN_SHEET)]) == 0
+    assert all(results.store().get(warming.item_key(item)) is not MISSING for item in items)
+    computed = []
+    real = picking.explore
+    monkeypatch.setattr(picking, "explore", lambda *a, **k: computed.append(a[2]) or real(*a, **k))
+    exercise = next(item for item in items if item.method == "random")  # one of the pick link's rivals
+    ranked = picking.pick(DOCS[120], None, "0-5", exercise.ratio, exercise.question)
+    assert computed == ["manual"] and len(ranked.rows) == 1 + len(picking.DEFAULT_RIVALS)
 
 
 def test_a_started_server_stores_the_pages_first_run_before_anyone_clicks(tiny, tmp_path, monkeypatch):

@@ -2,7 +2,10 @@
 
 ``?tab=explore&example=story&method=kvzip&ratio=10&question=Who+kept+the+ledger``
 opens the Explore tab on the bundled example ``story`` with that question,
-KVzip at 10x. The Compare tab reads ``methods``, ``ratios`` and ``models``
+KVzip at 10x. Explore's method may carry knobs the way ``kvlab bench`` takes
+them, ``method=attention_matching:budgets=uniform`` (a knob the method lacks,
+or a value it refuses, is dropped with a note). The Your pick tab reads
+``example``, ``question`` and ``ratio``. The Compare tab reads ``methods``, ``ratios`` and ``models``
 (comma-separated; models: the same sweep on each of the page's models named),
 the Generate tab ``methods`` (its bounded-cache methods), ``budget`` and
 ``source=document`` (write after the Explore tab's document and question).
@@ -19,10 +22,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 from urllib.parse import urlencode
 
-TABS = ("explore", "compare", "generate", "learn")
+from kvlab.catalog import method_spec
+from kvlab.methods import MethodError, get_method
+
+TABS = ("explore", "pick", "compare", "generate", "learn")
+#: The tabs that read one method at one ratio (Explore's slider range).
+ONE_RATIO_TABS = ("explore", "pick")
 #: Parameters a link may carry; anything else gets a note.
 PARAMETERS = (
     "tab",
@@ -63,6 +71,7 @@ class Link:
     question: str | None = None
     model: str | None = None
     method: str | None = None
+    options: tuple[tuple[str, Any], ...] = ()  # Explore's method's knobs, (name, value) as kvlab.catalog.method_spec
     ratio: float | None = None
     methods: tuple[str, ...] | None = None
     ratios: tuple[float, ...] | None = None
@@ -120,9 +129,10 @@ def _read_models(got: dict[str, str], choices: LinkChoices, values: dict, notes:
 
 
 def _read_methods(got: dict[str, str], tab: str, choices: LinkChoices, values: dict, notes: list[str]) -> None:
-    """The method (Explore runs one) or methods, each offered by the tab."""
+    """The method (Explore runs one, its knobs too) or methods, each offered by the tab."""
     offered = choices.generate_methods if tab == "generate" else choices.methods
-    names = _names(got.get("methods") or got.get("method") or "")
+    entries = _names(got.get("methods") or got.get("method") or "")
+    names = [e.split(":")[0] for e in entries] if tab == "explore" else entries
     unknown = [n for n in names if n not in offered]
     if unknown:
         notes.append(
@@ -131,21 +141,34 @@ def _read_methods(got: dict[str, str], tab: str, choices: LinkChoices, values: d
     known = tuple(dict.fromkeys(n for n in names if n in offered))
     if tab == "explore" and known:
         values["method"] = known[0]
+        values["options"] = _knobs(entries[names.index(known[0])], notes)
         if len(known) > 1:
             notes.append(f"Explore runs one method: `{known[0]}`.")
     elif tab in ("compare", "generate") and known:
         values["methods"] = known
 
 
+def _knobs(spec: str, notes: list[str]) -> tuple[tuple[str, Any], ...]:
+    """The knobs of an Explore method ``name:knob=value:...``, each checked as the method's Options check it;
+    () with a note when one is refused (the method then runs with its defaults)."""
+    try:
+        name, options = method_spec(spec)
+        get_method(name, **dict(options))
+    except MethodError as exc:
+        notes.append(f"{exc} (the method's defaults are used).")
+        return ()
+    return options
+
+
 def _read_ratios(ratio_text: str, tab: str, choices: LinkChoices, values: dict, notes: list[str]) -> None:
     """Explore's ratio (the first good one) or Compare's ratios, each within the tab's range."""
-    low, high = choices.ratio_range if tab == "explore" else choices.sweep_range
+    low, high = choices.ratio_range if tab in ONE_RATIO_TABS else choices.sweep_range
     numbers = [(t, number(t)) for t in _names(ratio_text)]
     bad = [t for t, x in numbers if x is None or not low <= x <= high]
     if bad:
         notes.append(f"ratio {', '.join(f'`{t}`' for t in bad)} is not a number from {low:g} to {high:g}.")
     good = tuple(dict.fromkeys(x for _, x in numbers if x is not None and low <= x <= high))
-    if tab == "explore" and good:
+    if tab in ONE_RATIO_TABS and good:
         values["ratio"] = good[0]
     elif good:
         values["ratios"] = good
@@ -182,7 +205,7 @@ def parse_link(params: Mapping[str, str], choices: LinkChoices) -> Link:
         _read_models(got, choices, values, notes)
     _read_methods(got, tab, choices, values, notes)
     ratio_text = got.get("ratios") or got.get("ratio") or ""
-    if ratio_text and tab in ("explore", "compare"):
+    if ratio_text and tab in (*ONE_RATIO_TABS, "compare"):
         _read_ratios(ratio_text, tab, choices, values, notes)
     if tab == "generate":
         _read_generation(got, values, notes)
@@ -194,6 +217,8 @@ def link_query(link: Link) -> str:
     pairs: list[tuple[str, str]] = [("tab", link.tab)]
     for key in ("example", "question", "model", "method", "source"):
         value = getattr(link, key)
+        if key == "method" and value is not None:
+            value += "".join(f":{name}={knob}" for name, knob in link.options)
         if value is not None:
             pairs.append((key, value))
     if link.ratio is not None:
@@ -206,4 +231,4 @@ def link_query(link: Link) -> str:
         pairs.append(("models", ",".join(link.models)))
     if link.budget is not None:
         pairs.append(("budget", str(link.budget)))
-    return "?" + urlencode(pairs, safe=",")
+    return "?" + urlencode(pairs, safe=",:")

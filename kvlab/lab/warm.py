@@ -4,7 +4,10 @@ A sheet is a text file, one configuration a line (blank lines and lines
 starting with ``#`` are skipped), either a link the page would open
 (kvlab.lab.links; the part from ``?`` on counts, so a full address works)::
 
-    ?tab=explore&example=story&method=attention_matching&ratio=10
+    ?tab=explore&example=story&method=attention_matching:budgets=uniform&ratio=10
+
+(a Your pick link, ``?tab=pick&example=story&ratio=10``, warms the runs a
+learner's pick is ranked among: kvlab.lab.pick.DEFAULT_RIVALS at that ratio)
 
 or ``METHOD RATIO EXAMPLE [QUESTION]``, where METHOD may carry knobs the
 way ``kvlab bench`` takes them (``name:knob=value:knob=value``)::
@@ -34,7 +37,8 @@ from kvlab.documents import DocumentError
 from kvlab.examples import Example
 from kvlab.lab.explore import explore, explore_key
 from kvlab.lab.inputs import InputError, check_ratio, examples
-from kvlab.lab.links import LinkChoices, parse_link
+from kvlab.lab.links import ONE_RATIO_TABS, LinkChoices, parse_link
+from kvlab.lab.pick import DEFAULT_RIVALS
 from kvlab.lab.views import RunView, present
 from kvlab.methods import REGISTRY, MethodError
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
@@ -76,7 +80,9 @@ class Warmed:
     error: str = ""
 
 
-def _link_item(text: str, line: int, by_id: dict[str, Example], default_model: str | None) -> WarmItem:
+def _link_items(text: str, line: int, by_id: dict[str, Example], default_model: str | None) -> list[WarmItem]:
+    """An Explore link's configuration (its method's knobs included), or for a Your pick link the runs a pick
+    is ranked among: each of kvlab.lab.pick.DEFAULT_RIVALS at the link's ratio on its question."""
     query = text[text.index("?") + 1 :] if "?" in text else text
     choices = LinkChoices(
         examples=tuple(by_id),
@@ -90,15 +96,19 @@ def _link_item(text: str, line: int, by_id: dict[str, Example], default_model: s
     link = parse_link(dict(parse_qsl(query, keep_blank_values=True)), choices)
     if link.notes:
         raise SheetError(f"line {line}: {' '.join(link.notes)}")
-    if link.tab != "explore":
-        raise SheetError(f"line {line}: only Explore links can be warmed (this one opens the {link.tab} tab)")
-    if link.example is None or link.method is None or link.ratio is None:
-        raise SheetError(f"line {line}: a link to warm names an example, a method and a ratio")
+    if link.tab not in ONE_RATIO_TABS:
+        raise SheetError(
+            f"line {line}: only Explore and Your pick links can be warmed (this one opens the {link.tab} tab)"
+        )
+    methods = DEFAULT_RIVALS if link.tab == "pick" else (link.method,)
+    if link.example is None or link.ratio is None or None in methods:
+        raise SheetError(f"line {line}: a link to warm names an example and a ratio, an Explore link a method too")
     ex = by_id[link.example]
-    return WarmItem(line, ex.id, link.question or ex.questions[0], link.method, (), link.ratio, link.model)
+    question = link.question or ex.questions[0]
+    return [WarmItem(line, ex.id, question, m, link.options, link.ratio, link.model) for m in methods]
 
 
-def _plain_item(text: str, line: int, by_id: dict[str, Example], default_model: str | None) -> WarmItem:
+def _plain_items(text: str, line: int, by_id: dict[str, Example], default_model: str | None) -> list[WarmItem]:
     parts = text.split(maxsplit=3)
     if len(parts) < 3:
         raise SheetError(f"line {line}: expected METHOD RATIO EXAMPLE [QUESTION] or a link, got {text!r}")
@@ -111,9 +121,8 @@ def _plain_item(text: str, line: int, by_id: dict[str, Example], default_model: 
     if example_id not in by_id:
         raise SheetError(f"line {line}: example {example_id!r} is not bundled (one of {', '.join(by_id)})")
     ex = by_id[example_id]
-    return WarmItem(
-        line, ex.id, parts[3].strip() if len(parts) > 3 else ex.questions[0], name, options, ratio, default_model
-    )
+    question = parts[3].strip() if len(parts) > 3 else ex.questions[0]
+    return [WarmItem(line, ex.id, question, name, options, ratio, default_model)]
 
 
 def parse_sheet(text: str, default_model: str | None = None, pool: list[Example] | None = None) -> list[WarmItem]:
@@ -126,7 +135,7 @@ def parse_sheet(text: str, default_model: str | None = None, pool: list[Example]
             continue
         first = line.split()[0]  # a link is one word; a plain line's method may hold "=" but never "&"
         is_link = first.startswith(("?", "http://", "https://")) or ("=" in first and "&" in first)
-        items.append((_link_item if is_link else _plain_item)(line, number, by_id, default_model))
+        items += (_link_items if is_link else _plain_items)(line, number, by_id, default_model)
     if not items:
         raise SheetError("the sheet names no configuration")
     return items

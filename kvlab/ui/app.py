@@ -25,7 +25,7 @@ from huggingface_hub.constants import HF_HUB_OFFLINE
 
 from kvlab import cancellation, figures, limits, results
 from kvlab.bounded.policies import bounded_policies
-from kvlab.catalog import all_knobs, query_awareness
+from kvlab.catalog import Knob, all_knobs, query_awareness
 from kvlab.documents import DocumentError
 from kvlab.examples import Example
 from kvlab.lab import examples as bundled_examples
@@ -36,7 +36,16 @@ from kvlab.methods import REGISTRY
 from kvlab.models import EMBEDDED, EMBEDDED_PACKAGE, get_model
 from kvlab.runtime.model import LoadedModel, ModelLoadError
 from kvlab.ui import common
-from kvlab.ui.common import CSS, RATIO_DEFAULT, RATIO_MAX, RATIO_MIN, CompareInputs, DocumentInputs, GenerateInputs
+from kvlab.ui.common import (
+    CSS,
+    RATIO_DEFAULT,
+    RATIO_MAX,
+    RATIO_MIN,
+    CompareInputs,
+    DocumentInputs,
+    GenerateInputs,
+    PickInputs,
+)
 from kvlab.ui.compare import SWEEP_RATIOS, build_compare_tab
 from kvlab.ui.explore import build_explore_tab
 from kvlab.ui.generate import SOURCES as GENERATE_SOURCES
@@ -114,7 +123,7 @@ def build_app(
                     lm.n_layers if lm else _DEFAULT_LAYERS,
                     lm.n_kv_heads if lm else _DEFAULT_KV_HEADS,
                 )
-            build_pick_tab(model, examples, specs)  # its own gr.Tab("Your pick", id="pick")
+            picking = build_pick_tab(model, examples, specs)  # its own gr.Tab("Your pick", id="pick")
             with gr.Tab("Compare", id="compare") as compare_tab:
                 sweep = build_compare_tab(inputs, specs)
             with gr.Tab("Generate", id="generate") as generate_tab:
@@ -132,14 +141,14 @@ def build_app(
                 elem_id="kvlab-link",
                 scale=5,
             )
-        for name, one_tab in zip(links.TABS, (explore_tab, compare_tab, generate_tab, learn_tab)):
-            one_tab.select(lambda name=name: name, None, tab, api_name=False, queue=False)
+        follow_tabs(tab, (explore_tab, picking.tab, compare_tab, generate_tab, learn_tab))
         wire_links(
             demo,
             link_choices(examples, specs),
             examples,
             specs,
             inputs,
+            picking,
             sweep,
             writing,
             tabs,
@@ -183,9 +192,18 @@ def _read_link(
         return dataclasses.replace(link, notes=(*link.notes, f"example `{ex.id}` is unreadable ({exc}).")), None, None
 
 
-def _link_updates(link: links.Link, ex: Example | None, doc: str | None, choices: links.LinkChoices) -> tuple:
+def follow_tabs(tab: gr.State, tab_objects: tuple[gr.Tab, ...]) -> None:
+    """Keep ``tab`` on the name (kvlab.lab.links.TABS) of the tab shown, which "Link to this" reads."""
+    for name, one_tab in zip(links.TABS, tab_objects, strict=True):
+        one_tab.select(lambda name=name: name, None, tab, api_name=False, queue=False)
+
+
+def _link_updates(
+    link: links.Link, ex: Example | None, doc: str | None, choices: links.LinkChoices, knobs: list[Knob]
+) -> tuple:
     """What the page's components become for ``link`` (``gr.update()``: left as they are), in the order
-    :func:`wire_links` lists them."""
+    :func:`wire_links` lists them; ``knobs``: Explore's knob inputs, in that order. A pick link sets the
+    Your pick tab's document, question and ratio, and leaves Explore's as they are."""
     keep = gr.update()
     suggested = keep
     if ex is not None:
@@ -200,6 +218,14 @@ def _link_updates(link: links.Link, ex: Example | None, doc: str | None, choices
     source = keep if link.source is None else GENERATE_SOURCES[links.SOURCES.index(link.source)]
     compare_methods = list(link.methods) if link.tab == "compare" and link.methods else keep
     generate_methods = list(link.methods) if link.tab == "generate" and link.methods else keep
+    picked = link.tab == "pick"
+    pick = [keep] * 5  # example, text, suggested, question, ratio
+    if picked:
+        pick = [keep, keep, keep, link.question or keep, keep if link.ratio is None else link.ratio]
+        if ex is not None and doc is not None:
+            pick[:4] = [ex.id, doc, suggested, question]
+    chosen = dict(link.options)
+    knob_values = [chosen[k.name] if k.method == link.method and k.name in chosen else keep for k in knobs]
     return (
         link.note(),
         gr.Tabs(selected=link.tab),
@@ -209,7 +235,7 @@ def _link_updates(link: links.Link, ex: Example | None, doc: str | None, choices
         suggested,
         question,
         link.method or keep,
-        keep if link.ratio is None else link.ratio,
+        keep if link.ratio is None or picked else link.ratio,
         link.model or keep,
         compare_methods,
         ticked,
@@ -218,6 +244,8 @@ def _link_updates(link: links.Link, ex: Example | None, doc: str | None, choices
         source,
         generate_methods,
         keep if link.budget is None else link.budget,
+        *pick,
+        *knob_values,
     )
 
 
@@ -238,9 +266,14 @@ def _settings_link(
     source,
     gen_methods,
     budget,
+    pick: tuple = (None, None, None, None),
+    options: tuple[tuple[str, Any], ...] = (),
 ) -> gr.Textbox:
     """ "Link to this": the tab's current settings as a link query (kvlab.lab.links); a document of the
-    visitor's own is not part of it (the box says so)."""
+    visitor's own is not part of it (the box says so). pick: the Your pick tab's (example, text, question,
+    ratio), which its link carries; options: Explore's method's knobs, which Explore's link carries."""
+    if tab_ == "pick":
+        example_id, text, question, ratio = pick
     ex = by_id.get(example_id)
     own = ex is None or _example_body(ex) != (text or "").strip()
     ratios = [float(r) for r in ticked or []] + [
@@ -252,7 +285,8 @@ def _settings_link(
         question=(question or "").strip() or None,
         model=None if not model or model == specs[0] else model,
         method=method if tab_ == "explore" else None,
-        ratio=float(ratio) if tab_ == "explore" and ratio is not None else None,
+        options=options if tab_ == "explore" else (),
+        ratio=float(ratio) if tab_ in links.ONE_RATIO_TABS and ratio is not None else None,
         methods=tuple(methods or ()) if tab_ == "compare" else tuple(gen_methods or ()) if tab_ == "generate" else None,
         ratios=tuple(ratios) if tab_ == "compare" else None,
         models=tuple(compare_models) if tab_ == "compare" and compare_models else None,
@@ -275,6 +309,7 @@ def wire_links(
     examples: list[Example],
     specs: list[str],
     inputs: DocumentInputs,
+    picking: PickInputs,
     sweep: CompareInputs,
     writing: GenerateInputs,
     tabs: gr.Tabs,
@@ -283,12 +318,14 @@ def wire_links(
     button: gr.Button,
     box: gr.Textbox,
 ) -> None:
-    """Page load: apply the URL's link (kvlab.lab.links), then prepare the document shown.
-    "Link to this": the current settings as such a link."""
+    """Page load: apply the URL's link (kvlab.lab.links), then prepare the document shown; and
+    "Link to this" (:func:`wire_link_button`)."""
     by_id = {ex.id: ex for ex in examples}
+    knobs = [k for method_knobs in all_knobs().values() for k in method_knobs if k.key in inputs.knobs]
+    knob_inputs = [inputs.knobs[k.key] for k in knobs]
 
     def open_link(request: gr.Request):
-        return _link_updates(*_read_link(request, choices, by_id), choices)
+        return _link_updates(*_read_link(request, choices, by_id), choices, knobs)
 
     demo.load(
         open_link,
@@ -311,36 +348,65 @@ def wire_links(
             writing.source,
             writing.methods,
             writing.budget,
+            picking.example,
+            picking.text,
+            picking.suggested,
+            picking.question,
+            picking.ratio,
+            *knob_inputs,
         ],
         api_name=False,
         queue=False,
     ).then(api_name=False, **inputs.prepare)  # the document the page opens on
 
-    def make_link(*settings):
-        return _settings_link(by_id, specs, *settings)
+    wire_link_button(button, box, by_id, specs, tab, inputs, picking, sweep, writing, knobs)
 
-    button.click(
-        make_link,
-        [
-            tab,
-            inputs.example,
-            inputs.text,
-            inputs.question,
-            inputs.method,
-            inputs.ratio,
-            inputs.model,
-            sweep.methods,
-            sweep.ratios,
-            sweep.more_ratios,
-            sweep.models,
-            writing.source,
-            writing.methods,
-            writing.budget,
-        ],
-        [box],
-        api_name=False,
-        queue=False,
-    ).then(
+
+def wire_link_button(
+    button: gr.Button,
+    box: gr.Textbox,
+    by_id: dict[str, Example],
+    specs: list[str],
+    tab: gr.State,
+    inputs: DocumentInputs,
+    picking: PickInputs,
+    sweep: CompareInputs,
+    writing: GenerateInputs,
+    knobs: list[Knob],
+) -> None:
+    """ "Link to this": the shown tab's settings as a link (kvlab.lab.links), Explore's method's knobs
+    that differ from their defaults included, in the box as a whole address."""
+    shown = [
+        tab,
+        inputs.example,
+        inputs.text,
+        inputs.question,
+        inputs.method,
+        inputs.ratio,
+        inputs.model,
+        sweep.methods,
+        sweep.ratios,
+        sweep.more_ratios,
+        sweep.models,
+        writing.source,
+        writing.methods,
+        writing.budget,
+    ]
+    pick_shown = [picking.example, picking.text, picking.question, picking.ratio]
+
+    def make_link(*settings):
+        tab_settings, rest = settings[: len(shown)], settings[len(shown) :]
+        pick_settings, knob_values = rest[: len(pick_shown)], rest[len(pick_shown) :]
+        method = tab_settings[4]
+        options = tuple(
+            (k.name, k.convert(v))
+            for k, v in zip(knobs, knob_values)
+            if k.method == method and k.convert(v) is not None and k.convert(v) != k.default
+        )
+        return _settings_link(by_id, specs, *tab_settings, pick=pick_settings, options=options)
+
+    knob_inputs = [inputs.knobs[k.key] for k in knobs]
+    button.click(make_link, [*shown, *pick_shown, *knob_inputs], [box], api_name=False, queue=False).then(
         None, [box], [box], js="(q) => q.startsWith('?') ? window.location.origin + window.location.pathname + q : q"
     )
 

@@ -87,6 +87,19 @@ class DocumentInputs:
     method: gr.Dropdown
     ratio: gr.Slider
     prepare: dict
+    knobs: dict[str, gr.components.Component]  # every method's knob inputs, by kvlab.catalog.Knob.key
+
+
+@dataclass
+class PickInputs:
+    """The Your pick tab and the widgets a link sets."""
+
+    tab: gr.Tab
+    example: gr.Dropdown
+    text: gr.Textbox
+    suggested: gr.Dropdown
+    question: gr.Textbox
+    ratio: gr.Slider
 
 
 @dataclass

@@ -106,6 +106,7 @@ def build_explore_tab(
         choice.method,
         choice.ratio,
         prepare_args,
+        choice.knobs.inputs,
     )
 
 

@@ -22,7 +22,7 @@ from kvlab.examples import Example
 from kvlab.lab import pick, read_for_pick
 from kvlab.lab.pick import PickDocument, Picked, keep_text, spans_of, tally
 from kvlab.ui import common
-from kvlab.ui.common import RATIO_DEFAULT, RATIO_MAX, RATIO_MIN
+from kvlab.ui.common import RATIO_DEFAULT, RATIO_MAX, RATIO_MIN, PickInputs
 
 #: Characters of a sentence shown in its checkbox's label.
 SHOWN_CHARS = 90
@@ -66,15 +66,18 @@ def rank_line(picked: Picked) -> str:
     return line
 
 
-def build_pick_tab(model: gr.Dropdown, examples: list[Example], specs: list[str]) -> None:
+def build_pick_tab(model: gr.Dropdown, examples: list[Example], specs: list[str]) -> PickInputs:
     """The tab ``gr.Tab("Your pick", id="pick")``, its widgets and events (inside an open ``gr.Tabs``),
-    opening on the first example and its question."""
-    with gr.Tab("Your pick", id="pick"):
-        build_pick_widgets(model, examples, specs)
+    opening on the first example and its question; -> the tab and what a link sets."""
+    with gr.Tab("Your pick", id="pick") as tab:
+        return PickInputs(tab, *build_pick_widgets(model, examples, specs))
 
 
-def build_pick_widgets(model: gr.Dropdown, examples: list[Example], specs: list[str]) -> None:
-    """The tab's widgets and events (inside its open ``gr.Tab``)."""
+def build_pick_widgets(
+    model: gr.Dropdown, examples: list[Example], specs: list[str]
+) -> tuple[gr.Dropdown, gr.Textbox, gr.Dropdown, gr.Textbox, gr.Slider]:
+    """The tab's widgets and events (inside its open ``gr.Tab``); -> (example, text, suggested, question,
+    ratio), the widgets a link sets."""
     first = examples[0] if examples else None
     gr.Markdown(
         "Keep the sentences **you** think the question needs, within the ratio's budget, and see where your "
@@ -134,6 +137,7 @@ def build_pick_widgets(model: gr.Dropdown, examples: list[Example], specs: list[
         concurrency_id="compute",
         show_progress_on=[rank],
     )
+    return example, text, suggested, question, ratio
 
 
 def _text_of(ex: Example | None) -> str:
