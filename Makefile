@@ -47,10 +47,11 @@ test-fast: setup-dev
 	$(PY) -m ruff format --check .
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow and not browser and not load and not matrix" tests
 
-# Regenerate README's assets/screenshot.png (the browser test writes its own to a temporary folder).
+# Regenerate README's assets/screenshot.png, and pick.png, mix.png, head-roles.png beside it (the browser
+# tests write their own to a temporary folder).
 screenshot: setup-dev browser
 	KVLAB_SCREENSHOT=$(CURDIR)/assets/screenshot.png HF_HUB_OFFLINE=1 \
-	  $(PY) -m pytest -q tests/test_browser.py -k explore_then_compare
+	  $(PY) -m pytest -q tests/test_browser.py -k "explore_then_compare or ticks_two_sentences or mixes_scores"
 
 # Benchmarks print the figures quoted in docs/benchmarks.md (they read $KVLAB_DATA, see kvlab/tasks/datasets.py).
 bench: setup-dev

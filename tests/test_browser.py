@@ -3,15 +3,19 @@
 Picks a bundled example, runs the default compression and checks what a user
 sees (the right/wrong marks as coloured words); takes a screenshot (into the
 test's temporary folder: ``make screenshot`` sets KVLAB_SCREENSHOT to
-regenerate the README's assets/screenshot.png); then runs a small sweep in the
+regenerate the README's assets/screenshot.png, and the pictures of "Your pick",
+the mix's sliders and the heads' roles beside it); then runs a small sweep in the
 Compare tab. Then links: a link opens the lab on its configuration, "Link to
-this" gives the link back, a bad parameter gets a note. Never runs
+this" gives the link back, a bad parameter gets a note. "Your pick" ranks a
+learner's sentences; ``mix`` runs with a slider moved, and each head's role is
+read off the token view's picker and the roles map. Never runs
 `playwright install`. The browser helpers are shared with
 `python -m benchmarks.app_speed` (benchmarks/browser.py).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import re
 from pathlib import Path
@@ -22,7 +26,10 @@ import pytest
 sync_api = pytest.importorskip("playwright.sync_api")
 
 from benchmarks.browser import chromium_page, chromium_path, mark_outputs, pick_method, serve_app, wait_for_run  # noqa: E402
-from kvlab import lab  # noqa: E402
+from kvlab import lab, results  # noqa: E402
+from kvlab.lab.explore import explore_key  # noqa: E402
+from kvlab.lab.head_roles import head_roles  # noqa: E402
+from kvlab.memo import MISSING  # noqa: E402
 from kvlab.ui import default_method  # noqa: E402
 from kvlab.ui.common import RATIO_DEFAULT  # noqa: E402
 from kvlab.ui.compare import SWEEP_DEFAULT_METHODS, SWEEP_DEFAULT_RATIOS, SWEEP_RATIOS  # noqa: E402
@@ -257,7 +264,7 @@ PICK_DOCUMENT = (
 )
 
 
-def test_a_learner_ticks_two_sentences_runs_and_sees_the_rank(app_url, page):
+def test_a_learner_ticks_two_sentences_runs_and_sees_the_rank(app_url, page, tmp_path):
     """The "Your pick" tab: the document split into sentences, two ticked within the budget (the
     counter follows), Run, and the pick's place among the methods."""
     expect = sync_api.expect
@@ -281,3 +288,94 @@ def test_a_learner_ticks_two_sentences_runs_and_sees_the_rank(app_url, page):
         re.compile(r"Your pick ranks \d+(st|nd|rd|th) of 8"), timeout=RUN_TIMEOUT_MS
     )
     expect(page.locator("#kvlab-pick-table")).to_contain_text("your pick")
+    take_asset(page, tmp_path, "pick.png", [page.locator("#kvlab-pick-text"), page.locator("#kvlab-pick-table")])
+
+
+def test_a_learner_mixes_scores_then_reads_each_heads_role(app_url, page, tmp_path, embedded):
+    """Explore with ``mix``: its w_recency slider moved by keyboard, Run, the answers and a summary naming mix
+    (the run stored under the slider's weight, not the default one); then each KV head's role, in the token
+    view's picker label and under it once the picker moves, against kvlab.lab.head_roles on the same document
+    and question, and the roles map drawn."""
+    expect = sync_api.expect
+    example = lab.examples()[0]
+    page.goto(app_url, wait_until="domcontentloaded")
+    expect(page.locator("#kvlab-question textarea, #kvlab-question input").first).to_have_value(
+        example.questions[0], timeout=20_000
+    )
+    page.locator("#kvlab-advanced").get_by_text("Advanced", exact=True).first.click()
+    length = page.locator("#kvlab-max-new input[type=number]")
+    length.fill("16")
+    length.press("Tab")
+    pick_method(page, "mix")
+    recency = page.get_by_label("range slider for w_recency")
+    recency.focus()
+    for _ in range(10):  # 1.0 -> 0.5 in the knob's steps of 0.05, as a keyboard user moves it
+        recency.press("ArrowLeft")
+    expect(page.get_by_label("number input for w_recency")).to_have_value("0.5")
+
+    mark_outputs(page)
+    page.locator("#kvlab-run").click()
+    wait_for_run(page, "mix", RATIO_DEFAULT, RUN_TIMEOUT_MS)
+    summary = re.compile(rf"mix at {RATIO_DEFAULT:g}x .* keys stored per head")
+    expect(page.locator("#kvlab-summary")).to_contain_text(summary)
+    for box in ("#kvlab-answer-full textarea", "#kvlab-answer-compressed textarea"):
+        expect(page.locator(box)).to_have_value(re.compile(r"\S"))
+    model = lab.model_choices()[0][1]
+    stored = [  # the store holds the run of the slider's weight, and no run of the default weights
+        results.store().get(explore_key(example.text(), None, "mix", RATIO_DEFAULT, example.questions[0], 16, o, model))
+        for o in ({"w_recency": 0.5}, {})
+    ]
+    assert stored[0] is not MISSING and stored[1] is MISSING
+    # The mix's weights as set, and the run's summary and answers.
+    weights = [page.locator("#kvlab-method"), page.get_by_label("range slider for w_knorm")]
+    answers = [page.locator("#kvlab-summary"), page.locator("#kvlab-answer-compressed")]
+    take_asset(page, tmp_path, "mix.png", weights, answers)
+
+    ctx, _ = lab.prepared_context(embedded, example.text())
+    roles = head_roles(ctx, example.questions[0])
+    picker = page.locator("#kvlab-head")
+    expect(picker).to_contain_text(re.compile(r"KV head \(layer \d+: 0 (retrieval|streaming) \d+%"), timeout=30_000)
+    layer_slider = page.locator("#kvlab-layer input[type=range]")
+    layer_slider.press("Home")  # layer 0, then 1: the picker's label follows the layer
+    layer_slider.press("ArrowRight")
+    expect(picker).to_contain_text("KV head (layer 1: 0 ")
+    layer_text, heads = re.search(r"KV head \(layer (\d+): ([^)]*)\)", picker.inner_text()).groups()
+    layer, shown = int(layer_text), re.findall(r"(\d+) (\w+) (\d+)%", heads)
+    assert [(int(h), role) for h, role, _ in shown] == list(enumerate(roles.labels[layer])), (heads, roles.labels)
+    for (_, _, percent), share in zip(shown, roles.shares[layer]):
+        assert abs(int(percent) - 100 * share) <= 0.5 + 1e-6, (heads, roles.shares[layer])
+    picker.locator("input[type=range]").press("ArrowRight")  # KV head 1: its role in a line under the picker
+    expect(picker).to_contain_text(f"layer {layer}, head 1: {roles.labels[layer][1]}, ")
+    roles_map = page.locator("#kvlab-roles .js-plotly-plot")  # [KV head][layer]: % beyond, marked R or S
+    expect(roles_map).to_be_visible()
+    percents, marks = roles_map.evaluate("gd => [gd.data[0].z, gd.data[0].text]")
+    assert marks == [[row[h][0].upper() for row in roles.labels] for h in range(len(roles.labels[0]))]
+    by_head = [100 * row[h] for h in range(len(marks)) for row in roles.shares]
+    assert [p for row in percents for p in row] == pytest.approx(by_head, abs=1e-4)
+    figures = [page.locator("#kvlab-kept"), page.locator("#kvlab-roles")]
+    picker_row = [page.locator("#kvlab-layer"), page.locator("#kvlab-intensity")]
+    take_asset(page, tmp_path, "head-roles.png", figures, picker_row)
+
+
+def take_asset(page, tmp_path: Path, name: str, *parts: list) -> None:
+    """A picture named ``name``: each of ``parts`` (a list of elements) clipped to its elements' joint box, the
+    parts one under the other; beside KVLAB_SCREENSHOT's file when that is set (the README's assets, ``make
+    screenshot``), else in the test's tmp_path."""
+    from PIL import Image
+
+    page.wait_for_timeout(500)  # plotly's last redraw
+    page.evaluate("window.scrollTo(0, 0)")  # the boxes below then in the page's coordinates, as full_page clips
+    pictures = []
+    for elements in parts:
+        boxes = [e.bounding_box() for e in elements]
+        x, y = max(min(b["x"] for b in boxes) - 8, 0), max(min(b["y"] for b in boxes) - 8, 0)
+        right, bottom = (max(b[at] + b[size] for b in boxes) + 8 for at, size in (("x", "width"), ("y", "height")))
+        clip = {"x": x, "y": y, "width": right - x, "height": bottom - y}
+        pictures.append(Image.open(io.BytesIO(page.screenshot(clip=clip, full_page=True))))
+    sheet = Image.new("RGB", (max(p.width for p in pictures), sum(p.height for p in pictures)), "white")
+    for i, picture in enumerate(pictures):
+        sheet.paste(picture, (0, sum(p.height for p in pictures[:i])))
+    folder = Path(os.environ[SCREENSHOT_ENV]).parent if os.environ.get(SCREENSHOT_ENV) else tmp_path
+    folder.mkdir(parents=True, exist_ok=True)
+    sheet.save(folder / name, optimize=True)
+    assert (folder / name).stat().st_size > 10_000

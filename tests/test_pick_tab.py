@@ -80,6 +80,10 @@ def test_the_tab_splits_counts_and_ranks_a_pick(client):
     assert "your pick" in methods and len(methods) == 8
     place = [row[0] for row in table["data"]][methods.index("your pick")]
     assert rank.startswith(f"**Your pick ranks {place}") and " of 8" in rank and "keeping 4 of the 7 tokens" in rank
+    kept = {row[1]: float(row[4].rstrip("%")) for row in table["data"]}  # bytes kept, % of the full cache's
+    assert all(0 < share < 100 for share in kept.values())
+    # The pick keeps 4 document tokens where every eviction method keeps 7, and the template either way.
+    assert all(kept["your pick"] < kept[m] for m in ("snapkv", "h2o", "random", "streaming_llm"))
 
 
 def test_a_pick_over_the_budget_is_one_line_and_the_server_stays_up(client):

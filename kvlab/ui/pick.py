@@ -47,7 +47,7 @@ def ranking_rows(picked: Picked) -> list[list[Any]]:
                 "your pick" if r.is_pick else r.method,
                 verdict,
                 round(r.logppl_compressed, 3),
-                f"{r.memory_ratio:.1%}",
+                f"{1 / r.memory_ratio:.1%}",  # the ratio is full / kept bytes
             ]
         )
     return rows
