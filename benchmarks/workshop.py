@@ -7,7 +7,7 @@ question), then ``--clicks`` more runs drawn from the sheet (default
 assets/workshop.txt, 18 configurations), thinking ``--think`` seconds between
 clicks, arrivals spread over ``--spread`` seconds (``--together``: everyone
 clicks the link within one second). With ``--picks``, once every participant
-is done with the sheet, each makes a pick of their own in the Your pick tab
+is done with the sheet, each splits the document in the Your pick tab and makes a pick of their own
 (the sheet's ``?tab=pick`` link: its example, question and ratio; random
 sentences within the budget, seeded per participant: a new run by nature),
 the thirty picks clicked within ``--pick-window`` seconds. Bounded: at most
@@ -233,6 +233,8 @@ def simulate_picks(url: str, clients: int, exercise: PickExercise, window_s: flo
     def participant(i: int) -> None:
         at, ticked = plans[i]
         client = Client(url, verbose=False)
+        # The learner splits the document first (the page's checkboxes get their choices), then picks.
+        client.predict(text=exercise.text, ratio=exercise.ratio, api_name="/pick_read")
         time.sleep(max(0.0, at - (time.perf_counter() - origin)))
         c = pick_click(client, i, exercise, ticked, origin)
         with lock:

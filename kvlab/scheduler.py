@@ -226,9 +226,12 @@ class Slot:
                 self._cond.notify_all()
 
     def handover(self) -> None:
-        """Let whoever waits go first, then queue again behind them (nothing happens when nobody waits)."""
+        """Let whoever waits go first, then queue again behind them (nothing happens when nobody waits).
+
+        A request that left the slot (its answer decoding beside the others', :func:`may_leave`) takes
+        it back here, so its next unit of work computes holding it again."""
         with self._cond:
-            if not self._waiting:
+            if not self._waiting and self._holder == threading.get_ident():
                 return
         self.release()
         self.acquire()

@@ -370,3 +370,17 @@ def test_the_ferrymans_paragraph_picked_from_the_story_answers_right(embedded):
     assert picked.pick_tokens == sum(s.n_tokens for s in around) and picked.of == 3
     assert next(r for r in picked.rows if r.is_pick).right, picked.result.answer_compressed
     assert picked.rank <= sum(bool(r.right) for r in picked.rows)
+
+
+def test_stored_rivals_run_before_the_pick_and_the_rest_after(tmp_path):
+    """A class's picks each take the compute slot in one stretch: rivals already in the result store
+    (nothing to compute) come first, then the pick, then the rivals still to compute."""
+    from kvlab.lab.pick import run_order
+
+    def key(name: str) -> results.RunKey:
+        return results.RunKey("m", "d" * 64, "Who?", name, "{}", 10.0, 48, "test")
+
+    results.store().put(key("kvzip"), "a stored run")
+    results.store().put(key("random"), "another")
+    order = run_order(["manual", "snapkv", "kvzip", "h2o", "random"], key)
+    assert order == ["kvzip", "random", "manual", "snapkv", "h2o"]

@@ -217,6 +217,18 @@ def test_the_slot_goes_round_robin_between_pages():
     assert order == ["a1", "b1", "c1", "a2", "b2", "a3"] and not errors
 
 
+def test_a_request_that_left_the_slot_takes_it_back_between_units():
+    """A pick's answer decodes beside the others' after leaving the slot (kvlab.scheduler.may_leave); its
+    next unit of work (a rival still to compute) must hold the slot again, even when nobody waits."""
+    slot = scheduler.Slot()
+    with cancellation.scope(handover=slot.handover) as scope, slot.hold(), scheduler.may_leave(slot):
+        cancellation.leave_slot()
+        assert not slot.busy
+        cancellation.between_units("a unit done")
+        assert slot.busy and scope.units == 1
+    assert not slot.busy
+
+
 def test_background_work_waits_while_any_visitor_waits():
     slot, order, errors = scheduler.Slot(), [], []
     holder, go = _held(slot)

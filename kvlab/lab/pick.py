@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from kvlab import cancellation, models, results
 from kvlab.context import Progress, no_progress
@@ -28,6 +28,7 @@ from kvlab.lab.compare import SweepError, not_run
 from kvlab.lab.explore import explore, explore_key, prepared_context, sub_progress, token_texts
 from kvlab.lab.inputs import InputError, check_ratio, check_sweep, document_text, expected_answer
 from kvlab.lab.views import RunView, present
+from kvlab.memo import MISSING
 from kvlab.methods import MethodError, get_method
 from kvlab.methods.manual import NONE, Manual, pick_ranges
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS, RunResult
@@ -203,14 +204,24 @@ def served_run(
     options: dict[str, Any],
     model: str | None,
     progress: Progress,
-) -> RunView:
+) -> tuple[RunView, results.Served]:
     """The run as the Explore tab computes it (kvlab.lab.explore, kvlab.lab.views.present), through the
-    result store under the Explore run's own key: computed once, then served to any later request."""
+    result store under the Explore run's own key: computed once, then served to any later request;
+    -> (the run, how it was served: stored, shared or computed)."""
     key = explore_key(text, file, method, ratio, question, max_new_tokens, options, model)
-    view, _ = results.store().serve(
+    return results.store().serve(
         key, lambda: present(explore(text, file, method, ratio, question, max_new_tokens, options, progress, model))
     )
-    return view
+
+
+def run_order(names: list[str], key: Callable[[str], results.RunKey]) -> list[str]:
+    """``names`` (the pick first) in the order to run them: the rivals already stored (warmed, or run by
+    an earlier pick: no work), then the pick, then the rivals to compute. A class's picks then each take
+    the compute slot in one stretch, where handing it over around stored rivals would make every pick
+    in line take turns with all the others and finish last."""
+    pick_name, *rivals = names
+    stored = [name for name in rivals if results.store().get(key(name)) is not MISSING]
+    return [*stored, pick_name, *(name for name in rivals if name not in stored)]
 
 
 def pick(
@@ -232,15 +243,17 @@ def pick(
     gold: the expected answer or its aliases (default: the bundled example's, when the question
     is one). The ranking follows :data:`RANK_RULE`. The pick is checked on the document before any
     run (MethodError: one line, the spans' problem); a rival that fails is recorded in
-    ``errors``. Each run is a unit of the request (kvlab.cancellation.between_units): when the
-    time limit passes after the pick ran, the ranking holds the runs done and ``stopped`` says
-    what was not run. Raises DocumentError, MethodError, ModelLoadError or InputError for the user.
+    ``errors``. The runs go in :func:`run_order`; each run that computed is a unit of the request
+    (kvlab.cancellation.between_units): when the time limit passes after the pick ran, the ranking
+    holds the runs done and ``stopped`` says what was not run. Raises DocumentError, MethodError,
+    ModelLoadError or InputError for the user.
     """
     start = time.perf_counter()
     keep = keep_text(keep)
     rivals = list(dict.fromkeys(m.strip() for m in methods if m.strip() and m.strip() != Manual.name))
     names, (ratio,) = check_sweep([Manual.name, *rivals], [ratio])
     explore_key(text, file, Manual.name, ratio, question, max_new_tokens, {"keep": keep}, model)  # every input checked
+    names = run_order(names, lambda name: explore_key(text, file, name, ratio, question, max_new_tokens, {}, model))
     expected = expected_answer(question) if gold is None else ((gold,) if isinstance(gold, str) else tuple(gold))
     progress(0.0, f"loading the model {model or ''} (the first use of a model takes a while)")
     lm = models.get_model(model or None)
@@ -248,17 +261,20 @@ def pick(
     pick_tokens = sum(b - a for a, b in pick_ranges(keep, ctx, ratio))  # refused here, before any run
     views: dict[str, RunView] = {}
     errors: list[SweepError] = []
-    stopped = ""
+    stopped, how = "", "stored"
     for k, name in enumerate(names):
         label = f"{'your pick' if name == Manual.name else name} at {ratio:g}x ({k + 1}/{len(names)}): "
         try:
-            if k:
+            # Waiting requests take the slot after a run that computed (run_order: not after a stored one).
+            if k and how == "computed":
                 cancellation.between_units(f"{k} of {len(names)} runs done")
+            elif k:
+                cancellation.checkpoint(f"{k} of {len(names)} runs done")
             options = {"keep": keep} if name == Manual.name else {}
             point = sub_progress(progress, 0.1 + 0.9 * k / len(names), 0.9 / len(names), label)
-            views[name] = served_run(text, file, name, ratio, question, max_new_tokens, options, model, point)
+            views[name], how = served_run(text, file, name, ratio, question, max_new_tokens, options, model, point)
         except cancellation.Cancelled as exc:
-            if exc.reason != cancellation.TIME or not views:
+            if exc.reason != cancellation.TIME or Manual.name not in views:
                 raise
             stopped = not_run(exc, k, [(get_method(m), ratio) for m in names[k:]])
             break

@@ -24,7 +24,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
@@ -295,11 +295,15 @@ def guarded(
     owner: str | None = None,
     kind: str | None = None,
     progress: Callable[..., Any] | None = None,
+    leave: bool = False,
 ) -> T:
     """``work()`` holding the compute slot within the request's bounds (:func:`bounded`), failures
-    shown to the user (:func:`user_facing`)."""
-    with user_facing(what), bounded(owner=owner, kind=kind, progress=progress):
-        return work()
+    shown to the user (:func:`user_facing`). leave: a run of ``work`` leaves the slot once its answer
+    decodes (batched with the others', as :func:`served`'s), and a later unit of ``work`` takes it back
+    (kvlab.cancellation.between_units)."""
+    with user_facing(what), bounded(owner=owner, kind=kind, progress=progress) as scope:
+        with scheduler.may_leave(COMPUTE) if leave else nullcontext(scope):
+            return work()
 
 
 def served(

@@ -210,7 +210,10 @@ def on_run(  # noqa: ANN201 - gradio outputs
         spec = common.checked_model(model, specs)
         return pick(text, None, keep, ratio, question, progress=lambda f, desc: progress(f, desc=desc), model=spec)
 
-    picked = common.guarded("your pick", work, owner=common.session_of(request), kind="pick", progress=progress)
+    # The pick's answer decodes batched with the others' (leave): a class's picks overlap.
+    picked = common.guarded(
+        "your pick", work, owner=common.session_of(request), kind="pick", progress=progress, leave=True
+    )
     run = picked.result
     mark_full, mark_pick = picked.view.answer_marks  # right or wrong as Explore marks them, when the gold is known
     return mark_pick, run.answer_compressed, mark_full, run.answer_full, ranking_rows(picked), rank_line(picked)
