@@ -303,6 +303,23 @@ def _settings_link(
     return gr.Textbox(value=links.link_query(link), info=info)
 
 
+def settings_widgets(inputs: DocumentInputs, sweep: CompareInputs, writing: GenerateInputs) -> list[gr.Component]:
+    """The widgets a link sets and "Link to this" reads after the document's: Explore's method, ratio and
+    model, Compare's methods, ratios and models, Generate's source, methods and budget, in that order."""
+    return [
+        inputs.method,
+        inputs.ratio,
+        inputs.model,
+        sweep.methods,
+        sweep.ratios,
+        sweep.more_ratios,
+        sweep.models,
+        writing.source,
+        writing.methods,
+        writing.budget,
+    ]
+
+
 def wire_links(
     demo: gr.Blocks,
     choices: links.LinkChoices,
@@ -338,16 +355,7 @@ def wire_links(
             inputs.text,
             inputs.suggested,
             inputs.question,
-            inputs.method,
-            inputs.ratio,
-            inputs.model,
-            sweep.methods,
-            sweep.ratios,
-            sweep.more_ratios,
-            sweep.models,
-            writing.source,
-            writing.methods,
-            writing.budget,
+            *settings_widgets(inputs, sweep, writing),
             picking.example,
             picking.text,
             picking.suggested,
@@ -376,22 +384,7 @@ def wire_link_button(
 ) -> None:
     """ "Link to this": the shown tab's settings as a link (kvlab.lab.links), Explore's method's knobs
     that differ from their defaults included, in the box as a whole address."""
-    shown = [
-        tab,
-        inputs.example,
-        inputs.text,
-        inputs.question,
-        inputs.method,
-        inputs.ratio,
-        inputs.model,
-        sweep.methods,
-        sweep.ratios,
-        sweep.more_ratios,
-        sweep.models,
-        writing.source,
-        writing.methods,
-        writing.budget,
-    ]
+    shown = [tab, inputs.example, inputs.text, inputs.question, *settings_widgets(inputs, sweep, writing)]
     pick_shown = [picking.example, picking.text, picking.question, picking.ratio]
 
     def make_link(*settings):
