@@ -22,7 +22,8 @@ their bytes over the read bandwidth measured here (a float32 sum over a
 buffer far larger than the caches), with the fraction of it each loop
 reaches; also the bound counting the KV cache's bytes read per token, and
 the fraction of each bound that the target (2x transformers' loop) needs;
-and the floor of a step: the model's weight matmuls alone for one token.
+and the floor of a step: the model's weight matmuls alone for one token (as the lean pass computes
+them, kvlab.runtime.lean.project, and in torch.nn.functional.linear's form beside it).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -44,6 +46,7 @@ from kvlab.examples import Example, load_examples  # noqa: E402
 from kvlab.models import get_model  # noqa: E402
 from kvlab.prompts import question_tokens  # noqa: E402
 from kvlab.runtime.decode import greedy, stop_token_ids  # noqa: E402
+from kvlab.runtime.lean import project  # noqa: E402
 from kvlab.runtime.model import LoadedModel  # noqa: E402
 
 TARGET_RATIO = 2.0
@@ -60,9 +63,11 @@ def read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 5) -> float:
     return n_bytes / best
 
 
-def matmul_floor_s(lean, repeats: int = 5) -> float:
+def matmul_floor_s(lean, product: Callable = project, repeats: int = 5) -> float:
     """Seconds of one token's weight matmuls alone, nothing else: every projection of every layer and
-    the head, on the model's own (fused) weights, the best of ``repeats``. A step can be no faster."""
+    the head, on the model's own (fused) weights, computed by ``product`` (the lean pass's own,
+    kvlab.runtime.lean.project, or ``torch.nn.functional.linear`` to compare), the best of ``repeats``.
+    A step can be no faster."""
     weights = [w for layer in lean.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     weights.append(lean.lm_head.weight)
     inputs = {w.shape[1]: torch.ones(1, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
@@ -71,7 +76,7 @@ def matmul_floor_s(lean, repeats: int = 5) -> float:
         for _ in range(repeats):
             start = time.perf_counter()
             for w in weights:
-                torch.nn.functional.linear(inputs[w.shape[1]], w)
+                product(inputs[w.shape[1]], w)
             best = min(best, time.perf_counter() - start)
     return best
 
@@ -108,12 +113,14 @@ class Bench:
 @dataclass
 class Bounds:
     """The memory bound: the read bandwidth (bytes/s), the weights' and the KV cache's bytes, and the
-    seconds of one token's weight matmuls (None: the model's family has no lean forward)."""
+    seconds of one token's weight matmuls as the lean pass computes them and in linear's own form
+    (None: the model's family has no lean forward)."""
 
     bandwidth: float
     weights: int
     kv: int
     floor_s: float | None
+    floor_linear_s: float | None
 
     @property
     def tokens_s(self) -> float:
@@ -218,7 +225,8 @@ def report(bench: Bench, times: dict[str, list[float]], written: dict[str, list[
     if (floor_s := bounds.floor_s) is not None:
         print(
             f"\nthe weight matmuls alone, one token: {floor_s * 1e3:.1f} ms ({1 / floor_s:.1f} tokens/s, "
-            f"{n_weights / floor_s / bounds.bandwidth:.0%} of the read bandwidth); the target leaves "
+            f"{n_weights / floor_s / bounds.bandwidth:.0%} of the read bandwidth; as torch.nn.functional.linear: "
+            f"{bounds.floor_linear_s * 1e3:.1f} ms); the target leaves "
             f"{(1 / needed - floor_s) * 1e3:.1f} ms per token for everything else (attention over the "
             f"{kv_bytes / 1e6:.0f} MB cache alone takes {kv_bytes / bounds.bandwidth * 1e3:.1f} ms at the read "
             "bandwidth)"
@@ -255,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     bandwidth = read_bandwidth()
     lean = decode.lean_model(lm.model)
-    floor_s = matmul_floor_s(lean) if lean is not None else None
-    report(bench, times, written, Bounds(bandwidth, weight_bytes(lm.model), ctx.full.nbytes, floor_s))
+    floors = (matmul_floor_s(lean), matmul_floor_s(lean, torch.nn.functional.linear)) if lean else (None, None)
+    report(bench, times, written, Bounds(bandwidth, weight_bytes(lm.model), ctx.full.nbytes, *floors))
     return 0
 
 

@@ -171,12 +171,15 @@ class Context:
             for memo in [m for m in self._entries if m.question == oldest]:
                 self._drop(memo)
         total = self._count_bytes()
+        dropped = False
         while self.budget is not None and total > self.budget:
             memo = next((m for m in self._entries if m != newest), None)
             if memo is None:
                 break
             total -= self._drop(memo)
-        self._nbytes = self._count_bytes()
+            dropped = True
+        # An entry's own bytes may be shared with others (views of the full cache): count again after a drop.
+        self._nbytes = self._count_bytes() if dropped else total
 
     def _drop(self, memo: Memo) -> int:
         nbytes = self._entries.pop(memo)

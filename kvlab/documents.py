@@ -31,6 +31,8 @@ _MAX_CONTROL_RATIO: float = 0.01
 _ALLOWED_CONTROLS: frozenset[str] = frozenset("\t\n\r\f\v")
 _BLANK_RUN = re.compile(r"\n{4,}")  # more than two blank lines in a row
 _NEWLINES = str.maketrans({"\r": "\n", "\f": "\n", "\v": "\n", "\u2028": "\n", "\u2029": "\n"})
+# Unicode's control characters (category Cc: U+0000-U+001F, U+007F-U+009F) but newline and tab, and the BOM.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ufeff]")
 
 
 class DocumentError(ValueError):
@@ -218,7 +220,7 @@ def clean_text(text: str) -> str:
     """
     text = text.replace("\r\n", "\n")
     text = text.translate(_NEWLINES)
-    text = "".join(ch for ch in text if ch in "\n\t" or (unicodedata.category(ch) != "Cc" and ch != "\ufeff"))
+    text = _CONTROL.sub("", text)
     text = "\n".join(line.rstrip() for line in text.split("\n"))
     text = _BLANK_RUN.sub("\n\n\n", text).strip()
     if not text:

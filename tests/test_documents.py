@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -258,6 +259,15 @@ def _bytes_io(data: bytes):
 def test_clean_text_newlines_and_controls() -> None:
     raw = "\ufeffa\r\nb\rc\x00d\x07e\tf\x0cg  \n"
     assert clean_text(raw) == "a\nb\ncd" + "e\tf\ng"
+
+
+def test_clean_text_removes_exactly_unicodes_control_characters() -> None:
+    # Every code point of the Latin-1 range but the line breaks, and a few beyond, each between two letters
+    # on its own line, judged by unicodedata's category: Cc goes (but tab), as does the BOM; the rest stays.
+    points = [chr(c) for c in range(0x100) if chr(c) not in "\n\r\x0b\x0c"] + ["\u061c", "\u200b", "\ufeff", "\ufffe"]
+    got = clean_text("\n".join(f"a{p}b" for p in points))
+    gone = {p for p in points if p != "\t" and (unicodedata.category(p) == "Cc" or p == "\ufeff")}
+    assert got == "\n".join("ab" if p in gone else f"a{p}b" for p in points)
 
 
 def test_clean_text_collapses_blank_runs() -> None:

@@ -9,7 +9,7 @@ import kvlab.runtime.decode as decode
 from kvlab.runtime.cache import CompressedKV, DenseSegment
 from kvlab.runtime.decode import extend, open_session, prefill
 from kvlab.runtime.hooks import QueryCapture
-from kvlab.runtime.lean import lean_model, unsupported_reason
+from kvlab.runtime.lean import lean_model, project, unsupported_reason
 from kvlab.testing.random_models import random_model
 
 LEAN_FAMILIES = ["llama", "qwen2", "mistral"]
@@ -114,3 +114,19 @@ def test_a_copy_cast_to_bf16_gets_its_own_lean_view():
     lean = lean_model(twin)
     assert lean.layers[0].qkv.dtype == torch.bfloat16
     assert lean.layers[0].qkv.data_ptr() == twin.model.layers[0].self_attn.q_proj.weight.data_ptr()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_project_is_linear_for_any_row_count(rows, with_bias):
+    # The lean pass's products (weight @ x^T, one row doubled) against torch's own linear, float64 as
+    # the reference; the bound is float32 rounding of a 96-term dot product of unit-scale terms.
+    gen = torch.Generator(device="cpu").manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen, device="cpu")
+    weight = torch.randn(40, 96, generator=gen, device="cpu")
+    bias = torch.randn(40, generator=gen, device="cpu") if with_bias else None
+    got = project(x, weight, bias)
+    want = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert got.shape == (rows, 40) and got.dtype == torch.float32 and got.is_contiguous()
+    scale = (x.double().abs() @ weight.double().abs().T) + (0 if bias is None else bias.double().abs())
+    assert ((got.double() - want).abs() <= 96 * torch.finfo(torch.float32).eps * scale).all()
