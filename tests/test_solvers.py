@@ -272,3 +272,38 @@ def test_nnls_bias_on_a_wide_design_equals_the_primal_gram_form(ridge):
     expected = w.log().masked_fill(~valid, float("-inf"))
     assert torch.isinf(got[1, 24:]).all()
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+
+
+def test_product_of_one_column_equals_the_plain_product():
+    """linalg.product computes a single column as a row times a matrix: the same numbers as the
+    float64 product (within float32's dot-product error), for one column and for several."""
+    from kvlab.compression.solvers.linalg import product
+
+    g = gen(21)
+    a = torch.randn(3, 40, 70, generator=g)
+    for c in (1, 4):
+        b = torch.randn(3, 70, c, generator=g)
+        exact = a.double() @ b.double()
+        bound = 70 * torch.finfo(torch.float32).eps * float((a.abs().double() @ b.abs().double()).max())
+        out = product(a, b)
+        assert out.shape == (3, 40, c)
+        torch.testing.assert_close(out.double(), exact, rtol=0, atol=bound)
+        # a transposed view as the left factor (the rhs D^T z of the bias fit)
+        torch.testing.assert_close(
+            product(a.mT, a[..., :c]).double(), a.double().mT @ a[..., :c].double(), rtol=0, atol=bound
+        )
+
+
+def test_compact_attention_is_the_softmax_and_its_log_mass():
+    """compact.compact_attention against torch.softmax and torch.logsumexp; a head with no real slot
+    (every bias -inf) attends to nothing: weights 0 and log-mass -inf."""
+    from kvlab.compression.solvers.compact import compact_attention
+
+    q, k, _ = qkv()
+    beta = torch.randn(3, k.shape[1], generator=gen(22))
+    beta[1] = float("-inf")
+    x, lse = compact_attention(q, k, beta, 0.125)
+    logits = (q.double() * 0.125) @ k.double().mT + beta.double().unsqueeze(1)
+    torch.testing.assert_close(x[[0, 2]].double(), torch.softmax(logits[[0, 2]], -1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(lse[[0, 2]].double(), torch.logsumexp(logits[[0, 2]], -1), rtol=0, atol=1e-5)
+    assert not bool(x[1].any()) and bool((lse[1] == float("-inf")).all())

@@ -308,8 +308,13 @@ def compact_attention(
     non-finite key gives NaN in the softmax: 0 there.
     """
     logits = attention_logits(q, ck, beta, scale)
-    lse_c = torch.logsumexp(logits, dim=-1)  # for the residuals
-    return logits.sub_(lse_c.unsqueeze(-1)).exp_().nan_to_num_(nan=0.0), lse_c
+    # The softmax and its log-mass from one pass in place (logsumexp would hold a second [B, n, t]
+    # copy and exponentiate it once more); an all -inf row keeps lse_c = -inf, as logsumexp's.
+    top = logits.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    total = logits.sub_(top).exp_().sum(dim=-1, keepdim=True)
+    lse_c = (top + total.log()).squeeze(-1)  # for the residuals
+    return logits.div_(total).nan_to_num_(nan=0.0), lse_c
 
 
 def refit_values(

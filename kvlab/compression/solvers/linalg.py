@@ -31,6 +31,15 @@ REFINE_STEPS = 2
 RIDGE_FLOOR = 1e-30
 
 
+def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` [B, m, c] of ``a`` [B, m, k] and ``b`` [B, k, c], a single column (c = 1) as the row
+    ``(b^T a^T)^T``: a batched matrix-vector product in MKL's column form runs 3-12x slower on an AMD
+    CPU than the same product as a row times a matrix (the bias fit's products all have one column)."""
+    if b.shape[-1] == 1:
+        return torch.bmm(b.mT, a.mT).mT
+    return torch.bmm(a, b)
+
+
 #: Columns per block of :func:`gram_matrix`'s products.
 GRAM_BLOCK = 128
 
@@ -43,12 +52,14 @@ def gram_matrix(design: torch.Tensor, lower_only: bool = False) -> torch.Tensor:
     m = design.shape[-1]
     if m <= 2 * GRAM_BLOCK:
         return torch.bmm(design.mT, design)
-    out = design.new_zeros(design.shape[0], m, m) if lower_only else design.new_empty(design.shape[0], m, m)
+    out = design.new_empty(design.shape[0], m, m)
     for a in range(0, m, GRAM_BLOCK):
         b = min(m, a + GRAM_BLOCK)
         rows = torch.bmm(design[:, :, a:b].mT, design[:, :, :b])  # [B, b - a, b]: block row a:b, left of b
         out[:, a:b, :b] = rows
-        if not lower_only:
+        if lower_only:
+            out[:, a:b, b:] = 0.0  # only right of the block: zeroing all of ``out`` first costs a pass more
+        else:
             out[:, :a, a:b] = rows[:, :, :a].mT
     return out
 
@@ -186,10 +197,10 @@ def ridge_lstsq(
     """
     dt = design.transpose(-1, -2)
     gram = gram_matrix(design, lower_only=True) if gram is None else gram  # only factorised here
-    rhs = torch.bmm(dt, target) if rhs is None else rhs
+    rhs = product(dt, target) if rhs is None else rhs
     chol, ok = ridge_factor(gram, active, ridge)
     solve = lambda b: factor_solve(chol, ok, b, active)  # noqa: E731
-    return _refine(solve(rhs), lambda x: target - torch.bmm(design, x), lambda r: torch.bmm(dt, r), solve, steps)
+    return _refine(solve(rhs), lambda x: target - product(design, x), lambda r: product(dt, r), solve, steps)
 
 
 def ridge_lstsq_dual(
@@ -216,8 +227,8 @@ def ridge_lstsq_dual(
     rows = torch.ones(design.shape[0], design.shape[1], dtype=design.dtype, device=design.device)
     chol, ok = ridge_factor(kern, rows, ridge, fro2 / active.sum(-1).clamp_min(1.0))
     solve = lambda b: factor_solve(chol, ok, b, rows)  # noqa: E731
-    alpha = _refine(solve(target), lambda a: target - torch.bmm(design, torch.bmm(dt, a)), lambda r: r, solve, steps)
-    return torch.bmm(dt, alpha)
+    alpha = _refine(solve(target), lambda a: target - product(design, product(dt, a)), lambda r: r, solve, steps)
+    return product(dt, alpha)
 
 
 def masked_design(m: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,4 +244,4 @@ def masked_gram(m: torch.Tensor, z: torch.Tensor, valid: torch.Tensor | None) ->
     """``(M^T M, M^T z, active, masked M)`` for a design ``m`` [B, n, t]."""
     m, active = masked_design(m, valid)
     mt = m.transpose(-1, -2)
-    return gram_matrix(m), torch.bmm(mt, z.float().unsqueeze(-1)).squeeze(-1), active, m
+    return gram_matrix(m), product(mt, z.float().unsqueeze(-1)).squeeze(-1), active, m

@@ -21,6 +21,7 @@ from kvlab.compression.solvers.linalg import (
     gram_matrix,
     masked_design,
     masked_gram,
+    product,
     ridge_factor,
     ridge_lstsq,
     ridge_lstsq_dual,
@@ -37,9 +38,9 @@ def _top_eig(gram: torch.Tensor, active: torch.Tensor, steps: int = 10) -> torch
     """
     v = active / active.sum(-1, keepdim=True).clamp_min(1.0).sqrt()
     for _ in range(steps):
-        u = torch.bmm(gram, v.unsqueeze(-1)).squeeze(-1)
+        u = product(gram, v.unsqueeze(-1)).squeeze(-1)
         v = u / u.norm(dim=-1, keepdim=True).clamp_min(RIDGE_FLOOR)
-    return (v * torch.bmm(gram, v.unsqueeze(-1)).squeeze(-1)).sum(-1)
+    return (v * product(gram, v.unsqueeze(-1)).squeeze(-1)).sum(-1)
 
 
 def box_nnls_gram(
@@ -71,7 +72,7 @@ def box_nnls_gram(
         w = ridge_lstsq(design, target.unsqueeze(-1), active, ridge, gram, b.unsqueeze(-1)).squeeze(-1)
     g, b = active_block(gram, active), b * active
     return _box_steps(
-        w, active, lo, hi, iters, lambda: _top_eig(g, active), lambda x: torch.bmm(g, x.unsqueeze(-1)).squeeze(-1) - b
+        w, active, lo, hi, iters, lambda: _top_eig(g, active), lambda x: product(g, x.unsqueeze(-1)).squeeze(-1) - b
     )
 
 
@@ -125,7 +126,7 @@ def _box_nnls_dual(
         hi,
         iters,
         lambda: _top_eig(kern, rows),
-        lambda x: torch.bmm(mt, torch.bmm(m, x.unsqueeze(-1)) - z.unsqueeze(-1)).squeeze(-1),
+        lambda x: product(mt, product(m, x.unsqueeze(-1)) - z.unsqueeze(-1)).squeeze(-1),
     )
 
 

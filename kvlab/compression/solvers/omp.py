@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab.compression.solvers.linalg import product
 from kvlab.compression.solvers.nnls import box_nnls_gram
 
 
@@ -104,7 +105,7 @@ class Pursuit:
 
     def correlation(self) -> torch.Tensor:
         """[B, T] each key's correlation ``sum_i phi_ij r_i`` with the residual ``r = z - phi_S w``."""
-        r = self.z - torch.bmm(self.m_sel, self.w.unsqueeze(-1)).squeeze(-1)
+        r = self.z - product(self.m_sel, self.w.unsqueeze(-1)).squeeze(-1)
         return torch.bmm(r.unsqueeze(1), self.phi).squeeze(1)
 
     def drop_weak(self, drop_w: float) -> None:
