@@ -16,6 +16,7 @@ read off the token view's picker and the roles map. Never runs
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 from pathlib import Path
@@ -302,6 +303,8 @@ def test_a_learner_mixes_scores_then_reads_each_heads_role(app_url, page, tmp_pa
     expect(page.locator("#kvlab-question textarea, #kvlab-question input").first).to_have_value(
         example.questions[0], timeout=20_000
     )
+    # The page's own opening work done (its link applied, then the document prepared) before the learner acts.
+    expect(page.locator("#kvlab-doc-status")).to_contain_text("Ready", timeout=RUN_TIMEOUT_MS)
     page.locator("#kvlab-advanced").get_by_text("Advanced", exact=True).first.click()
     length = page.locator("#kvlab-max-new input[type=number]")
     length.fill("16")
@@ -325,7 +328,8 @@ def test_a_learner_mixes_scores_then_reads_each_heads_role(app_url, page, tmp_pa
         results.store().get(explore_key(example.text(), None, "mix", RATIO_DEFAULT, example.questions[0], 16, o, model))
         for o in ({"w_recency": 0.5}, {})
     ]
-    assert stored[0] is not MISSING and stored[1] is MISSING
+    assert stored[0] is not MISSING and stored[1] is MISSING, stored_runs("mix")
+    assert len(stored_runs("mix")) == 1
     # The mix's weights as set, and the run's summary and answers.
     weights = [page.locator("#kvlab-method"), page.get_by_label("range slider for w_knorm")]
     answers = [page.locator("#kvlab-summary"), page.locator("#kvlab-answer-compressed")]
@@ -355,6 +359,21 @@ def test_a_learner_mixes_scores_then_reads_each_heads_role(app_url, page, tmp_pa
     figures = [page.locator("#kvlab-kept"), page.locator("#kvlab-roles")]
     picker_row = [page.locator("#kvlab-layer"), page.locator("#kvlab-intensity")]
     take_asset(page, tmp_path, "head-roles.png", figures, picker_row)
+
+
+def stored_runs(method: str) -> list[dict]:
+    """The keys of ``method``'s runs in this test's result store, read from its entries' headers (the
+    document, model and code shortened): what a failing check on the store reports."""
+    directory = results.store().directory
+    found = []
+    for path in sorted(directory.glob(f"*/*{results.SUFFIX}")) if directory is not None else []:
+        if path.name.startswith("."):  # an entry being written
+            continue
+        header = path.read_bytes().split(b"\n", 2)[1]  # after kvlab.results' magic line
+        key = json.loads(json.loads(header)["key"])
+        if key["method"] == method:
+            found.append({**key, "document": key["document"][:8], "model": key["model"][:8], "code": key["code"][-8:]})
+    return found
 
 
 def take_asset(page, tmp_path: Path, name: str, *parts: list) -> None:

@@ -12,7 +12,7 @@ from kvlab.methods import Request
 from kvlab.methods.families.scorers import KVzipOptions, kvzip_scores
 from kvlab.prompts import repeat_tokens
 from kvlab.queries import repeat_pass, repeat_queries
-from kvlab.runtime.attention import attend, attention_logits, causal_attention, softmax_
+from kvlab.runtime.attention import attend, attention_logits, causal_attention, matmul, softmax_
 from kvlab.runtime.cache import CompressedKV, DenseSegment, FullKV, template_segment
 from kvlab.runtime.decode import GrowingLayer, continuation_logprobs, extend, greedy, open_session, prefill
 from kvlab.runtime.hooks import QueryCapture
@@ -380,3 +380,29 @@ def test_a_batched_decode_step_matches_block_attention(bias_shape):
             full = torch.cat([mine, mine.new_zeros(2, 9 - mine.shape[-1])], dim=-1)
         slow = attend(q[b].reshape(2, 2, 16), k[b], v[b], full, 0.25).output.reshape(4, 1, 16)
         assert torch.allclose(fast[b], slow, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "a_shape, b_shape, transposed",
+    [
+        ((3, 40, 16), (3, 16, 24), False),  # the loop of 2-D products
+        ((2, 3, 40, 16), (2, 3, 16, 24), True),  # two leading dims, b a transposed view
+        ((2, 3, 40, 16), (1, 3, 16, 24), False),  # broadcast: torch.matmul's own
+        ((70, 5, 8), (70, 8, 6), False),  # more matrices than the loop takes
+    ],
+)
+def test_matmul_is_the_float64_product(a_shape, b_shape, transposed):
+    """kvlab.runtime.attention.matmul against the same product in float64, into a fresh output and
+    into a given one; the tolerance is float32's accumulated rounding over the inner dim."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(a_shape, generator=gen)
+    b = torch.randn(b_shape, generator=gen)
+    if transposed:
+        b = b.mT.contiguous().mT
+    want = torch.matmul(a.double(), b.double())
+    tol = 4 * a.shape[-1] * torch.finfo(torch.float32).eps * (a.abs().double() @ b.abs().double()).max().item()
+    out = torch.full(want.shape, float("nan"))
+    for got in (matmul(a, b), matmul(a, b, out=out)):
+        assert got.shape == want.shape and got.dtype == torch.float32
+        assert (got.double() - want).abs().max().item() <= tol
+    assert matmul(a, b, out=out) is out

@@ -29,7 +29,7 @@ import torch
 from kvlab.compression.solvers.keys import BlockData, Chosen, HighestAttn, KeyChoice, MassFit
 from kvlab.compression.solvers.linalg import FALLBACKS
 from kvlab.compression.solvers.values import fit_values
-from kvlab.runtime.attention import attention_logits
+from kvlab.runtime.attention import attention_logits, matmul
 
 ValueFit = Literal["least_squares", "original"]
 
@@ -84,7 +84,7 @@ def fit_residuals(
     over the queries of ``||x cv - y|| / ||y||`` and ``|exp(lse_c - lse) - 1|``,
     as :func:`kvlab.metrics.block_errors`.
     """
-    out = (torch.bmm(x, cv.float()) - y).norm(dim=-1) / y.norm(dim=-1).clamp_min(1e-12)
+    out = (matmul(x, cv.float()) - y).norm(dim=-1) / y.norm(dim=-1).clamp_min(1e-12)
     return out.mean(dim=-1), (torch.exp(lse_c - lse) - 1).abs().mean(dim=-1)
 
 
@@ -336,12 +336,12 @@ def refit_values(
     if exact is not None:
         # The exact keys' part of the output (their own values, under the softmax over every slot).
         x_exact = x * exact.unsqueeze(1)
-        target, x_fit = y - torch.bmm(x_exact, own.float()), x - x_exact
+        target, x_fit = y - matmul(x_exact, own.float()), x - x_exact
         fit_valid = slot_valid & ~exact
     anchored = fit.value_anchor > 0
     if anchored:
         # Anchored ridge: solve for the change from the own values (the prior's mean).
-        target = target - torch.bmm(x_fit, own.float())
+        target = target - matmul(x_fit, own.float())
     lam = fit.value_anchor if anchored else fit.ridge
     if root_w is not None:
         cv = fit_values(x_fit * root_w.unsqueeze(-1), target * root_w.unsqueeze(-1), fit_valid, lam, anchored)

@@ -24,6 +24,7 @@ import torch
 from kvlab.compression.solvers.nnls import nnls, nnls_bias
 from kvlab.compression.solvers.omp import omp_select
 from kvlab.compression.solvers.scores import Scoring, scores_from_mass, select_highest_attn, shifted_exp, streamed_mass
+from kvlab.runtime.attention import matmul
 
 
 @dataclass
@@ -294,7 +295,7 @@ class OMP(KeyChoice):
         # The block's own output is phi V / z (the max shift cancels): reusing phi
         # saves recomputing every logit, the largest cost of the whole fit.
         # z = 0 (a query that sees only padding) gives 0, as in mass_features, never NaN.
-        y = torch.matmul(phi, data.v.float()) / z.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+        y = matmul(phi, data.v.float()) / z.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
         # Cheap next to the features; the app shows it as each token's importance.
         scores = scores_from_mass(phi, z, self.scoring, data.key_valid, data.weights)
         root_w = data.root_w

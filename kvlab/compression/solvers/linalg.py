@@ -20,6 +20,8 @@ from contextvars import ContextVar
 
 import torch
 
+from kvlab.runtime.attention import matmul
+
 # Cholesky retries multiply the ridge by 10 this many times (1e-6 -> 1 relative)
 # before giving up on a batch element; past that the Gram matrix holds
 # non-finite numbers and no ridge will help.
@@ -34,10 +36,11 @@ RIDGE_FLOOR = 1e-30
 def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` [B, m, c] of ``a`` [B, m, k] and ``b`` [B, k, c], a single column (c = 1) as the row
     ``(b^T a^T)^T``: a batched matrix-vector product in MKL's column form runs 3-12x slower on an AMD
-    CPU than the same product as a row times a matrix (the bias fit's products all have one column)."""
+    CPU than the same product as a row times a matrix (the bias fit's products all have one column);
+    others as kvlab.runtime.attention.matmul multiplies them."""
     if b.shape[-1] == 1:
         return torch.bmm(b.mT, a.mT).mT
-    return torch.bmm(a, b)
+    return matmul(a, b)
 
 
 #: Columns per block of :func:`gram_matrix`'s products.
@@ -51,11 +54,11 @@ def gram_matrix(design: torch.Tensor, lower_only: bool = False) -> torch.Tensor:
     ``lower_only`` (zeros above the diagonal blocks: a Cholesky factorisation reads the lower triangle)."""
     m = design.shape[-1]
     if m <= 2 * GRAM_BLOCK:
-        return torch.bmm(design.mT, design)
+        return matmul(design.mT, design)
     out = design.new_empty(design.shape[0], m, m)
     for a in range(0, m, GRAM_BLOCK):
         b = min(m, a + GRAM_BLOCK)
-        rows = torch.bmm(design[:, :, a:b].mT, design[:, :, :b])  # [B, b - a, b]: block row a:b, left of b
+        rows = matmul(design[:, :, a:b].mT, design[:, :, :b])  # [B, b - a, b]: block row a:b, left of b
         out[:, a:b, :b] = rows
         if lower_only:
             out[:, a:b, b:] = 0.0  # only right of the block: zeroing all of ``out`` first costs a pass more

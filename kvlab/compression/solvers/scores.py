@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from kvlab.runtime.attention import attention_logits
+from kvlab.runtime.attention import attention_logits, matmul
 
 Scoring = Literal["rms", "mean", "max"]
 
@@ -162,7 +162,7 @@ def streamed_mass(
         z = phi.sum(dim=-1)
         # z = 0 (a query that sees only padding): its output is 0, never 0/0.
         inv_z = 1.0 / z.clamp_min(torch.finfo(torch.float32).tiny)
-        ys.append(torch.bmm(phi, vf).mul_(inv_z.unsqueeze(-1)))
+        ys.append(matmul(phi, vf).mul_(inv_z.unsqueeze(-1)))
         if scoring is not None:
             part = _score_sums(phi, inv_z, scoring, None if weights is None else weights[:, a : a + rows], True)
             sums = part if sums is None else (torch.maximum(sums, part) if scoring == "max" else sums.add_(part))
