@@ -389,6 +389,8 @@ def test_a_batched_decode_step_matches_block_attention(bias_shape):
         ((2, 3, 40, 16), (2, 3, 16, 24), True),  # two leading dims, b a transposed view
         ((2, 3, 40, 16), (1, 3, 16, 24), False),  # broadcast: torch.matmul's own
         ((70, 5, 8), (70, 8, 6), False),  # more matrices than the loop takes
+        ((3, 0, 16), (3, 16, 24), False),  # no rows (a head that keeps no key): an empty product
+        ((3, 6, 0), (3, 0, 4), False),  # an empty inner dim: zeros
     ],
 )
 def test_matmul_is_the_float64_product(a_shape, b_shape, transposed):
@@ -400,9 +402,10 @@ def test_matmul_is_the_float64_product(a_shape, b_shape, transposed):
     if transposed:
         b = b.mT.contiguous().mT
     want = torch.matmul(a.double(), b.double())
-    tol = 4 * a.shape[-1] * torch.finfo(torch.float32).eps * (a.abs().double() @ b.abs().double()).max().item()
+    magnitude = a.abs().double() @ b.abs().double()
+    tol = 4 * a.shape[-1] * torch.finfo(torch.float32).eps * (magnitude.max().item() if magnitude.numel() else 0.0)
     out = torch.full(want.shape, float("nan"))
     for got in (matmul(a, b), matmul(a, b, out=out)):
         assert got.shape == want.shape and got.dtype == torch.float32
-        assert (got.double() - want).abs().max().item() <= tol
+        torch.testing.assert_close(got.double(), want, atol=tol, rtol=0.0)
     assert matmul(a, b, out=out) is out

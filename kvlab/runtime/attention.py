@@ -50,19 +50,20 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) ->
     (``python -m benchmarks.head_budgets``). Elsewhere, and for broadcast or mixed operands,
     ``torch.matmul`` itself.
     """
-    lead = a.shape[:-2]
+    lead, count = a.shape[:-2], math.prod(a.shape[:-2])
     if (
         a.device.type != "cpu"
         or a.dim() < 3
         or b.shape[:-2] != lead
         or a.dtype != b.dtype
-        or math.prod(lead) > LOOP_BATCH
+        or count > LOOP_BATCH
         or (out is not None and not out.is_contiguous())
     ):
         return torch.matmul(a, b, out=out)
-    result = a.new_empty(*lead, a.shape[-2], b.shape[-1]) if out is None else out
-    rows = result.view(-1, a.shape[-2], b.shape[-1])
-    for i, (x, y) in enumerate(zip(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))):
+    (m, k), c = a.shape[-2:], b.shape[-1]
+    result = a.new_empty(*lead, m, c) if out is None else out
+    rows = result.view(count, m, c)  # the count, not -1: an empty operand has no size to infer
+    for i, (x, y) in enumerate(zip(a.reshape(count, m, k), b.reshape(count, k, c))):
         torch.mm(x, y, out=rows[i])
     return result
 
