@@ -46,9 +46,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) ->
     On a CPU, where ``a`` and ``b`` have the same leading dims (at most :data:`LOOP_BATCH` matrices),
     one 2-D product per matrix into one output: MKL's batched product ran 1.1-2.4x slower than that
     loop at every size the solvers multiply on the AMD EPYC CPU (2026-12-05), and Attention Matching's
-    compression of the story at 10x got about 20 % faster for both allocations
-    (``python -m benchmarks.head_budgets``). Elsewhere, and for broadcast or mixed operands,
-    ``torch.matmul`` itself.
+    compression of the story at 10x got about 20 % faster for both allocations (timed as
+    ``python -m benchmarks.head_budgets`` times it, which prints both). Elsewhere, and for broadcast
+    or mixed operands, ``torch.matmul`` itself.
     """
     lead, count = a.shape[:-2], math.prod(a.shape[:-2])
     if (
