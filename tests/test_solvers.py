@@ -316,3 +316,46 @@ def test_compact_attention_is_the_softmax_and_its_log_mass():
         lse[[0, 2]].double(), torch.logsumexp(logits[[0, 2]], -1), rtol=0, atol=logit_err + (t + 4) * eps
     )
     assert not bool(x[1].any()) and bool((lse[1] == float("-inf")).all())
+
+
+def test_attention_from_features_is_the_compact_softmax():
+    """compact.attention_from_features (the compact attention from the bias fit's features) against
+    a float64 softmax of ``q ck^T * scale + beta``: with an old bias, weighted rows (one weighted 0),
+    a row whose chosen keys' features underflow (recomputed from the logits), and a head with no real
+    slot (weights 0, log-mass -inf)."""
+    from kvlab.compression.solvers.compact import attention_from_features
+    from kvlab.compression.solvers.keys import MassFit
+
+    q, k, _ = qkv(B=3, n=40, T=32)
+    scale, t = 0.125, 12
+    idx = torch.arange(t).expand(3, t)
+    old = torch.randn(3, 32, generator=gen(23))
+    k[0, t + 3] = 40.0 * q[0, 5]  # query 5 of head 0: one unchosen key dominates, the chosen underflow
+    logits = attention_logits(q, k, old, scale)
+    shift = logits.amax(-1)
+    root_w = torch.rand(3, 40, generator=gen(24)) + 0.5
+    root_w[2, 7] = 0.0
+    old_s = old.gather(1, idx)
+    features = (logits.gather(2, idx.unsqueeze(1).expand(3, 40, t)) - shift.unsqueeze(-1)).exp() * root_w.unsqueeze(-1)
+    assert float(features[0, 5].sum()) < 1e-20  # the row really underflows
+    beta = old_s + torch.randn(3, t, generator=gen(25)).clamp(-3, 3)
+    beta[1] = float("-inf")
+    valid = torch.ones(3, t, dtype=torch.bool)
+    problem = MassFit(features, shift, old_s, valid, True, (-3.0, 3.0), 2, 1e-6)
+    ck = k[:, :t]
+    x, lse = attention_from_features(problem, beta, shift, root_w, lambda: (q, ck, scale))
+
+    ref_logits = (q.double() * scale) @ ck.double().mT + beta.double().unsqueeze(1)
+    # Each weight: the float32 logits (d + 2 eps of their terms' sizes), the shift and the bias
+    # difference subtracted (2 eps of their sizes), exp and the row's sum and division ((t + 6) eps).
+    eps, d = torch.finfo(torch.float32).eps, q.shape[-1]
+    sizes = (q.double().abs() * scale) @ ck.double().abs().mT + old_s.double().abs().unsqueeze(1)
+    sizes = sizes + shift.double().abs().unsqueeze(-1) + (beta - old_s).double().abs().unsqueeze(1)
+    err = (d + 4) * eps * float(sizes[[0, 2]].max())
+    torch.testing.assert_close(
+        x[[0, 2]].double(), torch.softmax(ref_logits[[0, 2]], -1), rtol=0, atol=2 * err + (t + 6) * eps
+    )
+    torch.testing.assert_close(
+        lse[[0, 2]].double(), torch.logsumexp(ref_logits[[0, 2]], -1), rtol=0, atol=err + (t + 6) * eps
+    )
+    assert not bool(x[1].any()) and bool((lse[1] == float("-inf")).all())

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -195,11 +195,12 @@ def compact_block(
         safe = index.clamp_min(0)
         tick = _clock(dev)
 
-        beta = keys.fit_bias(chosen, mass_fit(data, chosen, safe, slot_valid, fit, (lo, hi)))
+        problem = mass_fit(data, chosen, safe, slot_valid, fit, (lo, hi))
+        beta = keys.fit_bias(chosen, problem)
         tock = _clock(dev)
 
         return _fit_values(
-            data, chosen, beta, index, safe, slot_valid, lengths, fit, lo, fallbacks, (start, tick, tock)
+            data, chosen, problem, beta, index, safe, slot_valid, lengths, fit, lo, fallbacks, (start, tick, tock)
         )
     finally:
         FALLBACKS.reset(counting)
@@ -208,6 +209,7 @@ def compact_block(
 def _fit_values(
     data: BlockData,
     chosen: Chosen,
+    problem: MassFit,
     beta: torch.Tensor,
     index: torch.Tensor,
     safe: torch.Tensor,
@@ -220,6 +222,7 @@ def _fit_values(
 ) -> CompactBlock:
     """:func:`compact_block`'s last stage, the values (``fit.value_fit``), and its final checks: a
     non-finite fit falls back (:func:`finite_fit`), and the fit's residuals on the reference queries.
+    ``problem``: the bias stage's (its features become the compact attention, in place);
     ``clocks``: the times the keys and bias stages started and the bias stage ended."""
     q, k, v, root_w, dev = data.q, data.k, data.v, data.root_w, data.q.device
     B, t = slot_valid.shape
@@ -227,7 +230,7 @@ def _fit_values(
     start, tick, tock = clocks
     ck = k.gather(1, safe.unsqueeze(-1).expand(B, t, d)) * slot_valid.unsqueeze(-1).to(k.dtype)
     own = v.gather(1, safe.unsqueeze(-1).expand(B, t, v.shape[-1])) * slot_valid.unsqueeze(-1).to(v.dtype)
-    x, lse_c = compact_attention(q, ck, beta, data.scale)
+    x, lse_c = attention_from_features(problem, beta, chosen.mass.shift, root_w, lambda: (q, ck, data.scale))
     cv = (
         own.float()
         if fit.value_fit == "original"
@@ -315,6 +318,45 @@ def compact_attention(
     total = logits.sub_(top).exp_().sum(dim=-1, keepdim=True)
     lse_c = (top + total.log()).squeeze(-1)  # for the residuals
     return logits.div_(total).nan_to_num_(nan=0.0), lse_c
+
+
+#: A row whose compact mass, relative to its block's largest logit (what the mass features are
+#: shifted by), is below this has features near float32's underflow: its attention is recomputed
+#: from the logits (:func:`attention_from_features`). Above it every feature that matters to the
+#: row is a normal float32, as precise as the logits' own exponential.
+FEATURE_FLOOR = 1e-20
+
+
+def attention_from_features(
+    problem: MassFit,
+    beta: torch.Tensor,
+    shift: torch.Tensor,
+    root_w: torch.Tensor | None,
+    operands: Callable[[], tuple[torch.Tensor, torch.Tensor, float]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compact_attention`'s ``(x [B, n, t], lse_c [B, n])`` from the bias stage's features,
+    without forming the logits again: the features are ``sqrt(w_i) exp(s_ij + old_j - shift_i)``
+    (:func:`mass_fit`), so the compact softmax is the features times ``exp(beta_j - old_j)``,
+    normalised per row (the row's weight and shift cancel), and ``lse_c = shift + log`` of the
+    unweighted row sum. The features are overwritten (the value fit needs the room). Rows whose
+    sum is below :data:`FEATURE_FLOOR`, not finite, or weighted by 0 are recomputed by
+    :func:`compact_attention` on ``operands()`` ``(q [B, n, d], ck [B, t, d], scale)``, for the
+    heads that have one. shift: [B, n]; beta: [B, t] (``-inf`` on padding); root_w: [B, n] or None.
+    """
+    x = problem.features.mul_(torch.exp(beta - problem.old).unsqueeze(1))
+    total = x.sum(dim=-1)  # [B, n]
+    mass = total if root_w is None else total / root_w
+    redo = ~((total >= FEATURE_FLOOR) & torch.isfinite(mass))
+    x.div_(torch.where(redo, torch.ones_like(total), total).unsqueeze(-1))
+    lse_c = shift + torch.where(redo, torch.ones_like(mass), mass).log()
+    heads = redo.any(dim=-1)
+    if bool(heads.any()):
+        q, ck, scale = operands()
+        again, lse_again = compact_attention(q[heads], ck[heads], beta[heads], scale)
+        rows = redo[heads].unsqueeze(-1)
+        x[heads] = torch.where(rows, again, x[heads])
+        lse_c[heads] = torch.where(rows.squeeze(-1), lse_again, lse_c[heads])
+    return x, lse_c
 
 
 def refit_values(

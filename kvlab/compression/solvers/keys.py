@@ -77,7 +77,9 @@ class MassFit:
     """The bias stage's problem: ``features [B, n, t] w ~ target [B, n]`` with ``w = exp(beta)``
     in ``exp(bounds)``. features: the chosen keys' mass features without any old bias (rows
     times sqrt(w_i) when weighted), old [B, t] their old bias (0 on padding slots), had_bias:
-    whether the block had one, slot_valid [B, t] the real slots; nnls_iters and ridge the fit's."""
+    whether the block had one, slot_valid [B, t] the real slots; nnls_iters and ridge the fit's.
+    After the bias stage the value stage turns the features into the compact attention, in place
+    (:func:`kvlab.compression.solvers.compact.attention_from_features`)."""
 
     features: torch.Tensor
     target: torch.Tensor

@@ -44,7 +44,7 @@ def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 #: Columns per block of :func:`gram_matrix`'s products.
-GRAM_BLOCK = 128
+GRAM_BLOCK = 192
 
 
 def gram_matrix(design: torch.Tensor, lower_only: bool = False) -> torch.Tensor:
