@@ -86,6 +86,15 @@ def updates(link: links.Link, story) -> dict[str, object]:
     return {n: v for n, v in zip(names, values) if not (isinstance(v, dict) and v == gr.update())}
 
 
+def test_a_link_to_the_first_tab_or_none_leaves_the_tab_a_visitor_clicked_while_loading(story):
+    """The page opens on Explore; the load answering with Explore selected again would switch a visitor
+    who clicked another tab meanwhile back (a browser test once failed so)."""
+    for query in ("", "?tab=explore&example=story", "?tab=nowhere"):
+        got = updates(parse(query), story)
+        assert "tabs" not in got and "tab" not in got, query
+    assert updates(parse("?tab=compare"), story)["tabs"].selected == "compare"
+
+
 def test_the_page_opens_a_pick_link_on_the_pick_tab_with_its_document_question_and_ratio(story):
     got = updates(parse("?tab=pick&example=story&ratio=10&question=Who+was+the+ferryman%3F"), story)
     assert got["tab"] == "pick" and got["tabs"].selected == "pick"

@@ -203,7 +203,8 @@ def _link_updates(
 ) -> tuple:
     """What the page's components become for ``link`` (``gr.update()``: left as they are), in the order
     :func:`wire_links` lists them; ``knobs``: Explore's knob inputs, in that order. A pick link sets the
-    Your pick tab's document, question and ratio, and leaves Explore's as they are."""
+    Your pick tab's document, question and ratio, and leaves Explore's as they are; a link to the first
+    tab (or none) leaves the tabs as the visitor has them."""
     keep = gr.update()
     suggested = keep
     if ex is not None:
@@ -226,10 +227,13 @@ def _link_updates(
             pick[:4] = [ex.id, doc, suggested, question]
     chosen = dict(link.options)
     knob_values = [chosen[k.name] if k.method == link.method and k.name in chosen else keep for k in knobs]
+    # The page opens on its first tab: selecting that one again when the load answers would only take
+    # back a tab the visitor clicked while the page was loading.
+    opens_where_it_is = link.tab == links.TABS[0]
     return (
         link.note(),
-        gr.Tabs(selected=link.tab),
-        link.tab,
+        keep if opens_where_it_is else gr.Tabs(selected=link.tab),
+        keep if opens_where_it_is else link.tab,
         ex.id if ex is not None else keep,
         keep if doc is None else doc,
         suggested,
