@@ -1,9 +1,10 @@
 """A workshop on one server: `python -m benchmarks.workshop --clients 30 --clicks 3`.
 
 Simulates a class through ``gradio_client`` (loopback only): each participant
-opens the page (a client session), runs the link the teacher handed out (the
-first line of the sheet: Attention Matching at 10x on the story's first
-question), then ``--clicks`` more runs drawn from the sheet (default
+opens the page (``--open``: a client session and the handed-out link's example,
+timed; ``browser``: what a browser sends for the link, the page, its load event
+with the link's query and the page's ``/prepare``), runs the link the teacher
+handed out (the first line of the sheet, as a plain ``/run``), then ``--clicks`` more runs drawn from the sheet (default
 assets/workshop.txt, 18 configurations), thinking ``--think`` seconds between
 clicks, arrivals spread over ``--spread`` seconds (``--together``: everyone
 clicks the link within one second). With ``--picks``, once every participant
@@ -104,6 +105,83 @@ def click(client: Any, index: int, kind: str, label: str, asked: dict, origin: f
     return c
 
 
+@dataclass(frozen=True)
+class Opening:
+    """What a browser does when a participant opens the handed-out link: the page, its load event with
+    the link's query (kvlab.ui.app.wire_links reads it from the request), then ``/prepare`` of the
+    document shown (the load's ``.then``)."""
+
+    query: str  # "?tab=explore&example=story&..."
+    prepare: dict  # /prepare's arguments: the link's document, method, question, model
+    example: str  # the link's example, for /load_example
+
+
+def opening_of(item: Any, text: str) -> Opening:
+    """The Opening of a kvlab.lab.warm.WarmItem's link on its document ``text``."""
+    from kvlab.lab.links import Link, link_query
+
+    link = Link(
+        example=item.example,
+        question=item.question,
+        model=item.model,
+        method=item.method,
+        options=item.options,
+        ratio=item.ratio,
+    )
+    prepare = {"text": text, "method": item.method, "question": item.question}
+    prepare.update({f"{item.method}__{k}": v for k, v in item.options})
+    return Opening(link_query(link), prepare, item.example)
+
+
+def open_page(url: str, opening: Opening, index: int, origin: float, browser: bool) -> tuple[Any, Click]:
+    """A participant opens the page: a client session (Gradio's config), then either the example chosen
+    (``/load_example``: the session's first event) or, ``browser``, what a browser sends for the link:
+    the page itself and its load event with the link's query (the page's ``/prepare`` follows in the
+    background: :func:`prepare_page`). The client, and the open as a Click (kind "open")."""
+    import httpx
+    from gradio_client import Client
+
+    c = Click(index, "open", f"open {opening.query}", {"query": opening.query})
+    start = time.perf_counter()
+    c.started_s = start - origin
+    client = None
+    try:
+        client = Client(url, verbose=False)
+        if not browser:
+            client.predict(opening.example, api_name="/load_example")
+            c.served, c.seconds = "opened", time.perf_counter() - start
+            return client, c
+        base = url.rstrip("/")
+        load = next(d["id"] for d in client.config["dependencies"] if ["load"] == [t[1] for t in d["targets"]])
+        with httpx.Client(timeout=120) as http:
+            http.get(f"{base}/{opening.query}").raise_for_status()
+            http.post(
+                f"{base}/gradio_api/run/predict{opening.query}",
+                json={"fn_index": load, "data": [], "session_hash": client.session_hash, "event_data": None},
+            ).raise_for_status()
+        c.served = "opened"
+    except Exception as exc:  # noqa: BLE001 - an error is a result of the benchmark
+        client = None
+        c.served, c.error = "error", f"{type(exc).__name__}: {exc}"[:300]
+    c.seconds = time.perf_counter() - start
+    return client, c
+
+
+def prepare_page(client: Any, opening: Opening, index: int, origin: float) -> Click:
+    """The page's ``/prepare`` after its load (the document and method readied, the status line "Ready"),
+    timed as a Click of kind "prepare"."""
+    c = Click(index, "prepare", "the page's /prepare", {})
+    start = time.perf_counter()
+    c.started_s = start - origin
+    try:
+        client.predict(api_name="/prepare", **opening.prepare)
+        c.served = "prepared"
+    except Exception as exc:  # noqa: BLE001 - an error is a result of the benchmark
+        c.served, c.error = "error", f"{type(exc).__name__}: {exc}"[:300]
+    c.seconds = time.perf_counter() - start
+    return c
+
+
 def simulate(
     url: str,
     clients: int,
@@ -114,11 +192,15 @@ def simulate(
     think_s: tuple[float, float] = (5.0, 15.0),
     seed: int = 0,
     limit_s: float = 900.0,
+    opening: Opening | None = None,
+    browser: bool = False,
 ) -> list[Click]:
     """Every participant's clicks (each a thread with its own session), within ``limit_s`` in all.
 
     link: (label, /run arguments) everyone runs first; further: the sheet's
-    configurations, ``clicks`` of them drawn per participant (seeded).
+    configurations, ``clicks`` of them drawn per participant (seeded); opening: the page opened
+    on the handed-out link's example, or as a browser opens the link (``browser``) (:func:`open_page`,
+    timed as a click of kind "open"; None: a client session only, untimed).
     """
     from gradio_client import Client
 
@@ -132,6 +214,7 @@ def simulate(
         for _ in range(clients)
     ]
     done: list[Click] = []
+    aside: list[threading.Thread] = []  # the pages' own /prepare, beside their clicks
     lock = threading.Lock()
     start = time.monotonic()
     origin = time.perf_counter()
@@ -140,7 +223,24 @@ def simulate(
     def participant(i: int) -> None:
         arrival, picks, thinks = plans[i]
         time.sleep(arrival)
-        client = Client(url, verbose=False)  # opening the page: a session of its own
+        if opening is None:
+            client = Client(url, verbose=False)  # opening the page: a session of its own
+        else:
+            client, opened = open_page(url, opening, i, origin, browser)
+            with lock:
+                done.append(opened)
+            if client is None:
+                return
+            if browser:
+
+                def prepare() -> None:
+                    prepared = prepare_page(client, opening, i, origin)
+                    with lock:
+                        done.append(prepared)
+
+                side = threading.Thread(target=prepare, daemon=True)
+                side.start()
+                aside.append(side)
         mine = [(link[0], link[1], "link")] + [(lab, args, "further") for lab, args in picks]
         for n, (label, args, kind) in enumerate(mine):
             if time.monotonic() > deadline:
@@ -155,6 +255,8 @@ def simulate(
     for t in threads:
         t.start()
     for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()) + 1)
+    for t in aside:
         t.join(max(0.0, deadline - time.monotonic()) + 1)
     with lock:
         return list(done)
@@ -256,9 +358,11 @@ def percentile(values: list[float], q: float) -> float:
 
 #: The table's rows: each a label and which clicks it counts.
 ROWS = (
+    ("opening the page", lambda c: c.kind == "open"),
+    ("the page's /prepare (in the background)", lambda c: c.kind == "prepare"),
     ("the handed-out link", lambda c: c.kind == "link"),
     ("a further run", lambda c: c.kind == "further"),
-    ("the sheet's runs", lambda c: c.kind != "pick"),
+    ("the sheet's runs", lambda c: c.kind in ("link", "further")),
     ("a learner's own pick", lambda c: c.kind == "pick"),
     ("served from the store", lambda c: c.served == "stored"),
 )
@@ -299,14 +403,16 @@ def markdown(rows: list[dict]) -> str:
     )
 
 
-def sheet_runs(path: Path) -> tuple[tuple[str, dict], list[tuple[str, dict]]]:
-    """(the handed-out link, every other configuration) of a sheet, as /run arguments."""
+def sheet_runs(path: Path) -> tuple[tuple[str, dict], list[tuple[str, dict]], Opening]:
+    """(the handed-out link, every other configuration) of a sheet, as /run arguments, and the page
+    opened on the handed-out link (:class:`Opening`)."""
     from kvlab.lab.inputs import examples
     from kvlab.lab.warm import read_sheet
 
     texts = {ex.id: ex.text() for ex in examples()}
-    items = [(it.label, run_args(it, texts[it.example])) for it in read_sheet(path)]
-    return items[0], items[1:]
+    sheet = read_sheet(path)
+    items = [(it.label, run_args(it, texts[it.example])) for it in sheet]
+    return items[0], items[1:], opening_of(sheet[0], texts[sheet[0].example])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -326,13 +432,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--limit-s", type=float, default=900.0, help="the whole simulation stops after this")
     parser.add_argument("--json", type=Path, default=None, help="write every click here")
+    parser.add_argument(
+        "--open",
+        choices=("session", "example", "browser"),
+        default="example",
+        help="how a participant opens the page: a client session only (untimed), the session and the handed-out "
+        "link's example (/load_example, timed; the default), or as a browser opens the link (the page, its "
+        "load event with the link, then /prepare in the background; timed)",
+    )
     parser.add_argument("--picks", action="store_true", help="then each participant's own pick (the sheet's pick link)")
     parser.add_argument("--pick-window", type=float, default=60.0, help="seconds within which the picks are clicked")
     args = parser.parse_args(argv)
     if args.clients < 1 or args.clicks < 0 or args.clients * (1 + args.clicks) > 1000:
         parser.error("--clients >= 1, --clicks >= 0, at most 1,000 requests in all")
     low, high = (float(x) for x in args.think.split(","))
-    link, further = sheet_runs(args.sheet)
+    link, further, opening = sheet_runs(args.sheet)
     exercise = pick_exercise(args.sheet) if args.picks else None
     if args.picks and exercise is None:
         parser.error(f"--picks needs a ?tab=pick link in the sheet ({args.sheet} has none)")
@@ -345,7 +459,19 @@ def main(argv: list[str] | None = None) -> int:
             f"thinking {low:g}-{high:g} s; {os.getloadavg()[0]:.2f} load average",
             file=sys.stderr,
         )
-        done = simulate(url, args.clients, link, further, clicks, spread, (low, high), args.seed, args.limit_s)
+        done = simulate(
+            url,
+            args.clients,
+            link,
+            further,
+            clicks,
+            spread,
+            (low, high),
+            args.seed,
+            args.limit_s,
+            None if args.open == "session" else opening,
+            args.open == "browser",
+        )
         if exercise is not None:
             print(
                 f"then {args.clients} own picks within {args.pick_window:g} s ({exercise.budget} tokens at "

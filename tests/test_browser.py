@@ -234,6 +234,15 @@ def test_links_open_a_configuration_and_link_to_this_gives_it_back(app_url, page
     expect(page.locator("#kvlab-ratio input[type=number]")).to_have_value("10")
     expect(page.locator("#kvlab-question textarea, #kvlab-question input").first).to_have_value(story.questions[2])
 
+    # A link with a method's knob sets that knob (through the load's hidden box: kvlab.ui.app.knob_updates)
+    # and prepares the method with it; the method's other knobs keep their defaults (a link names only
+    # the knobs that differ from them).
+    page.goto(f"{app_url}?tab=explore&example=story&method=attention_matching:budgets=uniform&ratio=5")
+    expect(page.locator("#kvlab-method input")).to_have_value(re.compile(r"^attention_matching"), timeout=20_000)
+    expect(page.locator("#kvlab-doc-status")).to_contain_text("Ready", timeout=RUN_TIMEOUT_MS)
+    page.locator("#kvlab-link-make").click()  # "Link to this" reads the knobs the page holds
+    expect(box).to_have_value(re.compile(r"method=attention_matching(%3A|:)budgets(%3D|=)uniform&"), timeout=20_000)
+
 
 def test_a_bad_link_opens_the_defaults_with_a_note(app_url, page):
     """Unknown names and out-of-range numbers are dropped with a note; what is valid still applies."""

@@ -385,7 +385,8 @@ def test_the_plans_four_links_are_on_its_sheet_and_open_the_page_configured():
             continue
         method, *pairs = asked["method"].split(":")
         assert values[7:9] == (method, float(asked["ratio"])) and values[6] == asked["question"]
-        set_knobs = {k.name: v for k, v in zip(knobs, values[22:]) if k.method == method and v != app.gr.update()}
+        knob_values = app.knob_updates(values[22] if isinstance(values[22], str) else "", knobs)  # the hidden box's
+        set_knobs = {k.name: v for k, v in zip(knobs, knob_values) if k.method == method and v != app.gr.update()}
         assert set_knobs == dict(pair.split("=") for pair in pairs)
 
 
@@ -606,41 +607,42 @@ def test_a_stored_answer_is_served_while_the_slot_is_held_and_others_wait(worksh
         assert "Served from the result store" not in job.result(timeout=120)[0]
 
 
-def test_pages_drawing_one_configuration_at_once_share_one_drawing(monkeypatch):
-    from kvlab.ui import present
-
-    drawings, start = [], threading.Barrier(8)
-
-    def slow_draw(view):  # stands in for plotly's work: long enough for every page to arrive meanwhile
-        drawings.append(view)
-        time.sleep(0.3)
-        return ("figures of", view)
-
-    monkeypatch.setattr(present, "draw", slow_draw)
-    got = []
-
-    def page():
-        start.wait()
-        got.append(present.drawn_for("one configuration", "its view"))
-
-    threads = [threading.Thread(target=page) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert drawings == ["its view"] and got == [("figures of", "its view")] * 8
-    assert present.drawn_for("another configuration", "view 2") == ("figures of", "view 2") and len(drawings) == 2
-
-
 def test_a_served_figure_is_what_gradio_sends_for_the_plotly_figure():
     import gradio as gr
 
     from kvlab import figures
-    from kvlab.ui.present import plotted
+    from kvlab.ui.present import as_plot
 
     fig = figures.memory_figure(1000, 250, {"keys": 125, "values": 125})
     # gr.Plot's own postprocess of the figure, and of the figure serialised once in advance: the same.
-    assert gr.Plot().postprocess(plotted(fig)) == gr.Plot().postprocess(fig)
+    assert gr.Plot().postprocess(as_plot(fig.to_json())) == gr.Plot().postprocess(fig)
+
+
+def test_a_stored_run_carries_its_figures_as_gradio_would_send_them(tiny, monkeypatch):
+    """A run's figures are made with it and kept in the store: what a page is sent for a stored run is
+    what gr.Plot sends for the figures built afresh from the run's numbers (kvlab.lab.views.run_figures),
+    the heads' roles map included, and serving it builds no figure."""
+    import pickle
+
+    import gradio as gr
+
+    from kvlab import figures, lab
+    from kvlab.lab.views import present, run_figures
+    from kvlab.ui import present as ui_present
+
+    monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
+    ex = lab.explore(DOCS[60], None, "attention_matching", 2, QUESTIONS, max_new_tokens=2)
+    view = pickle.loads(pickle.dumps(present(ex)))  # what the result store keeps
+    fresh = run_figures(view)
+    roles = figures.roles_heatmap(view.roles.shares, view.roles.labels, view.roles.settings)
+    built = []
+    monkeypatch.setattr(figures, "error_heatmap", lambda *a, **k: built.append(a))  # serving builds nothing
+    served = ui_present.drawn(view)
+    sent = gr.Plot().postprocess
+    assert [sent(f) for f in served.figures] == [sent(f) for f in fresh.main]
+    assert [sent(f) for f in served.fit] == [sent(f) for f in fresh.fit]  # Attention Matching's fit figures
+    assert sent(served.divergence) == sent(fresh.divergence) and sent(served.roles) == sent(roles)
+    assert built == []
 
 
 def test_a_token_view_is_made_once_per_configuration_layer_head_and_intensity(monkeypatch):
@@ -662,7 +664,7 @@ def test_a_token_view_is_made_once_per_configuration_layer_head_and_intensity(mo
 
 
 @pytest.mark.slow  # a served app
-def test_a_configuration_drawn_already_comes_in_one_message_with_the_same_page(workshop_app):
+def test_a_run_comes_in_one_message_and_a_stored_one_with_the_same_page(workshop_app):
     from gradio_client import Client
 
     url, _ = workshop_app
@@ -675,8 +677,8 @@ def test_a_configuration_drawn_already_comes_in_one_message_with_the_same_page(w
         return job.outputs()
 
     first, again = page(), page()
-    # The first page: the answers, then the figures and the token view once drawn; a later page of the
-    # same configuration: everything at once, the same figures and token view.
-    assert len(first) == 2 and len(again) == 1
-    assert "Served from the result store" in again[0][0] and "Served from" not in first[-1][0]
-    assert again[0][1:] == first[-1][1:]
+    # Each page gets everything at once (the figures were made with the run); a later page of the same
+    # configuration, served from the store, the same figures and token view.
+    assert len(first) == 1 and len(again) == 1
+    assert "Served from the result store" in again[0][0] and "Served from" not in first[0][0]
+    assert again[0][1:] == first[0][1:]

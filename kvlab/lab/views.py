@@ -124,15 +124,30 @@ def stage_timings(ex: Explored) -> tuple[dict[str, float], dict[str, str]]:
 
 
 @dataclass
+class FigureJSON:
+    """A run's figures as plotly JSON (``Figure.to_json``): error, mass, kept, memory and time; Attention
+    Matching's fit (None for other methods); the answers token by token; the heads' roles (None without
+    roles). Made once, with the run (:func:`present`), and kept with it: a stored run is served to
+    thirty pages without building a figure again (building and validating a run's plotly figures
+    costs about 0.2 s of the interpreter's one lock, which every page being served waits for)."""
+
+    main: tuple[str, ...]
+    fit: tuple[str, ...] | None
+    divergence: str
+    roles: str | None
+
+
+@dataclass
 class RunView:
-    """Everything ``/run`` shows for one run, as plain picklable data (no model, no cache, no figure).
+    """Everything ``/run`` shows for one run, as plain picklable data (no model, no cache).
 
     texts: summary, full answer, compressed answer, word diff, shown as soon
     as the run is done; answer_marks: a line above each answer, right or
     wrong when the gold answer is known, else ""; result, timings, notes,
     wall_s and fitted_biases (Attention Matching's, None for other methods):
-    what :func:`draw` makes the figures from, after the texts are on the page; roles: each KV head's
-    role for the question (kvlab.lab.head_roles; None for a view made without them).
+    what the figures are made from (:func:`run_figures`); roles: each KV head's
+    role for the question (kvlab.lab.head_roles; None for a view made without them); figures: the
+    figures made from them, as JSON (:class:`FigureJSON`; :func:`present` fills it).
     """
 
     texts: tuple[str, str, str, str]
@@ -144,14 +159,15 @@ class RunView:
     fitted_biases: list[float] | None = None
     answer_marks: tuple[str, str] = ("", "")
     roles: HeadRoles | None = None
+    figures: FigureJSON | None = None
 
 
 def present(ex: Explored) -> RunView:
-    """The texts of one finished run and the data its figures are drawn from."""
+    """The texts of one finished run, the data its figures are made from, and the figures (as JSON)."""
     r = ex.run.result
     timings, notes = stage_timings(ex)
     fitted = ex.run.fitted_biases() if r.details.get("train_attn_output_rel_err") is not None else None
-    return RunView(
+    view = RunView(
         (
             summary_markdown(ex),
             r.answer_full,
@@ -167,6 +183,7 @@ def present(ex: Explored) -> RunView:
         answer_marks(ex),
         ex.roles,
     )
+    return dataclasses.replace(view, figures=figure_json(view))
 
 
 def head_picker_label(roles: HeadRoles | None, layer: int) -> str:
@@ -236,6 +253,18 @@ def run_figures(view: "RunView") -> RunFigures:
         r.answer_tokens, r.answer_logprobs_full, r.answer_logprobs_compressed, r.first_divergence
     )
     return RunFigures(main, fit, divergence)
+
+
+def figure_json(view: RunView) -> FigureJSON:
+    """:func:`run_figures` of ``view`` and its heads' roles map, as plotly JSON."""
+    made = run_figures(view)
+    roles = view.roles
+    return FigureJSON(
+        tuple(f.to_json() for f in made.main),
+        None if made.fit is None else tuple(f.to_json() for f in made.fit),
+        made.divergence.to_json(),
+        None if roles is None else figures.roles_heatmap(roles.shares, roles.labels, roles.settings).to_json(),
+    )
 
 
 #: The line a page shows above a run's summary when it did not compute the run itself (kvlab.results.Served).

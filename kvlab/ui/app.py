@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import logging
 import os
 import sys
@@ -202,9 +203,10 @@ def _link_updates(
     link: links.Link, ex: Example | None, doc: str | None, choices: links.LinkChoices, knobs: list[Knob]
 ) -> tuple:
     """What the page's components become for ``link`` (``gr.update()``: left as they are), in the order
-    :func:`wire_links` lists them; ``knobs``: Explore's knob inputs, in that order. A pick link sets the
-    Your pick tab's document, question and ratio, and leaves Explore's as they are; a link to the first
-    tab (or none) leaves the tabs as the visitor has them."""
+    :func:`wire_links` lists them, the last the link's knobs for :func:`knob_updates` (JSON, by
+    :attr:`Knob.key`; left as it is when the link sets none). A pick link sets the Your pick tab's
+    document, question and ratio, and leaves Explore's as they are; a link to the first tab (or none)
+    leaves the tabs as the visitor has them."""
     keep = gr.update()
     suggested = keep
     if ex is not None:
@@ -226,7 +228,7 @@ def _link_updates(
         if ex is not None and doc is not None:
             pick[:4] = [ex.id, doc, suggested, question]
     chosen = dict(link.options)
-    knob_values = [chosen[k.name] if k.method == link.method and k.name in chosen else keep for k in knobs]
+    knob_values = {k.key: chosen[k.name] for k in knobs if k.method == link.method and k.name in chosen}
     # The page opens on its first tab: selecting that one again when the load answers would only take
     # back a tab the visitor clicked while the page was loading.
     opens_where_it_is = link.tab == links.TABS[0]
@@ -249,8 +251,15 @@ def _link_updates(
         generate_methods,
         keep if link.budget is None else link.budget,
         *pick,
-        *knob_values,
+        json.dumps(knob_values) if knob_values else keep,
     )
+
+
+def knob_updates(chosen: str, knobs: list[Knob]) -> list:
+    """Explore's knob inputs (``knobs``, in that order) set to a link's knobs (:func:`_link_updates`' JSON),
+    the others left as they are."""
+    values = json.loads(chosen) if chosen else {}
+    return [values[k.key] if k.key in values else gr.update() for k in knobs]
 
 
 def _settings_link(
@@ -348,6 +357,10 @@ def wire_links(
     def open_link(request: gr.Request):
         return _link_updates(*_read_link(request, choices, by_id), choices, knobs)
 
+    # A link's knobs go through a hidden box whose change sets them: an output left as it is still
+    # costs the server a component's construction (Gradio's update), and the knob inputs are about
+    # 300, so a page opened without knobs in its link (nearly every one) must not list them.
+    link_knobs = gr.Textbox(visible=False)
     demo.load(
         open_link,
         None,
@@ -365,11 +378,14 @@ def wire_links(
             picking.suggested,
             picking.question,
             picking.ratio,
-            *knob_inputs,
+            link_knobs,
         ],
         api_name=False,
         queue=False,
     ).then(api_name=False, **inputs.prepare)  # the document the page opens on
+    link_knobs.change(
+        lambda chosen: knob_updates(chosen, knobs), link_knobs, knob_inputs, api_name=False, queue=False
+    ).then(api_name=False, **inputs.prepare)  # the method prepared with the link's knobs
 
     wire_link_button(button, box, by_id, specs, tab, inputs, picking, sweep, writing, knobs)
 

@@ -149,9 +149,15 @@ def read_upload(path: str) -> str:
         real.unlink(missing_ok=True)
 
 
-def document_input(text: str | None, file: str | None) -> str | None:
+def document_input(text: str | None, file: str | dict | None) -> str | None:
     """What the lab reads as the document: the text box when it holds text, else the upload's text
-    (:func:`read_upload`); None when there is neither (the lab says so). The lab never sees a path."""
+    (:func:`read_upload`); None when there is neither (the lab says so). The lab never sees a path.
+
+    file: the upload's path, or its FileData as an event sends it unprocessed (``preprocess=False``:
+    Gradio has already checked that it lies in its upload folder).
+    """
+    if isinstance(file, dict):
+        file = file.get("path")
     if (text and text.strip()) or not file:
         return text
     return read_upload(file)

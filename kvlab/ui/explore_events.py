@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterator
 
 import gradio as gr
 
-from kvlab import figures
 from kvlab.catalog import Knob, method_info, options_from, presets
 from kvlab.documents import DocumentError
 from kvlab.examples import Example
@@ -28,18 +27,7 @@ from kvlab.ui.explore_widgets import (
     ResultWidgets,
     TokenWidgets,
 )
-from kvlab.ui.present import (
-    DRAWN_KEPT,
-    INTENSITY_DEFAULT,
-    Recent,
-    TokenFates,
-    drawn_for,
-    is_drawn,
-    plotted,
-    run_view,
-    token_view,
-    token_view_for,
-)
+from kvlab.ui.present import INTENSITY_DEFAULT, TokenFates, drawn, run_view, token_view, token_view_for
 from kvlab.ui.tasks import show
 
 
@@ -190,6 +178,7 @@ def wire_prepare(
         inputs=[doc.text, doc.upload, choice.method, model, choice.question, choice.max_new],
         outputs=[doc.status],
         inputs_kwargs=choice.knobs.inputs,
+        preprocess=False,  # see wire_run
         concurrency_limit=1,
         concurrency_id="prepare",
         trigger_mode="always_last",
@@ -257,6 +246,10 @@ def wire_run(
         run_outputs,
         inputs_kwargs=choice.knobs.inputs,
         api_name="run",
+        # The inputs as the page sends them (the knobs' own checks convert them, kvlab.catalog.Knob.convert;
+        # an upload comes as its FileData): Gradio's preprocessing hands each of the ~330 inputs to a
+        # worker thread, which under thirty pages' load cost a stored run seconds of the interpreter's lock.
+        preprocess=False,
         concurrency_limit=common.COMPUTE_ADMITTED,
         concurrency_id="compute",
         # One progress bar where the answers will appear: an animated overlay on
@@ -338,22 +331,18 @@ def run_key(
 
 def run_updates(stored, how, inputs: dict, layer, head, intensity, n_outputs: int) -> Iterator[tuple]:
     """The last stage of ``/run``: the ``n_outputs`` values of wire_run's outputs for the run served
-    (``stored``, ``how``), the answers first."""
+    (``stored``, ``how``), in one message: its figures were made with the run (kvlab.lab.views.FigureJSON),
+    so a stored run costs the server no drawing."""
     view = with_served_note(stored, how)
     digest = inputs["key"].digest
-    if not is_drawn(digest):
-        # The answers and the summary first; the figures and the token view follow as they are drawn
-        # (on the CPU, outside the compute slot, which the next visitor's run can take meanwhile).
-        # Figures drawn already come in the same message: one update of the page instead of two.
-        yield (*view.texts, *[gr.skip()] * (n_outputs - len(view.texts) - 2), *view.answer_marks)
-    drawn = drawn_for(digest, stored)
+    made = drawn(stored)
     fates = view.fates
     layer = min(max(int(layer or 0), 0), fates.n_layers - 1)
     head = min(max(int(head or 0), 0), fates.n_kv_heads - 1)
     line, html = token_view_for(digest, fates, layer, head, intensity)
     yield (
         *view.texts,
-        *drawn.figures,
+        *made.figures,
         index_slider(fates.n_layers, layer),
         index_slider(
             fates.n_kv_heads, head, head_picker_label(view.roles, layer), head_role_line(view.roles, layer, head)
@@ -362,23 +351,12 @@ def run_updates(stored, how, inputs: dict, layer, head, intensity, n_outputs: in
         html,
         fates,
         view.roles,
-        gr.Row(visible=drawn.fit is not None),
-        *(drawn.fit or (None, None)),
-        drawn.divergence,
-        roles_plot(digest, view.roles),
+        gr.Row(visible=made.fit is not None),
+        *(made.fit or (None, None)),
+        made.divergence,
+        made.roles,
         *view.answer_marks,
     )
-
-
-#: The head-roles figures drawn, per configuration (kvlab.results.RunKey.digest), as the other figures are.
-_roles_drawn = Recent(DRAWN_KEPT)
-
-
-def roles_plot(digest: str, roles: HeadRoles | None):  # noqa: ANN201 - gr.Plot's serialised figure, or None
-    """The "Head roles" figure of a run (None for a view without roles), drawn once per configuration."""
-    if roles is None:
-        return None
-    return _roles_drawn.get(digest, lambda: plotted(figures.roles_heatmap(roles.shares, roles.labels, roles.settings)))
 
 
 def wire_needle(doc: DocumentWidgets, needle: NeedleWidgets, model: gr.Dropdown, specs: list[str]) -> None:

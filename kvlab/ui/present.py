@@ -19,7 +19,7 @@ from gradio.components.plot import PlotData
 from kvlab import figures
 from kvlab.context import Progress, no_progress
 from kvlab.lab import Sweep, TokenFates, compare, explore, sweep_charts, sweep_label
-from kvlab.lab.views import RunView, present, run_figures
+from kvlab.lab.views import RunView, present
 from kvlab.memo import compute_once, recently_used
 from kvlab.ui.common import GPU_MAX_S, GPU_RUN_S, GPU_SWEEP_BASE_S, GPU_SWEEP_POINT_S, on_gpu
 
@@ -75,25 +75,31 @@ def token_view(view: TokenFates | None, layer: int, head: int, intensity: str = 
 
 @dataclass
 class Drawn:
-    """The figures of one run (kvlab.lab.views.RunFigures), serialised as gr.Plot sends them (:func:`plotted`)."""
+    """The figures of one run (kvlab.lab.views.FigureJSON), as gr.Plot sends them (:func:`as_plot`); roles:
+    the heads' roles map (None without roles)."""
 
     figures: tuple
     fit: tuple | None
     divergence: object
+    roles: object
 
 
-def plotted(figure: Any) -> PlotData:
-    """A plotly figure as the JSON gr.Plot sends for it (its postprocess passes PlotData through): a
-    configuration served to thirty pages is serialised once, not once a page (plotly's ``to_json``
-    validates the whole figure again each time)."""
-    return PlotData(type="plotly", plot=figure.to_json())
+def as_plot(figure_json: str) -> PlotData:
+    """A plotly figure's JSON as gr.Plot sends it (its postprocess passes PlotData through)."""
+    return PlotData(type="plotly", plot=figure_json)
 
 
-def draw(view: RunView) -> Drawn:
-    """The figures of a run (plotly, on the CPU: no model or compute slot needed), serialised."""
-    made = run_figures(view)
-    fit = None if made.fit is None else tuple(plotted(f) for f in made.fit)
-    return Drawn(tuple(plotted(f) for f in made.main), fit, plotted(made.divergence))
+def drawn(view: RunView) -> Drawn:
+    """The figures of a run as gr.Plot sends them, from the JSON made with the run (no plotly work here)."""
+    made = view.figures
+    if made is None:
+        raise ValueError("a RunView without figures: kvlab.lab.views.present makes them")
+    return Drawn(
+        tuple(as_plot(f) for f in made.main),
+        None if made.fit is None else tuple(as_plot(f) for f in made.fit),
+        as_plot(made.divergence),
+        None if made.roles is None else as_plot(made.roles),
+    )
 
 
 class Recent:
@@ -122,27 +128,10 @@ class Recent:
             return key in self._kept
 
 
-#: Drawn figures (Drawn) and token views ((counts line, HTML)) kept per configuration
-#: (kvlab.results.RunKey.digest), the most recently used.
-DRAWN_KEPT = 64
-_drawn = Recent(DRAWN_KEPT)
-_token_views = Recent(DRAWN_KEPT)
-
-
-def drawn_for(digest: str, view: RunView) -> Drawn:
-    """:func:`draw` of ``view``, drawn once per configuration while it is among the DRAWN_KEPT last used.
-
-    Building a run's plotly figures costs about 0.1 s of the interpreter's one
-    lock: thirty pages answered from the result store at once would queue for
-    it, so pages asking for the same configuration's figures at once share
-    one drawing. The figures are only read afterwards.
-    """
-    return _drawn.get(digest, lambda: draw(view))
-
-
-def is_drawn(digest: str) -> bool:
-    """Whether the configuration's figures are kept drawn (:func:`drawn_for` returns them at once)."""
-    return _drawn.has(digest)
+#: Token views ((counts line, HTML)) kept per configuration (kvlab.results.RunKey.digest), layer, head
+#: and intensity, the most recently used.
+TOKEN_VIEWS_KEPT = 64
+_token_views = Recent(TOKEN_VIEWS_KEPT)
 
 
 def token_view_for(digest: str, view: TokenFates, layer: int, head: int, intensity: str) -> tuple[str, str]:
