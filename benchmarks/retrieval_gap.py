@@ -26,8 +26,8 @@ embedded model, keeping only the items whose full cache answers right. For every
   the share that lands on keys still held. This weights the heads that
   actually read the needle to answer.
 
-The on-policy preset re-reads the document once per layer: it runs on the
-first ``--on-policy-items`` items only. With ``--json``, a run that finds its
+The on-policy preset costs one more pass over the reference text (its sweep) and
+more memory: it runs on the first ``--on-policy-items`` items only. With ``--json``, a run that finds its
 file resumes: the rows already there (same task, seed and length) are kept
 and not measured again.
 

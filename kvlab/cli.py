@@ -30,6 +30,7 @@ from kvlab.catalog import Knob, all_knobs, describe, methods_markdown, presets
 from kvlab.compression.budget_profiles import budgets_text
 from kvlab.compression.selection import SELECTION_PRESETS
 from kvlab.methods import REGISTRY, MethodError, get_method
+from kvlab.methods.families.am_recipe import queries_text
 
 
 class UsageError(Exception):
@@ -435,6 +436,8 @@ def _print_summary(r: Any) -> None:
     print(f"memory          {r.bytes_full:,} B full -> {r.bytes_compressed:,} B compressed ({r.memory_ratio:.2f}x)")
     if budgets := budgets_text(r.details):
         print(f"budgets         {budgets}")
+    if queries := queries_text(r.details):
+        print(f"queries         {queries}")
     if "compressed_layers" in r.details:  # a hybrid model: the ratio is met in its full-attention layers
         d = r.details
         print(

@@ -15,7 +15,7 @@ import torch
 from kvlab.context import Context, Memo
 from kvlab.prompts import REPEAT_INSTRUCTION, question_tokens, repeat_tokens
 from kvlab.runtime.cache import CompressedKV
-from kvlab.runtime.decode import Session, greedy, open_session, read_chunked
+from kvlab.runtime.decode import Session, extend, greedy, open_session, read_chunked
 from kvlab.runtime.hooks import QueryCapture
 
 SELF_STUDY_PROMPTS = (
@@ -68,6 +68,13 @@ def read_after(
     return capture.per_layer()
 
 
+def read_after_into(ctx: Context, ids: torch.Tensor, capture: QueryCapture) -> None:
+    """The model reads ``ids`` [n] after the full cache in one pass (not chunked), into ``capture``
+    (one that changes what each layer reads, kvlab.runtime.hooks.QueryCapture.attended, sees the whole text)."""
+    session = open_session(ctx.lm, ctx.full.stored)
+    extend(ctx.lm, session, ids, capture, logits_to_keep=1)
+
+
 def context_queries(ctx: Context) -> list[torch.Tensor]:
     """The document's own prefill queries (recorded at prefill)."""
     return ctx.queries["context"]
@@ -118,20 +125,43 @@ def question_queries(ctx: Context, question: str) -> list[torch.Tensor]:
     return ctx.cached(QuestionQueries(question=question), lambda: read_after(ctx, ids))
 
 
-def self_study_queries(ctx: Context, token_budget: int = 256) -> list[torch.Tensor]:
-    """Self-study: the model answers generic prompts about the document; the queries of
-    the prompts and of its own answers are recorded. ``token_budget`` bounds the
-    generated tokens over all prompts (generation is the slow part on a CPU)."""
+@dataclass(frozen=True)
+class SelfStudy:
+    """Self-study conversations about a document: per prompt, the prompt turn's tokens then the model's
+    greedy answer (``turns``, each [n_i]); ``queries``: per layer [H, n, d] the queries recorded while
+    each was read after the full cache on its own (the prompt, then every answer token fed back)."""
 
-    def make() -> list[torch.Tensor]:
+    turns: tuple[torch.Tensor, ...]
+    queries: list[torch.Tensor]
+
+    def transcript(self) -> torch.Tensor:
+        """[n] every conversation's tokens one after the other (the on-policy sweep reads them as one text)."""
+        return torch.cat(self.turns)
+
+
+def self_study(ctx: Context, token_budget: int = 256) -> SelfStudy:
+    """Self-study: the model answers generic prompts about the document (greedily, ``token_budget``
+    generated tokens over all prompts: generation is the slow part on a CPU), made once per context."""
+
+    def make() -> SelfStudy:
         capture = QueryCapture(ctx.lm.n_layers)
         stored = ctx.full.stored
         per_prompt = max(1, token_budget // len(SELF_STUDY_PROMPTS))
+        turns = []
         for prompt in SELF_STUDY_PROMPTS:
-            greedy(ctx.lm, stored, question_tokens(ctx.lm.tokenizer, prompt), per_prompt, capture)
-        return capture.per_layer()
+            ids = question_tokens(ctx.lm.tokenizer, prompt)
+            answer = greedy(ctx.lm, stored, ids, per_prompt, capture)
+            # The tokens fed back: the last generated one never is (nothing reads it).
+            fed = torch.tensor(answer.ids[:-1], dtype=ids.dtype, device=ids.device)
+            turns.append(torch.cat([ids, fed]))
+        return SelfStudy(tuple(turns), capture.per_layer())
 
     return ctx.cached(SelfStudyQueries(token_budget), make)
+
+
+def self_study_queries(ctx: Context, token_budget: int = 256) -> list[torch.Tensor]:
+    """Self-study's queries (:func:`self_study`): the prompts' and the model's own answers'."""
+    return self_study(ctx, token_budget).queries
 
 
 def random_queries(ctx: Context, n: int = 1024, seed: int = 0) -> list[torch.Tensor]:

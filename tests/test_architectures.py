@@ -326,6 +326,27 @@ def test_every_method_meets_its_budget_with_finite_logits(ctx, name, ratio):
     assert logits.shape == (question.numel(), 64) and torch.isfinite(logits).all()
 
 
+@pytest.mark.parametrize("query_source", ["repeat", "question"])
+def test_the_on_policy_sweep_fits_what_the_per_layer_reread_fits(ctx, query_source):
+    """Attention Matching on-policy in one forward sweep against the paper's way (the text read again
+    through the layers fitted so far, once per layer): the same queries per head, the same compact
+    keys, biases and values up to float32 rounding, window layers kept as they are."""
+    options = {"on_policy": True, "query_source": query_source, "budgets": "uniform"}
+    sweep = get_method("attention_matching", **options).compress(Request(ctx, 3.0, QUESTION))
+    reread = get_method("attention_matching", on_policy_sweep=False, **options).compress(Request(ctx, 3.0, QUESTION))
+    assert sweep.meta["queries_per_head"] == reread.meta["queries_per_head"]
+    for layer in range(ctx.lm.n_layers):
+        got, want = sweep.layer_view(layer), reread.layer_view(layer)
+        assert torch.equal(got.token_index, want.token_index), layer
+        assert torch.equal(torch.isinf(got.bias), torch.isinf(want.bias)), layer
+        finite = torch.isfinite(want.bias)
+        # Both fits solve the same problem; float32's rounding, amplified by the solves' conditioning,
+        # is all that may differ.
+        torch.testing.assert_close(got.bias[finite], want.bias[finite], atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(got.keys, want.keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got.values, want.values, atol=1e-3, rtol=1e-3)
+
+
 def test_a_run_on_a_hybrid_model_counts_its_ratio_over_the_compressed_layers():
     """Gemma 3 as released: the ratio is met in its global layer; the run reports that layer's memory
     ratio and the whole cache's bytes, the local layers' windows (the same in both caches) included."""

@@ -146,6 +146,25 @@ def test_mixed_queries_are_both_sources_capped_and_weighted(ctx):
     assert bool((weights[:, : first.shape[1]] == 1).all()) and bool((weights[:, first.shape[1] :] == 0.5).all())
 
 
+def test_self_study_and_on_policy_combine_in_the_sweep(ctx):
+    """The paper's recipe, self-study with the repeat and re-read on-policy, runs (once refused): each
+    layer fits on the repeat's queries and self-study's, each capped (the per-head counts), the
+    self-study conversations read after the repeat through the layers fitted before."""
+    from kvlab.queries import self_study
+
+    opts = {"on_policy": True, "self_study_weight": 2.0, "self_study_tokens": 8, "max_queries": 60}
+    stored = get_method("attention_matching", **opts).compress(Request(ctx, 4.0))
+    g = ctx.lm.n_heads // ctx.lm.n_kv_heads
+    n_repeat = repeat_queries(ctx)[0].shape[1]
+    n_study = self_study(ctx, 8).transcript().numel()
+    assert stored.meta["queries_per_head"] == [min(60, g * n_repeat) + min(60, g * n_study)] * ctx.lm.n_layers
+    assert int(stored.kept_per_head().max()) <= round(ctx.doc_len / 4) + ctx.prefix_len
+    # Without self-study the same sweep fits on fewer queries, to another cache.
+    plain = get_method("attention_matching", on_policy=True, max_queries=60).compress(Request(ctx, 4.0))
+    assert plain.meta["queries_per_head"] == [min(60, g * n_repeat)] * ctx.lm.n_layers
+    assert not torch.equal(plain.layer_view(1).values, stored.layer_view(1).values)
+
+
 def test_the_retrieval_knobs_compress_within_budget_and_refuse_contradictions(ctx):
     budget = round(ctx.doc_len / 4)
     for options in (
@@ -174,7 +193,7 @@ def test_the_retrieval_knobs_compress_within_budget_and_refuse_contradictions(ct
             assert set(top.tolist()) <= kept
     for bad, match in (
         ({"value_fit": "original", "value_anchor": 0.1}, "value_anchor"),
-        ({"self_study_weight": 1.0, "on_policy": True}, "self_study_weight"),
+        ({"self_study_weight": 1.0, "on_policy": True, "on_policy_sweep": False}, "on_policy_sweep"),
         ({"self_study_weight": 1.0, "query_source": "self_study"}, "self_study_weight"),
         ({"kvzip_share": 1.5}, "kvzip_share"),
         ({"value_anchor": -1.0}, "value_anchor"),
@@ -200,6 +219,7 @@ def test_the_retrieval_knobs_stay_on_the_models_device(monkeypatch: pytest.Monke
             for options in (
                 {"value_fit": "original", "key_selection": "kvzip_union"},
                 {"value_anchor": 0.1, "self_study_weight": 0.5, "self_study_tokens": 8},
+                {"on_policy": True, "self_study_weight": 0.5, "self_study_tokens": 8},
             ):
                 get_method("attention_matching", **options).compress(Request(ctx, 4.0, record_importance=True))
         assert mode.on_cuda > 0

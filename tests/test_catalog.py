@@ -223,6 +223,17 @@ PUBLISHED = {
         "refit_every": 2,
         "on_policy": True,
     },
+    # The headline rows' query configuration "ss-plus-repeat": the repeat and self-study in one pool
+    # (no weight per kind), 50,000 queries per KV head, read on-policy.
+    "AM-HighestAttnKeys-ss-plus-repeat": {
+        "key_selection": "highest_attn",
+        "scoring": "rms",
+        "nnls_iters": 2,
+        "on_policy": True,
+        "query_source": "repeat",
+        "self_study_weight": 1.0,
+        "max_queries": 50000,
+    },
 }
 
 

@@ -12,6 +12,7 @@ from kvlab.methods import Request
 from kvlab.methods.families.scorers import KVzipOptions, kvzip_scores
 from kvlab.prompts import repeat_tokens
 from kvlab.queries import repeat_pass, repeat_queries
+from kvlab.runtime import attention
 from kvlab.runtime.attention import attend, attention_logits, causal_attention, matmul, softmax_
 from kvlab.runtime.cache import CompressedKV, DenseSegment, FullKV, template_segment
 from kvlab.runtime.decode import GrowingLayer, continuation_logprobs, extend, greedy, open_session, prefill
@@ -85,10 +86,13 @@ def test_in_place_softmax_and_logits_written_into_a_buffer_match_the_plain_compu
     assert torch.all(weights[0, :, 2] == 0)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_new_block_after_a_cache_sees_the_cache_and_its_own_past(bias):
+@pytest.mark.parametrize("bias, block", [(False, None), (True, None), (True, 2)])
+def test_new_block_after_a_cache_sees_the_cache_and_its_own_past(bias, block, monkeypatch):
     """Several queries appended after 7 cached keys (the extend path: no bias, or a
-    stored cache's bias), against attention computed query by query."""
+    stored cache's bias; read in blocks of 2 queries as a long text is), against attention computed
+    query by query."""
+    if block is not None:
+        monkeypatch.setattr(attention, "BIAS_BLOCK", block)
     gen = torch.Generator().manual_seed(1)
     n, past = 5, 7
     q = torch.randn(1, 4, n, 16, generator=gen)

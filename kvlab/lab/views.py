@@ -18,6 +18,7 @@ from kvlab.compression.budget_profiles import budgets_text
 from kvlab.lab.explore import Explored
 from kvlab.lab.fates import TokenFates
 from kvlab.lab.head_roles import HeadRoles
+from kvlab.methods.families.am_recipe import queries_text
 from kvlab.pipeline import RunResult
 
 
@@ -66,9 +67,10 @@ def summary_markdown(ex: Explored) -> str:
 
 
 def budgets_note(r: RunResult) -> str:
-    """Where the run's per-head budgets came from ("; head budgets nonuniform: the model's profile ..."), or ""."""
-    budgets = budgets_text(r.details)
-    return f"; head budgets {budgets}" if budgets else ""
+    """Where the run's per-head budgets came from ("; head budgets nonuniform: the model's profile ...") and,
+    for a fit on reference queries, which queries ("; reference queries repeat, ... on-policy"), or ""."""
+    budgets, queries = budgets_text(r.details), queries_text(r.details)
+    return (f"; head budgets {budgets}" if budgets else "") + (f"; reference queries {queries}" if queries else "")
 
 
 def hybrid_memory_row(r: RunResult) -> str:

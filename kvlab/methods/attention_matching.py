@@ -9,9 +9,12 @@ chat-template prefix stays as it is.
 The published configurations are presets under the public code's names
 (kvlab.methods.families.am_recipe.PRESETS, which summary_am shares).
 The defaults are ``AM-HighestAttnKeys-basic`` (HighestAttnKeys, not
-on-policy): on-policy fitting reads the document once more per layer, which
-on a CPU multiplies the compression time by the number of layers, for what
-the paper reports as a small gain.
+on-policy). On-policy fitting (``on_policy``) reads the reference text once
+more, in one forward sweep that fits each layer as it reaches it
+(``on_policy_sweep``; the paper's code re-reads the text once per layer, kept
+as the reference the sweep is tested against), and combines with self-study
+(``self_study_weight``): the paper's recipe, which is not yet the default
+until the lab has measured it on real text.
 """
 
 from __future__ import annotations
@@ -48,10 +51,14 @@ class AttentionMatching(QuerySourced, Method):
         "re-reading it are recorded), the prefill itself, self-study answers or random vectors; your question "
         "is used only with `query_source=question`.\n\n"
         "The published configurations are presets: `AM-HighestAttnKeys-basic` (the defaults), "
-        "`AM-HighestAttnKeys` (the same, on-policy: each layer's queries are re-read with the layers before "
+        "`AM-HighestAttnKeys` (the same, on-policy: each layer's queries are read with the layers before "
         "it already compacted), `AM-OMP-basic`, `AM-OMP` (on-policy) and `AM-OMP-fast` (more keys per OMP "
-        "iteration, fewer refits). The defaults are not on-policy because that costs one more pass over the "
-        "document per layer, which is slow on a CPU, for a small gain. `key_selection=kvzip` keeps KVzip's "
+        "iteration, fewer refits). On-policy costs one more pass over the reference text: kvlab fits each "
+        "layer as that pass reaches it and carries the pass on through the compacted layer (`on_policy_sweep`; "
+        "the paper's code reads the text again for every layer, L times the work, for the same cache), and "
+        "it combines with `self_study_weight` (the self-study conversations read after the repeat in the same "
+        "pass). The defaults are not on-policy yet: the lab has not measured the whole recipe on real text. "
+        "`key_selection=kvzip` keeps KVzip's "
         "keys (the most attended while the model repeats the document) and fits their bias and values.\n\n"
         "**Knobs that aim at keeping a needle.** *What the values are pulled toward:* `value_anchor` "
         "$\\lambda>0$ fits the $C_v$ that minimises the squared error $\\lVert XC_v-Y\\rVert$ plus "

@@ -196,6 +196,10 @@ def causal_bias_mask(
     return mask.unsqueeze(0)
 
 
+#: Queries per block when several are read after a cache with biases (:func:`causal_attention`).
+BIAS_BLOCK = 1024
+
+
 def causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -232,6 +236,16 @@ def causal_attention(
         # [H, q, kv] (300 MB for a repeat-prefill of 2,000 tokens), rebuilt per layer.
         mask = ~future_mask(q_len, kv_len, q.device)[None, None]
         return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if q_len > BIAS_BLOCK:
+        # A long text read after a fitted cache (Attention Matching's on-policy sweep reads a whole
+        # repeat of the document): the queries in blocks, each over the keys it may see, so the float
+        # mask is [H, block, kv] at a time, never [H, q, kv].
+        parts = []
+        for start in range(0, q_len, BIAS_BLOCK):
+            end = min(start + BIAS_BLOCK, q_len)
+            seen = kv_len - q_len + end  # the cache and the text up to the block's last query
+            parts.append(causal_attention(q[:, :, start:end], k[:, :, :seen], v[:, :, :seen], key_bias, scale))
+        return torch.cat(parts, dim=2)
     # SDPA takes a float mask only in the queries' dtype, and in bf16 a fitted
     # bias keeps 8 bits: this call (several tokens read after a fitted cache,
     # e.g. the question) runs in float32 so the biases stay exact.

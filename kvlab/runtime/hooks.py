@@ -46,6 +46,15 @@ class QueryCapture:
     def per_layer(self) -> list[torch.Tensor]:
         return [self.layer(i) for i in range(self.n_layers)]
 
+    def attended(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What ``layer``'s attention reads, called once the layer's queries are recorded: keys/values
+        [1, H_kv, kv, d] (the cache's, the pass's own last) and the bias of the first cached keys
+        ([H_kv, L] or None), unchanged here. A capture that compacts the layer it has just read
+        (kvlab.methods.families.compaction's on-policy sweep) returns the compacted keys instead."""
+        return keys, values, bias
+
 
 @dataclass
 class ForwardContext:
@@ -85,10 +94,11 @@ def kvlab_attention(
     layer = module.layer_idx
     bias = None
     if ctx is not None:
-        if ctx.capture is not None:
-            ctx.capture.record(layer, query)
         if ctx.key_bias is not None:
             bias = ctx.key_bias[layer]
+        if ctx.capture is not None:
+            ctx.capture.record(layer, query)
+            key, value, bias = ctx.capture.attended(layer, key, value, bias)
     out = causal_attention(query, key, value, bias, scaling, kwargs.get("sliding_window"), kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None
 

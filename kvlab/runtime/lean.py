@@ -259,9 +259,10 @@ def lean_forward_many(lean: LeanModel, items: list[LeanItem]) -> list[torch.Tens
             if i == len(cache.layers):  # an empty cache grows its layers on first use, as transformers' does
                 cache.layers.append(cache.layer_class_to_replicate())
             keys, values = cache.layers[i].update(k, v[r].transpose(0, 1).unsqueeze(0))
+            bias = None if item.key_bias is None else item.key_bias[i]
             if item.capture is not None:
                 item.capture.record(i, q.contiguous())  # a copy of the queries alone, not of the whole pass
-            bias = None if item.key_bias is None else item.key_bias[i]
+                keys, values, bias = item.capture.attended(i, keys, values, bias)
             out = causal_attention(q, keys, values, bias, w.scaling, w.window)  # [1, H, n, d]
             outs.append(out[0].transpose(0, 1).reshape(-1, heads * d))
         x = x + project(outs[0] if len(outs) == 1 else torch.cat(outs), w.o)

@@ -28,7 +28,14 @@ from kvlab.compression.request import Request
 from kvlab.context import Context
 from kvlab.kernels import dispatch as kernels
 from kvlab.prompts import question_tokens, repeat_tokens
-from kvlab.queries import context_queries, question_queries, random_queries, repeat_queries, self_study_queries
+from kvlab.queries import (
+    context_queries,
+    question_queries,
+    random_queries,
+    repeat_queries,
+    self_study,
+    self_study_queries,
+)
 from kvlab.runtime.attention import attention_weights, group_queries
 
 PAPER = Paper("Zweiger, Fu, Guo, Kim", 2026, "Fast KV Compaction via Attention Matching", arxiv="2602.16284")
@@ -40,12 +47,17 @@ PAPER = Paper("Zweiger, Fu, Guo, Kim", 2026, "Fast KV Compaction via Attention M
 # iteration and refits every time; the fast variant four keys and every other time.
 _HIGHEST_ATTN: dict[str, Any] = {"key_selection": "highest_attn", "scoring": "rms", "nnls_iters": 2}
 _OMP: dict[str, Any] = {"key_selection": "omp", "keys_per_iter": 1, "refit_every": 1, "drop_below": -7.0}
+# The headline runs' query configuration, ss-plus-repeat: one pool of the repeat and the self-study
+# conversations, no weight per kind, capped at 50,000 queries per KV head.
+_SS_PLUS_REPEAT: dict[str, Any] = {"query_source": "repeat", "self_study_weight": 1.0, "max_queries": 50000}
 PRESETS: dict[str, dict[str, Any]] = {
     "AM-HighestAttnKeys-basic": {**_HIGHEST_ATTN, "on_policy": False},
     "AM-HighestAttnKeys": {**_HIGHEST_ATTN, "on_policy": True},
     "AM-OMP-basic": {**_OMP, "on_policy": False},
     "AM-OMP": {**_OMP, "on_policy": True},
     "AM-OMP-fast": {**_OMP, "keys_per_iter": 4, "refit_every": 2, "on_policy": True},
+    # The paper's "fastest" headline rows (scripts/main/*-quality.sh): HighestAttnKeys on-policy on ss-plus-repeat.
+    "AM-HighestAttnKeys-ss-plus-repeat": {**_HIGHEST_ATTN, "on_policy": True, **_SS_PLUS_REPEAT},
 }
 
 QuerySource = Literal["repeat", "context", "self_study", "random", "question"]
@@ -111,7 +123,14 @@ class AMOptions(ScoredOptions):
     )
     compaction_chunk: int = knob(0, "compact the document in chunks of this many tokens (0: one block)", low=0)
     on_policy: bool = knob(
-        False, "re-extract each layer's queries with the layers before it already compacted (slow: one pass per layer)"
+        False,
+        "each layer's queries read with the layers before it already compacted (one forward sweep that fits "
+        "each layer as it reaches it)",
+    )
+    on_policy_sweep: bool = knob(
+        True,
+        "on_policy: in one forward sweep (true), or by re-reading the text once per layer as the paper's code "
+        "does (false: the same cache, about L times slower; the reference the sweep is tested against)",
     )
     value_fit: Literal["least_squares", "original"] = knob(
         "least_squares",
@@ -150,8 +169,12 @@ class AMOptions(ScoredOptions):
             raise MethodError(f"budgets={self.budgets} reads the reference queries before the fit: not on-policy")
         if self.value_fit == "original" and self.value_anchor > 0:
             raise MethodError("value_anchor needs value_fit=least_squares (value_fit=original fits no values)")
-        if self.self_study_weight > 0 and (self.query_source == "self_study" or self.on_policy):
-            raise MethodError("self_study_weight mixes self-study queries into another, not on-policy, query_source")
+        if self.self_study_weight > 0 and self.query_source == "self_study":
+            raise MethodError("self_study_weight mixes self-study queries into another query_source")
+        if self.self_study_weight > 0 and self.on_policy and not self.on_policy_sweep:
+            raise MethodError(
+                "self_study_weight with on_policy needs on_policy_sweep=true (the re-read reads one source)"
+            )
 
 
 def reference_queries(ctx: Context, opts: QueryOptions, question: str | None) -> list[torch.Tensor]:
@@ -176,6 +199,33 @@ def source_tokens(ctx: Context, opts: QueryOptions, question: str | None) -> tor
     if opts.query_source == "question" and question:
         return question_tokens(ctx.lm.tokenizer, question)
     raise MethodError("on-policy queries need query_source=repeat (or question, with a question)")
+
+
+def on_policy_text(ctx: Context, opts: AMOptions, question: str | None) -> tuple[torch.Tensor, int]:
+    """What the on-policy sweep reads after the document: the source's tokens (:func:`source_tokens`),
+    then, with ``self_study_weight``, the self-study conversations one after the other
+    (kvlab.queries.SelfStudy.transcript); and how many of its tokens are the source's."""
+    ids = source_tokens(ctx, opts, question)
+    if opts.self_study_weight == 0:
+        return ids, ids.numel()
+    transcript = self_study(ctx, opts.self_study_tokens).transcript().to(ids.device)
+    return torch.cat([ids, transcript]), ids.numel()
+
+
+def queries_text(details: dict) -> str | None:
+    """A fit's reference queries in words from a run's details (kvlab.methods.families.compaction.query_meta):
+    "repeat + self_study (weight 1), 6,144-8,010 per KV head (cap 50,000), on-policy (one sweep)"; None
+    for a run without them."""
+    if "query_kinds" not in details:
+        return None
+    kinds = " + ".join(details["query_kinds"])
+    if "self_study" in details["query_kinds"][1:]:
+        kinds += f" (weight {details['self_study_weight']:g})"
+    counts = details.get("queries_per_head") or [0]
+    low, high = min(counts), max(counts)
+    count = f"{low:,}" if low == high else f"{low:,}-{high:,}"
+    policy = {"no": "off-policy", "sweep": "on-policy (one sweep)", "reread": "on-policy (re-read per layer)"}
+    return f"{kinds}, {count} per KV head (cap {details['max_queries']:,}), {policy[details['on_policy']]}"
 
 
 def subsample(q: torch.Tensor, cap: int, seed: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ queries and budgets are kvlab.methods.families.am_recipe.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,13 +25,14 @@ from kvlab.methods.families.am_recipe import (
     AMOptions,
     am_budgets,
     mixed_queries,
+    on_policy_text,
     reference_queries,
     source_tokens,
     subsample,
 )
 from kvlab.methods.families.scorers import KVzipOptions, kvzip_scores
 from kvlab.metrics import block_attention, block_errors
-from kvlab.queries import read_after, self_study_queries
+from kvlab.queries import read_after, read_after_into, self_study_queries
 from kvlab.runtime.cache import (
     CompressedKV,
     DenseSegment,
@@ -42,6 +44,7 @@ from kvlab.runtime.cache import (
     template_segment,
     token_importance,
 )
+from kvlab.runtime.hooks import QueryCapture
 
 
 def chunk_spans(length: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -407,7 +410,8 @@ def compact_document(req: Request, opts: AMOptions, method: str) -> CompressedKV
     if opts.on_policy:
         scores_s = time.perf_counter() - start
         head = am_budgets(req, opts)
-        stored, queries_s = on_policy_cache(req, opts, head.budgets, key_scores, exact_scores)
+        on_policy = on_policy_cache if opts.on_policy_sweep else on_policy_reread
+        stored, queries_s = on_policy(req, opts, head.budgets, key_scores, exact_scores)
         queries_s += scores_s
     else:
         queries = reference_queries(ctx, opts, req.question)
@@ -429,12 +433,30 @@ def compact_document(req: Request, opts: AMOptions, method: str) -> CompressedKV
     stored.meta = {
         "method": method,
         "query_source": opts.query_source,
+        **query_meta(opts),
         "key_selection": opts.key_selection,
         **head.meta(),
         **stored.meta,
         "fit_s": {"queries": queries_s, **stored.meta["fit_s"]},
     }
     return stored
+
+
+def query_meta(opts: AMOptions) -> dict:
+    """What a fit's meta (the run's details, ``--json``) says of its reference queries: their kinds (the
+    source, then self-study's conversations when mixed in, with its weight), the cap per KV head, and
+    whether they were read on-policy (in one sweep, or re-read per layer). The count per head actually
+    fitted is ``queries_per_head``."""
+    kinds = [opts.query_source]
+    if opts.self_study_weight > 0:
+        kinds.append("self_study")
+    on_policy = ("sweep" if opts.on_policy_sweep else "reread") if opts.on_policy else "no"
+    return {
+        "query_kinds": kinds,
+        "self_study_weight": opts.self_study_weight,
+        "max_queries": opts.max_queries,
+        "on_policy": on_policy,
+    }
 
 
 def on_policy_cache(
@@ -444,7 +466,104 @@ def on_policy_cache(
     key_scores: list[torch.Tensor] | None,
     exact_scores: list[torch.Tensor] | None = None,
 ) -> tuple[CompressedKV, float]:
-    """Compact layer by layer, each layer's queries read with the layers before it compacted."""
+    """On-policy Attention Matching in one forward sweep: the reference text (:func:`source_tokens`) is
+    read once after the full cache, and each layer is fitted as the pass reaches it, with the queries
+    the pass records there (read through layers 0..l-1, already compacted), then the pass goes on
+    through the compacted layer (:class:`SweepCapture`). Layer l's queries depend only on layers
+    0..l-1, final once fitted, so this is the per-layer re-read (:func:`on_policy_reread`) at the cost
+    of one pass. The text is read in one piece: its attention over a layer is [H, n, kv] at once.
+    Returns the cache and the seconds spent outside the fits (the pass)."""
+    ctx = req.ctx
+    ids, n_source = on_policy_text(ctx, opts, req.question)
+    length = ctx.full.stored.logical_len if req.record_importance else None
+    capture = SweepCapture(
+        ctx.lm.n_layers,
+        lambda layer, q: fit_on_policy(
+            req, opts, layer, q[:, :n_source], budgets, length, key_scores, exact_scores, q[:, n_source:]
+        ),
+        ctx.length,
+    )
+    start = time.perf_counter()
+    read_after_into(ctx, ids, capture)
+    total = time.perf_counter() - start
+    fitting = sum(f.timings["keys"] + f.timings["bias"] + f.timings["values"] for f in capture.fits)
+    return fitted_cache(capture.fits, ctx.full.stored.logical_len), max(0.0, total - fitting)
+
+
+def fit_on_policy(
+    req: Request,
+    opts: AMOptions,
+    layer: int,
+    q: torch.Tensor,
+    budgets: torch.Tensor,
+    importance_len: int | None,
+    key_scores: list[torch.Tensor] | None,
+    exact_scores: list[torch.Tensor] | None,
+    extra: torch.Tensor | None = None,
+) -> LayerFit:
+    """One layer of the full cache fitted on its on-policy queries q [H, n, d] and self-study's extra
+    [H, n2, d] (weighted ``self_study_weight``; None or empty: none) (a window layer kept)."""
+    ctx = req.ctx
+    full = ctx.full.stored
+    req.progress(0.3 + 0.3 * (layer + 1) / ctx.lm.n_layers, f"on-policy: layer {layer + 1}")
+    if is_window(full.layers[layer]):
+        return window_fit(full.layers[layer], q.shape[1], importance_len)
+    return compact_layer(
+        full.layer_view(layer),
+        q,
+        budgets[layer],
+        opts,
+        ctx.prefix_len,
+        importance_len,
+        None if key_scores is None else key_scores[layer],
+        None if extra is None or extra.shape[1] == 0 else extra,
+        scale=ctx.lm.geometry[layer].scaling,
+        exact_scores=None if exact_scores is None else exact_scores[layer],
+    )
+
+
+class SweepCapture(QueryCapture):
+    """The on-policy sweep's capture: as each layer's queries are recorded, the layer is fitted on them
+    (``fit(layer, q [H, n, d])``) and the pass reads the fitted layer in place of the full one.
+
+    cached: the full cache's length (template and document), which the pass's keys follow.
+    """
+
+    def __init__(self, n_layers: int, fit: Callable[[int, torch.Tensor], LayerFit], cached: int) -> None:
+        super().__init__(n_layers)
+        self.fit = fit
+        self.cached = cached
+        self.fits: list[LayerFit] = []
+
+    def attended(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if len(self.chunks[layer]) != 1:
+            raise RuntimeError("the on-policy sweep reads its text in one pass")
+        fit = self.fit(layer, self.layer(layer))
+        self.fits.append(fit)
+        if all(seg.fate == "window" for seg in fit.segments):
+            return keys, values, bias
+        # The fitted layer (template, compact keys with their biases, padding at -inf), then the pass's own keys.
+        view = concat_views([seg.view() for seg in fit.segments])
+        own = slice(self.cached, keys.shape[2])
+        return (
+            torch.cat([view.keys.to(keys.dtype).unsqueeze(0), keys[:, :, own]], dim=2),
+            torch.cat([view.values.to(values.dtype).unsqueeze(0), values[:, :, own]], dim=2),
+            view.bias.float(),
+        )
+
+
+def on_policy_reread(
+    req: Request,
+    opts: AMOptions,
+    budgets: torch.Tensor,
+    key_scores: list[torch.Tensor] | None,
+    exact_scores: list[torch.Tensor] | None = None,
+) -> tuple[CompressedKV, float]:
+    """On-policy by re-reading: layer by layer, the reference text read again through the layers fitted so
+    far (one pass per layer, as the paper's code does it). The reference the sweep is tested against
+    (``on_policy_sweep=false``)."""
     ctx = req.ctx
     ids = source_tokens(ctx, opts, req.question)
     full = ctx.full.stored
@@ -456,20 +575,5 @@ def on_policy_cache(
         mixed = CompressedKV([f.segments for f in fits] + full.layers[layer:], full.logical_len)
         q = read_after(ctx, ids, mixed, layers=layer + 1)[layer]
         queries_s += time.perf_counter() - start
-        fits.append(
-            window_fit(full.layers[layer], q.shape[1], length)
-            if is_window(full.layers[layer])
-            else compact_layer(
-                full.layer_view(layer),
-                q,
-                budgets[layer],
-                opts,
-                ctx.prefix_len,
-                length,
-                None if key_scores is None else key_scores[layer],
-                scale=ctx.lm.geometry[layer].scaling,
-                exact_scores=None if exact_scores is None else exact_scores[layer],
-            )
-        )
-        req.progress(0.3 + 0.3 * (layer + 1) / ctx.lm.n_layers, f"on-policy: layer {layer + 1}")
+        fits.append(fit_on_policy(req, opts, layer, q, budgets, length, key_scores, exact_scores))
     return fitted_cache(fits, full.logical_len), queries_s
