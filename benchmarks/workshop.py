@@ -415,7 +415,8 @@ def sheet_runs(path: Path) -> tuple[tuple[str, dict], list[tuple[str, dict]], Op
     return items[0], items[1:], opening_of(sheet[0], texts[sheet[0].example])
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser_of() -> argparse.ArgumentParser:
+    """The benchmark's command line."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.workshop", description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=30)
     parser.add_argument("--clicks", type=int, default=3, help="runs after the handed-out link, per participant")
@@ -442,6 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--picks", action="store_true", help="then each participant's own pick (the sheet's pick link)")
     parser.add_argument("--pick-window", type=float, default=60.0, help="seconds within which the picks are clicked")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = parser_of()
     args = parser.parse_args(argv)
     if args.clients < 1 or args.clicks < 0 or args.clients * (1 + args.clicks) > 1000:
         parser.error("--clients >= 1, --clicks >= 0, at most 1,000 requests in all")
