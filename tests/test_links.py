@@ -12,6 +12,7 @@ from kvlab.catalog import all_knobs
 from kvlab.lab import links
 from kvlab.methods import REGISTRY
 from kvlab.ui import app
+from kvlab.ui.knobs import knob_updates
 
 CHOICES = links.LinkChoices(
     examples=("story", "contract"),
@@ -84,8 +85,8 @@ def updates(link: links.Link, story) -> dict[str, object]:
     values = app._link_updates(link, ex, doc, CHOICES, KNOBS)
     assert len(values) == len(names)
     got = {n: v for n, v in zip(names, values) if not (isinstance(v, dict) and v == gr.update())}
-    # The knobs, as the hidden box's change sets them (kvlab.ui.app.knob_updates).
-    knob_values = app.knob_updates(got.pop("link_knobs", ""), KNOBS)
+    # The knobs, as the hidden box's change sets them (kvlab.ui.knobs.knob_updates).
+    knob_values = knob_updates(got.pop("link_knobs", ""), KNOBS)
     assert len(knob_values) == len(KNOBS)
     got.update({k.key: v for k, v in zip(KNOBS, knob_values) if not (isinstance(v, dict) and v == gr.update())})
     return got

@@ -363,6 +363,7 @@ def test_the_plans_four_links_are_on_its_sheet_and_open_the_page_configured():
     from kvlab.catalog import all_knobs
     from kvlab.lab import examples, links
     from kvlab.ui import app
+    from kvlab.ui.knobs import knob_updates
 
     found = plan_links()
     assert len(found) == 4 and set(found) <= {line.strip() for line in PLAN_SHEET.read_text().splitlines()}
@@ -385,7 +386,7 @@ def test_the_plans_four_links_are_on_its_sheet_and_open_the_page_configured():
             continue
         method, *pairs = asked["method"].split(":")
         assert values[7:9] == (method, float(asked["ratio"])) and values[6] == asked["question"]
-        knob_values = app.knob_updates(values[22] if isinstance(values[22], str) else "", knobs)  # the hidden box's
+        knob_values = knob_updates(values[22] if isinstance(values[22], str) else "", knobs)  # the hidden box's
         set_knobs = {k.name: v for k, v in zip(knobs, knob_values) if k.method == method and v != app.gr.update()}
         assert set_knobs == dict(pair.split("=") for pair in pairs)
 

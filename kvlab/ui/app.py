@@ -51,6 +51,7 @@ from kvlab.ui.compare import SWEEP_RATIOS, build_compare_tab
 from kvlab.ui.explore import build_explore_tab
 from kvlab.ui.generate import SOURCES as GENERATE_SOURCES
 from kvlab.ui.generate import build_generate_tab
+from kvlab.ui.knobs import knob_updates
 from kvlab.ui.learn import build_learn_tab
 from kvlab.ui.pick import build_pick_tab
 
@@ -253,13 +254,6 @@ def _link_updates(
         *pick,
         json.dumps(knob_values) if knob_values else keep,
     )
-
-
-def knob_updates(chosen: str, knobs: list[Knob]) -> list:
-    """Explore's knob inputs (``knobs``, in that order) set to a link's knobs (:func:`_link_updates`' JSON),
-    the others left as they are."""
-    values = json.loads(chosen) if chosen else {}
-    return [values[k.key] if k.key in values else gr.update() for k in knobs]
 
 
 def _settings_link(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import gradio as gr
 
 from kvlab.catalog import Knob
@@ -23,3 +25,10 @@ def knob_component(knob: Knob) -> gr.components.Component:
     if knob.kind is float:
         return gr.Number(value=knob.default, step=0.01, label=knob.name, info=info)
     return gr.Textbox(value="" if knob.default is None else str(knob.default), label=knob.name, info=info)
+
+
+def knob_updates(chosen: str, knobs: list[Knob]) -> list:
+    """Explore's knob inputs (``knobs``, in that order) set to a link's knobs (JSON by :attr:`Knob.key`, as
+    kvlab.ui.app's page load writes it into a hidden box), the others left as they are."""
+    values = json.loads(chosen) if chosen else {}
+    return [values[k.key] if k.key in values else gr.update() for k in knobs]
