@@ -471,8 +471,9 @@ def on_policy_cache(
     the pass records there (read through layers 0..l-1, already compacted), then the pass goes on
     through the compacted layer (:class:`SweepCapture`). Layer l's queries depend only on layers
     0..l-1, final once fitted, so this is the per-layer re-read (:func:`on_policy_reread`) at the cost
-    of one pass. The text is read in one piece: its attention over a layer is [H, n, kv] at once.
-    Returns the cache and the seconds spent outside the fits (the pass)."""
+    of one pass. The text is read in one piece (a layer's fit needs all of its queries), its attention
+    after a fitted layer in blocks of queries (kvlab.runtime.attention.BIAS_BLOCK). Returns the cache
+    and the seconds spent outside the fits (the pass)."""
     ctx = req.ctx
     ids, n_source = on_policy_text(ctx, opts, req.question)
     length = ctx.full.stored.logical_len if req.record_importance else None
@@ -542,6 +543,7 @@ class SweepCapture(QueryCapture):
             raise RuntimeError("the on-policy sweep reads its text in one pass")
         fit = self.fit(layer, self.layer(layer))
         self.fits.append(fit)
+        del self.chunks[layer]  # fitted: its queries are not needed again (30 layers' would stay alive)
         if all(seg.fate == "window" for seg in fit.segments):
             return keys, values, bias
         # The fitted layer (template, compact keys with their biases, padding at -inf), then the pass's own keys.
