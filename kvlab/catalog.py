@@ -12,6 +12,7 @@ and the docs cannot drift apart. No gradio here: the app turns a
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -33,21 +34,18 @@ class Knob:
     """One field of one method's Options dataclass.
 
     kind: the field's resolved type (``int``, ``float``, ``bool``, ``str`` or a
-    ``Literal[...]`` of its choices).
+    ``Literal[...]`` of its choices); wrapper: a selection wrapper's knob (the same on every
+    scoring method, :class:`SelectionOptions`), not the method's own.
     """
 
     method: str
     field: dataclasses.Field
     kind: Any
+    wrapper: bool = False
 
     @property
     def name(self) -> str:
         return self.field.name
-
-    @property
-    def key(self) -> str:
-        """The knob's keyword in the app (one namespace for every method): ``<method>__<field>``."""
-        return f"{self.method}__{self.field.name}"
 
     @property
     def default(self) -> Any:
@@ -114,7 +112,7 @@ def knobs(name: str) -> list[Knob]:
     kinds = option_types(options)
     shared = {f.name for f in dataclasses.fields(SelectionOptions)} if issubclass(options, SelectionOptions) else set()
     fields = [f for f in dataclasses.fields(options) if f.init]
-    return [Knob(name, f, kinds[f.name]) for f in sorted(fields, key=lambda f: f.name in shared)]
+    return [Knob(name, f, kinds[f.name], f.name in shared) for f in sorted(fields, key=lambda f: f.name in shared)]
 
 
 def method_spec(entry: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
@@ -143,18 +141,35 @@ def all_knobs() -> dict[str, list[Knob]]:
     return {name: knobs(name) for name in sorted(REGISTRY)}
 
 
-def options_from(name: str, values: dict[str, Any]) -> dict[str, Any]:
-    """The Options keyword arguments of ``name`` from values keyed by :attr:`Knob.key`.
+def options_from(name: str, given: str | dict[str, Any] | None) -> dict[str, Any]:
+    """The Options keyword arguments of method ``name`` from its knobs as the app's ``knobs`` input holds them:
+    a JSON object by knob name (what the page sends), ``knob=value:knob=value`` (the command line's and a
+    link's spelling after the method's name), or a dict by knob name.
 
-    Knobs absent from ``values`` or left empty (None, blank) are skipped: the
-    method's default (or its preset's value) applies.
+    Knobs left empty (None, blank) are skipped: the method's default (or its preset's value) applies.
+    Raises MethodError for a knob the method does not have, a value it does not allow, or text that is neither.
     """
-    out = {}
-    for knob in knobs(name):
-        value = knob.convert(values.get(knob.key))
-        if value is not None:
-            out[knob.name] = value
-    return out
+    if isinstance(given, str):
+        text = given.strip()
+        if not text.startswith("{"):
+            return {
+                knob: value for knob, value in method_spec(f"{name}:{text}" if text else name)[1] if value is not None
+            }
+        try:
+            given = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise MethodError(f"{name}: the knobs {text!r} are not a JSON object ({exc.msg})") from None
+    given = given or {}
+    if not isinstance(given, dict):
+        raise MethodError(f"{name}: the knobs must be a JSON object by knob name, got {given!r}")
+    by_name = {k.name: k for k in knobs(name)}
+    unknown = [knob for knob in given if knob not in by_name]
+    if unknown:
+        raise MethodError(
+            f"{name} has no knob {', '.join(map(repr, unknown))} (its knobs: {', '.join(by_name) or 'none'})"
+        )
+    converted = {knob: by_name[knob].convert(value) for knob, value in given.items()}
+    return {knob: value for knob, value in converted.items() if value is not None}
 
 
 def presets(name: str) -> dict[str, dict[str, Any]]:

@@ -86,7 +86,7 @@ with contextlib.redirect_stdout(out):
                              "--max-new-tokens", "2", "--model", sys.argv[2], "--json",
                              "--oldest-share", "0.5"])
 seen["run"] = json.loads(out.getvalue())
-seen["knobs"] = {name: [(k.key, k.default, k.allowed) for k in knobs] for name, knobs in catalog.all_knobs().items()}
+seen["knobs"] = {name: [(k.name, k.default, k.allowed) for k in knobs] for name, knobs in catalog.all_knobs().items()}
 seen["presets"] = catalog.presets("knorm")
 seen["markdown"] = catalog.method_markdown("knorm")
 seen["table"] = catalog.methods_table()
@@ -133,21 +133,16 @@ def test_kvlab_run_has_its_flag_and_a_run_honours_it(seen):
 def test_the_knobs_every_scoring_method_gets_include_it_in_its_order(seen):
     """Every method that takes the wrappers' knobs (the app's Advanced widgets are these) has it, between
     ChunkKV's and CriticalKV's (its order 25 between 20 and 30); the others do not."""
-    wrapped = {name for name, knobs in seen["knobs"].items() if any(key.endswith("__granularity") for key, *_ in knobs)}
+    wrapped = {name for name, knobs in seen["knobs"].items() if any(key == "granularity" for key, *_ in knobs)}
     assert {"knorm", "snapkv", "tova", "kvzip"} <= wrapped
     for name, knobs in seen["knobs"].items():
         keys = [key for key, *_ in knobs]
         if name in wrapped:
-            assert [f"{name}__oldest_share", 0.0, "a number from 0 to 1"] in knobs
-            at = keys.index(f"{name}__oldest_share")
-            assert keys[at - 2 : at + 2] == [
-                f"{name}__granularity",
-                f"{name}__chunk_size",
-                f"{name}__oldest_share",
-                f"{name}__critical",
-            ]
+            assert ["oldest_share", 0.0, "a number from 0 to 1"] in knobs
+            at = keys.index("oldest_share")
+            assert keys[at - 2 : at + 2] == ["granularity", "chunk_size", "oldest_share", "critical"]
         else:
-            assert f"{name}__oldest_share" not in keys
+            assert "oldest_share" not in keys
 
 
 def test_the_docs_have_its_knob_its_preset_and_its_learn_text(seen):

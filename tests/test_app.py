@@ -14,7 +14,7 @@ from gradio_client.exceptions import AppError  # noqa: E402
 
 from benchmarks.browser import serve_app  # noqa: E402
 from conftest import method_sections  # noqa: E402
-from kvlab import lab  # noqa: E402
+from kvlab import catalog, lab  # noqa: E402
 from kvlab.catalog import all_knobs  # noqa: E402
 from kvlab.compression.interface import FAMILIES  # noqa: E402
 from kvlab.context_store import CONTEXTS  # noqa: E402
@@ -22,7 +22,6 @@ from kvlab.figures.diff import DIFF_COMPRESSED, DIFF_FULL  # noqa: E402
 from kvlab.methods import REGISTRY  # noqa: E402
 from kvlab.models import EMBEDDED, EMBEDDED_LABEL, PACKAGED, installed_packaged  # noqa: E402
 from kvlab.ui import common, default_method, present  # noqa: E402
-from kvlab.ui.knobs import knob_component  # noqa: E402
 from kvlab.ui.learn import learn_markdown  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a served app and the embedded model: left out of make test-fast
@@ -91,29 +90,55 @@ def _run(client, text=DOCUMENT, method=FAST, **kw):
     return client.predict(**{**args, **kw})
 
 
-def test_every_knob_gets_the_widget_of_its_type():
-    # A Literal knob offers exactly its choices; sliders, numbers, flags and texts get their own inputs.
+def test_every_knob_gets_a_widget_of_its_type_in_the_panel():
+    """The one knob panel shows each method's knobs, each in a widget of its own of its type: a Literal's
+    exact choices, a slider over its declared bounds, a whole-number box for an int; every other slot
+    hidden; each at its default, and the hidden box of values emptied (the defaults)."""
     import typing
 
     import gradio as gr
 
+    from kvlab.ui.knobs import CUSTOM, build_panel, method_panel, preset_updates
+
+    with gr.Blocks():
+        panel = build_panel(sorted(REGISTRY), FAST, gr.Markdown())
     for name, knobs in all_knobs().items():
-        for knob in knobs:
-            widget = knob_component(knob)
+        info, preset, wrappers, *slots, box = method_panel(panel, name)
+        assert box == "" and len(slots) == len(panel.slots) and info == catalog.method_info(name)
+        assert preset["visible"] == bool(catalog.presets(name)), name
+        # The wrappers' knobs in their fold, shown for the methods that take them, each method's own before it.
+        assert wrappers["visible"] == any(k.wrapper for k in knobs), name
+        assert all(panel.places[i].wrapper == k.wrapper for k, i in zip(knobs, panel.layout[name]))
+        taken = panel.layout[name]
+        assert len(set(taken)) == len(knobs)
+        assert all(not slots[i]["visible"] for i in range(len(slots)) if i not in taken), name
+        for knob, i in zip(knobs, taken):
+            widget, shown = panel.slots[i], slots[i]
+            field = REGISTRY[name].Options.__dataclass_fields__[knob.name]
             kind = typing.get_type_hints(REGISTRY[name].Options)[knob.name]
+            assert shown["visible"] and shown["label"] == knob.name and shown["value"] == knob.default
             if typing.get_origin(kind) is typing.Literal:
-                assert isinstance(widget, gr.Dropdown)
-                assert [c[1] for c in widget.choices] == list(typing.get_args(kind))
+                assert isinstance(widget, gr.Dropdown) and shown["choices"] == list(typing.get_args(kind))
             elif kind is bool:
                 assert isinstance(widget, gr.Checkbox)
-            elif REGISTRY[name].Options.__dataclass_fields__[knob.name].metadata.get("slider"):
-                # A knob declared as a slider spans exactly its declared bounds.
-                field = REGISTRY[name].Options.__dataclass_fields__[knob.name]
+            elif field.metadata.get("slider"):
                 assert isinstance(widget, gr.Slider)
-                assert (widget.minimum, widget.maximum) == (field.metadata["low"], field.metadata["high"])
+                assert (shown["minimum"], shown["maximum"]) == (field.metadata["low"], field.metadata["high"])
             elif kind in (int, float):
                 assert isinstance(widget, gr.Number) and (widget.precision == 0) == (kind is int)
-            assert widget.label == knob.name
+            else:
+                assert isinstance(widget, gr.Textbox)
+        # A published configuration sets its knobs, the others back to their defaults; "as set below" nothing.
+        for preset_name, chosen in catalog.presets(name).items():
+            *shown, box = preset_updates(panel, name, preset_name)
+            assert {shown[i]["label"]: shown[i]["value"] for i in taken} == {
+                k.name: chosen.get(k.name, k.default) for k in knobs
+            }
+            assert json.loads(box) == chosen
+        assert all(update == gr.update() for update in preset_updates(panel, name, CUSTOM))
+    # The page opens on one method's knobs, drawn with the page (no event needed).
+    for knob, i in zip(all_knobs()[FAST], panel.layout[FAST]):
+        assert panel.slots[i].label == knob.name and panel.slots[i].visible
 
 
 def test_model_choices_come_from_the_environment():
@@ -230,7 +255,7 @@ def test_endpoints_have_names(client):
 
 
 def test_run_gives_two_answers_and_figures(client, embedded):
-    out = _run(client, layer=3, head=1, **{k.key: k.default for k in all_knobs()[FAST]})
+    out = _run(client, layer=3, head=1, knobs=json.dumps({k.name: k.default for k in all_knobs()[FAST]}))
     summary, full, compressed, diff, err_plot = out[:5]
     assert full.strip() and compressed.strip()
     assert "at **4x**" in summary

@@ -234,7 +234,7 @@ def test_links_open_a_configuration_and_link_to_this_gives_it_back(app_url, page
     expect(page.locator("#kvlab-ratio input[type=number]")).to_have_value("10")
     expect(page.locator("#kvlab-question textarea, #kvlab-question input").first).to_have_value(story.questions[2])
 
-    # A link with a method's knob sets that knob (through the load's hidden box: kvlab.ui.app.knob_updates)
+    # A link with a method's knob sets that knob (through the load's hidden box: kvlab.ui.knobs.link_panel)
     # and prepares the method with it; the method's other knobs keep their defaults (a link names only
     # the knobs that differ from them).
     page.goto(f"{app_url}?tab=explore&example=story&method=attention_matching:budgets=uniform&ratio=5")

@@ -161,7 +161,7 @@ def test_knobs_reflect_types_and_choices_and_defaults_read_back():
             else:
                 assert k.kind in (int, float, bool, str), (name, k.name)
                 assert isinstance(k.default, k.kind) and (k.kind is not int or not isinstance(k.default, bool))
-            assert k.key == f"{name}__{k.name}" and k.help, (name, k.name)
+            assert k.method == name and k.help, (name, k.name)
     every = catalog.all_knobs()
     assert list(every) == sorted(REGISTRY)
     for name, knobs in every.items():
@@ -170,9 +170,10 @@ def test_knobs_reflect_types_and_choices_and_defaults_read_back():
         # The method's own knobs first, the selection wrappers' after them.
         shared = [issubclass(REGISTRY[name].Options, SelectionOptions) and k.name in SELECTION_FIELDS for k in knobs]
         assert shared == sorted(shared), name
+        assert [k.wrapper for k in knobs] == shared, name
         # A widget or a flag shows a knob's default as text: read back, it is the same setting
         # (right type, inside the knob's range), so an untouched widget changes nothing.
-        as_text = {k.key: str(k.default) for k in knobs}
+        as_text = {k.name: str(k.default) for k in knobs}
         assert REGISTRY[name].Options(**catalog.options_from(name, as_text)) == REGISTRY[name].Options(), name
 
 
@@ -184,16 +185,23 @@ def test_knob_conversion_and_options_from():
     with pytest.raises(MethodError, match="max_queries must be a whole number"):
         max_queries.convert(2.5)
     assert on_policy.convert("off") is False and on_policy.convert(True) is True
-    values = {
-        "attention_matching__max_queries": 64.0,
-        "attention_matching__on_policy": True,
-        "attention_matching__seed": None,
-        "attention_matching__scoring": "",
-        "snapkv__window": 3,  # another method's knob
-    }
-    assert catalog.options_from("attention_matching", values) == {"max_queries": 64, "on_policy": True}
-    with pytest.raises(MethodError, match="query_source must be one of"):
-        catalog.options_from("attention_matching", {"attention_matching__query_source": "bogus"})
+    # The page's JSON by knob name (an emptied widget is the default), the command line's spelling, a dict.
+    page = '{"max_queries": 64.0, "on_policy": true, "seed": null, "scoring": ""}'
+    for given in (page, "max_queries=64:on_policy=yes:seed=", {"max_queries": "64", "on_policy": "on"}):
+        assert catalog.options_from("attention_matching", given) == {"max_queries": 64, "on_policy": True}, given
+    for empty in ("", " ", "{}", None, {}):
+        assert catalog.options_from("attention_matching", empty) == {}
+    for bad, message in (
+        ({"query_source": "bogus"}, "query_source must be one of"),
+        ('{"window": 3}', "attention_matching has no knob 'window'"),  # another method's knob
+        ("window=3", "is not knob=value for one of attention_matching's knobs"),
+        ('{"max_queries": 64', "not a JSON object"),
+        ("[64]", "not knob=value"),
+        ("{64}", "not a JSON object"),
+        ([64], "must be a JSON object by knob name"),
+    ):
+        with pytest.raises(MethodError, match=message):
+            catalog.options_from("attention_matching", bad)
 
 
 # The published configurations as the paper's code names them (see the AM notes):

@@ -3,16 +3,17 @@ tab, Explore's method knobs, and the round trip through "Link to this"."""
 
 from __future__ import annotations
 
+import json
 from urllib.parse import parse_qsl
 
 import gradio as gr
 import pytest
 
-from kvlab.catalog import all_knobs
+from kvlab.catalog import knobs
 from kvlab.lab import links
 from kvlab.methods import REGISTRY
 from kvlab.ui import app
-from kvlab.ui.knobs import knob_updates
+from kvlab.ui.knobs import build_panel, link_panel
 
 CHOICES = links.LinkChoices(
     examples=("story", "contract"),
@@ -22,7 +23,6 @@ CHOICES = links.LinkChoices(
     sweep_range=(1.0, 50.0),
     generate_methods=("h2o", "streaming_llm"),
 )
-KNOBS = [k for method_knobs in all_knobs().values() for k in method_knobs]
 
 
 def parse(query: str) -> links.Link:
@@ -73,8 +73,16 @@ def story():
     return ex, ex.text()
 
 
-def updates(link: links.Link, story) -> dict[str, object]:
-    """What the page's load sets, by the names of wire_links's outputs (gr.update() left out)."""
+@pytest.fixture(scope="module")
+def panel():
+    """Explore's knob panel as the page builds it."""
+    with gr.Blocks():
+        return build_panel(sorted(REGISTRY), "snapkv", gr.Markdown())
+
+
+def updates(link: links.Link, story, panel=None) -> dict[str, object]:
+    """What the page's load sets, by the names of wire_links's outputs (gr.update() left out); with ``panel``,
+    each knob the panel then shows by its name, and the panel's hidden box as ``knobs``."""
     names = [
         *("note tabs tab example text suggested question method ratio model".split()),
         *("compare_methods compare_ratios more_ratios compare_models source generate_methods budget".split()),
@@ -82,13 +90,15 @@ def updates(link: links.Link, story) -> dict[str, object]:
         "link_knobs",
     ]
     ex, doc = story if link.example else (None, None)
-    values = app._link_updates(link, ex, doc, CHOICES, KNOBS)
+    values = app._link_updates(link, ex, doc, CHOICES)
     assert len(values) == len(names)
     got = {n: v for n, v in zip(names, values) if not (isinstance(v, dict) and v == gr.update())}
-    # The knobs, as the hidden box's change sets them (kvlab.ui.knobs.knob_updates).
-    knob_values = knob_updates(got.pop("link_knobs", ""), KNOBS)
-    assert len(knob_values) == len(KNOBS)
-    got.update({k.key: v for k, v in zip(KNOBS, knob_values) if not (isinstance(v, dict) and v == gr.update())})
+    chosen = got.pop("link_knobs", None)
+    if chosen and panel is not None:  # as the hidden box's change sets the panel (kvlab.ui.knobs.link_panel)
+        info, _preset, _wrappers, *slots, box = link_panel(panel, chosen)
+        assert info.startswith(("Query", "**Query")), info
+        got.update({slot["label"]: slot["value"] for slot in slots if slot.get("visible")})
+        got["knobs"] = box
     return got
 
 
@@ -113,8 +123,11 @@ def test_the_page_opens_a_pick_link_on_the_pick_tab_with_its_document_question_a
     assert "ratio" not in got  # Explore's own ratio stays as it was
 
 
-def test_the_page_sets_an_explore_links_knobs_and_only_those(story):
-    got = updates(parse("?tab=explore&example=story&method=attention_matching:budgets=uniform&ratio=5"), story)
-    assert (got["method"], got["ratio"], got["attention_matching__budgets"]) == ("attention_matching", 5.0, "uniform")
-    assert not [k for k in got if "__" in k and k != "attention_matching__budgets"]
+def test_the_page_sets_an_explore_links_knobs_and_only_those(story, panel):
+    got = updates(parse("?tab=explore&example=story&method=attention_matching:budgets=uniform&ratio=5"), story, panel)
+    assert (got["method"], got["ratio"]) == ("attention_matching", 5.0)
+    # The panel shows the method's knobs (and no other), the link's at its value, the others at their defaults.
+    defaults = {k.name: k.default for k in knobs("attention_matching")}
+    assert {name: got[name] for name in defaults} == {**defaults, "budgets": "uniform"}
+    assert json.loads(got["knobs"]) == {"budgets": "uniform"}  # what Run then sends
     assert "pick_ratio" not in got

@@ -358,24 +358,22 @@ def plan_links() -> list[str]:
 def test_the_plans_four_links_are_on_its_sheet_and_open_the_page_configured():
     """Each link of the plan is a line of its sheet and opens its tab with what its query says set:
     Explore's method, knobs, ratio and question, or the Your pick tab's document, question and ratio."""
+    import json
     from urllib.parse import parse_qsl
 
-    from kvlab.catalog import all_knobs
     from kvlab.lab import examples, links
     from kvlab.ui import app
-    from kvlab.ui.knobs import knob_updates
 
     found = plan_links()
     assert len(found) == 4 and set(found) <= {line.strip() for line in PLAN_SHEET.read_text().splitlines()}
     pool = examples()
     choices = app.link_choices(pool, [EMBEDDED])
-    knobs = [k for method_knobs in all_knobs().values() for k in method_knobs]
     for query in found:
         asked = dict(parse_qsl(query[1:]))
         link = links.parse_link(asked, choices)
         assert not link.notes, link.notes
         ex = next(e for e in pool if e.id == asked["example"])
-        values = app._link_updates(link, ex, ex.text(), choices, knobs)
+        values = app._link_updates(link, ex, ex.text(), choices)
         got = dict(zip(["note", "tabs", "tab"], values[:3]))
         if asked["tab"] == "explore":  # the tab the page opens on: the load leaves the tabs alone
             assert got["tab"] == got["tabs"] == app.gr.update()
@@ -386,9 +384,9 @@ def test_the_plans_four_links_are_on_its_sheet_and_open_the_page_configured():
             continue
         method, *pairs = asked["method"].split(":")
         assert values[7:9] == (method, float(asked["ratio"])) and values[6] == asked["question"]
-        knob_values = knob_updates(values[22] if isinstance(values[22], str) else "", knobs)  # the hidden box's
-        set_knobs = {k.name: v for k, v in zip(knobs, knob_values) if k.method == method and v != app.gr.update()}
-        assert set_knobs == dict(pair.split("=") for pair in pairs)
+        chosen = json.loads(values[22])  # the hidden box whose change sets the knob panel
+        assert chosen["method"] == method
+        assert {name: str(value) for name, value in chosen["knobs"].items()} == dict(p.split("=") for p in pairs)
 
 
 def test_kvlab_warm_of_the_plans_sheet_stores_every_exercises_runs(tiny, tmp_path, monkeypatch):

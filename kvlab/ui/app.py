@@ -1,7 +1,7 @@
 """The whole page: the model menu, then the Explore, Your pick, Compare, Generate and Learn tabs; serving it.
 
 The page builds itself from :data:`kvlab.methods.REGISTRY`: the method menu,
-the "Advanced" knobs (one input per field of each method's ``Options``) and
+the "Advanced" knobs (a panel relabelled to the fields of the picked method's ``Options``) and
 the "Learn" tab. A method registered later appears without any change here.
 
 Models: the menu offers the default model (``KVLAB_MODEL``, else the
@@ -26,7 +26,7 @@ from huggingface_hub.constants import HF_HUB_OFFLINE
 
 from kvlab import cancellation, figures, limits, results
 from kvlab.bounded.policies import bounded_policies
-from kvlab.catalog import Knob, all_knobs, query_awareness
+from kvlab.catalog import query_awareness
 from kvlab.documents import DocumentError
 from kvlab.examples import Example
 from kvlab.lab import examples as bundled_examples
@@ -51,7 +51,7 @@ from kvlab.ui.compare import SWEEP_RATIOS, build_compare_tab
 from kvlab.ui.explore import build_explore_tab
 from kvlab.ui.generate import SOURCES as GENERATE_SOURCES
 from kvlab.ui.generate import build_generate_tab
-from kvlab.ui.knobs import knob_updates
+from kvlab.ui.knobs import changed, link_panel
 from kvlab.ui.learn import build_learn_tab
 from kvlab.ui.pick import build_pick_tab
 
@@ -119,7 +119,6 @@ def build_app(
                     demo,
                     model,
                     examples,
-                    all_knobs(),
                     default_method(),
                     specs,
                     lm.n_layers if lm else _DEFAULT_LAYERS,
@@ -200,14 +199,12 @@ def follow_tabs(tab: gr.State, tab_objects: tuple[gr.Tab, ...]) -> None:
         one_tab.select(lambda name=name: name, None, tab, api_name=False, queue=False)
 
 
-def _link_updates(
-    link: links.Link, ex: Example | None, doc: str | None, choices: links.LinkChoices, knobs: list[Knob]
-) -> tuple:
+def _link_updates(link: links.Link, ex: Example | None, doc: str | None, choices: links.LinkChoices) -> tuple:
     """What the page's components become for ``link`` (``gr.update()``: left as they are), in the order
-    :func:`wire_links` lists them, the last the link's knobs for :func:`knob_updates` (JSON, by
-    :attr:`Knob.key`; left as it is when the link sets none). A pick link sets the Your pick tab's
-    document, question and ratio, and leaves Explore's as they are; a link to the first tab (or none)
-    leaves the tabs as the visitor has them."""
+    :func:`wire_links` lists them, the last the link's Explore method and its knobs for
+    :func:`kvlab.ui.knobs.link_panel` (JSON; left as it is when the link names no method). A pick link
+    sets the Your pick tab's document, question and ratio, and leaves Explore's as they are; a link to
+    the first tab (or none) leaves the tabs as the visitor has them."""
     keep = gr.update()
     suggested = keep
     if ex is not None:
@@ -228,8 +225,6 @@ def _link_updates(
         pick = [keep, keep, keep, link.question or keep, keep if link.ratio is None else link.ratio]
         if ex is not None and doc is not None:
             pick[:4] = [ex.id, doc, suggested, question]
-    chosen = dict(link.options)
-    knob_values = {k.key: chosen[k.name] for k in knobs if k.method == link.method and k.name in chosen}
     # The page opens on its first tab: selecting that one again when the load answers would only take
     # back a tab the visitor clicked while the page was loading.
     opens_where_it_is = link.tab == links.TABS[0]
@@ -252,7 +247,7 @@ def _link_updates(
         generate_methods,
         keep if link.budget is None else link.budget,
         *pick,
-        json.dumps(knob_values) if knob_values else keep,
+        json.dumps({"method": link.method, "knobs": dict(link.options)}) if link.method else keep,
     )
 
 
@@ -345,15 +340,13 @@ def wire_links(
     """Page load: apply the URL's link (kvlab.lab.links), then prepare the document shown; and
     "Link to this" (:func:`wire_link_button`)."""
     by_id = {ex.id: ex for ex in examples}
-    knobs = [k for method_knobs in all_knobs().values() for k in method_knobs if k.key in inputs.knobs]
-    knob_inputs = [inputs.knobs[k.key] for k in knobs]
 
     def open_link(request: gr.Request):
-        return _link_updates(*_read_link(request, choices, by_id), choices, knobs)
+        return _link_updates(*_read_link(request, choices, by_id), choices)
 
-    # A link's knobs go through a hidden box whose change sets them: an output left as it is still
-    # costs the server a component's construction (Gradio's update), and the knob inputs are about
-    # 300, so a page opened without knobs in its link (nearly every one) must not list them.
+    # A link's method relabels the knob panel through a hidden box whose change does it: an output left as
+    # it is still costs the server a component's construction (Gradio's update), so a page opened without
+    # a method in its link (nearly every one) must not list the panel's.
     link_knobs = gr.Textbox(visible=False)
     demo.load(
         open_link,
@@ -378,10 +371,10 @@ def wire_links(
         queue=False,
     ).then(api_name=False, **inputs.prepare)  # the document the page opens on
     link_knobs.change(
-        lambda chosen: knob_updates(chosen, knobs), link_knobs, knob_inputs, api_name=False, queue=False
+        lambda chosen: link_panel(inputs.knobs, chosen), link_knobs, inputs.knobs.outputs, api_name=False, queue=False
     ).then(api_name=False, **inputs.prepare)  # the method prepared with the link's knobs
 
-    wire_link_button(button, box, by_id, specs, tab, inputs, picking, sweep, writing, knobs)
+    wire_link_button(button, box, by_id, specs, tab, inputs, picking, sweep, writing)
 
 
 def wire_link_button(
@@ -394,7 +387,6 @@ def wire_link_button(
     picking: PickInputs,
     sweep: CompareInputs,
     writing: GenerateInputs,
-    knobs: list[Knob],
 ) -> None:
     """ "Link to this": the shown tab's settings as a link (kvlab.lab.links), Explore's method's knobs
     that differ from their defaults included, in the box as a whole address."""
@@ -403,17 +395,10 @@ def wire_link_button(
 
     def make_link(*settings):
         tab_settings, rest = settings[: len(shown)], settings[len(shown) :]
-        pick_settings, knob_values = rest[: len(pick_shown)], rest[len(pick_shown) :]
-        method = tab_settings[4]
-        options = tuple(
-            (k.name, k.convert(v))
-            for k, v in zip(knobs, knob_values)
-            if k.method == method and k.convert(v) is not None and k.convert(v) != k.default
-        )
-        return _settings_link(by_id, specs, *tab_settings, pick=pick_settings, options=options)
+        pick_settings, values = rest[: len(pick_shown)], rest[len(pick_shown)]
+        return _settings_link(by_id, specs, *tab_settings, pick=pick_settings, options=changed(tab_settings[4], values))
 
-    knob_inputs = [inputs.knobs[k.key] for k in knobs]
-    button.click(make_link, [*shown, *pick_shown, *knob_inputs], [box], api_name=False, queue=False).then(
+    button.click(make_link, [*shown, *pick_shown, inputs.knobs.values], [box], api_name=False, queue=False).then(
         None, [box], [box], js="(q) => q.startsWith('?') ? window.location.origin + window.location.pathname + q : q"
     )
 

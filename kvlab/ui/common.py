@@ -37,6 +37,7 @@ from kvlab.documents import DocumentError, read_document
 from kvlab.lab import InputError
 from kvlab.methods import MethodError
 from kvlab.runtime.model import ModelLoadError
+from kvlab.ui.knobs import KnobPanel
 
 try:  # ZeroGPU (Hugging Face Spaces): optional, never required
     import spaces  # type: ignore[import-not-found]
@@ -87,7 +88,7 @@ class DocumentInputs:
     method: gr.Dropdown
     ratio: gr.Slider
     prepare: dict
-    knobs: dict[str, gr.components.Component]  # every method's knob inputs, by kvlab.catalog.Knob.key
+    knobs: KnobPanel  # the method's description, preset menu, knob slots and the knobs' values (kvlab.ui.knobs)
 
 
 @dataclass

@@ -3,10 +3,13 @@
 Endpoints (each event has an ``api_name``, so ``gradio_client`` can drive it):
 
 - ``/run``: (text, file, method, ratio, question, max_new_tokens, layer, head,
-  model, intensity, and one keyword per knob named ``<method>__<field>``) ->
+  model, intensity, knobs) ->
   summary, both answers, their word diff, five figures, the token-fate view, the heads' roles (a figure);
   ``layer`` and ``head`` must lie in the sliders' range, which follows the
-  model of the session's last run.
+  model of the session's last run. ``knobs``: the method's knobs that differ from
+  their defaults, as a JSON object by knob name (``{"budgets": "uniform"}``, what
+  the page sends) or as the command line spells them after the method's name
+  (``budgets=uniform:max_queries=50000``); empty for the defaults.
 - ``/prepare``: (text, file, method, model, question, max_new_tokens, knobs)
   -> a status line. Fired as soon as a document or question is chosen
   (example, upload, or the text or question box left), so that Run finds the
@@ -16,7 +19,8 @@ Endpoints (each event has an ``api_name``, so ``gradio_client`` can drive it):
 - ``/load_example``: (example id) -> document text, suggested questions, question.
 - ``/pick_question``: (suggested question) -> question.
 - ``/load_file``: (file) -> document text.
-- ``/select_method``: (method) -> its description, which knobs show, and (for a method with
+- ``/select_method``: (method) -> its description, its preset menu, the knob panel relabelled
+  to its knobs at their defaults, the knobs' (emptied) values, and (for a method with
   document-only work to do) the value whose change prepares it.
 """
 
@@ -25,7 +29,7 @@ from __future__ import annotations
 import gradio as gr
 
 from kvlab import figures
-from kvlab.catalog import Knob, aware_tag, method_info, method_label, presets
+from kvlab.catalog import aware_tag, method_info, method_label
 from kvlab.documents import DocumentError
 from kvlab.examples import Example
 from kvlab.lab.tasks import MAX_DEPTHS
@@ -43,19 +47,17 @@ from kvlab.ui.explore_events import (
     wire_token_view,
 )
 from kvlab.ui.explore_widgets import (
-    CUSTOM,
     MAX_NEW_TOKENS_MAX,
     NEEDLE_DEPTHS,
     NEEDLE_METHODS,
     NEEDLE_RATIOS,
     ChoiceWidgets,
     DocumentWidgets,
-    KnobWidgets,
     NeedleWidgets,
     ResultWidgets,
     TokenWidgets,
 )
-from kvlab.ui.knobs import knob_component
+from kvlab.ui.knobs import build_panel
 from kvlab.ui.present import INTENSITIES, INTENSITY_DEFAULT, token_view
 from kvlab.ui.tasks import build_task_outputs
 
@@ -64,7 +66,6 @@ def build_explore_tab(
     demo: gr.Blocks,
     model: gr.Dropdown,
     examples: list[Example],
-    knobs: dict[str, list[Knob]],
     start_method: str,
     specs: list[str],
     n_layers: int,
@@ -82,13 +83,13 @@ def build_explore_tab(
         with gr.Column(scale=5):
             doc = build_document_column(examples, first)
         with gr.Column(scale=4):
-            choice = build_choice_column(methods, knobs, start_method, first)
+            choice = build_choice_column(methods, start_method, first)
     results = build_results()
     fates = build_token_view(n_layers, n_kv)
     needle = build_needle_test(methods, start_method)
 
     loaded, uploaded = wire_document(examples, doc, choice)
-    prepare_pick = wire_method(methods, knobs, choice)
+    prepare_pick = wire_method(choice)
     prepare_args = wire_prepare(doc, choice, model, start_method, specs, loaded, uploaded, prepare_pick)
     wire_run(doc, choice, results, fates, last, model, start_method, specs)
     wire_needle(doc, needle, model, specs)
@@ -106,7 +107,7 @@ def build_explore_tab(
         choice.method,
         choice.ratio,
         prepare_args,
-        choice.knobs.inputs,
+        choice.knobs,
     )
 
 
@@ -137,9 +138,7 @@ def build_document_column(examples: list[Example], first: Example | None) -> Doc
     return DocumentWidgets(example, upload, text, gr.Markdown(elem_id="kvlab-doc-status"))
 
 
-def build_choice_column(
-    methods: list[str], knobs: dict[str, list[Knob]], start_method: str, first: Example | None
-) -> ChoiceWidgets:
+def build_choice_column(methods: list[str], start_method: str, first: Example | None) -> ChoiceWidgets:
     """The method, ratio and question (``first``'s first), the "Advanced" settings, Run and Stop."""
     method = gr.Dropdown(
         choices=[(method_label(n), n) for n in methods], value=start_method, label="Method", elem_id="kvlab-method"
@@ -177,34 +176,11 @@ def build_choice_column(
             label="Answer length (max new tokens)",
             elem_id="kvlab-max-new",
         )
-        method_knobs = build_knobs(methods, knobs, start_method)
+        method_knobs = build_panel(methods, start_method, info)
     with gr.Row():
         run_btn = gr.Button("Run", variant="primary", elem_id="kvlab-run", scale=4)
         stop_btn = gr.Button("Stop", variant="stop", elem_id="kvlab-stop", scale=1)
     return ChoiceWidgets(method, info, ratio, suggested, question, max_new, method_knobs, run_btn, stop_btn)
-
-
-def build_knobs(methods: list[str], knobs: dict[str, list[Knob]], start_method: str) -> KnobWidgets:
-    """Each method's knobs in a column of its own, visible for ``start_method`` only."""
-    groups, knob_inputs, preset_menus = [], {}, {}
-    for name in methods:
-        with gr.Column(visible=name == start_method, min_width=160) as group:
-            gr.Markdown(f"Knobs of **{name}**" if knobs[name] else f"**{name}** has no knobs.")
-            if presets(name):
-                preset_menus[name] = gr.Dropdown(
-                    choices=[CUSTOM, *presets(name)],
-                    value=CUSTOM,
-                    label="Published configuration",
-                    info="Sets the knobs below to a configuration of the paper",
-                    elem_id=f"kvlab-preset-{name}",
-                )
-            # One wrapping row for all of a method's knobs: a row (and its form) per pair of knobs
-            # made the page's config some 300 components larger, which every page open copies.
-            with gr.Row():
-                for knob in knobs[name]:
-                    knob_inputs[knob.key] = knob_component(knob)
-        groups.append(group)
-    return KnobWidgets(groups, knob_inputs, preset_menus)
 
 
 def build_results() -> ResultWidgets:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 import gradio as gr
 
-from kvlab.catalog import Knob, method_info, options_from, presets
+from kvlab.catalog import options_from
 from kvlab.documents import DocumentError
 from kvlab.examples import Example
 from kvlab.lab import InputError, Prepared, needle_test, parse_ratios, prepare_document
@@ -19,7 +19,6 @@ from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
 from kvlab.ui import common
 from kvlab.ui.common import GPU_MAX_S, RATIO_DEFAULT, USER_ERRORS, as_gr_error, checked_model, guarded, on_gpu, served
 from kvlab.ui.explore_widgets import (
-    CUSTOM,
     NEEDLE_DEPTHS,
     ChoiceWidgets,
     DocumentWidgets,
@@ -27,6 +26,7 @@ from kvlab.ui.explore_widgets import (
     ResultWidgets,
     TokenWidgets,
 )
+from kvlab.ui.knobs import compose_js, method_panel, preset_updates
 from kvlab.ui.present import INTENSITY_DEFAULT, TokenFates, drawn, run_view, token_view, token_view_for
 from kvlab.ui.tasks import show
 
@@ -35,14 +35,6 @@ from kvlab.ui.tasks import show
 def needle_view(text, file, methods, ratios, depths, model, progress=None):  # noqa: ANN001 - a ZeroGPU function
     """The heavy part of ``/needle_test``: kvlab.lab.needle_test (plain results come back)."""
     return needle_test(text, file, methods, ratios, depths, model, progress=progress or (lambda f, d: None))
-
-
-def preset_values(method_knobs: list[Knob], preset: str) -> list:
-    """Each knob's value under ``preset`` (its default where the preset says nothing); unchanged for CUSTOM."""
-    if preset == CUSTOM or not method_knobs:
-        return [gr.update() for _ in method_knobs]
-    chosen = presets(method_knobs[0].method)[preset]
-    return [chosen.get(k.name, k.default) for k in method_knobs]
 
 
 def prepared_status(p: Prepared) -> str:
@@ -98,33 +90,41 @@ def wire_document(
     return loaded, uploaded
 
 
-def wire_method(methods: list[str], knobs: dict[str, list[Knob]], choice: ChoiceWidgets) -> gr.Textbox:
-    """``/select_method`` and the preset menus; returns the hidden value whose change prepares a picked method."""
+def wire_method(choice: ChoiceWidgets) -> gr.Textbox:
+    """``/select_method``, the preset menu and the knobs edited by hand; returns the hidden value whose change
+    prepares a picked method."""
     # Set by a pick of a method that has document-only work (KVzip's pass), to a new value each
     # time: its change event prepares that method. Every Gradio event costs the browser CPU time
     # (about a second for this page on a 2-core machine), so the other picks send none.
     prepare_pick = gr.Textbox(visible=False)
+    panel = choice.knobs
 
     def on_method(name: str):
         pick = f"{name}@{time.monotonic_ns()}" if method_class(name).prepares() else gr.skip()
-        return (method_info(name), *[gr.Column(visible=n == name) for n in methods], pick)
+        return (*method_panel(panel, name), pick)
 
-    choice.method.change(
-        on_method,
-        [choice.method],
-        [choice.info, *choice.knobs.groups, prepare_pick],
-        api_name="select_method",
+    # A pick by the learner (a link sets the method and its panel itself, kvlab.ui.app): the knobs' values
+    # emptied at once in the browser, so that a Run clicked before the panel follows sends the defaults.
+    choice.method.input(None, None, [panel.values], js="() => ''", api_name=False, queue=False)
+    choice.method.input(
+        on_method, [choice.method], [*panel.outputs, prepare_pick], api_name="select_method", concurrency_limit=None
+    )
+    panel.preset.input(
+        lambda method, preset: preset_updates(panel, method, preset),
+        [choice.method, panel.preset],
+        [*panel.slots, panel.values],
+        api_name=False,
         concurrency_limit=None,
     )
-
-    for name, menu in choice.knobs.presets.items():
-        menu.input(
-            lambda preset, name=name: preset_values(knobs[name], preset),
-            [menu],
-            [choice.knobs.inputs[k.key] for k in knobs[name]],
-            api_name=False,
-            concurrency_limit=None,
-        )
+    gr.on(
+        [slot.input for slot in panel.slots],
+        None,
+        [choice.method, *panel.slots],
+        [panel.values],
+        js=compose_js(panel),
+        api_name=False,
+        queue=False,
+    )
     return prepare_pick
 
 
@@ -148,8 +148,8 @@ def wire_prepare(
         model=None,
         question=None,
         max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
+        knobs=None,
         progress=gr.Progress(),
-        **knob_values,
     ):
         if common.spaces is not None:  # ZeroGPU: nothing computed outside a GPU slot survives it
             return "The document is read when you click Run."
@@ -159,7 +159,7 @@ def wire_prepare(
                     common.document_input(text, file),
                     None,
                     method,
-                    options_from(method, knob_values),
+                    options_from(method, knobs),
                     checked_model(model, specs),
                     progress,
                     question,
@@ -175,9 +175,8 @@ def wire_prepare(
 
     prepare_args = dict(
         fn=on_prepare,
-        inputs=[doc.text, doc.upload, choice.method, model, choice.question, choice.max_new],
+        inputs=[doc.text, doc.upload, choice.method, model, choice.question, choice.max_new, choice.knobs.values],
         outputs=[doc.status],
-        inputs_kwargs=choice.knobs.inputs,
         preprocess=False,  # see wire_run
         concurrency_limit=1,
         concurrency_id="prepare",
@@ -242,13 +241,13 @@ def wire_run(
             fates.head,
             model,
             fates.intensity,
+            choice.knobs.values,
         ],
         run_outputs,
-        inputs_kwargs=choice.knobs.inputs,
         api_name="run",
         # The inputs as the page sends them (the knobs' own checks convert them, kvlab.catalog.Knob.convert;
-        # an upload comes as its FileData): Gradio's preprocessing hands each of the ~330 inputs to a
-        # worker thread, which under thirty pages' load cost a stored run seconds of the interpreter's lock.
+        # an upload comes as its FileData): Gradio's preprocessing hands each input to a worker thread,
+        # which under thirty pages' load cost a stored run seconds of the interpreter's lock.
         preprocess=False,
         concurrency_limit=common.COMPUTE_ADMITTED,
         concurrency_id="compute",
@@ -273,12 +272,12 @@ def run_handler(start_method: str, specs: list[str], n_outputs: int) -> Callable
         head=0,
         model=None,
         intensity=INTENSITY_DEFAULT,
+        knobs=None,
         request: gr.Request = None,
         progress=gr.Progress(),
-        **knob_values,
     ):
         inputs: dict = {}
-        key = run_key(inputs, specs, text, file, method, ratio, question, max_new_tokens, model, knob_values)
+        key = run_key(inputs, specs, text, file, method, ratio, question, max_new_tokens, model, knobs)
         stored, how = served(
             method,
             key,
@@ -303,7 +302,7 @@ def run_handler(start_method: str, specs: list[str], n_outputs: int) -> Callable
 
 
 def run_key(
-    inputs: dict, specs: list[str], text, file, method, ratio, question, max_new_tokens, model, knob_values: dict
+    inputs: dict, specs: list[str], text, file, method, ratio, question, max_new_tokens, model, knobs
 ) -> Callable[[], object]:
     """The first stage of ``/run``: the function served() calls for the run's store key; it leaves the
     document, the method's options, the model and the key in ``inputs``."""
@@ -311,7 +310,7 @@ def run_key(
     def key():
         inputs.update(
             text=common.document_input(text, file),
-            options=options_from(method, knob_values),
+            options=options_from(method, knobs),
             model=checked_model(model, specs),
         )
         inputs["key"] = explore_key(

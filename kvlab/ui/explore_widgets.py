@@ -7,12 +7,11 @@ from dataclasses import dataclass
 
 import gradio as gr
 
+from kvlab.ui.knobs import KnobPanel
 from kvlab.ui.tasks import TaskOutputs
 
 #: The needle test's first settings: methods besides the one chosen, ratios, depths.
 NEEDLE_METHODS, NEEDLE_RATIOS, NEEDLE_DEPTHS = ("streaming_llm",), "5, 10, 20", 3
-#: The preset menu's entry for knobs set by hand.
-CUSTOM = "(knobs as set below)"
 MAX_NEW_TOKENS_MAX = 256
 
 
@@ -27,19 +26,9 @@ class DocumentWidgets:
 
 
 @dataclass
-class KnobWidgets:
-    """The "Advanced" knobs: one column per method (shown for the method picked), each knob's
-    input by its key (``<method>__<field>``), and the published-configuration menu of each method that has one."""
-
-    groups: list[gr.Column]
-    inputs: dict[str, gr.components.Component]
-    presets: dict[str, gr.Dropdown]
-
-
-@dataclass
 class ChoiceWidgets:
     """The method column: the method and its description, the ratio, the question, the answer length,
-    the knobs, Run and Stop."""
+    the knob panel (the description line among what a method's pick sets), Run and Stop."""
 
     method: gr.Dropdown
     info: gr.Markdown
@@ -47,7 +36,7 @@ class ChoiceWidgets:
     suggested: gr.Dropdown
     question: gr.Textbox
     max_new: gr.Slider
-    knobs: KnobWidgets
+    knobs: KnobPanel
     run: gr.Button
     stop: gr.Button
 
