@@ -86,13 +86,18 @@ def test_in_place_softmax_and_logits_written_into_a_buffer_match_the_plain_compu
     assert torch.all(weights[0, :, 2] == 0)
 
 
-@pytest.mark.parametrize("bias, block", [(False, None), (True, None), (True, 2)])
-def test_new_block_after_a_cache_sees_the_cache_and_its_own_past(bias, block, monkeypatch):
+@pytest.mark.parametrize(
+    "bias, block, flash", [(False, None, True), (True, None, True), (True, 2, True), (True, 2, False), (True, 3, True)]
+)
+def test_new_block_after_a_cache_sees_the_cache_and_its_own_past(bias, block, flash, monkeypatch):
     """Several queries appended after 7 cached keys (the extend path: no bias, or a
-    stored cache's bias; read in blocks of 2 queries as a long text is), against attention computed
-    query by query."""
+    stored cache's bias; read as a long text is: on a CPU the biased earlier keys apart from the text's
+    own, in blocks of 2 or 3 queries; without the CPU kernel, as on a GPU, the queries in blocks of 2),
+    against attention computed query by query."""
     if block is not None:
         monkeypatch.setattr(attention, "BIAS_BLOCK", block)
+    if not flash:
+        monkeypatch.setattr(attention, "_CPU_FLASH", None)
     gen = torch.Generator().manual_seed(1)
     n, past = 5, 7
     q = torch.randn(1, 4, n, 16, generator=gen)

@@ -236,6 +236,11 @@ def causal_attention(
         # [H, q, kv] (300 MB for a repeat-prefill of 2,000 tokens), rebuilt per layer.
         mask = ~future_mask(q_len, kv_len, q.device)[None, None]
         return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if _CPU_FLASH is not None and q.device.type == "cpu" and q_len > BIAS_BLOCK:
+        # A long text read after a fitted cache on a CPU (Attention Matching's on-policy sweep): the
+        # fitted keys with their biases as a plain product, the text's own keys through the causal
+        # kernel; a float mask over every pair cost the sweep more than the attention itself.
+        return _past_then_causal(q, k, v, scale, key_bias)
     if q_len > BIAS_BLOCK:
         # A long text read after a fitted cache (Attention Matching's on-policy sweep reads a whole
         # repeat of the document): the queries in blocks, each over the keys it may see, so the float
@@ -342,8 +347,10 @@ def _decode_step(
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _past_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of n new queries over kv_len > n keys, no bias: [1, H, n, d].
+def _past_then_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, key_bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Causal attention of n new queries over kv_len > n keys: [1, H, n, d].
 
     The earlier keys are seen by every query (no mask) and the queries' own
     block is square-causal: two fast kernels whose outputs are merged by their
@@ -351,6 +358,9 @@ def _past_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     too (about 1.5x slower for a 2,000-token repeat-prefill on CPU). One KV
     head's query group at a time: the kernel takes no GQA, and keys copied for
     every query head at once would be group-size times the layer's cache.
+    key_bias: [H_kv, L] for the first L earlier keys (a fitted cache's; the
+    others 0), or None: with biases the earlier keys are read by
+    :func:`_biased_past`, exactly, in float32.
     """
     n_kv, q_len, kv_len = k.shape[1], q.shape[2], k.shape[2]
     group, past = q.shape[1] // n_kv, kv_len - q_len
@@ -358,13 +368,35 @@ def _past_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     for h in range(n_kv):
         heads = slice(h * group, (h + 1) * group)
         kh, vh = k[:, h : h + 1].expand(-1, group, -1, -1), v[:, h : h + 1].expand(-1, group, -1, -1)
-        out_past, lse_past = _CPU_FLASH(q[:, heads], kh[:, :, :past], vh[:, :, :past], 0.0, False, scale=scale)[:2]
+        if key_bias is None:
+            out_past, lse_past = _CPU_FLASH(q[:, heads], kh[:, :, :past], vh[:, :, :past], 0.0, False, scale=scale)[:2]
+        else:
+            out_past, lse_past = _biased_past(q[:, heads], k[0, h, :past], v[0, h, :past], key_bias[h], scale)
         out_new, lse_new = _CPU_FLASH(q[:, heads], kh[:, :, past:], vh[:, :, past:], 0.0, True, scale=scale)[:2]
         top = torch.maximum(lse_past, lse_new)
         w_past = torch.exp(lse_past - top).unsqueeze(-1)
         w_new = torch.exp(lse_new - top).unsqueeze(-1)
         out[:, heads] = ((w_past * out_past.float() + w_new * out_new.float()) / (w_past + w_new)).to(q.dtype)
     return out
+
+
+def _biased_past(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of queries [1, g, n, d] over earlier keys and values [past, d] that every query sees, the
+    first L keys with ``bias`` [L] (the others 0): (outputs [1, g, n, d], log-sum-exps [1, g, n]), in float32
+    and in blocks of :data:`BIAS_BLOCK` queries (the logits [g, block, past] at a time)."""
+    past = k.shape[0]
+    full_bias = torch.zeros(past, dtype=torch.float32, device=k.device)
+    full_bias[: bias.shape[0]] = bias.float()
+    keys, values = k.float().T, v.float()
+    outs, lses = [], []
+    for start in range(0, q.shape[2], BIAS_BLOCK):
+        logits = torch.matmul(q[:, :, start : start + BIAS_BLOCK].float(), keys) * scale + full_bias
+        lse = torch.logsumexp(logits, dim=-1)
+        outs.append(torch.matmul(torch.exp(logits - lse.unsqueeze(-1)), values))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def output_projection(model: torch.nn.Module, layer: int) -> torch.Tensor:
