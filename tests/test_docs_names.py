@@ -102,3 +102,25 @@ def test_the_architecture_table_names_every_module_and_package() -> None:
     parts += [f"kvlab/{p.name}/" for p in kvlab.iterdir() if (p / "__init__.py").exists()]
     missing = sorted(p for p in parts if p not in named and not any(n.startswith(p) for n in named))
     assert not missing, f"docs/architecture.md's table does not name: {', '.join(missing)}"
+
+
+def concerns_rows() -> list[tuple[str, list[str]]]:
+    """docs/architecture.md's table of concerns: (what the row says, the paths of its last cell)."""
+    rows = []
+    for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("| ") else []
+        places = re.findall(r"`([\w./-]+)`", cells[-1]) if len(cells) == 2 else []
+        if places and all(p.startswith(("kvlab/", "assets/", "benchmarks/")) for p in places):
+            rows.append((cells[0], places))
+    return rows
+
+
+def test_the_concerns_tables_bare_file_names_are_in_their_rows_places():
+    """A file the concerns table names without its folder (``beacon_core.py``) lies in one of its row's places
+    (a folder of that row, or beside a file of it): the table once named files renamed long before."""
+    rows = concerns_rows()
+    assert len(rows) > 20
+    for what, places in rows:
+        folders = [ROOT / p if (ROOT / p).is_dir() else (ROOT / p).parent for p in places]
+        for name in re.findall(r"`([\w-]+\.py)`", what):
+            assert any(any(folder.rglob(name)) for folder in folders), (name, places)

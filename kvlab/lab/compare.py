@@ -92,7 +92,7 @@ def sweep_label(sweep: "Sweep", r: RunResult) -> str:
     return f"{name} · {r.model}" if len(sweep.ceilings) > 1 else name
 
 
-def method_label(method: Method, axis: bool) -> str:
+def run_name(method: Method, axis: bool) -> str:
     """A sweep's name for a method run: its name, and on a budgets axis the ``budgets`` it ran with."""
     budgets = getattr(method.options, "budgets", None)
     return f"{method.name} [budgets={budgets}]" if axis and budgets is not None else method.name
@@ -192,7 +192,7 @@ def compare(
     """Every method in ``methods`` (default knobs) at every ratio, on one document and question.
 
     budgets: a third axis, head budgets (:func:`budget_variants`): each method that has a ``budgets``
-    knob runs once per value, labelled with it (:func:`method_label`).
+    knob runs once per value, labelled with it (:func:`run_name`).
 
     models: model specs to run the same sweep on, one after another (the same
     document and question; each model its own prefill and full-cache answer,
@@ -248,7 +248,7 @@ def _sweep_model(request: _Request, k: int, spec: str | None, tally: _Tally, pro
     first: RunResult | None = None
     for method_obj, ratio in ((m, r) for s, m, r in request.runs[tally.done :] if s == spec):
         done = tally.done
-        name = method_label(method_obj, bool(request.axis))
+        name = run_name(method_obj, bool(request.axis))
         label = f"{name} at {ratio:g}x ({done + 1}/{points}){f' on {lm.name}' if len(request.specs) > 1 else ''}: "
         at = base + share * (0.2 + 0.8 * (done - k * per_model) / per_model)
         point_progress = sub_progress(progress, at, 0.8 * share / per_model, label)
