@@ -136,9 +136,19 @@ def method_spec(entry: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
     return name, tuple(options)
 
 
+def method_names() -> list[str]:
+    """Every registered method's name, sorted (a front end's method menu)."""
+    return sorted(REGISTRY)
+
+
+def prepares(name: str) -> bool:
+    """Whether method ``name`` has document-only work to do before a run (e.g. KVzip's reconstruction pass)."""
+    return method_class(name).prepares()
+
+
 def all_knobs() -> dict[str, list[Knob]]:
     """Every registered method's knobs, by method name (sorted)."""
-    return {name: knobs(name) for name in sorted(REGISTRY)}
+    return {name: knobs(name) for name in method_names()}
 
 
 def options_from(name: str, given: str | dict[str, Any] | None) -> dict[str, Any]:

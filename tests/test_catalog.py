@@ -376,3 +376,11 @@ def test_unknown_methods_are_refused_everywhere():
     for call in (catalog.knobs, catalog.presets, catalog.method_markdown, catalog.method_label):
         with pytest.raises(MethodError, match="unknown method 'nope'"):
             call("nope")
+
+
+def test_the_front_ends_door_names_every_method_and_which_prepare_ahead():
+    """The UI reads the methods through the catalog: every registered one, sorted; KVzip's reconstruction pass
+    and Attention Matching's repeat pass are document-only work done ahead, StreamingLLM has none."""
+    assert catalog.method_names() == sorted(REGISTRY) and len(catalog.method_names()) == len(set(REGISTRY))
+    assert catalog.prepares("kvzip") and catalog.prepares("attention_matching")
+    assert not catalog.prepares("streaming_llm")

@@ -1,6 +1,6 @@
 """The whole page: the model menu, then the Explore, Your pick, Compare, Generate and Learn tabs; serving it.
 
-The page builds itself from :data:`kvlab.methods.REGISTRY`: the method menu,
+The page builds itself from the registered methods (kvlab.catalog, the UI's door to them): the method menu,
 the "Advanced" knobs (a panel relabelled to the fields of the picked method's ``Options``) and
 the "Learn" tab. A method registered later appears without any change here.
 
@@ -26,14 +26,13 @@ from huggingface_hub.constants import HF_HUB_OFFLINE
 
 from kvlab import cancellation, figures, limits, results
 from kvlab.bounded.policies import bounded_policies
-from kvlab.catalog import query_awareness
+from kvlab.catalog import method_names, query_awareness
 from kvlab.documents import DocumentError
 from kvlab.examples import Example
 from kvlab.lab import examples as bundled_examples
 from kvlab.lab import links, model_choices, prepare_document
 from kvlab.lab.inputs import MAX_RATIO, MIN_RATIO
 from kvlab.lab.warm import SheetError, WarmItem, read_sheet, warm
-from kvlab.methods import REGISTRY
 from kvlab.models import EMBEDDED, EMBEDDED_PACKAGE, get_model
 from kvlab.runtime.model import LoadedModel, ModelLoadError
 from kvlab.ui import common
@@ -74,9 +73,9 @@ _DEFAULT_LAYERS, _DEFAULT_KV_HEADS = 32, 8
 def default_method() -> str:
     """The method a first visit starts with: Attention Matching when registered,
     else the first (alphabetically) query-agnostic method, else the first one."""
-    if PREFERRED_METHOD in REGISTRY:
+    names = method_names()
+    if PREFERRED_METHOD in names:
         return PREFERRED_METHOD
-    names = sorted(REGISTRY)
     return next((n for n in names if query_awareness(n) != "yes"), names[0])
 
 
@@ -165,7 +164,7 @@ def link_choices(examples: list[Example], specs: list[str]) -> links.LinkChoices
     """What this page's links may choose from: its examples, methods, ranges and models."""
     return links.LinkChoices(
         examples=tuple(ex.id for ex in examples),
-        methods=tuple(sorted(REGISTRY)),
+        methods=tuple(method_names()),
         ratio_range=(RATIO_MIN, RATIO_MAX),
         sweep_ratios=tuple(SWEEP_RATIOS),
         sweep_range=(MIN_RATIO, MAX_RATIO),

@@ -19,12 +19,11 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from kvlab.catalog import aware_tag
+from kvlab.catalog import aware_tag, method_names
 from kvlab.compression.budget_profiles import BUDGET_AXIS
 from kvlab.lab import load_results, parse_ratios, run_tasks, write_exports
 from kvlab.lab.inputs import MAX_RATIO, MIN_RATIO
 from kvlab.lab.tasks import MAX_LIVE_ITEMS, MAX_LIVE_LENGTH, MIN_LENGTH
-from kvlab.methods import REGISTRY
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
 from kvlab.tasks.datasets import data_dir
 from kvlab.tasks.synthetic import books_dir
@@ -163,8 +162,8 @@ def build_compare_tab(inputs: DocumentInputs, specs: list[str]) -> CompareInputs
 
 def build_sweep_choices() -> SweepChoices:
     """The methods (SWEEP_DEFAULT_METHODS ticked, those registered), the ratios and the head budgets."""
-    methods = sorted(REGISTRY)
-    ticked = [m for m in SWEEP_DEFAULT_METHODS if m in REGISTRY] or methods[:3]
+    methods = method_names()
+    ticked = [m for m in SWEEP_DEFAULT_METHODS if m in methods] or methods[:3]
     with gr.Row():
         cmp_methods = gr.CheckboxGroup(
             choices=[(n + aware_tag(n), n) for n in methods],

@@ -29,11 +29,10 @@ from __future__ import annotations
 import gradio as gr
 
 from kvlab import figures
-from kvlab.catalog import aware_tag, method_info, method_label
+from kvlab.catalog import aware_tag, method_info, method_label, method_names
 from kvlab.documents import DocumentError
 from kvlab.examples import Example
 from kvlab.lab.tasks import MAX_DEPTHS
-from kvlab.methods import REGISTRY
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
 from kvlab.ui import common
 from kvlab.ui.common import RATIO_DEFAULT, RATIO_MAX, RATIO_MIN, DocumentInputs
@@ -76,7 +75,7 @@ def build_explore_tab(
     The page opens on the first bundled example and its first question, so a
     visitor's first click on Run works.
     """
-    methods = sorted(REGISTRY)
+    methods = method_names()
     first = examples[0] if examples else None
     last = gr.State(None, time_to_live=3600)
     with gr.Row(equal_height=False):
@@ -286,7 +285,7 @@ def build_needle_test(methods: list[str], start_method: str) -> NeedleWidgets:
         with gr.Row():
             needle_methods = gr.CheckboxGroup(
                 choices=[(n + aware_tag(n), n) for n in methods],
-                value=[m for m in dict.fromkeys([start_method, *NEEDLE_METHODS]) if m in REGISTRY],
+                value=[m for m in dict.fromkeys([start_method, *NEEDLE_METHODS]) if m in methods],
                 label="Methods",
                 elem_id="kvlab-needle-methods",
                 scale=3,

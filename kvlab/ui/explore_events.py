@@ -7,14 +7,13 @@ from collections.abc import Callable, Iterator
 
 import gradio as gr
 
-from kvlab.catalog import options_from
+from kvlab.catalog import options_from, prepares
 from kvlab.documents import DocumentError
 from kvlab.examples import Example
 from kvlab.lab import InputError, Prepared, needle_test, parse_ratios, prepare_document
 from kvlab.lab.explore import explore_key
 from kvlab.lab.head_roles import HeadRoles
 from kvlab.lab.views import head_picker_label, head_role_line, with_served_note
-from kvlab.methods import method_class
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
 from kvlab.ui import common
 from kvlab.ui.common import GPU_MAX_S, RATIO_DEFAULT, USER_ERRORS, as_gr_error, checked_model, guarded, on_gpu, served
@@ -100,7 +99,7 @@ def wire_method(choice: ChoiceWidgets) -> gr.Textbox:
     panel = choice.knobs
 
     def on_method(name: str):
-        pick = f"{name}@{time.monotonic_ns()}" if method_class(name).prepares() else gr.skip()
+        pick = f"{name}@{time.monotonic_ns()}" if prepares(name) else gr.skip()
         return (*method_panel(panel, name), pick)
 
     # A pick by the learner (a link sets the method and its panel itself, kvlab.ui.app): the knobs' values
