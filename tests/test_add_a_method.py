@@ -18,14 +18,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvlab.methods
 from conftest import tiny_tokenizer
 from kvlab import catalog
 from kvlab.cli import build_parser, main
 from kvlab.compression.registry import REGISTRY, discover
+from kvlab.testing.random_models import save_tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "my_method"
@@ -78,24 +77,7 @@ def test_the_docs_table_has_its_row_in_its_family(folder):
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     """A 2-layer random Llama with the tests' word tokenizer, saved as a model folder for ``--model``."""
-    out = tmp_path_factory.mktemp("model") / "tiny"
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        eos_token_id=1,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    LlamaForCausalLM(config).save_pretrained(out)
-    tiny_tokenizer().save_pretrained(out)
-    return out
+    return save_tiny_llama(tmp_path_factory.mktemp("model") / "tiny", tiny_tokenizer())
 
 
 def test_kvlab_run_runs_it_with_its_knob(folder, tiny_folder, tmp_path, capsys):

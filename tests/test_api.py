@@ -23,14 +23,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-)
+from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
 
 from conftest import tiny_tokenizer, with_template
 from kvlab import api
@@ -44,7 +37,7 @@ from kvlab.runtime.hooks import ATTENTION_NAME
 from kvlab.runtime.model import LoadedModel, ModelLoadError
 from kvlab.testing.device_suite import suite_model
 from kvlab.testing.fake_cuda import fake_cuda, is_fake, to_fake_cuda
-from kvlab.testing.random_models import FAMILIES, SPECIAL_IDS, TINY, random_model
+from kvlab.testing.random_models import FAMILIES, SPECIAL_IDS, TINY, random_model, save_tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = " ".join(f"w{(i * 7) % 60 + 2}" for i in range(72))
@@ -390,11 +383,7 @@ def test_the_readme_example_runs_on_the_embedded_model(embedded, monkeypatch, tm
 
 def model_folder(path: Path, seed: int) -> Path:
     """A tiny random Llama and the word tokenizer, written by save_pretrained (``--model DIR``)."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(**{**TINY, **SPECIAL_IDS})
-    LlamaForCausalLM(config).save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
+    return save_tiny_llama(path, tiny_tokenizer(), seed, initializer_range=TINY["initializer_range"])
 
 
 @pytest.fixture(scope="module")

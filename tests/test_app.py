@@ -50,27 +50,12 @@ MISSING_MODEL = "/nonexistent/kvlab-missing-model.gguf"
 @pytest.fixture(scope="module")
 def tiny_dir(embedded, tmp_path_factory):
     """A second model for the menu: a 2-layer random Llama with the embedded model's tokenizer, saved to disk."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from kvlab.testing.random_models import save_tiny_llama
 
     folder = tmp_path_factory.mktemp("models") / "kvlab-tiny-llama"
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(embedded.tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-        eos_token_id=embedded.tokenizer.eos_token_id,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    embedded.tokenizer.save_pretrained(folder)
-    return str(folder)
+    tokenizer = embedded.tokenizer
+    overrides = dict(vocab_size=len(tokenizer), max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id)
+    return str(save_tiny_llama(folder, tokenizer, **overrides))
 
 
 @pytest.fixture(scope="module")

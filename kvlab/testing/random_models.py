@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -226,3 +227,14 @@ def tiny_llama(seed: int = 0) -> LoadedModel:
     """The tests' everyday model, "tiny-llama": :data:`TINY`'s geometry as a plain Llama (default RoPE),
     transformers' own initialisation (initializer_range 0.02, nothing perturbed), the word tokenizer."""
     return synthetic_lm({**TINY, "initializer_range": 0.02}, "tiny-llama", seed, perturb=False)
+
+
+def save_tiny_llama(folder: Path, tokenizer: PreTrainedTokenizerFast, seed: int = 0, **config_overrides: Any) -> Path:
+    """A random Llama of :data:`TINY`'s geometry (transformers' own initialisation, ``seed``) and ``tokenizer``,
+    written by save_pretrained into ``folder`` as a model folder for ``--model DIR``; ``config_overrides``
+    on top (e.g. the vocabulary of another tokenizer). Returns ``folder``."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**TINY, "initializer_range": 0.02, **SPECIAL_IDS, **config_overrides})
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
