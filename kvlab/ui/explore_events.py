@@ -61,7 +61,7 @@ def wire_document(
             raise as_gr_error(exc) from exc
         return body, gr.Dropdown(choices=list(ex.questions), value=ex.questions[0]), ex.questions[0], None
 
-    # .input, not .change: a link sets the menu with its own question (kvlab.ui.app), which .change would undo.
+    # .input, not .change: a link sets the menu with its own question (kvlab.ui.page_links), which .change would undo.
     loaded = doc.example.input(
         on_example,
         [doc.example],
@@ -102,7 +102,7 @@ def wire_method(choice: ChoiceWidgets) -> gr.Textbox:
         pick = f"{name}@{time.monotonic_ns()}" if prepares(name) else gr.skip()
         return (*method_panel(panel, name), pick)
 
-    # A pick by the learner (a link sets the method and its panel itself, kvlab.ui.app): the knobs' values
+    # A pick by the learner (a link sets the method and its panel itself, kvlab.ui.page_links): the knobs' values
     # emptied at once in the browser, so that a Run clicked before the panel follows sends the defaults.
     choice.method.input(None, None, [panel.values], js="() => ''", api_name=False, queue=False)
     choice.method.input(

@@ -195,7 +195,7 @@ def preset_updates(panel: KnobPanel, method: str, preset: str) -> list:
 
 def link_panel(panel: KnobPanel, chosen: str) -> list:
     """:func:`method_panel` for a link's Explore method and its knobs (JSON ``{"method", "knobs"}``, as
-    kvlab.ui.app's page load writes it into a hidden box)."""
+    kvlab.ui.page_links' page load writes it into a hidden box)."""
     link = json.loads(chosen)
     return method_panel(panel, link["method"], link["knobs"])
 
