@@ -310,6 +310,20 @@ def test_unknown_method_is_a_clear_error(client):
         client.predict(text=DOCUMENT, method="no_such_method", question=QUESTION, api_name="/run")
 
 
+def test_knobs_the_method_does_not_have_or_allow_are_a_clear_error(client):
+    """`/run`'s knobs, as JSON or as the command line spells them: a knob of another method, a value out of
+    the knob's choices, text that is neither; each one line, and the server still answers after them."""
+    for knobs, message in (
+        ('{"max_queries": 64}', f"{FAST} has no knob 'max_queries'"),
+        ("n_sink=many", "n_sink must be"),
+        ("{not json", "not a JSON object"),
+    ):
+        with pytest.raises(AppError, match=message) as caught:
+            _run(client, knobs=knobs)
+        assert "\n" not in str(caught.value).strip(), knobs
+    assert "at **4x**" in _run(client, knobs="n_sink=2")[0]
+
+
 def test_model_not_offered_is_refused(client):
     with pytest.raises(AppError, match="not in the list of choices|not offered"):
         _run(client, model="some-org/some-model")
