@@ -244,6 +244,39 @@ def test_links_open_a_configuration_and_link_to_this_gives_it_back(app_url, page
     expect(box).to_have_value(re.compile(r"method=attention_matching(%3A|:)budgets(%3D|=)uniform&"), timeout=20_000)
 
 
+def test_a_published_configuration_sets_the_knob_panel_and_another_method_relabels_it(app_url, page):
+    """Attention Matching's preset menu sets the preset's knobs in the panel and in what Run and "Link to this"
+    read; a pick of KVzip relabels the panel to KVzip's knobs at their defaults, shows the selection
+    wrappers' fold, and the link then carries no knob (the first method's are gone)."""
+    from kvlab.catalog import knobs
+
+    expect = sync_api.expect
+    name = "AM-HighestAttnKeys-ss-plus-repeat"
+    page.goto(app_url, wait_until="domcontentloaded")
+    expect(page.locator("#kvlab-doc-status")).to_contain_text("Ready", timeout=RUN_TIMEOUT_MS)
+    page.locator("#kvlab-advanced").get_by_text("Advanced", exact=True).first.click()
+    if default_method() != "attention_matching":
+        pick_method(page, "attention_matching")
+    page.locator("#kvlab-preset input").click()
+    page.get_by_role("option", name=name).click()
+    expect(page.get_by_label("on_policy", exact=True)).to_be_checked(timeout=20_000)
+    page.locator("#kvlab-link-make").click()
+    box = page.locator("#kvlab-link textarea, #kvlab-link input").first
+    expect(box).to_have_value(re.compile(r"on_policy(%3D|=)true", re.IGNORECASE), timeout=20_000)
+    for knob in ("self_study_weight", "max_queries"):
+        assert knob in box.input_value(), box.input_value()
+
+    pick_method(page, "kvzip")
+    expect(page.get_by_label("on_policy", exact=True)).to_have_count(0, timeout=20_000)
+    for knob in knobs("kvzip"):
+        if not knob.wrapper:
+            expect(page.get_by_text(knob.name, exact=True).first).to_be_visible()
+    expect(page.get_by_text("Selection wrappers", exact=False).first).to_be_visible()
+    page.locator("#kvlab-link-make").click()
+    expect(box).to_have_value(re.compile(r"method=kvzip&"), timeout=20_000)
+    assert "max_queries" not in box.input_value() and "on_policy" not in box.input_value()
+
+
 def test_a_bad_link_opens_the_defaults_with_a_note(app_url, page):
     """Unknown names and out-of-range numbers are dropped with a note; what is valid still applies."""
     expect = sync_api.expect
