@@ -1,9 +1,9 @@
 """Method knobs as widgets: one panel of slots that the method picked relabels to its own knobs.
 
 A method's knobs (kvlab.catalog.Knob) each take a slot of their kind (a dropdown of choices, a
-checkbox, a whole number, a number, a slider, a text box); a kind has as many slots as the method
-with most knobs of that kind needs (29 in all, where one widget per knob of every method made
-320). Every widget is a component that each page open and each new session copies, so a class of
+checkbox, a whole number, a number, a slider, a text box), among the method's own knobs or, in a fold,
+the selection wrappers'; a kind has as many slots as the method with most knobs of that kind needs
+(35 in all, 8 of them the wrappers', where one widget per knob of every method made 320). Every widget is a component that each page open and each new session copies, so a class of
 thirty opening the page at once waited seconds on the 300 widgets nobody looked at.
 
 The values travel as one hidden text box (``values``, a JSON object by knob name) that the page
