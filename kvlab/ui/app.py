@@ -13,8 +13,6 @@ loaded on first use; a failure is shown to the user and the server stays up.
 
 from __future__ import annotations
 
-import logging
-
 import gradio as gr
 
 from kvlab.catalog import method_names, query_awareness
@@ -27,8 +25,6 @@ from kvlab.ui.generate import build_generate_tab
 from kvlab.ui.learn import build_learn_tab
 from kvlab.ui.page_links import follow_tabs, link_choices, wire_links
 from kvlab.ui.pick import build_pick_tab
-
-log = logging.getLogger("kvlab.app")
 
 #: The method a first visit starts with.
 PREFERRED_METHOD = "attention_matching"

@@ -3,8 +3,9 @@
 A method's knobs (kvlab.catalog.Knob) each take a slot of their kind (a dropdown of choices, a
 checkbox, a whole number, a number, a slider, a text box), among the method's own knobs or, in a fold,
 the selection wrappers'; a kind has as many slots as the method with most knobs of that kind needs
-(35 in all, 8 of them the wrappers', where one widget per knob of every method made 320). Every widget is a component that each page open and each new session copies, so a class of
-thirty opening the page at once waited seconds on the 300 widgets nobody looked at.
+(35 in all, 8 of them the wrappers', where one widget per knob of every method made 320). Every
+widget is a component that each page open and each new session copies, so a class of thirty opening
+the page at once waited seconds on the 300 widgets nobody looked at.
 
 The values travel as one hidden text box (``values``, a JSON object by knob name) that the page
 sends with Run: a knob the learner edits rewrites it in the browser (:func:`compose_js`, no request),
@@ -166,8 +167,19 @@ def preset_menu(method: str) -> dict[str, Any]:
 
 
 def method_panel(panel: KnobPanel, method: str, values: dict[str, Any] | None = None) -> list:
-    """:attr:`KnobPanel.outputs` showing ``method``'s knobs, each at ``values``' entry (by knob name) or its
-    default, the hidden box holding ``values`` (as JSON; empty for none)."""
+    """:attr:`KnobPanel.outputs` showing ``method``: its description, its preset menu, whether the wrappers'
+    fold shows, then :func:`knob_values`."""
+    return [
+        method_info(method),
+        gr.update(**preset_menu(method)),
+        gr.update(visible=has_wrappers(method)),
+        *knob_values(panel, method, values),
+    ]
+
+
+def knob_values(panel: KnobPanel, method: str, values: dict[str, Any] | None = None) -> list:
+    """The slots showing ``method``'s knobs, each at ``values``' entry (by knob name) or its default (the
+    other slots hidden), then the hidden box holding ``values`` (as JSON; empty for none)."""
     values = values or {}
     shown = dict(zip(panel.layout[method], knobs(method)))
     slots = [
@@ -176,13 +188,7 @@ def method_panel(panel: KnobPanel, method: str, values: dict[str, Any] | None = 
         else gr.update(visible=False)
         for i in range(len(panel.slots))
     ]
-    return [
-        method_info(method),
-        gr.update(**preset_menu(method)),
-        gr.update(visible=has_wrappers(method)),
-        *slots,
-        json.dumps(values) if values else "",
-    ]
+    return [*slots, json.dumps(values) if values else ""]
 
 
 def preset_updates(panel: KnobPanel, method: str, preset: str) -> list:
@@ -190,7 +196,7 @@ def preset_updates(panel: KnobPanel, method: str, preset: str) -> list:
     default); nothing changes for CUSTOM."""
     if preset == CUSTOM or preset not in presets(method):
         return [gr.update() for _ in panel.slots] + [gr.update()]
-    return method_panel(panel, method, presets(method)[preset])[3:]
+    return knob_values(panel, method, presets(method)[preset])
 
 
 def link_panel(panel: KnobPanel, chosen: str) -> list:
