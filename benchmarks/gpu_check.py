@@ -129,7 +129,7 @@ def long_document(n_tokens: int) -> str:
 
 def run_explore(device: torch.device, dtype: torch.dtype, dry_run: bool, deadline: float) -> list[dict]:
     """Every method through ``kvlab.lab.explore`` at 10x on each geometry (2 layers of it)."""
-    from kvlab.lab import explore
+    from kvlab.lab import explore, run_spec
 
     geometries = {"Llama-3.1-8B": ("llama", LLAMA_31_8B), "Qwen3-8B": ("qwen3", QWEN3_8B)}
     n_tokens = 600 if dry_run else 8192
@@ -148,7 +148,7 @@ def run_explore(device: torch.device, dtype: torch.dtype, dry_run: bool, deadlin
                 options = device_suite.QUICK_OPTIONS.get(name, {}) if dry_run else {}
                 out, seconds, error = timed(
                     lambda: explore(
-                        document, None, name, 10.0, device_suite.QUESTION, max_new_tokens=16, options=options
+                        run_spec(document, None, name, 10.0, device_suite.QUESTION, max_new_tokens=16, options=options)
                     )
                 )
                 row = dict(

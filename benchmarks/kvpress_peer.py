@@ -84,7 +84,7 @@ the leverage sketch (kvlab's seeded CPU draw instead of torch's global one, hand
 own code), the attention scale 1/sqrt(d) of the non-causal attention (kvpress multiplies q.k
 unscaled) and Compactor's blending 1 - 1/ratio (kvpress: its own compression_ratio); kvpress's
 padded last chunk of the non-causal attention is left as it is (kvlab's last chunk is its own
-softmax over its real keys). Native is each press as shipped. Results: docs/benchmarks.md.
+softmax over its real keys). Native is each press as shipped. Results: docs/peers.md.
 
 Key re-rotation (issue 34): snapkv+key_rerotation <-> KeyRerotationPress(SnapKVPress), aligned
 only (natively kvpress keeps other tokens, so other keys are turned by other amounts). Besides the

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     study, study_s = timed(lambda: self_study(ctx, tokens))
     print(
         f"model {lm.name}; {story.path.name}, {ctx.doc_len} document tokens; preparation: prefill {prefill_s:.1f} s, "
-        f"repeat pass {repeat_s:.1f} s, self-study {study_s:.1f} s ({study.transcript().numel()} tokens, "
+        f"repeat pass {repeat_s:.1f} s, self-study {study_s:.1f} s ({sum(t.numel() for t in study.turns)} tokens, "
         f"{tokens} generated); {args.repeats} runs of each, in turn (reread: one)"
     )
     methods = {name: get_method("attention_matching", **knobs) for name, knobs in CONFIGS.items()}

@@ -2,10 +2,10 @@
 
 It sits above the methods: importing it imports kvlab.methods, which registers them all, so
 a front end reading the catalog sees every method file.
-Everything here is read off the method classes (``summary``, ``learn``,
-``paper``, ``query_aware*``, ``presets``) and their Options dataclasses (each
-field's type, default, help and bounds), so that the app, the command line
-and the docs cannot drift apart. No gradio here: the app turns a
+Everything here is read off the method classes (``summary``, ``learn``: the
+markdown file beside the method's own, ``paper``, ``query_aware*``, ``presets``)
+and their Options dataclasses (each field's type, default, help and bounds), so
+that the app, the command line and the docs cannot drift apart. No gradio here: the app turns a
 :class:`Knob` into a widget, the CLI into a flag.
 """
 
@@ -22,7 +22,7 @@ from kvlab.compression.interface import FAMILIES
 from kvlab.compression.options import MethodError, allowed, option_types
 from kvlab.compression.paper import Baseline, Paper
 from kvlab.compression.registry import REGISTRY, method_class, method_presets
-from kvlab.compression.selection import SELECTION_LEARN, SELECTION_PRESETS, SelectionOptions
+from kvlab.compression.selection import SELECTION_PRESETS, SelectionOptions, selection_learn
 
 Awareness = Literal["yes", "no", "options"]
 
@@ -134,6 +134,16 @@ def method_spec(entry: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
             )
         options.append((knob.strip(), by_name[knob.strip()].convert(text.strip())))
     return name, tuple(options)
+
+
+def knob_text(value: Any) -> str:
+    """A knob's value as text that :meth:`Knob.convert` reads back (a bool as true/false)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def method_text(name: str, options: typing.Iterable[tuple[str, Any]] = ()) -> str:
+    """``name:knob=value:...``, the spelling :func:`method_spec` reads back."""
+    return name + "".join(f":{knob}={knob_text(value)}" for knob, value in options)
 
 
 def method_names() -> list[str]:
@@ -255,7 +265,7 @@ def method_markdown(name: str) -> str:
     if cls.learn:
         parts.append(cls.learn)
     if issubclass(cls.Options, SelectionOptions):
-        parts.append(SELECTION_LEARN)
+        parts.append(selection_learn())
     parts.append(source_line(cls.paper))
     lines = _preset_lines(name)
     if lines:

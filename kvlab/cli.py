@@ -32,6 +32,9 @@ from kvlab.compression.selection import SELECTION_PRESETS
 from kvlab.methods import REGISTRY, MethodError, get_method
 from kvlab.methods.families.am_recipe import queries_text
 
+if typing.TYPE_CHECKING:  # the commands import kvlab.lab where they need it
+    from kvlab.lab import RunSpec
+
 
 class UsageError(Exception):
     """A bad command line; reported in one line with exit status 2."""
@@ -244,20 +247,27 @@ def cmd_methods(args: argparse.Namespace) -> int:
     return 0
 
 
+def spec_from_args(args: argparse.Namespace) -> RunSpec:
+    """``kvlab run``'s arguments as the lab's run spec (kvlab.lab.RunSpec; the inverse of its ``cli_args``)."""
+    from kvlab.lab import run_spec
+
+    method = method_from_args(args.method, args)  # the flags and the preset
+    options = {f.name: getattr(method.options, f.name) for f in dataclasses.fields(method.options)}
+    return run_spec(None, args.doc, method.name, args.ratio, args.question, args.max_new_tokens, options, args.model)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from kvlab.lab import explore
 
-    method = method_from_args(args.method, args)  # the flags and the preset checked before any work
+    spec = spec_from_args(args)  # every input checked before any work
+    method = spec.build()
     if args.save_cache is not None:
         from kvlab.cache_command import check_save_path, save_run_cache
 
         save_to = check_save_path(args.save_cache)
-    options = {f.name: getattr(method.options, f.name) for f in dataclasses.fields(method.options)}
     progress = (lambda f, desc: None) if args.json else _stderr_progress
     # The lab's own run (kvlab.lab.explore): the same checks and the same path as the app's Explore.
-    explored = explore(
-        None, args.doc, method.name, args.ratio, args.question, args.max_new_tokens, options, progress, args.model
-    )
+    explored = explore(spec, progress)
     result = explored.run.result
     if args.save_cache is not None:
         path = save_run_cache(explored.run, method, save_to, args.model)

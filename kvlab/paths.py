@@ -1,4 +1,5 @@
-"""Where kvlab's bundled assets lie (installed or run from a checkout), and where it keeps models.
+"""Where kvlab's bundled assets and the repository's docs lie (installed or run from a checkout), and where it
+keeps models.
 
 The repository keeps ``assets/`` at its top level; ``pip install`` (plain or
 editable) maps that folder to the data package ``kvlab.assets``, which
@@ -21,6 +22,13 @@ def assets_dir() -> Path:
         return Path(resources.files("kvlab.assets"))
     except ModuleNotFoundError:
         return Path(__file__).resolve().parent.parent / "assets"
+
+
+def docs_dir() -> Path | None:
+    """The repository's ``docs/`` folder (beside ``kvlab/``: a checkout, an editable install, the Docker
+    image), or None where kvlab runs without its repository (a wheel ships no ``docs/``)."""
+    folder = Path(__file__).resolve().parent.parent / "docs"
+    return folder if folder.is_dir() else None
 
 
 def models_dir(environ: typing.Mapping[str, str] | None = None) -> Path:

@@ -134,10 +134,6 @@ class SelfStudy:
     turns: tuple[torch.Tensor, ...]
     queries: list[torch.Tensor]
 
-    def transcript(self) -> torch.Tensor:
-        """[n] every conversation's tokens one after the other (the on-policy sweep reads them as one text)."""
-        return torch.cat(self.turns)
-
 
 def self_study(ctx: Context, token_budget: int = 256) -> SelfStudy:
     """Self-study: the model answers generic prompts about the document (greedily, ``token_budget``

@@ -1,8 +1,9 @@
-"""A method is one file: docs/architecture.md's example, written into the methods folder and nothing
-else, appears everywhere a method does.
+"""A method is one file and its Learn text: docs/architecture.md's example, written into the methods folder
+and nothing else, appears everywhere a method does.
 
-The example's code block is read from docs/architecture.md itself (so the documentation runs) and
-written as ``my_method.py`` into a folder of the ``kvlab.methods`` package: a temporary folder
+The example's code block and markdown block are read from docs/architecture.md itself (so the
+documentation runs) and written as ``my_method.py`` and ``my_method.md`` into a folder of the
+``kvlab.methods`` package: a temporary folder
 appended to the package's ``__path__``, so that other test runs sharing this checkout never see it.
 The package's own discovery (``kvlab.compression.registry.discover``, what
 ``kvlab/methods/__init__.py`` calls) then imports it like any method file.
@@ -30,11 +31,11 @@ ROOT = Path(__file__).resolve().parent.parent
 NAME = "my_method"
 
 
-def example_code() -> str:
-    """The python block of docs/architecture.md's "Adding a method in one file"."""
+def example_block(language: str) -> str:
+    """The ``language`` block of docs/architecture.md's "Adding a method in one file"."""
     doc = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     section = doc.split("## Adding a method in one file", 1)[1]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return re.search(rf"```{language}\n(.*?)```", section, re.S).group(1)
 
 
 def add_folder(folder: Path) -> None:
@@ -46,7 +47,8 @@ def add_folder(folder: Path) -> None:
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("methods")
-    (folder / f"{NAME}.py").write_text(example_code(), encoding="utf-8")
+    (folder / f"{NAME}.py").write_text(example_block("python"), encoding="utf-8")
+    (folder / f"{NAME}.md").write_text(example_block("markdown"), encoding="utf-8")
     add_folder(folder)
     yield folder
     kvlab.methods.__path__.remove(str(folder))

@@ -1,9 +1,9 @@
-"""A selection wrapper is one file: a throwaway stage, written into the wrappers folder and nothing
-else, becomes a knob of every scoring method in the CLI, the app and the docs, and its declared
+"""A selection wrapper is one file and its Learn text: a throwaway stage, written into the wrappers folder
+and nothing else, becomes a knob of every scoring method in the CLI, the app and the docs, and its declared
 exclusion is refused in one line.
 
 The wrapper (:data:`WRAPPER`, "oldest": each head keeps a share of its budget for the oldest document
-tokens) is written as ``oldest.py`` into a temporary folder appended to the
+tokens) is written as ``oldest.py``, its Learn text as ``oldest.md``, into a temporary folder appended to the
 ``kvlab.compression.wrappers`` package's ``__path__``, so that other test runs sharing this checkout
 never see it. kvlab.compression.selection assembles its knobs when it is imported, so the folder is
 appended in a fresh interpreter (:data:`CHILD`) before anything imports the methods; the test reads
@@ -24,6 +24,9 @@ from kvlab.compression.selection import STAGES
 from kvlab.methods import MethodError, get_method
 
 ROOT = Path(__file__).resolve().parent.parent
+
+#: Its Learn sentences, ``oldest.md`` beside it.
+WRAPPER_LEARN = "`oldest_share` (Oldest): each head keeps that share of its budget for the oldest document tokens.\n"
 
 WRAPPER = '''
 from dataclasses import dataclass
@@ -56,7 +59,6 @@ STAGE = Stage(
     order=25,
     knobs=OldestKnobs,
     preset={"oldest_share": 0.5},
-    learn="`oldest_share` (Oldest): each head keeps that share of its budget for the oldest document tokens.",
     excludes={"chunkkv": "chunks are the same in every head"},
     scores=keep_oldest,
     records=("oldest_share",),
@@ -110,6 +112,7 @@ def seen(tmp_path_factory, tiny_folder):  # noqa: F811
     """What the fresh interpreter with the wrapper file in the package's folders saw."""
     folder = tmp_path_factory.mktemp("wrappers")
     (folder / "oldest.py").write_text(WRAPPER, encoding="utf-8")
+    (folder / "oldest.md").write_text(WRAPPER_LEARN, encoding="utf-8")
     doc = folder / "doc.txt"
     doc.write_text(" ".join(f"w{(i * 7) % 60 + 2}" for i in range(60)))
     ran = subprocess.run(

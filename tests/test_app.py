@@ -204,7 +204,7 @@ def test_a_sweeps_gpu_slot_grows_with_its_runs_and_is_capped(monkeypatch):
 def test_gpu_results_are_plain_picklable_data(embedded):
     # ZeroGPU runs the heavy functions in a forked worker and pickles what they return:
     # figures, texts and token fates only, never the model or a cache.
-    view = present.run_view(DOCUMENT, None, FAST, 4, QUESTION, 8, {}, None)
+    view = present.run_view(lab.run_spec(DOCUMENT, None, FAST, 4, QUESTION, 8, {}, None))
     blob = pickle.dumps(view)
     assert len(blob) < 2_000_000 and b"LlamaForCausalLM" not in blob
     assert view.fates.n_layers == embedded.n_layers and view.fates.n_kv_heads == embedded.n_kv_heads

@@ -326,12 +326,21 @@ def test_every_method_meets_its_budget_with_finite_logits(ctx, name, ratio):
     assert logits.shape == (question.numel(), 64) and torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("query_source", ["repeat", "question"])
-def test_the_on_policy_sweep_fits_what_the_per_layer_reread_fits(ctx, query_source):
+@pytest.mark.parametrize(
+    "queries",
+    [
+        {"query_source": "repeat"},
+        {"query_source": "question"},
+        # The paper's query mix: the repeat pass and each self-study conversation, each its own segment.
+        {"query_source": "repeat", "self_study_weight": 1.0, "self_study_tokens": 12},
+    ],
+    ids=["repeat", "question", "repeat+self_study"],
+)
+def test_the_on_policy_sweep_fits_what_the_per_layer_reread_fits(ctx, queries):
     """Attention Matching on-policy in one forward sweep against the paper's way (the text read again
     through the layers fitted so far, once per layer): the same queries per head, the same compact
     keys, biases and values up to float32 rounding, window layers kept as they are."""
-    options = {"on_policy": True, "query_source": query_source, "budgets": "uniform"}
+    options = {"on_policy": True, "budgets": "uniform", **queries}
     sweep = get_method("attention_matching", **options).compress(Request(ctx, 3.0, QUESTION))
     reread = get_method("attention_matching", on_policy_sweep=False, **options).compress(Request(ctx, 3.0, QUESTION))
     assert sweep.meta["queries_per_head"] == reread.meta["queries_per_head"]
@@ -345,6 +354,30 @@ def test_the_on_policy_sweep_fits_what_the_per_layer_reread_fits(ctx, query_sour
         torch.testing.assert_close(got.bias[finite], want.bias[finite], atol=1e-3, rtol=1e-3)
         torch.testing.assert_close(got.keys, want.keys, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got.values, want.values, atol=1e-3, rtol=1e-3)
+
+
+def test_the_sweep_reads_each_conversation_on_its_own_after_the_document(ctx, monkeypatch):
+    """As the paper's code re-reads each self-study conversation over the context's cache alone: the
+    first layer's fitting queries (nothing compacted before it) are the repeat pass's and each
+    conversation's as read by itself right after the full cache, not as read after the others."""
+    from kvlab.methods.families import compaction
+    from kvlab.prompts import repeat_tokens
+    from kvlab.queries import read_after, self_study
+
+    seen = {}
+    real = compaction.fit_on_policy
+
+    def spy(req, opts, layer, q, *args):
+        seen.setdefault(layer, (q, args[-1]))
+        return real(req, opts, layer, q, *args)
+
+    monkeypatch.setattr(compaction, "fit_on_policy", spy)
+    options = {"on_policy": True, "budgets": "uniform", "self_study_weight": 1.0, "self_study_tokens": 12}
+    get_method("attention_matching", **options).compress(Request(ctx, 3.0, QUESTION))
+    q, extra = seen[0]
+    alone = [read_after(ctx, turn)[0] for turn in self_study(ctx, 12).turns]
+    torch.testing.assert_close(q, read_after(ctx, repeat_tokens(ctx.lm.tokenizer, ctx.tokens.ids[ctx.prefix_len :]))[0])
+    torch.testing.assert_close(extra, torch.cat(alone, dim=1))
 
 
 def test_a_run_on_a_hybrid_model_counts_its_ratio_over_the_compressed_layers():

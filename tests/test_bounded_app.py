@@ -131,7 +131,7 @@ def explore_args(**kw) -> dict:
 def answered_right(client) -> None:
     """The server answers a run as the lab does on its own (nothing half-kept from a stopped run got in)."""
     out = client.predict(**explore_args())
-    expected = lab.explore(DOC, None, "streaming_llm", 4, QUESTION, 4, model=SPEC).run.result
+    expected = lab.explore(lab.run_spec(DOC, None, "streaming_llm", 4, QUESTION, 4, model=SPEC)).run.result
     full, compressed = (o["value"] if isinstance(o, dict) else o for o in out[1:3])
     assert (full, compressed) == (expected.answer_full, expected.answer_compressed)
 

@@ -327,7 +327,9 @@ def lab_on_tiny(tiny, monkeypatch):
 def test_explore_answers_or_refuses_any_input(lab_on_tiny, data):
     v = drawn(data, ["text", "method", "ratio", "question", "max_new", "options"])
     got = answers_or_refuses(
-        lambda: lab.explore(v["text"], None, v["method"], v["ratio"], v["question"], v["max_new"], v["options"])
+        lambda: lab.explore(
+            lab.run_spec(v["text"], None, v["method"], v["ratio"], v["question"], v["max_new"], v["options"])
+        )
     )
     assert got is None or got.run.result.ratio == float(v["ratio"])
 

@@ -28,8 +28,8 @@ sync_api = pytest.importorskip("playwright.sync_api")
 
 from benchmarks.browser import chromium_page, chromium_path, mark_outputs, pick_method, serve_app, wait_for_run  # noqa: E402
 from kvlab import lab, results  # noqa: E402
-from kvlab.lab.explore import explore_key  # noqa: E402
 from kvlab.lab.head_roles import head_roles  # noqa: E402
+from kvlab.lab.spec import run_spec  # noqa: E402
 from kvlab.memo import MISSING  # noqa: E402
 from kvlab.ui import default_method  # noqa: E402
 from kvlab.ui.common import RATIO_DEFAULT  # noqa: E402
@@ -367,7 +367,9 @@ def test_a_learner_mixes_scores_then_reads_each_heads_role(app_url, page, tmp_pa
         expect(page.locator(box)).to_have_value(re.compile(r"\S"))
     model = lab.model_choices()[0][1]
     stored = [  # the store holds the run of the slider's weight, and no run of the default weights
-        results.store().get(explore_key(example.text(), None, "mix", RATIO_DEFAULT, example.questions[0], 16, o, model))
+        results.store().get(
+            run_spec(example.text(), None, "mix", RATIO_DEFAULT, example.questions[0], 16, o, model).key()
+        )
         for o in ({"w_recency": 0.5}, {})
     ]
     assert stored[0] is not MISSING and stored[1] is MISSING, stored_runs("mix")

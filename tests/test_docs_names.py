@@ -30,7 +30,10 @@ FILES = {
 }
 PATH = re.compile(r"(?<![\w./-])((?:kvlab|benchmarks|tests|assets|docs|\.ci)/[\w./*<>-]*[\w*/])")
 #: Paths the docs name on purpose although the tree has no such file, and why.
-HYPOTHETICAL = {"kvlab/methods/my_method.py": "architecture.md's example method (tests/test_add_a_method.py makes it)"}
+HYPOTHETICAL = {
+    "kvlab/methods/my_method.py": "architecture.md's example method (tests/test_add_a_method.py makes it)",
+    "kvlab/methods/my_method.md": "the example method's Learn text (tests/test_add_a_method.py makes it)",
+}
 #: A dotted word with one of these endings is a file's name (``--out kvlab.json``), not a module.
 FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".html", ".md", ".txt", ".png", ".py", ".gguf")
 DOTTED = re.compile(r"(?<![\w./-])((?:kvlab|benchmarks)(?:\.[A-Za-z_]\w*)+)")

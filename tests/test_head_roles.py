@@ -158,7 +158,7 @@ def test_head_picker_labels_name_each_heads_role():
 
 def test_an_explore_run_carries_the_roles_to_its_view_and_picker(tiny, monkeypatch):
     monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
-    ex = lab.explore(DOC, None, "streaming_llm", 4, QUESTION, max_new_tokens=2)
+    ex = lab.explore(lab.run_spec(DOC, None, "streaming_llm", 4, QUESTION, max_new_tokens=2))
     view = pickle.loads(pickle.dumps(present(ex)))  # what the result store keeps
     again = head_roles(ex.run.ctx, QUESTION)  # the run's roles are the context's, not made twice
     assert again is ex.roles and view.roles.shares == again.shares

@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 #: prefix, and every module under kvlab/ must match one (a new top-level module takes a place here).
 LAYERS: list[tuple[str, list[str]]] = [
     (
-        "plain helpers: paths, limits, messages, the figures (no model code)",
-        ["kvlab.paths", "kvlab.limits", "kvlab.messages", "kvlab.figures"],
+        "plain helpers: paths, limits, messages, the Learn tab's prose and its loader, the figures (no model code)",
+        ["kvlab.paths", "kvlab.limits", "kvlab.messages", "kvlab.learn_text", "kvlab.figures"],
     ),
     ("cancellation and the compute slot; values made once", ["kvlab.cancellation", "kvlab.scheduler", "kvlab.memo"]),
     (

@@ -81,7 +81,7 @@ def test_preparing_a_document_records_the_methods_queries(tiny, monkeypatch):
     assert prepared.prefilled_now and prepared.doc_tokens > 100
     monkeypatch.setattr(contexts_module, "prepare_context", lambda *a, **k: pytest.fail("prefilled again"))
     monkeypatch.setattr(queries_module, "_session_after", lambda *a, **k: pytest.fail("repeat pass recorded again"))
-    ex = lab.explore(text, None, "attention_matching", 4, "w5 w6", max_new_tokens=2)
+    ex = lab.explore(lab.run_spec(text, None, "attention_matching", 4, "w5 w6", max_new_tokens=2))
     assert ex.prefill_reused and ex.run.result.method == "attention_matching"
     assert not lab.prepare_document(text, None, "attention_matching").prefilled_now
 
@@ -96,7 +96,7 @@ def test_preparing_kvzip_scores_the_document_so_a_run_only_selects(tiny, monkeyp
 
     monkeypatch.setattr(queries_module, "_session_after", lambda *a, **k: pytest.fail("reconstruction pass again"))
     monkeypatch.setattr(scorers_module, "received_attention", lambda *a, **k: pytest.fail("scored again"))
-    ex = lab.explore(text, None, "kvzip", 4, "w5 w6", max_new_tokens=2)
+    ex = lab.explore(lab.run_spec(text, None, "kvzip", 4, "w5 w6", max_new_tokens=2))
     monkeypatch.undo()
     fresh = REGISTRY["kvzip"]().compress(Request(prepare_context(tiny, text), 4.0))
     assert [seg.view().token_index.tolist() for layer in ex.run.stored.layers for seg in layer] == [
@@ -229,7 +229,7 @@ def test_answer_log_probabilities_follow_the_full_answer(tiny, tiny_eager, monke
     # attention over the whole token sequence at once (template + document, question, answer),
     # teacher-forced, each answer token read off the logits of the position before it.
     monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
-    ex = lab.explore(DOC, None, "streaming_llm", 1.0, "w5 w6", max_new_tokens=5)
+    ex = lab.explore(lab.run_spec(DOC, None, "streaming_llm", 1.0, "w5 w6", max_new_tokens=5))
     r, ev = ex.run.result, ex.run.evaluation
     assert len(r.answer_tokens) == len(r.answer_logprobs_full) == len(r.answer_logprobs_compressed) == 5
     ids = torch.cat([ex.run.ctx.tokens.ids.cpu(), ev.question_ids.cpu(), torch.tensor(ev.answer.ids)])
@@ -242,6 +242,6 @@ def test_answer_log_probabilities_follow_the_full_answer(tiny, tiny_eager, monke
     # At ratio 1 nothing is evicted: the compressed cache scores the same answer the same way.
     assert r.answer_logprobs_compressed == pytest.approx(eager.tolist(), abs=1e-5)
     assert r.first_divergence is None
-    squeezed = lab.explore(DOC, None, "streaming_llm", 30.0, "w5 w6", max_new_tokens=5).run.result
+    squeezed = lab.explore(lab.run_spec(DOC, None, "streaming_llm", 30.0, "w5 w6", max_new_tokens=5)).run.result
     assert squeezed.answer_logprobs_full == pytest.approx(eager.tolist(), abs=1e-5)  # the full cache's, again
     assert squeezed.answer_logprobs_compressed != pytest.approx(eager.tolist(), abs=1e-4)

@@ -184,7 +184,7 @@ def test_two_hundred_questions_keep_one_documents_memory_bounded(tiny, monkeypat
     for i, question in enumerate(asked):
         if i % 10 == 0:
             method, options = runs[(i // 10) % len(runs)]
-            ctx = lab.explore(doc, None, method, 4, question, max_new_tokens=2, options=options).run.ctx
+            ctx = lab.explore(lab.run_spec(doc, None, method, 4, question, max_new_tokens=2, options=options)).run.ctx
         else:
             ask(ctx, question)
         if i in (109, 199):  # the same phase of the cycle of runs (9 questions after a snapkv_question run)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import TINY_DOC
-from kvlab import models, results
+from kvlab import lab, models, results
 from kvlab.cli import main
 from kvlab.context import prepare_context
 from kvlab.examples import load_examples
@@ -377,10 +377,9 @@ def test_stored_rivals_run_before_the_pick_and_the_rest_after(tmp_path):
     (nothing to compute) come first, then the pick, then the rivals still to compute."""
     from kvlab.lab.pick import run_order
 
-    def key(name: str) -> results.RunKey:
-        return results.RunKey("m", "d" * 64, "Who?", name, "{}", 10.0, 48, "test")
-
-    results.store().put(key("kvzip"), "a stored run")
-    results.store().put(key("random"), "another")
-    order = run_order(["manual", "snapkv", "kvzip", "h2o", "random"], key)
-    assert order == ["kvzip", "random", "manual", "snapkv", "h2o"]
+    mine = lab.run_spec(DOC, None, "manual", 2, QUESTION, options={"keep": "s0"})
+    specs = [mine, *(mine.with_method(name) for name in ("snapkv", "kvzip", "h2o", "random"))]
+    results.store().put(specs[2].key(), "a stored run")
+    results.store().put(specs[4].key(), "another")
+    order = run_order(specs)
+    assert [spec.method for spec in order] == ["kvzip", "random", "manual", "snapkv", "h2o"]

@@ -70,6 +70,13 @@ def test_wheel_holds_the_examples_and_budget_profiles_as_kvlab_assets(wheel: zip
         assert wheel.read(name) == path.read_bytes(), name
 
 
+def test_wheel_holds_every_learn_text(wheel: zipfile.ZipFile) -> None:
+    """The Learn tab's markdown (kvlab.learn_text): each method's and wrapper's beside its module, the page's."""
+    texts = {p.relative_to(ROOT).as_posix() for p in (ROOT / "kvlab").rglob("*.md")}
+    assert {"kvlab/methods/snapkv.md", "kvlab/compression/wrappers/adakv.md", "kvlab/learn_text/page.md"} <= texts
+    assert texts <= set(wheel.namelist())
+
+
 def test_wheel_requires_exactly_requirements_txt(wheel: zipfile.ZipFile) -> None:
     lines = (ROOT / "requirements.txt").read_text().splitlines()
     pinned = {str(Requirement(line)) for line in lines if line.strip() and not line.startswith("#")}

@@ -59,7 +59,7 @@ def test_a_long_pasted_document_is_refused_before_tokenising(monkeypatch):
     monkeypatch.setattr(models, "get_model", no_model)
     monkeypatch.setattr(lab.inputs, "clean_text", lambda text: pytest.fail("the text was processed"))
     with pytest.raises(DocumentError, match="has 60 characters; the limit here is 50"):
-        lab.explore("x" * 60, None, "streaming_llm", 2, "q")
+        lab.explore(lab.run_spec("x" * 60, None, "streaming_llm", 2, "q"))
 
 
 def test_an_uploads_text_is_held_to_the_same_limit(monkeypatch, tmp_path):
@@ -85,14 +85,14 @@ def test_question_and_answer_length_limits(monkeypatch, tiny):
     with_limits(monkeypatch, question_chars=30, question_tokens=3, new_tokens=8)
     monkeypatch.setattr(models, "get_model", no_model)
     with pytest.raises(lab.InputError, match="31 characters; ask in at most 30"):
-        lab.explore(DOC, None, "streaming_llm", 2, "w" * 31)
+        lab.explore(lab.run_spec(DOC, None, "streaming_llm", 2, "w" * 31))
     with pytest.raises(lab.InputError, match="limit here is 8"):
-        lab.explore(DOC, None, "streaming_llm", 2, "w2", max_new_tokens=9)
+        lab.explore(lab.run_spec(DOC, None, "streaming_llm", 2, "w2", max_new_tokens=9))
     # Tokens need the model, and are counted before the prefill: four words are four tokens here.
     monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
     monkeypatch.setattr(CONTEXTS, "get", lambda *a, **k: pytest.fail("prefilled"))
     with pytest.raises(lab.InputError, match="4 tokens long; ask in at most 3"):
-        lab.explore(DOC, None, "streaming_llm", 2, "w2 w3 w4 w5", max_new_tokens=4)
+        lab.explore(lab.run_spec(DOC, None, "streaming_llm", 2, "w2 w3 w4 w5", max_new_tokens=4))
     assert lab.inputs.check_question_tokens(tiny.tokenizer, "w2 w3 w4") == "w2 w3 w4"
 
 

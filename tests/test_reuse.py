@@ -159,7 +159,7 @@ def test_preparing_with_a_question_answers_it_before_the_run(tiny, monkeypatch):
     prepared = lab.prepare_document(text, None, "tova", question=QUESTION, max_new_tokens=6)
     assert prepared.answer_s is not None
     counts = counting(monkeypatch)
-    ex = lab.explore(text, None, "tova", 4, QUESTION, max_new_tokens=6)
+    ex = lab.explore(lab.run_spec(text, None, "tova", 4, QUESTION, max_new_tokens=6))
     assert ex.full_answer_reused and counts["greedy"] == 1  # the compressed cache's answer only
     fresh = run(prepare_context(tiny, text), get_method("tova"), 4.0, QUESTION, max_new_tokens=6)
     assert ex.run.result.answer_full == fresh.result.answer_full

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from kvlab import cancellation, cli, models, results, scheduler
-from kvlab.lab.explore import explore_key
+from kvlab.lab.spec import run_spec
 from kvlab.lab.warm import SheetError, parse_sheet, read_sheet
 from kvlab.memo import MISSING
 from kvlab.models import EMBEDDED
@@ -151,17 +151,17 @@ def test_identical_requests_in_flight_compute_once(tmp_path, flight_waiters):
 @pytest.mark.slow  # the embedded model
 def test_a_run_key_is_the_file_digest_of_the_model_and_follows_every_input(monkeypatch, embedded):
     text = "The ferry leaves at noon. The ferryman is called Fergus."
-    first = explore_key(text, None, "snapkv", 10, "Who is the ferryman?", 48, {}, EMBEDDED)
+    first = run_spec(text, None, "snapkv", 10, "Who is the ferryman?", 48, {}, EMBEDDED).key()
     source = models.resolve_source(EMBEDDED)
     gguf = Path(source.location) / source.gguf_file
     assert first.model == "gguf:" + hashlib.sha256(gguf.read_bytes()).hexdigest()
     assert first.document == hashlib.sha256(text.encode()).hexdigest()
-    assert explore_key(text, None, "snapkv", 10, " Who is the ferryman? ", 48, {}, EMBEDDED) == first  # as checked
+    assert run_spec(text, None, "snapkv", 10, " Who is the ferryman? ", 48, {}, EMBEDDED).key() == first  # as checked
     others = [
-        explore_key(text, None, "snapkv", 10, "Who is the ferryman?", 48, {"window": 4}, EMBEDDED),
-        explore_key(text, None, "snapkv", 5, "Who is the ferryman?", 48, {}, EMBEDDED),
-        explore_key(text + " Fin.", None, "snapkv", 10, "Who is the ferryman?", 48, {}, EMBEDDED),
-        explore_key(text, None, "snapkv", 10, "Who is the ferryman?", 32, {}, EMBEDDED),
+        run_spec(text, None, "snapkv", 10, "Who is the ferryman?", 48, {"window": 4}, EMBEDDED).key(),
+        run_spec(text, None, "snapkv", 5, "Who is the ferryman?", 48, {}, EMBEDDED).key(),
+        run_spec(text + " Fin.", None, "snapkv", 10, "Who is the ferryman?", 48, {}, EMBEDDED).key(),
+        run_spec(text, None, "snapkv", 10, "Who is the ferryman?", 32, {}, EMBEDDED).key(),
     ]
     assert len({first.digest, *(k.digest for k in others)}) == 5
 
@@ -408,7 +408,7 @@ def test_kvlab_warm_of_the_plans_sheet_stores_every_exercises_runs(tiny, tmp_pat
     assert all(results.store().get(warming.item_key(item)) is not MISSING for item in items)
     computed = []
     real = picking.explore
-    monkeypatch.setattr(picking, "explore", lambda *a, **k: computed.append(a[2]) or real(*a, **k))
+    monkeypatch.setattr(picking, "explore", lambda spec, *a: computed.append(spec.method) or real(spec, *a))
     exercise = next(item for item in items if item.method == "random")  # one of the pick link's rivals
     ranked = picking.pick(DOCS[120], None, "0-5", exercise.ratio, exercise.question)
     assert computed == ["manual"] and len(ranked.rows) == 1 + len(picking.DEFAULT_RIVALS)
@@ -428,9 +428,9 @@ def test_a_started_server_stores_the_pages_first_run_before_anyone_clicks(tiny, 
     monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
     monkeypatch.setattr(serve, "bundled_examples", lambda: pool)
     monkeypatch.setattr(warming, "examples", lambda: pool)
-    page_run = explore_key(
+    page_run = run_spec(
         DOCS[60], None, app.default_method(), explore.RATIO_DEFAULT, QUESTIONS, DEFAULT_MAX_NEW_TOKENS, {}, None
-    )
+    ).key()
     assert results.store().get(page_run) is MISSING
     serve.warm_first_example(None).join(timeout=300)
     assert results.store().get(page_run) is not MISSING
@@ -630,7 +630,7 @@ def test_a_stored_run_carries_its_figures_as_gradio_would_send_them(tiny, monkey
     from kvlab.ui import present as ui_present
 
     monkeypatch.setattr(models, "get_model", lambda spec=None: tiny)
-    ex = lab.explore(DOCS[60], None, "attention_matching", 2, QUESTIONS, max_new_tokens=2)
+    ex = lab.explore(lab.run_spec(DOCS[60], None, "attention_matching", 2, QUESTIONS, max_new_tokens=2))
     view = pickle.loads(pickle.dumps(present(ex)))  # what the result store keeps
     fresh = run_figures(view)
     roles = figures.roles_heatmap(view.roles.shares, view.roles.labels, view.roles.settings)

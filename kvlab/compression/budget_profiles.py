@@ -66,49 +66,6 @@ def axis_knob(choices: tuple[str, ...], value: str) -> str | None:
     return next((v for v in BUDGET_AXIS[value] if v in choices), None)
 
 
-#: The Learn tab's section on head budgets (the figures it cites: docs/head-budgets.md).
-BUDGETS_LEARN = """
-## Where the budget goes
-A ratio r fixes the *total*: T/r keys per KV head **on average**. How that total is shared among the heads is \
-a choice of its own, the `budgets` knob, and every allocation here stores the same bytes: what a head cannot \
-use (it holds at most the document's T keys) goes to the others.
-
-- **uniform**: every head T/r keys. The simplest, and what most methods' papers run.
-- **the model's profile** (`nonuniform`): each head's share measured once per model by a *sensitivity sweep* \
-(`kvlab budgets --model M`): every head is compacted at a low budget, then one head at a time gets four times \
-more, and the fall in the log-perplexity of the full cache's own answers is that head's sensitivity. Shares \
-follow the sensitivities, between 1/7 and 9 times the uniform budget, as in the Attention Matching paper's \
-published profiles. The figures below are the two profiles kvlab ships: a few heads in the middle layers take \
-most of the budget.
-- **the document's own**: a share per head from this document's scores (Attention Matching's `document`: how \
-concentrated each head's attention is; AdaKV for a scoring method, within each layer).
-- **global**: one ranking of the scores of every head in every layer, each head keeping at least its best \
-key: the form of KVzip's pruning.
-
-Attention Matching's default is the paper's recipe: the model's profile where it has one (both offline \
-models do), else uniform, and a run says which (the summary, "Keys per head", `--json`'s `budgets_source`).
-
-**Why it decides retrieval.** A fact the question needs is read by a few heads. Uniform budgets give those \
-heads as little as every other head: at 5x the needle must win a place among the 20% its head keeps, while \
-heads that only attend to the first or the last tokens keep keys nobody reads. Measured on public-domain books \
-(24 single needles in about 1,500 tokens each, docs/head-budgets.md): on SmolLM2-135M the same Attention \
-Matching fit keeps 4/24 needles at 2x with uniform budgets and 17/24 with the model's profile (1/24 and 13/24 \
-at 5x), and KVzip's scores keep 20/24 at 5x ranked across every head but 2/24 with equal budgets per head. On \
-Gemma 3 270M the profile gives one of its three global layers 2.3 times the uniform budget: at 2x that layer \
-keeps the whole document and the fit keeps 23/24 needles (uniform: 2/24); from 5x on it cannot, and none \
-survive. The budgets are the first lever, not the last: at 10x the profile keeps 3/24 on SmolLM2, KVzip 19/24.
-
-**Two attention errors.** The *output error* of the summary is the mean over layers and heads of each head's \
-relative error; the *weighted* one weights each head by its share of its layer's attention output \
-($\\lVert y_h W_o^{(h)}\\rVert$, what the head adds to the residual stream). They differ when the budget \
-moves: starving a head the layer hardly uses raises its error, and the plain mean counts that as much as an \
-error in a head that carries the layer. Neither is accuracy. On the story at 5x (SmolLM2-135M) the profile's \
-errors are 0.168 (mean) and 0.158 (weighted) against uniform's 0.114 and 0.114, while the profile answers 3 of \
-the 5 questions and uniform none: weighting narrows the gap, it does not reverse it. When an error and the \
-answers disagree, the answers are what the user asked about.
-"""
-
-
 @dataclass(frozen=True)
 class HeadBudgets:
     """Document keys per head and where they come from.

@@ -15,6 +15,7 @@ from typing import Any, Callable, ClassVar, Hashable, Literal
 
 import torch
 
+from kvlab import learn_text
 from kvlab.compression.budget_profiles import BUDGET_SOURCES, HeadBudgets
 from kvlab.compression.options import NoOptions
 from kvlab.compression.paper import Baseline, Paper
@@ -44,14 +45,23 @@ FAMILIES: dict[str, str] = {
 Bf16Tolerance = Literal["fit", "same_tokens", "code_flips", "near_ties"]
 
 
+class LearnText:
+    """``Method.learn``: a class's Learn text, read from the markdown file named as its module, beside it
+    (``kvlab/methods/snapkv.md`` for ``kvlab.methods.snapkv``); a method class holds no prose."""
+
+    def __get__(self, instance: object, owner: type) -> str:
+        return learn_text.module_text(owner.__module__)
+
+
 class Method(ABC):
     """A KV-cache compression method. Subclasses set the class attributes and ``compress``."""
 
     name: ClassVar[str]
     summary: ClassVar[str]  # one line, shown by `python -m kvlab methods` and the app; no default values in prose
-    #: The Learn text (markdown with $...$ formulas): idea and formula. The knob
-    #: table and the paper are rendered from ``Options`` and ``paper``.
-    learn: ClassVar[str] = ""
+    #: The Learn text (markdown with $...$ formulas): idea and formula, read from the ``.md`` file beside
+    #: the class's module (kvlab.learn_text). The knob table and the paper are rendered from ``Options``
+    #: and ``paper``.
+    learn = LearnText()
     #: Where the method comes from (rendered in the Learn text and docs/methods.md).
     paper: ClassVar[Paper | Baseline]
     family: ClassVar[Family]

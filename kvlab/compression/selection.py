@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from kvlab import learn_text
 from kvlab.compression import wrappers
 from kvlab.compression.budget_profiles import HeadBudgets
 from kvlab.compression.options import MethodError, Options
@@ -82,9 +83,13 @@ SelectionOptions = dataclasses.make_dataclass(
 #: each stage's preset, under the stage's name.
 SELECTION_PRESETS: dict[str, dict[str, Any]] = {stage.name: dict(stage.preset) for stage in STAGES}
 
-SELECTION_LEARN = " ".join(
-    ["**Selection wrappers** (knobs shared by every scoring method).", *(stage.learn for stage in STAGES)]
-)
+
+def selection_learn() -> str:
+    """The wrappers' Learn paragraph (kvlab.catalog puts it under every scoring method's text): its opening
+    (kvlab/learn_text/selection_wrappers.md), then each stage's own text (the ``.md`` beside its module)
+    in the stages' order."""
+    texts = [learn_text.module_text(f"{wrappers.__name__}.{stage.name}") for stage in STAGES]
+    return learn_text.page_text("selection_wrappers.md", stages=" ".join(texts))
 
 
 def stages_on(options: Any) -> list[Stage]:

@@ -3,8 +3,9 @@
 
 A stage is a step between a scoring method's scores and its stored cache: it changes the scores
 and the head budgets before each head's top-k, or the kept keys after the gather. It owns its knobs,
-its place in the order, its preset, its Learn sentences and the stages it cannot run with;
-kvlab.compression.selection assembles the stages into the knobs every scoring method gets.
+its place in the order, its preset and the stages it cannot run with; its Learn sentences are the
+markdown file beside its module (kvlab.learn_text). kvlab.compression.selection assembles the stages
+into the knobs every scoring method gets.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ if TYPE_CHECKING:
 class Stage:
     """One selection wrapper, as its module declares it.
 
-    name: the stage's name, which is also its preset's (``kvlab bench --preset NAME``).
+    name: the stage's name, which is also its preset's (``kvlab bench --preset NAME``) and its module's:
+        its Learn sentences are ``NAME.md`` beside the module (kvlab.compression.selection.selection_learn).
     order: where it runs among the stages, lowest first; its knobs are listed in that order too.
     knobs: a frozen dataclass of its knobs (:func:`kvlab.compression.options.knob` fields). The
         first is its switch: the stage is on when that knob is not at its default.
     preset: the knob values that turn it on as published.
-    learn: its sentences of the wrappers' Learn paragraph (markdown with $...$ formulas).
     excludes: stage name -> why: while this stage is on, that one must be off; the refusal is one
         line, ``budgets=adakv needs granularity=token: <why>``.
     scores: (request, per layer [H_kv, T_doc] scores, the head budgets [n_layers, H_kv], the
@@ -49,7 +50,6 @@ class Stage:
     order: int
     knobs: type
     preset: dict[str, Any]
-    learn: str
     excludes: dict[str, str] = field(default_factory=dict)
     scores: Callable[[Request, list[torch.Tensor], HeadBudgets, Any], tuple[list[torch.Tensor], HeadBudgets]] | None = (
         None
@@ -74,12 +74,15 @@ class Stage:
 
 def stages(package: str, path: Iterable[str]) -> list[Stage]:
     """Every module's ``STAGE`` in ``package`` (each module of its folders ``path`` imported), lowest
-    order first. TypeError for a module that declares none: every module there is a wrapper.
+    order first. TypeError for a module that declares none (every module there is a wrapper), or a stage
+    not named as its module (its Learn text is found by that name).
     """
     found = []
     for name in discover(package, path):
         module = importlib.import_module(f"{package}.{name}")
         if not isinstance(getattr(module, "STAGE", None), Stage):
             raise TypeError(f"{module.__name__} declares no STAGE (a kvlab.compression.stage.Stage)")
+        if module.STAGE.name != name:
+            raise TypeError(f"{module.__name__} declares the stage {module.STAGE.name!r}: name it as its file")
         found.append(module.STAGE)
     return sorted(found, key=lambda stage: stage.order)

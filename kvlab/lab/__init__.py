@@ -2,7 +2,10 @@
 
 The app (kvlab.ui), the CLI (kvlab.cli) and the benchmarks call these:
 
-- :func:`explore`: one run (a document, a method, a ratio, a question) -> :class:`Explored`;
+- :func:`run_spec`: a run's inputs checked once into a :class:`RunSpec` (document, method with its
+  knobs, ratio, question, answer length, model), which the rest takes; its store key, link and
+  command line are made from it;
+- :func:`explore`: one run (a :class:`RunSpec`) -> :class:`Explored`;
 - :func:`compare`: a sweep of methods x ratios on one document -> :class:`Sweep`,
   written out by :func:`write_exports` (CSV and JSON);
 - :func:`generate`: every bounded-cache method writing after one prompt -> :class:`Generated`;
@@ -32,6 +35,7 @@ from kvlab.lab.inputs import (
 )
 from kvlab.lab.pick import PickDocument, Picked, pick, read_for_pick, token_budget
 from kvlab.lab.prepare import Prepared, prepare_document
+from kvlab.lab.spec import RunSpec, run_spec
 from kvlab.lab.tasks import TaskRun, load_results, needle_test, run_tasks
 
 __all__ = [
@@ -47,6 +51,7 @@ __all__ = [
     "PickDocument",
     "Picked",
     "Prepared",
+    "RunSpec",
     "Sweep",
     "SweepError",
     "TaskRun",
@@ -68,6 +73,7 @@ __all__ = [
     "prepare_document",
     "prepared_context",
     "read_for_pick",
+    "run_spec",
     "sub_progress",
     "sweep_json",
     "sweep_charts",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import typing
@@ -13,14 +14,8 @@ from kvlab.compression.budget_profiles import BUDGET_AXIS, axis_knob
 from kvlab.compression.options import option_types
 from kvlab.context import Progress, no_progress
 from kvlab.lab.explore import prepared_context, sub_progress
-from kvlab.lab.inputs import (
-    InputError,
-    check_answer_length,
-    check_question,
-    check_question_tokens,
-    check_sweep,
-    document_text,
-)
+from kvlab.lab.inputs import InputError, check_question_tokens, check_sweep
+from kvlab.lab.spec import RunSpec, run_spec
 from kvlab.methods import Method, MethodError, get_method
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS, RunResult, run
 
@@ -116,26 +111,22 @@ def budget_variants(names: list[str], axis: typing.Sequence[str]) -> list[Method
 
 @dataclass
 class _Request:
-    """A checked sweep request: the models (specs; None: the default), the method runs (budget variants)
-    and ratios, the question, the answer length and the document's text."""
+    """A checked sweep request: the models (specs; None: the default), the head-budgets axis, and every
+    run (kvlab.lab.spec.RunSpec: method variant, ratio, model), model after model, all on one document,
+    question and answer length."""
 
     specs: list[str | None]
     axis: list[str]
-    chosen: list[Method]
-    ratios: list[float]
-    question: str
-    max_new_tokens: int
-    document: str
+    runs: list[RunSpec]
 
     @property
     def per_model(self) -> int:
         """(method, ratio) runs on each model."""
-        return len(self.chosen) * len(self.ratios)
+        return len(self.runs) // len(self.specs)
 
     @property
-    def runs(self) -> list[tuple[str | None, Method, float]]:
-        """Every (model spec, method, ratio) run, in order, model after model."""
-        return [(spec, m, r) for spec in self.specs for m in self.chosen for r in self.ratios]
+    def question(self) -> str:
+        return self.runs[0].question
 
 
 @dataclass
@@ -161,7 +152,8 @@ def _check_request(
     models: typing.Sequence[str] | None,
     budgets: typing.Sequence[str],
 ) -> _Request:
-    """:func:`compare`'s arguments checked (InputError for a bad one, the sweep's size first)."""
+    """:func:`compare`'s arguments checked (InputError for a bad one, the sweep's size first), each run
+    made from one checked spec."""
     methods, ratios = check_sweep(methods, ratios)
     specs: list[str | None] = list(dict.fromkeys(s.strip() for s in models or [] if s.strip())) or [model or None]
     axis = list(dict.fromkeys(budgets))
@@ -172,9 +164,11 @@ def _check_request(
             f"{points} runs is too many for one sweep: pick at most {MAX_SWEEP_POINTS} "
             "(methods x head budgets x ratios x models)"
         )
-    question = check_question(question)
-    max_new_tokens = check_answer_length(max_new_tokens)
-    return _Request(specs, axis, chosen, ratios, question, max_new_tokens, document_text(text, file))
+    first = run_spec(text, file, chosen[0].name, ratios[0], question, max_new_tokens, model=specs[0])
+    runs = [
+        dataclasses.replace(first.for_method(m), ratio=r, model=spec) for spec in specs for m in chosen for r in ratios
+    ]
+    return _Request(specs, axis, runs)
 
 
 def compare(
@@ -244,10 +238,12 @@ def _sweep_model(request: _Request, k: int, spec: str | None, tally: _Tally, pro
     progress(base, f"loading the model {spec or ''} (the first use of a model takes a while)")
     lm = models_module.get_model(spec)
     check_question_tokens(lm.tokenizer, request.question)
-    ctx, prefilled = prepared_context(lm, request.document, sub_progress(progress, base + 0.02 * share, 0.16 * share))
+    ctx, prefilled = prepared_context(
+        lm, request.runs[0].document, sub_progress(progress, base + 0.02 * share, 0.16 * share)
+    )
     first: RunResult | None = None
-    for method_obj, ratio in ((m, r) for s, m, r in request.runs[tally.done :] if s == spec):
-        done = tally.done
+    for point in (p for p in request.runs[tally.done :] if p.model == spec):
+        done, method_obj, ratio = tally.done, point.build(), point.ratio
         name = run_name(method_obj, bool(request.axis))
         label = f"{name} at {ratio:g}x ({done + 1}/{points}){f' on {lm.name}' if len(request.specs) > 1 else ''}: "
         at = base + share * (0.2 + 0.8 * (done - k * per_model) / per_model)
@@ -255,11 +251,11 @@ def _sweep_model(request: _Request, k: int, spec: str | None, tally: _Tally, pro
         try:
             if done:
                 cancellation.between_units(f"{done} of {points} runs done")
-            res = run(ctx, method_obj, float(ratio), request.question, request.max_new_tokens, point_progress).result
+            res = run(ctx, method_obj, ratio, point.question, point.max_new_tokens, point_progress).result
         except cancellation.Cancelled as exc:
             if exc.reason != cancellation.TIME or not tally.results:
                 raise
-            tally.stopped = not_run(exc, done, [(m, r) for _, m, r in request.runs[done:]])
+            tally.stopped = not_run(exc, done, [(p.build(), p.ratio) for p in request.runs[done:]])
             break
         except Exception as exc:  # noqa: BLE001 - one failing point must not lose the sweep
             if not isinstance(exc, (MethodError, ValueError)):

@@ -10,17 +10,9 @@ from kvlab import models
 from kvlab.context import Context, Memo, Progress, no_progress
 from kvlab.context_store import CONTEXTS
 from kvlab.lab.head_roles import HeadRoles, head_roles
-from kvlab.lab.inputs import (
-    check_answer_length,
-    check_question,
-    check_question_tokens,
-    check_ratio,
-    document_text,
-    expected_answer,
-)
-from kvlab.methods import Method, get_method
-from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS, Run, has_evaluation, run
-from kvlab.results import RunKey, code_identity, model_identity, options_text, text_digest
+from kvlab.lab.inputs import check_question_tokens, expected_answer
+from kvlab.lab.spec import RunSpec
+from kvlab.pipeline import Run, has_evaluation, run
 from kvlab.runtime.model import LoadedModel
 from kvlab.tasks.marking import contains_match
 
@@ -118,94 +110,35 @@ def sub_progress(progress: Progress, lo: float, width: float, label: str = "") -
     return lambda f, desc: progress(lo + width * min(max(f, 0.0), 1.0), f"{label}{desc}")
 
 
-def checked_inputs(
-    text: str | None,
-    file: str | None,
-    method: str,
-    ratio: object,
-    question: str | None,
-    max_new_tokens: object,
-    options: dict[str, Any] | None,
-) -> tuple[str, Method, float, str, int]:
-    """An Explore run's inputs checked (before any model work): (document, method, ratio, question, length)."""
-    question = check_question(question)
-    max_new_tokens = check_answer_length(max_new_tokens)
-    ratio = check_ratio(ratio)
-    document = document_text(text, file)
-    return document, get_method(method, **(options or {})), ratio, question, max_new_tokens
-
-
-def explore_key(
-    text: str | None,
-    file: str | None,
-    method: str,
-    ratio: float,
-    question: str,
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    options: dict[str, Any] | None = None,
-    model: str | None = None,
-) -> RunKey:
-    """What an :func:`explore` run with these inputs depends on (kvlab.results.RunKey), checked as it checks them.
-
-    Needs no model loaded (the model's identity is its file's digest, cached
-    per process), so a stored run is found before any model work.
-    """
-    document, method_obj, ratio, question, max_new_tokens = checked_inputs(
-        text, file, method, ratio, question, max_new_tokens, options
-    )
-    models.check_allowed(model or None)
-    return RunKey(
-        model=model_identity(model or None),
-        document=text_digest(document),
-        question=question,
-        method=method_obj.name,
-        options=options_text(method_obj.options),
-        ratio=ratio,
-        max_new_tokens=max_new_tokens,
-        code=code_identity(),
-    )
-
-
-def explore(
-    text: str | None,
-    file: str | None,
-    method: str,
-    ratio: float,
-    question: str,
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    options: dict[str, Any] | None = None,
-    progress: Progress = no_progress,
-    model: str | None = None,
-) -> Explored:
-    """One Explore run: read the document, prefill (cached), compress, answer twice, measure.
+def explore(spec: RunSpec, progress: Progress = no_progress) -> Explored:
+    """One Explore run of a checked ``spec`` (kvlab.lab.spec.run_spec): prefill (cached), compress, answer
+    twice, measure.
 
     Raises DocumentError (incl. ContextTooLong), MethodError, ModelLoadError or
     InputError with a message fit for the user.
     """
     start = time.perf_counter()
-    document, method_obj, ratio, question, max_new_tokens = checked_inputs(
-        text, file, method, ratio, question, max_new_tokens, options
-    )
-    progress(0.0, f"loading the model {model or ''} (the first use of a model takes a while)")
-    lm = models.get_model(model or None)
-    check_question_tokens(lm.tokenizer, question)
-    ctx, prefilled = prepared_context(lm, document, sub_progress(progress, 0.05, 0.35))
-    answered = has_evaluation(ctx, question, max_new_tokens)
+    method_obj = spec.build()
+    progress(0.0, f"loading the model {spec.model or ''} (the first use of a model takes a while)")
+    lm = models.get_model(spec.model)
+    check_question_tokens(lm.tokenizer, spec.question)
+    ctx, prefilled = prepared_context(lm, spec.document, sub_progress(progress, 0.05, 0.35))
+    answered = has_evaluation(ctx, spec.question, spec.max_new_tokens)
     progress(0.4, "each head's role for the question (full cache)")
-    roles = head_roles(ctx, question)  # kept on the context: another method's run on it reuses them
+    roles = head_roles(ctx, spec.question)  # kept on the context: another method's run on it reuses them
     result = run(
         ctx,
         method_obj,
-        float(ratio),
-        question,
-        max_new_tokens,
+        spec.ratio,
+        spec.question,
+        spec.max_new_tokens,
         sub_progress(progress, 0.42, 0.58),
         record_importance=True,
     )
     return Explored(
         result,
         ctx.cached(TokenTexts(), lambda: token_texts(lm.tokenizer, ctx.tokens.ids.tolist())),
-        expected_answer(question),
+        expected_answer(spec.question),
         method_obj.uses_question(),
         prefill_reused=not prefilled,
         full_answer_reused=answered,

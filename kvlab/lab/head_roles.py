@@ -35,21 +35,6 @@ ROLE_WINDOW: int = SnapKVOptions.window
 RETRIEVAL_THRESHOLD = 0.5
 RETRIEVAL, STREAMING = "retrieval", "streaming"
 
-#: The Learn tab's entry on the "Head roles" figure (kvlab.ui.learn), and why budgets that follow roles keep facts.
-ROLES_LEARN = (
-    "- **Head roles** (heatmap, beside *Keys per head*): for each KV head, the share of the question's attention "
-    "(its turn's queries over the full cache and its own tokens) that lands on document tokens beyond the first "
-    f"{N_SINK} (StreamingLLM's attention sinks) and the last {ROLE_WINDOW} (the recent window). A head with at least "
-    f"{RETRIEVAL_THRESHOLD:.0%} there is a **retrieval** head (R): it reads the whole document. The others are "
-    "**streaming** heads (S), which a cache of sinks and recent tokens would serve nearly as well: DuoAttention's "
-    "split. The token view's KV-head picker names each head's role at the chosen layer. This is why budgets that "
-    "follow the heads keep facts: a fact in the middle of a document is read by the retrieval heads, so the distant "
-    "keys a streaming head keeps are bytes nobody reads, better spent on a retrieval head. Attention Matching's "
-    "per-head profile (`budgets=nonuniform`) gives most of the budget to the few heads whose loss hurts the answer, "
-    "and KVzip's global pruning ranks the keys of every head in one list, so a head whose distant keys draw no "
-    "attention gives its share to the heads that need it.\n"
-)
-
 
 def span_share(
     queries: torch.Tensor, keys: torch.Tensor, start: int, stop: int, scale: float | None, sliding: int | None = None

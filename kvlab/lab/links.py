@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 from urllib.parse import urlencode
 
-from kvlab.catalog import method_spec
+from kvlab.catalog import method_spec, method_text
+from kvlab.lab.spec import RunSpec, run_spec
 from kvlab.methods import MethodError, get_method
 
 TABS = ("explore", "pick", "compare", "generate", "learn")
@@ -218,7 +219,7 @@ def link_query(link: Link) -> str:
     for key in ("example", "question", "model", "method", "source"):
         value = getattr(link, key)
         if key == "method" and value is not None:
-            value += "".join(f":{name}={knob}" for name, knob in link.options)
+            value = method_text(value, link.options)
         if value is not None:
             pairs.append((key, value))
     if link.ratio is not None:
@@ -232,3 +233,29 @@ def link_query(link: Link) -> str:
     if link.budget is not None:
         pairs.append(("budget", str(link.budget)))
     return "?" + urlencode(pairs, safe=",:")
+
+
+def spec_link(spec: RunSpec, example: str) -> Link:
+    """The Explore link that opens ``spec``, whose document is the bundled example ``example``'s."""
+    return Link(
+        example=example,
+        question=spec.question,
+        model=spec.model,
+        method=spec.method,
+        options=spec.knobs,
+        ratio=spec.ratio,
+    )
+
+
+def link_spec(link: Link, document: str, question: str) -> RunSpec:
+    """The run an Explore ``link`` opens (its example's ``document``; ``question``: the page's question when
+    the link names none), checked as the page's Run checks it (kvlab.lab.spec.run_spec)."""
+    return run_spec(
+        document,
+        None,
+        link.method or "",
+        link.ratio,
+        link.question or question,
+        options=dict(link.options),
+        model=link.model,
+    )

@@ -20,16 +20,17 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 from kvlab import cancellation, models, results
 from kvlab.context import Progress, no_progress
 from kvlab.lab.compare import SweepError, not_run
-from kvlab.lab.explore import explore, explore_key, prepared_context, sub_progress, token_texts
+from kvlab.lab.explore import explore, prepared_context, sub_progress, token_texts
 from kvlab.lab.inputs import InputError, check_ratio, check_sweep, document_text, expected_answer
+from kvlab.lab.spec import RunSpec, run_spec
 from kvlab.lab.views import RunView, present
 from kvlab.memo import MISSING
-from kvlab.methods import MethodError, get_method
+from kvlab.methods import MethodError
 from kvlab.methods.manual import NONE, Manual, pick_ranges
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS, RunResult
 from kvlab.prompts import context_tokens
@@ -194,34 +195,21 @@ def ranking(runs: list[RunResult], expected: tuple[str, ...] | None) -> list[Ran
     return sorted(rows, key=lambda row: (row.rank, not row.is_pick, row.method))
 
 
-def served_run(
-    text: str | None,
-    file: str | None,
-    method: str,
-    ratio: float,
-    question: str,
-    max_new_tokens: int,
-    options: dict[str, Any],
-    model: str | None,
-    progress: Progress,
-) -> tuple[RunView, results.Served]:
+def served_run(spec: RunSpec, progress: Progress) -> tuple[RunView, results.Served]:
     """The run as the Explore tab computes it (kvlab.lab.explore, kvlab.lab.views.present), through the
     result store under the Explore run's own key: computed once, then served to any later request;
     -> (the run, how it was served: stored, shared or computed)."""
-    key = explore_key(text, file, method, ratio, question, max_new_tokens, options, model)
-    return results.store().serve(
-        key, lambda: present(explore(text, file, method, ratio, question, max_new_tokens, options, progress, model))
-    )
+    return results.store().serve(spec.key(), lambda: present(explore(spec, progress)))
 
 
-def run_order(names: list[str], key: Callable[[str], results.RunKey]) -> list[str]:
-    """``names`` (the pick first) in the order to run them: the rivals already stored (warmed, or run by
+def run_order(specs: list[RunSpec]) -> list[RunSpec]:
+    """``specs`` (the pick first) in the order to run them: the rivals already stored (warmed, or run by
     an earlier pick: no work), then the pick, then the rivals to compute. A class's picks then each take
     the compute slot in one stretch, where handing it over around stored rivals would make every pick
     in line take turns with all the others and finish last."""
-    pick_name, *rivals = names
-    stored = [name for name in rivals if results.store().get(key(name)) is not MISSING]
-    return [*stored, pick_name, *(name for name in rivals if name not in stored)]
+    mine, *rivals = specs
+    stored = [spec for spec in rivals if results.store().get(spec.key()) is not MISSING]
+    return [*stored, mine, *(spec for spec in rivals if spec not in stored)]
 
 
 def pick(
@@ -252,34 +240,34 @@ def pick(
     keep = keep_text(keep)
     rivals = list(dict.fromkeys(m.strip() for m in methods if m.strip() and m.strip() != Manual.name))
     names, (ratio,) = check_sweep([Manual.name, *rivals], [ratio])
-    explore_key(text, file, Manual.name, ratio, question, max_new_tokens, {"keep": keep}, model)  # every input checked
-    names = run_order(names, lambda name: explore_key(text, file, name, ratio, question, max_new_tokens, {}, model))
-    expected = expected_answer(question) if gold is None else ((gold,) if isinstance(gold, str) else tuple(gold))
-    progress(0.0, f"loading the model {model or ''} (the first use of a model takes a while)")
-    lm = models.get_model(model or None)
-    ctx, _ = prepared_context(lm, document_text(text, file), sub_progress(progress, 0.02, 0.08))
+    mine = run_spec(text, file, Manual.name, ratio, question, max_new_tokens, {"keep": keep}, model)
+    specs = run_order([mine, *(mine.with_method(name) for name in names[1:])])
+    expected = expected_answer(mine.question) if gold is None else ((gold,) if isinstance(gold, str) else tuple(gold))
+    progress(0.0, f"loading the model {mine.model or ''} (the first use of a model takes a while)")
+    lm = models.get_model(mine.model)
+    ctx, _ = prepared_context(lm, mine.document, sub_progress(progress, 0.02, 0.08))
     pick_tokens = sum(b - a for a, b in pick_ranges(keep, ctx, ratio))  # refused here, before any run
     views: dict[str, RunView] = {}
     errors: list[SweepError] = []
     stopped, how = "", "stored"
-    for k, name in enumerate(names):
-        label = f"{'your pick' if name == Manual.name else name} at {ratio:g}x ({k + 1}/{len(names)}): "
+    for k, spec in enumerate(specs):
+        name = spec.method
+        label = f"{'your pick' if spec is mine else name} at {ratio:g}x ({k + 1}/{len(specs)}): "
         try:
             # Waiting requests take the slot after a run that computed (run_order: not after a stored one).
             if k and how == "computed":
-                cancellation.between_units(f"{k} of {len(names)} runs done")
+                cancellation.between_units(f"{k} of {len(specs)} runs done")
             elif k:
-                cancellation.checkpoint(f"{k} of {len(names)} runs done")
-            options = {"keep": keep} if name == Manual.name else {}
-            point = sub_progress(progress, 0.1 + 0.9 * k / len(names), 0.9 / len(names), label)
-            views[name], how = served_run(text, file, name, ratio, question, max_new_tokens, options, model, point)
+                cancellation.checkpoint(f"{k} of {len(specs)} runs done")
+            point = sub_progress(progress, 0.1 + 0.9 * k / len(specs), 0.9 / len(specs), label)
+            views[name], how = served_run(spec, point)
         except cancellation.Cancelled as exc:
             if exc.reason != cancellation.TIME or Manual.name not in views:
                 raise
-            stopped = not_run(exc, k, [(get_method(m), ratio) for m in names[k:]])
+            stopped = not_run(exc, k, [(s.build(), ratio) for s in specs[k:]])
             break
         except Exception as exc:  # noqa: BLE001 - a rival that fails must not lose the ranking
-            if name == Manual.name:
+            if spec is mine:
                 raise
             if not isinstance(exc, (MethodError, InputError)):
                 log.exception("a rival of the pick failed (%s at %gx)", name, ratio)

@@ -31,17 +31,17 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager
 from urllib.parse import parse_qsl
 
-from kvlab.catalog import method_spec
+from kvlab.catalog import method_spec, method_text
 from kvlab.compression.request import MAX_RATIO, MIN_RATIO
 from kvlab.documents import DocumentError
 from kvlab.examples import Example
-from kvlab.lab.explore import explore, explore_key
+from kvlab.lab.explore import explore
 from kvlab.lab.inputs import InputError, check_ratio, examples
 from kvlab.lab.links import ONE_RATIO_TABS, LinkChoices, parse_link
 from kvlab.lab.pick import DEFAULT_RIVALS
+from kvlab.lab.spec import RunSpec, run_spec
 from kvlab.lab.views import RunView, present
 from kvlab.methods import REGISTRY, MethodError
-from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
 from kvlab.results import ResultStore, RunKey, Served
 
 #: What :func:`warm` did with one configuration: served from the store, computed now, or failed.
@@ -66,8 +66,7 @@ class WarmItem:
 
     @property
     def label(self) -> str:
-        knobs = "".join(f":{k}={v}" for k, v in self.options)
-        return f"{self.method}{knobs} at {self.ratio:g}x on {self.example}"
+        return f"{method_text(self.method, self.options)} at {self.ratio:g}x on {self.example}"
 
 
 @dataclass
@@ -154,38 +153,22 @@ def read_sheet(path: str | Path, default_model: str | None = None) -> list[WarmI
         raise SheetError(f"{path}: {exc}") from None
 
 
-def _document(item: WarmItem) -> str:
-    return next(ex for ex in examples() if ex.id == item.example).text()
+def item_spec(item: WarmItem) -> RunSpec:
+    """The configuration as the page's Run would check it (InputError, MethodError, ... for a bad one)."""
+    document = next(ex for ex in examples() if ex.id == item.example).text()
+    return run_spec(
+        document, None, item.method, item.ratio, item.question, options=dict(item.options), model=item.model
+    )
 
 
 def item_key(item: WarmItem) -> RunKey:
     """The configuration's key: the one the page's Run computes for the same inputs."""
-    return explore_key(
-        _document(item),
-        None,
-        item.method,
-        item.ratio,
-        item.question,
-        DEFAULT_MAX_NEW_TOKENS,
-        dict(item.options),
-        item.model,
-    )
+    return item_spec(item).key()
 
 
 def compute(item: WarmItem) -> RunView:
     """What the page's Run computes for the configuration (kvlab.lab.views.RunView)."""
-    return present(
-        explore(
-            _document(item),
-            None,
-            item.method,
-            item.ratio,
-            item.question,
-            DEFAULT_MAX_NEW_TOKENS,
-            dict(item.options),
-            model=item.model,
-        )
-    )
+    return present(explore(item_spec(item)))
 
 
 def warm(

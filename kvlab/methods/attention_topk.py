@@ -26,13 +26,6 @@ class AttentionTopK(QuerySourced, EvictionMethod):
 
     name = "attention_topk"
     summary = "keep the keys the reference queries attend to most, bias 0, values as they were"
-    learn = (
-        "The key selection of Attention Matching on its own, as the paper's eviction baseline: keep the "
-        "B keys the reference queries attend to most, $s_j=\\sqrt{\\tfrac1n\\sum_i a_{ij}^2}$ (RMS over the "
-        "queries of the head's group; mean or max with `scoring`, as in `attention_matching`, whose query "
-        "subsample it shares), with no bias and the original values. The gap between this and "
-        "`attention_matching` is what fitting $\\beta$ and the values buys."
-    )
     paper = dataclasses.replace(PAPER, note="the eviction baseline of its ablations")
     family = "selection"
     bf16_tolerance = "near_ties"  # random weights: near-uniform attention, scores within a few bf16 roundings

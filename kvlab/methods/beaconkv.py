@@ -35,19 +35,6 @@ class BeaconKV(BeaconBase):
         "eviction: score = max attention from the recent and the beacon queries (cosine FPS over the "
         "pre-RoPE query history, re-rotated to now), max over the GQA group; template + recent window kept"
     )
-    learn = (
-        "Eviction guided by *beacon queries*: some decoding steps look far back (e.g. to an early plan) and "
-        "their queries fall into a few clusters. Per query head, `n_beacons` past queries are chosen by "
-        "farthest-point sampling (cosine distance) over the history of pre-RoPE queries, kept bounded by "
-        "continual re-sampling (every `buffer` new queries), and rotated to the current position. A key's "
-        "score is the largest attention it gets from the scoring set (the `n_recent` latest queries $R$ and "
-        "the beacons $\\mathcal B$) and from any query head $g$ of its group, "
-        "$s_j=\\max_{q\\in R\\cup\\mathcal B}\\max_g a^{(g)}_{qj}$. The template and the last `window` "
-        "document tokens are always kept. `beacon_source` says whose queries the beacons are sampled from: "
-        "the document's own (as published), your question's, or a fixed instruction's. The paper's abstract "
-        "is confirmed, but its details here come from **secondary summaries** (its code could not be read), "
-        "so treat this as the best available reading."
-    )
     family = "selection"
     bf16_tolerance = "near_ties"
     Options = BeaconOptions

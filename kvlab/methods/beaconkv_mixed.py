@@ -34,14 +34,6 @@ class BeaconKVMixed(BeaconBase):
         "mixed precision: beacon-selected tokens + recent window at full precision, the rest "
         "quantised (KIVI) or evicted; the ratio is a memory ratio (bytes stored ~ full bytes / ratio)"
     )
-    learn = (
-        "The reading of BeaconKV in this project's source article: the tokens the beacons select (scored as "
-        "in `beaconkv`) and the last `window` tokens stay at full precision; what `rest` says happens to all "
-        "other tokens: stored at 4 or 2 bits (KIVI, groups of `group_size`) or evicted. Here the ratio is a "
-        "**memory** ratio: bytes stored ≈ full bytes / r, counting packed codes, scales and zero points. If "
-        "even the all-quantised document does not fit, no token stays at full precision and the "
-        "lowest-scored are evicted. Like `beaconkv`, its details come from secondary summaries of the paper."
-    )
     family = "quantisation"
     bf16_tolerance = "code_flips"  # the byte plan is pinned in tests/test_bf16.py
     Options = BeaconMixedOptions

@@ -108,16 +108,6 @@ class CaMOptions(SelectionOptions):
 class CaM(MergingMethod):
     name = "cam"
     summary = "evicted values merged into the kept tokens after them, each with a probability from its attention"
-    learn = (
-        "Eviction loses what the dropped tokens added to the attention output; CaM adds their values to "
-        "the kept tokens that follow them instead. Tokens are chosen by the `scorer`. Each evicted token "
-        "$i$ has a window $W_i$: the `merge_budget` kept tokens after it. It is merged with probability "
-        "$p_i=\\min\\!\\big(1,\\;A_i\\,/\\,\\tfrac{1}{|W_i|}\\sum_{j\\in W_i}A_j\\big)$, $M_i\\sim"
-        "\\mathrm{Bernoulli}(p_i)$, and then $v_j\\leftarrow v_j+\\sum_{i:\\,j\\in W_i}M_i\\,v_i/|W_i|$. "
-        "$A$ is the attention a token received from the document's queries, per query that could see it "
-        "(the paper's cumulative attention during decoding); keys stay as they are. Kept tokens that "
-        "absorbed a value are shown as *merged*."
-    )
     paper = Paper(
         "Zhang et al.",
         2024,

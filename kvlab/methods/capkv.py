@@ -85,13 +85,6 @@ def capkv_scores(req: Request, opts: CapKVOptions) -> list[torch.Tensor]:
 class CapKV(EvictionMethod):
     name = "capkv"
     summary = "log-det capacity: query-weighted leverage of the values, w_i v_i^T A^-1 v_i (A = I + sum w v v^T)"
-    learn = (
-        "Keeps the tokens that add most to the cache's capacity $\\log\\det A$, "
-        "$A=I+\\sum_i w_i v_iv_i^\\top$: a token's first-order gain is its weighted leverage "
-        "$$s_i=w_i\\,v_i^\\top A^{-1}v_i,\\qquad w_i=\\exp\\big(\\tau\\cos(k_i,\\bar\\mu_q)\\big),$$ with "
-        "$\\bar\\mu_q$ the mean context query rotated by the RoPE averaged over the next `n_future_positions` "
-        "positions. A token like many others adds little capacity, however much it is read."
-    )
     paper = Paper(
         "Yang, Tang, Zhen, Lv",
         2026,

@@ -92,13 +92,6 @@ def middle(length: int, opts: CompactorOptions) -> tuple[int, int]:
 class Compactor(EvictionMethod):
     name = "compactor"
     summary = "leverage of the pre-RoPE keys blended with non-causal chunked attention (both z-scored); sinks kept"
-    learn = (
-        "Blends two query-agnostic signals, each z-scored over the layer: the approximate leverage of the "
-        "pre-RoPE keys (`leverage`: keys no other key expresses) and non-causal chunked attention times "
-        "$\\lVert v\\rVert$ (`non_causal_attn`): $$s_j=\\lambda\\,z^{\\text{lev}}_j+z^{\\text{attn}}_j,$$ with "
-        "$\\lambda$ the share of tokens evicted, $1-1/r$ (or `blending`). The first `sink_size_start` and last "
-        "`sink_size_end` context tokens are kept and left out of the scoring."
-    )
     paper = Paper(
         "Chari, Van Durme",
         2025,

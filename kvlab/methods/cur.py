@@ -65,13 +65,6 @@ def cur_layer_scores(keys: torch.Tensor, values: torch.Tensor, opts: CUROptions)
 class CUR(EvictionMethod):
     name = "cur"
     summary = "leverage scores of the keys and values (CurDKV's CUR approximation), local windows, no attention"
-    learn = (
-        "A CUR decomposition keeps the rows that are hardest to rebuild from the others; their leverage is "
-        "approximated by each row's share of the squared norm, here within local windows of "
-        "`local_window_size` tokens: $\\ell^K_j=\\lVert k_j\\rVert^2/\\sum_{i\\in w(j)}\\lVert k_i\\rVert^2$, "
-        "likewise $\\ell^V_j$, and the score is $s_j=\\ell^K_j\\,\\ell^V_j$ (`leverage_type=kv_product`), "
-        "normalised over the context; the first `num_sinks` tokens are kept."
-    )
     paper = Paper(
         "Sengupta, Chowdhury, Goyal, Chakraborty",
         2025,

@@ -36,14 +36,6 @@ class ExpectedAttention(EvictionMethod):
     summary = (
         "attention expected from future queries (mean + covariance of the context's queries, averaged RoPE) x ||v||"
     )
-    learn = (
-        "Estimates the attention future queries will pay, without computing any attention matrix. The "
-        "context's queries are summarised per head by their mean $\\mu$ and covariance $\\Sigma$; with "
-        "$\\bar R$ the RoPE rotation averaged over the next `n_future_positions` positions, a Gaussian query gives "
-        "$$\\hat a_j\\propto\\exp\\!\\Big(\\tfrac{k_j^\\top\\bar R\\mu}{\\sqrt d}+"
-        "\\tfrac{k_j^\\top\\bar R\\Sigma\\bar R^\\top k_j}{2d}\\Big),\\qquad s_j=\\hat a_j\\,\\lVert v_j\\rVert$$ "
-        "(softmax over the keys, times the size of what the key would contribute)."
-    )
     paper = Paper(
         "Devoto, Jeblick, Jégou",
         2025,

@@ -81,13 +81,6 @@ def finch_scores(req: Request, normalize: bool) -> list[torch.Tensor]:
 class Finch(EvictionMethod):
     name = "finch"
     summary = "query-aware: the question's attention on the document, each query's row scaled by its position"
-    learn = (
-        "The prompt guides the compression: your question, read after the document, is the observation window. "
-        "Query $i$ of the window sits at position $p_i$ and spreads its softmax over $p_i+1$ keys; Finch scales "
-        "its weights by $p_i$ so that rows are comparable, then averages: "
-        "$$s_j=\\tfrac1{|g|}\\sum_{h\\in g}\\tfrac1{|W|}\\sum_{i\\in W}p_i\\,a^{(h)}_{ij}.$$ "
-        "Top B per head; the cache is rebuilt for every question."
-    )
     paper = Paper(
         "Corallo, Papotti",
         2024,

@@ -25,7 +25,7 @@ import torch
 from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.context import Context
-from kvlab.methods.families.engine_format import EVICT_LEARN, FP4Format
+from kvlab.methods.families.engine_format import FP4Format
 from kvlab.runtime.cache import Segment
 from kvlab.runtime.engine_formats import FP4Segment
 
@@ -37,20 +37,6 @@ class KVFP4(FP4Format):
         "SGLang's FP4 KV cache (--kv-cache-dtype fp4_e2m1): e2m1 codes with a power-of-two scale per block "
         "of 16 head-dim channels, made on the fly; the ratio only caps the memory (evicting the oldest or "
         "a scorer's lowest)"
-    )
-    learn = (
-        "Stores every key and value element as a 4-bit e2m1 code (a sign and the magnitudes 0, 0.5, 1, 1.5, 2, 3, "
-        "4, 6), two per byte, as SGLang's `--kv-cache-dtype fp4_e2m1` does (its MXFP4-style KV cache, with blocks "
-        "of 16 elements where the OCP spec has 32). Each block $b$ of 16 consecutive channels of a token has one "
-        "power-of-two scale, stored as its exponent in one byte (e8m0): "
-        "$e_b=\\lceil\\log_2(\\max_{j\\in b}|x_j|/6)\\rceil$, then $q_j$ is the e2m1 value nearest to "
-        "$x_j/2^{e_b}$, a tie going to the larger magnitude, and $\\hat x_j=q_j\\,2^{e_b}$. There is no global "
-        "scale and nothing to calibrate. The recipe is SGLang's `FP4MXBlock16KVQuantizeUtil` "
-        "(`python/sglang/srt/layers/quantization/kvfp4_tensor.py`). Compared with NVFP4 (`nvfp4`): a power of "
-        "two wastes up to half of the e2m1 range per block, where NVFP4's e4m3 block scale fits the block's "
-        "largest value. Memory: 4 bits per element plus 8 bits per 16 elements, 4.5 bits, so 3.56x the model's "
-        "cache in bf16 (SGLang's own figure) and 7.1x in float32 (the ratio is counted against the model's own "
-        "dtype). " + EVICT_LEARN
     )
     paper = Paper(
         "SGLang",

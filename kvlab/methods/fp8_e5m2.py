@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
-from kvlab.methods.families.engine_format import EVICT_LEARN, FP8_SCALE_LEARN, FP8Format, FP8Options
+from kvlab.methods.families.engine_format import FP8Format, FP8Options
 
 
 @register
@@ -24,18 +24,6 @@ class FP8E5M2(FP8Format):
     summary = (
         "vLLM's FP8 KV cache, e5m2 (--kv-cache-dtype fp8_e5m2): every key and value one byte with a "
         "per-tensor scale per layer; the ratio only caps the memory (evicting the oldest or a scorer's lowest)"
-    )
-    learn = (
-        "Stores every key and value element as one float8 e5m2 byte (1 sign, 5 exponent, 2 mantissa bits; largest "
-        "finite value 57344), as vLLM's `--kv-cache-dtype fp8_e5m2` does: "
-        "$q=\\operatorname{sat}\\big(\\operatorname{rne}(x/s)\\big)$ and $\\hat x=q\\,s$, one float32 scale $s$ "
-        "per layer for the keys and one for the values. A wider range than e4m3 and one mantissa bit less: a "
-        "relative step of $2^{-2}$ instead of $2^{-3}$, so the scale matters less and the rounding more. Rounding "
-        "is to nearest even with saturation (vLLM's `__NV_SATFINITE` conversion, `scaled_vec_conversion` in "
-        "`csrc/quantization/fp8/nvidia/quant_utils.cuh`); torch's own e5m2 cast would give inf past the largest "
-        "value, so kvlab clamps before it. " + FP8_SCALE_LEARN + " Memory: one byte per element, so 2x the "
-        "model's cache in bf16 or fp16 and 4x in float32 (the ratio is counted against the model's own dtype), "
-        "less the 8 bytes of scales per layer. " + EVICT_LEARN
     )
     paper = Paper(
         "vLLM", None, "Quantized KV Cache (--kv-cache-dtype fp8_e5m2)", url="https://github.com/vllm-project/vllm"

@@ -40,13 +40,6 @@ class H2OOptions(SelectionOptions):
 class H2O(EvictionMethod):
     name = "h2o"
     summary = "heavy hitters: attention accumulated from the document's own queries (per seeing query) + recent window"
-    learn = (
-        '"Heavy hitters": tokens that received much attention while the document was read are likely to '
-        "receive it again. A key's score is the attention it received from the prefill's own queries, "
-        "averaged over the queries that could see it (causal) and over the query heads of its group, "
-        "$s_j=\\tfrac{1}{T-j}\\sum_{i\\ge j}a_{ij}$; a share `recent_share` of each head's budget is kept for "
-        "the most recent tokens."
-    )
     paper = Paper(
         "Zhang et al.",
         2023,

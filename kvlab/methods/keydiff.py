@@ -38,11 +38,6 @@ class KeyDiff(EvictionMethod):
     name = "keydiff"
     Options = SelectionOptions
     summary = "keys least like the head's mean key direction (the most distinctive); no attention computed"
-    learn = (
-        "Keys that differ from the rest carry what the rest cannot. With the anchor "
-        "$a=\\tfrac1T\\sum_j k_j/\\lVert k_j\\rVert$ (the mean key direction of the head, over the whole context), "
-        "the score is $s_j=-\\cos(k_j,a)$, top B per head."
-    )
     paper = Paper(
         "Park et al.",
         2025,

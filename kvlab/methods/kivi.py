@@ -50,16 +50,6 @@ class KIVI(Method):
         "uniform KIVI quantisation to `bits` bits (keys per channel, values per token, in groups; the "
         "tokens that do not fill a key group at full precision): memory fixed by bits, the ratio only caps it"
     )
-    learn = (
-        "Keeps every token but stores keys and values as `bits`-bit codes. Asymmetric uniform quantisation per "
-        "group, $\\hat x=s\\cdot\\operatorname{round}\\big(\\tfrac{x-z}{s}\\big)+z$ with $z=\\min$ and "
-        "$s=\\tfrac{\\max-\\min}{L-1}$, $L$ the number of codes of that width: keys per channel (groups of "
-        "`group_size` tokens, because outliers live in channels), values per token (groups of `group_size` "
-        "channels). The newest $T \\bmod$ `group_size` tokens do not fill a key group and stay at full "
-        "precision, as in KIVI. The memory is set by the bits, not by the ratio: ratio 1 is the full cache, and "
-        "above it the ratio only caps the memory, by evicting the oldest tokens if needed. Codes, scales and "
-        "zero points are really packed and counted."
-    )
     paper = Paper(
         "Liu et al.", 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", arxiv="2402.02750"
     )

@@ -25,10 +25,6 @@ class KNorm(EvictionMethod):
     name = "knorm"
     Options = SelectionOptions
     summary = "keys with the smallest L2 norm (they draw the most attention); no attention computed"
-    learn = (
-        "A key's norm predicts the attention it draws: low-norm keys are the ones queries attend to. "
-        "The score is $s_j=-\\lVert k_j\\rVert_2$, top B per head; nothing but the keys is read."
-    )
     paper = Paper(
         "Devoto, Zhao, Scardapane, Minervini",
         2024,

@@ -38,14 +38,6 @@ from kvlab.methods.families.scorers import KVzipOptions, kvzip_scores
 class KVzip(KVzipPruning):
     name = "kvzip"
     summary = "query-agnostic: max attention while the model repeats the document; pruned across heads (ragged)"
-    learn = (
-        'Query-agnostic by construction: the model is asked to "Repeat the previous context exactly" and is '
-        "teacher-forced through the document again; a token needed to rebuild the context is worth keeping. "
-        "Score: the largest attention it receives from any reconstruction query and any query head of its "
-        "group, $s_j=\\max_{i\\in\\text{repeat}}\\max_{g}a^{(g)}_{ij}$. With `prune` the scores are pruned "
-        "globally across all layers and heads, or across the heads of each layer, so heads keep different "
-        "numbers of tokens; or per head, with the uniform budget."
-    )
     paper = Paper(
         "Kim et al.", 2025, "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arxiv="2505.23416"
     )

@@ -142,14 +142,6 @@ def kvzip_plus_scores(req: Request, opts: KVzipOptions) -> list[torch.Tensor]:
 class KVzipPlus(KVzipPruning):
     name = "kvzip_plus"
     summary = "KVzip's reconstruction attention x ||v W_o|| / ||h||: weighted by what a key adds to the output"
-    learn = (
-        "KVzip (`kvzip`) scores a key by the largest attention any query pays it while the model repeats the "
-        "document. KVzip+ counts each weight by how much it moves the query's residual stream: times the norm "
-        "of what the key's value adds through the head's output projection, over the norm of the query's own "
-        "attention input, $$s_j=\\max_{i\\in\\text{repeat}}\\max_{h\\in g}\\,a^{(h)}_{ij}\\,"
-        "\\frac{\\lVert v_jW_o^{(h)}\\rVert_2}{\\lVert h_i\\rVert_2}.$$ The oracle KVzap's surrogates are trained "
-        "to predict (arXiv 2601.07891); pruned as KVzip's (`prune`)."
-    )
     paper = Paper(
         "Jégou, Jeblick",
         2026,

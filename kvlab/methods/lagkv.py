@@ -74,15 +74,6 @@ class LagKV(EvictionMethod):
         "attention-free: tokens that stand out from the next partition's range (lag-relative), "
         "plus sinks and a recent tail"
     )
-    learn = (
-        "Each partition of `lag_size` tokens is compared with the one after it. Keys and values are min-max "
-        "normalised by the next partition's per-channel range, "
-        "$\\bar k_j=(k_j-\\min_{p+1})/(\\max_{p+1}-\\min_{p+1})$, "
-        "and a token's score is $\\operatorname{softmax}_{p}(\\operatorname{std}(\\bar k_j))+"
-        "\\operatorname{softmax}_{p}(\\operatorname{std}(\\bar v_j))$ over its partition; without `cross_scoring` the "
-        "rank within the partition is used, so every partition keeps its share. The sinks and the last partition "
-        "(no reference yet) are kept."
-    )
     paper = Paper(
         "Liang, Zhang, Li, Li",
         2025,

@@ -49,14 +49,6 @@ def leverage_scores(req: Request, opts: LeverageOptions) -> list[torch.Tensor]:
 class Leverage(EvictionMethod):
     name = "leverage"
     summary = "keys the others cannot express: approximate statistical leverage of the pre-RoPE keys (sketched)"
-    learn = (
-        "An outlier of the key matrix carries what no other key carries. With $X$ the head's pre-RoPE keys "
-        "centred over the context and $\\Phi\\in\\mathbb R^{d\\times k}$ a Gaussian sketch ($\\Phi_{ab}\\sim"
-        "\\mathcal N(0,1/k)$, $k$ = `sketch_dimension`), $Y=X\\Phi$ and the score is the leverage "
-        "$$s_j=y_j^\\top\\big(Y^\\top Y+\\lambda I\\big)^{-1}y_j,$$ the diagonal of the hat matrix, z-scored over "
-        "the layer ($\\lambda$ a small ridge, kvpress's first Cholesky jitter). No attention is computed. "
-        "Compactor (arXiv 2507.08143) blends it with non-causal attention (`compactor`)."
-    )
     paper = Paper(
         "Chari, Van Durme",
         2025,

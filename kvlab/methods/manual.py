@@ -181,15 +181,6 @@ def pick_mask(ranges: list[tuple[int, int]], doc_len: int, device: torch.device)
 class Manual(EvictionMethod):
     name = "manual"
     summary = "your pick: the document spans you choose (tokens or sentences), within the ratio's budget"
-    learn = (
-        "You choose what stays. `keep` names spans of the document: tokens `0-39,120-179` (0-based, both "
-        "ends included) or sentences `s0,s3-s5` (the document split at . ! ? and line breaks); `first` keeps "
-        "the opening as far as the budget goes, `none` keeps no document token (the floor). The pick "
-        "holds at most $B=T/r$ tokens, and every layer and KV head keeps exactly those, besides the chat "
-        "template: $s_j=1$ for a picked token, 0 otherwise, each head's budget the pick's size. "
-        "Which sentences does the answer need? Pick them, then rank your pick against the methods "
-        "at the same ratio (`kvlab.lab.pick`)."
-    )
     paper = Baseline("the learner's own pick of the document's spans")
     family = "baselines"
     bf16_tolerance = "same_tokens"  # the pick is the same tokens in both dtypes

@@ -126,16 +126,6 @@ class MergingPressOptions(SelectionOptions):
 class Merging(MergingMethod):
     name = "merging"
     summary = "each evicted value folded into the kept token with the most similar key, weighted by similarity and norm"
-    learn = (
-        "Instead of dropping an evicted token $e$, its value joins the kept token $c$ whose key is most like "
-        "its own, $c(e)=\\arg\\max_c\\cos(k_e,k_c)$, with the weight "
-        "$w_e=\\max(s_e,0)\\,\\lVert v_e\\rVert/(\\lVert v_e\\rVert+\\lVert v_c\\rVert+\\epsilon)$, "
-        "$s_e=\\cos(k_e,k_{c(e)})$: "
-        "$v_c\\leftarrow(v_c+\\sum_{e:c(e)=c}w_e v_e)/(1+\\sum_{e:c(e)=c}w_e)$. An evicted token merges only "
-        "when $s_e\\ge$ `similarity_threshold` and its $s_e$ is among the `merge_fraction` highest of its "
-        "head's. Tokens are chosen by the `scorer`; keys stay as they are (their RoPE positions too). "
-        "Kept tokens that absorbed a value are shown as *merged*."
-    )
     paper = Paper(
         "NVIDIA kvpress",
         2026,

@@ -136,21 +136,6 @@ class Mix(EvictionMethod):
         "a weighted mix of recency, heavy hitters, question attention and key norm, each ranked per head "
         "(presets: each alone, as its method)"
     )
-    learn = (
-        "Four scores of the field, mixed so you can see what each one adds. Each is ranked among the "
-        "document's tokens of its head and scaled to $[0,1]$, $\\rho(s)_j=\\text{rank of }s_j/(T-1)$ (ties share "
-        "their mid-rank), so that scores of very different scales weigh alike: "
-        "$s_j=\\big(w_r\\,\\rho(j)+w_h\\,\\rho(h_j)+w_q\\,\\rho(q_j)+w_k\\,\\rho(-\\lVert k_j\\rVert_2)\\big)/"
-        "(w_r+w_h+w_q+w_k)$, where $j$ is the position (StreamingLLM's recency), $h_j$ the attention the token "
-        "received from the document's own queries (H2O's heavy hitters), $q_j$ the attention from your question, "
-        "pooled over `kernel` tokens (SnapKV's window attention with the question as the window) and "
-        "$\\lVert k_j\\rVert_2$ the key's norm (KNorm). Only the ratios of the weights matter. Then the first "
-        "`n_sink` tokens (StreamingLLM's sinks) and the most recent `recent_share` of each head's budget "
-        "(H2O's recent window) are kept whatever their score, and each head keeps its top B. Ranks keep "
-        "each score's order, so one weight alone keeps that method's tokens: the presets `mix_recency`, "
-        "`mix_h2o`, `mix_question` and `mix_knorm` are streaming_llm, h2o, snapkv_question and knorm. "
-        "A weight on the question makes the cache depend on it."
-    )
     paper = Baseline(
         "the scores of StreamingLLM, H2O, SnapKV (the question as its window) and KNorm, ranked per head "
         "and mixed by weights; each preset is one of them"

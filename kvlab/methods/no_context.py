@@ -20,10 +20,6 @@ from kvlab.runtime.cache import CompressedKV, template_segment
 class NoContext(Method):
     name = "no_context"
     summary = "the floor: the document is dropped, only the template prefix is kept (ignores the ratio)"
-    learn = (
-        "The floor: the document is dropped and only the chat template is kept, so the model answers from "
-        "what it already knows. Compare any method with this and with the full cache (the ceiling)."
-    )
     paper = Baseline("the model answers without the document")
     family = "baselines"
     bf16_tolerance = "same_tokens"

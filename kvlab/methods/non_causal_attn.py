@@ -50,13 +50,6 @@ def non_causal_scores(req: Request, chunk_size: int) -> list[torch.Tensor]:
 class NonCausalAttn(EvictionMethod):
     name = "non_causal_attn"
     summary = "attention received inside chunks where every query sees every key (non-causal), x ||v||, z-scored"
-    learn = (
-        "Causal attention favours early tokens: more queries can see them. Here the context is cut into chunks "
-        "of `attention_chunk` tokens and inside a chunk $c$ every query attends to every key of $c$: "
-        "$$s_j=\\operatorname{pool}_3\\Big(\\tfrac1{|g|}\\sum_{h\\in g}\\sum_{i\\in c(j)}"
-        "\\operatorname{softmax}_{c}\\big(q^{(h)}_i\\cdot k_\\cdot/\\sqrt d\\big)_j\\;\\lVert v_j\\rVert\\Big),$$ "
-        "z-scored over the layer. The attention half of Compactor (arXiv 2507.08143)."
-    )
     paper = Paper(
         "Chari, Van Durme",
         2025,

@@ -27,7 +27,7 @@ import torch
 from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.context import Context
-from kvlab.methods.families.engine_format import EVICT_LEARN, FP4Format
+from kvlab.methods.families.engine_format import FP4Format
 from kvlab.runtime.cache import Segment
 from kvlab.runtime.engine_formats import FP4Segment, nvfp4_global_scale
 
@@ -39,20 +39,6 @@ class NVFP4(FP4Format):
         "TensorRT-LLM's NVFP4 KV cache: e2m1 codes with an e4m3 scale per block of head-dim channels and a "
         "float32 global scale per layer; the ratio only caps the memory (evicting the oldest or a scorer's "
         "lowest)"
-    )
-    learn = (
-        "Stores every key and value element as a 4-bit e2m1 code (a sign and the magnitudes 0, 0.5, 1, 1.5, 2, 3, "
-        "4, 6), two per byte, as TensorRT-LLM's NVFP4 KV cache does (ModelOpt's `--kv_cache_qformat nvfp4`, "
-        "`kv_cache_quant_algo: NVFP4`). Two levels of scales: a float32 global scale per layer for the keys and "
-        "one for the values, $g=\\max|x|/(6\\cdot 448)$, and one e4m3 scale per block $b$ of 16 consecutive "
-        "channels of a token, $s_b=\\operatorname{e4m3}\\big(\\max_{j\\in b}|x_j|/(6g)\\big)$; then "
-        "$q_j=\\operatorname{rne}_{e2m1}\\big(x_j/(s_b\\,g)\\big)$ (nearest value, ties to the even code, "
-        "saturating at 6) and $\\hat x_j=q_j\\,s_b\\,g$. The recipe is TensorRT-LLM's `cvt_warp_fp16_to_fp4` "
-        "(`cpp/tensorrt_llm/kernels/quantization.cuh`); the global scale is the documented NVFP4 convention, "
-        "calibrated on the document (how TensorRT-LLM's KV cache obtains it was not verified). Memory: 4 bits per "
-        "element plus an 8-bit scale per 16 elements, 4.5 bits, so 3.6x the model's cache in bf16 or fp16 and "
-        "7.1x in float32 (the ratio is counted against the model's own dtype), less the 8 bytes of global "
-        "scales per layer. " + EVICT_LEARN
     )
     paper = Paper(
         "NVIDIA TensorRT-LLM",

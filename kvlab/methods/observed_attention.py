@@ -22,11 +22,6 @@ from kvlab.methods.families.scorers import h2o_scores
 class ObservedAttention(EvictionMethod):
     name = "observed_attention"
     summary = "mean attention received from the document's own queries (H2O's score, no recent window)"
-    learn = (
-        "The attention a token received while the document was read, averaged over the queries that could "
-        "see it and over the query heads of its group, $s_j=\\tfrac{1}{N-j}\\sum_{i\\ge j}a_{ij}$; top B per "
-        "head. kvpress's name for H2O's heavy-hitter score alone (`h2o` with `recent_share=0`)."
-    )
     paper = Paper(
         "Zhang et al.",
         2023,

@@ -70,11 +70,6 @@ def pyramid_budgets(n_layers: int, budget: int, length: int, beta: float) -> tor
 class PyramidKV(EvictionMethod):
     name = "pyramidkv"
     summary = "SnapKV scores with per-layer budgets shrinking linearly with depth (slope beta), same total"
-    learn = (
-        "SnapKV's scores with budgets that shrink linearly with depth: lower layers spread their attention "
-        "widely and get more keys, upper layers focus and get fewer. With slope $\\beta$ (`beta`) the top layer keeps "
-        "$B/\\beta$ keys per head and the bottom layer $2B-B/\\beta$; the mean over layers stays $B$."
-    )
     paper = Paper(
         "Cai et al.",
         2024,

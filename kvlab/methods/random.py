@@ -22,7 +22,6 @@ class RandomOptions(Options):
 class RandomEviction(EvictionMethod):
     name = "random"
     summary = "a seeded random subset of the document per head: the floor any scoring rule must beat"
-    learn = "A seeded random subset of B tokens per head: the floor any scoring rule has to beat."
     paper = Baseline("a seeded random subset of the document (kvpress's RandomPress)")
     family = "baselines"
     bf16_tolerance = "same_tokens"  # seeded: the same tokens in both dtypes

@@ -126,15 +126,6 @@ class SimLayerKV(EvictionMethod):
         "layer-level: the laziest layers (last queries' attention on initial + recent tokens) keep only "
         "those, the others keep everything; as many lazy layers as the ratio needs"
     )
-    learn = (
-        "Some layers barely look at the middle of the document: their last queries put nearly all their "
-        "attention on the first tokens and the most recent ones. A layer's laziness is that share, "
-        "$z_\\ell=\\tfrac{1}{|H|\\,n}\\sum_{h,i}\\sum_{j\\in\\text{init}\\cup\\text{recent}}a^{(h)}_{ij}$ over the "
-        "context's last `n_last` queries $i$. A lazy layer keeps only its first `n_initial` and recent tokens; "
-        "the other layers keep every token. The paper calls a layer lazy when $z_\\ell$ passes a threshold; "
-        "here the ratio decides instead: the laziest layers go lazy, as few as meet the budget with a recent "
-        "window of at least `n_recent` (all of them, with a smaller window, when even that is too much)."
-    )
     paper = Paper(
         "Zhang et al.", 2024, "SimLayerKV: A Simple Framework for Layer-Level KV Cache Reduction", arxiv="2410.13846"
     )

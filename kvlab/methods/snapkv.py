@@ -18,12 +18,5 @@ from kvlab.methods.families.snapkv_window import SnapKVWindow
 class SnapKV(SnapKVWindow):
     name = "snapkv"
     summary = "query-agnostic: attention from the document's last tokens (a window), pooled, top-k per head"
-    learn = (
-        "The last queries of the prompt already show what the model will look for. Each token is scored by "
-        "the attention of an observation window $W$ (the document's last `window` queries), averaged over the "
-        "window and the query heads of its group and smoothed by 1-D average pooling over `kernel` tokens: "
-        "$s_j=\\operatorname{pool}\\big(\\tfrac{1}{|W|}\\sum_{i\\in W}a_{ij}\\big)$; top B per head, the window "
-        "itself is kept. Here the window is the end of the document, so it is query-agnostic."
-    )
     family = "selection"
     bf16_tolerance = "same_tokens"

@@ -11,12 +11,6 @@ from kvlab.methods.families.snapkv_window import SnapKVWindow
 class SnapKVQuestion(SnapKVWindow):
     name = "snapkv_question"
     summary = "query-aware SnapKV: the window is the user's question (the compression depends on it)"
-    learn = (
-        "SnapKV whose observation window is your question (read after the document): "
-        "$s_j=\\operatorname{pool}\\big(\\tfrac{1}{|W|}\\sum_{i\\in W_{\\text{question}}}a_{ij}\\big)$. This is the "
-        "setting of the SnapKV paper, where the question is at the end of the prompt: excellent for that "
-        "question, but the cache must be rebuilt for every new question. `window` is not used here."
-    )
     family = "selection"
     bf16_tolerance = "near_ties"  # scored by the question's few tokens alone
     query_aware = True

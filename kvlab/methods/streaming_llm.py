@@ -35,13 +35,6 @@ class StreamingOptions(Options):
 class StreamingLLM(EvictionMethod):
     name = "streaming_llm"
     summary = "the first 'sink' tokens + the most recent window (position only, no attention)"
-    learn = (
-        'Keeps the first `n_sink` tokens ("attention sinks", which soak up attention in every layer) and the '
-        "most recent ones: $\\text{keep}=\\{1..s\\}\\cup\\{T-(B-s)+1..T\\}$. It looks at positions only, never "
-        "at attention, so it is the cheapest method and forgets everything in the middle of the document. "
-        "The paper gives positions within the cache, not in the text: `rerotate=true` (preset `paper`) turns the "
-        "kept keys to $0..B-1$ and the question follows at $B$."
-    )
     paper = Paper("Xiao et al.", 2024, "Efficient Streaming Language Models with Attention Sinks", arxiv="2309.17453")
     family = "selection"
     bf16_tolerance = "same_tokens"  # position only

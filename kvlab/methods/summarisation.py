@@ -70,11 +70,6 @@ def summary_cache(full: FullKV, prefix_len: int, fate: str = "summary") -> list[
 class Summarisation(Method):
     name = "summarisation"
     summary = "the model summarises the document in about T/ratio tokens; the summary's cache replaces the document's"
-    learn = (
-        "A baseline outside the KV cache: the model writes a summary of about T/r tokens (at most `max_tokens`) "
-        "and the summary's cache replaces the document's. Cheap to store, but whatever the summary leaves out "
-        "is gone, and writing it is slow on a CPU."
-    )
     paper = Baseline("prompt compression by the model's own summary")
     family = "baselines"
     bf16_tolerance = "same_tokens"  # the summary is pinned in tests/test_bf16.py: a prefill of the same tokens

@@ -33,11 +33,6 @@ class SummaryAMOptions(AMOptions):
 class SummaryThenAM(QuerySourced, Method):
     name = "summary_am"
     summary = "the model summarises the document, then Attention Matching compacts the summary's cache to T/ratio keys"
-    learn = (
-        "Summarise, then compact: the model writes a summary (at most `summary_tokens` tokens), and Attention "
-        "Matching compacts the summary's cache down to T/r keys per head (of the original document). The paper "
-        "reports that this reaches very high ratios with the accuracy of the summary alone."
-    )
     paper = dataclasses.replace(PAPER, note="summarise, then compact: Attention Matching on the summarisation baseline")
     family = "compaction"
     bf16_tolerance = "code_flips"  # the summary pinned, Attention Matching's fit of it then moves like a selection

@@ -133,18 +133,6 @@ class ThinK(Method):
         "a scoring method keeps T/ratio tokens, then each head's least-used key channels "
         "(window queries' energy x keys' energy) are pruned and not stored"
     )
-    learn = (
-        "Keys have channels that attention hardly uses. ThinK scores channel $j$ of a head by how much the "
-        "observation window's queries $Q_w$ (the context's last `window_size`) and the keys $K$ interact in it, "
-        "$s_j=\\lVert Q_w[:,j]\\,K[:,j]^\\top\\rVert_F=\\lVert Q_w[:,j]\\rVert\\,\\lVert K[:,j]\\rVert$ "
-        "(computed as $\\overline{q_j^2}\\cdot\\overline{k_j^2}$, the same ranking, averaged over the query heads "
-        "of a group), and prunes the $\\lfloor\\lambda d\\rfloor$ lowest ($\\lambda$ = "
-        "`key_channel_compression_ratio`) in every head: $q\\cdot k$ then runs over the kept channels only. It "
-        "works on top of token eviction: `evict_with` keeps T/ratio tokens first, so the ratio counts tokens and "
-        "the pruned channels take the memory further down; the context's last `recent_size` tokens, and the "
-        "question and answer, keep whole keys. Kept channels and their indices are really stored, the pruned "
-        "ones are not."
-    )
     paper = Paper("Xu et al.", 2024, "ThinK: Thinner Key Cache by Query-Driven Pruning", arxiv="2407.21018")
     family = "channel"
     # SnapKV's tokens (same_tokens) plus channel scores of a random model, some within a bf16 rounding.

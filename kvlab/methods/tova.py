@@ -24,11 +24,6 @@ class TOVA(EvictionMethod):
     name = "tova"
     Options = SelectionOptions
     summary = "attention of the document's last token, averaged over all heads (same tokens in every head of a layer)"
-    learn = (
-        "Token Omission Via Attention: the score is the attention the document's last token pays each token, "
-        "averaged over all query heads of the layer, $s_j=\\tfrac1H\\sum_h a^{(h)}_{T j}$, so every KV head of "
-        "a layer keeps the same tokens."
-    )
     paper = Paper(
         "Oren, Hassid, Yarden, Adi, Schwartz",
         2024,

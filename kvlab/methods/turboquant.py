@@ -55,7 +55,7 @@ from kvlab.compression.paper import Paper
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.context import Context
-from kvlab.methods.families.engine_format import EVICT_LEARN, EngineFormat, check_evict_with, evict_with_knob
+from kvlab.methods.families.engine_format import EngineFormat, check_evict_with, evict_with_knob
 from kvlab.runtime.cache import CompressedKV, DenseSegment, PaddedView, Segment, pack_heads
 from kvlab.runtime.engine_formats import fp8_decode, fp8_encode, padded_view
 
@@ -356,23 +356,6 @@ class TurboQuant(EngineFormat):
         "vLLM's TurboQuant KV cache (--kv-cache-dtype turboquant_*): Hadamard-rotated keys in Lloyd-Max codes "
         "or FP8, values in min-max uniform codes, the boundary layers unquantised; the ratio only caps the "
         "memory (evicting the oldest or a scorer's lowest)"
-    )
-    learn = (
-        "Stores every key and value of one token and KV head in a few bits, as vLLM's `--kv-cache-dtype "
-        "turboquant_*` does. **Keys**: the norm $\\lVert k\\rVert$ (float16) and the unit vector rotated by the "
-        "orthonormal Hadamard matrix $H$ (the same in every layer), $y=\\frac{k}{\\lVert k\\rVert}H$; after the "
-        "rotation each coordinate is close to $\\mathcal N(0,1/d)$, so each is rounded to the nearest of the $n_b$ "
-        "Lloyd-Max centroids $c$ of that distribution for $b$ bits (`key_quant_bits`, three or four). Decoded "
-        "$\\hat k=\\lVert k\\rVert\\,\\tilde c\\,H$, with $\\tilde c=c/\\lVert c\\rVert$ under norm correction "
-        "(`norm_correction`, the `_nc` presets) and $\\tilde c=c$ without. `key_quant_bits=8` stores the keys as "
-        "float8 e4m3 with no scale and no rotation instead. **Values**: per token and head, min-max uniform codes "
-        "(`value_quant_bits`), $s=(\\max v-\\min v)/(n_b-1)$, $q=\\lfloor (v-\\min v)/s+\\tfrac12\\rfloor$, "
-        "$\\hat v=q\\,s+\\min v$, with $s$ and $\\min v$ in float16. Bytes per token and KV head: "
-        "$\\lceil d\\,b_K/8\\rceil$ of key codes and a float16 norm ($d$ bytes in FP8), "
-        "$\\lceil d\\,b_V/8\\rceil$ of value codes and a float16 scale and zero. The first and last "
-        "`boundary_skip_layers` layers stay in the model's dtype, as vLLM does for every TurboQuant dtype. The "
-        "presets are vLLM's flags: `turboquant_k8v4`, `turboquant_4bit_nc`, `turboquant_k3v4_nc`, "
-        "`turboquant_3bit_nc`. The ratio is counted against the model's own dtype. " + EVICT_LEARN
     )
     paper = Paper(
         "Zandieh et al.",

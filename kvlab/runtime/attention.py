@@ -22,7 +22,7 @@ from kvlab.runtime import kernel_launch as launch
 
 #: SDPA's backends on CUDA, cuDNN's left out: it builds an execution plan for each new key length, and each
 #: decode step is a new length. On an H200 (torch 2.11) a Llama-3.1-8B-shaped step over 32k keys took about
-#: 100 ms with cuDNN's plans still to build and 35 ms without cuDNN (docs/benchmarks.md, "On a GPU").
+#: 100 ms with cuDNN's plans still to build and 35 ms without cuDNN (docs/gpu.md, "On an H200").
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

@@ -142,10 +142,10 @@ def _method_step(name: str, preset: str | None) -> Step:
 def _explore(lm: LoadedModel, workdir: Path) -> None:
     """One Explore run and the figures its page draws (run, fit and divergence figures), built by the lab
     (the UI only serialises them): no gradio needed, which a GPU machine may lack."""
-    from kvlab.lab import explore
+    from kvlab.lab import explore, run_spec
     from kvlab.lab.views import present, run_figures
 
-    run_figures(present(explore(DOCUMENT, None, "attention_matching", 4.0, QUESTION, max_new_tokens=4)))
+    run_figures(present(explore(run_spec(DOCUMENT, None, "attention_matching", 4.0, QUESTION, max_new_tokens=4))))
 
 
 def _compare(lm: LoadedModel, workdir: Path) -> None:

@@ -34,7 +34,7 @@ from gradio import utils as gradio_utils
 
 from kvlab import cancellation, limits, results, scheduler
 from kvlab.documents import DocumentError, read_document
-from kvlab.lab import InputError
+from kvlab.lab import InputError, RunSpec
 from kvlab.methods import MethodError
 from kvlab.runtime.model import ModelLoadError
 from kvlab.ui.knobs import KnobPanel
@@ -315,33 +315,38 @@ def guarded(
 
 def served(
     what: str,
-    key: Callable[[], results.RunKey],
-    work: Callable[[], T],
+    checked: Callable[[], RunSpec],
+    work: Callable[[RunSpec], T],
     owner: str | None = None,
     kind: str | None = None,
     progress: Callable[..., Any] | None = None,
-) -> tuple[T, results.Served]:
-    """(``work()``'s value, how it was served) through the result store (kvlab.results).
+) -> tuple[T, results.Served, results.RunKey]:
+    """(``work(spec)``'s value, how it was served, the run's store key) through the result store
+    (kvlab.results), ``spec = checked()``.
 
-    ``key()`` checks the inputs and names the configuration; a stored one is
-    answered at once, without the compute slot; one being computed for
-    another page is waited for and shared; else ``work()`` runs holding the
-    slot (fairly, its place in line shown) and its value is stored. Within the
-    request's bounds, failures shown to the user as in :func:`guarded`.
+    ``checked()`` checks the inputs into a run spec (kvlab.lab.RunSpec), whose key names the
+    configuration; a stored one is answered at once, without the compute slot; one being computed for
+    another page is waited for and shared; else ``work(spec)`` runs holding the slot (fairly, its place
+    in line shown) and its value is stored. Within the request's bounds, failures shown to the user as in
+    :func:`guarded`.
     """
-
-    def compute() -> T:
-        # A run leaves the slot once its answer decodes step by step (batched with the other runs
-        # decoding then): the next page's compression starts meanwhile.
-        with COMPUTE.hold(), scheduler.may_leave(COMPUTE):
-            return work()
 
     def shared() -> None:
         if progress is not None:
             progress(0.0, desc="The same configuration is being computed for another page: this one gets that result.")
 
     with user_facing(what), bounded(slot=None, owner=owner, kind=kind, progress=progress):
-        return results.store().serve(key(), compute, on_share=shared)
+        spec = checked()
+        key = spec.key()
+
+        def compute() -> T:
+            # A run leaves the slot once its answer decodes step by step (batched with the other runs
+            # decoding then): the next page's compression starts meanwhile.
+            with COMPUTE.hold(), scheduler.may_leave(COMPUTE):
+                return work(spec)
+
+        value, how = results.store().serve(key, compute, on_share=shared)
+        return value, how, key
 
 
 def error_id() -> str:

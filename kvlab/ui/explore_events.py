@@ -10,8 +10,7 @@ import gradio as gr
 from kvlab.catalog import options_from, prepares
 from kvlab.documents import DocumentError
 from kvlab.examples import Example
-from kvlab.lab import InputError, Prepared, needle_test, parse_ratios, prepare_document
-from kvlab.lab.explore import explore_key
+from kvlab.lab import InputError, Prepared, RunSpec, needle_test, parse_ratios, prepare_document, run_spec
 from kvlab.lab.head_roles import HeadRoles
 from kvlab.lab.views import head_picker_label, head_role_line, with_served_note
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
@@ -275,64 +274,36 @@ def run_handler(start_method: str, specs: list[str], n_outputs: int) -> Callable
         request: gr.Request = None,
         progress=gr.Progress(),
     ):
-        inputs: dict = {}
-        key = run_key(inputs, specs, text, file, method, ratio, question, max_new_tokens, model, knobs)
-        stored, how = served(
-            method,
-            key,
-            lambda: run_view(
-                inputs["text"],
+        def checked() -> RunSpec:
+            return run_spec(
+                common.document_input(text, file),
                 None,
                 method,
                 ratio,
                 question,
                 max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
-                inputs["options"],
-                inputs["model"],
-                progress,
-            ),
+                options_from(method, knobs),
+                checked_model(model, specs),
+            )
+
+        stored, how, key = served(
+            method,
+            checked,
+            lambda spec: run_view(spec, progress),
             owner=common.session_of(request),
             kind="run",
             progress=progress,
         )
-        yield from run_updates(stored, how, inputs, layer, head, intensity, n_outputs)
+        yield from run_updates(stored, how, key.digest, layer, head, intensity, n_outputs)
 
     return on_run
 
 
-def run_key(
-    inputs: dict, specs: list[str], text, file, method, ratio, question, max_new_tokens, model, knobs
-) -> Callable[[], object]:
-    """The first stage of ``/run``: the function served() calls for the run's store key; it leaves the
-    document, the method's options, the model and the key in ``inputs``."""
-
-    def key():
-        inputs.update(
-            text=common.document_input(text, file),
-            options=options_from(method, knobs),
-            model=checked_model(model, specs),
-        )
-        inputs["key"] = explore_key(
-            inputs["text"],
-            None,
-            method,
-            ratio,
-            question,
-            max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
-            inputs["options"],
-            inputs["model"],
-        )
-        return inputs["key"]
-
-    return key
-
-
-def run_updates(stored, how, inputs: dict, layer, head, intensity, n_outputs: int) -> Iterator[tuple]:
+def run_updates(stored, how, digest: str, layer, head, intensity, n_outputs: int) -> Iterator[tuple]:
     """The last stage of ``/run``: the ``n_outputs`` values of wire_run's outputs for the run served
-    (``stored``, ``how``), in one message: its figures were made with the run (kvlab.lab.views.FigureJSON),
-    so a stored run costs the server no drawing."""
+    (``stored``, ``how``; ``digest``: its store key's), in one message: its figures were made with the run
+    (kvlab.lab.views.FigureJSON), so a stored run costs the server no drawing."""
     view = with_served_note(stored, how)
-    digest = inputs["key"].digest
     made = drawn(stored)
     fates = view.fates
     layer = min(max(int(layer or 0), 0), fates.n_layers - 1)

@@ -95,18 +95,4 @@ def allocate(
     )
 
 
-STAGE = Stage(
-    name="adakv",
-    order=10,
-    knobs=AllocationKnobs,
-    preset={"budgets": "adakv"},
-    learn=(
-        "`budgets` says where the budget goes, the total always T/r keys per head on average: `adakv` (AdaKV): "
-        "a layer's budget is shared among its heads by one top-k over all their scores, each head keeping at "
-        "least `alpha_safeguard` of the mean; `nonuniform`: the model's head-budget profile, the same one "
-        "Attention Matching uses; `global`: one top-k over every head's scores in every layer (KVzip's pruning), "
-        "each head keeping at least its best token. The heads are stored ragged, so the bytes are those of the "
-        "kept tokens."
-    ),
-    scores=allocate,
-)
+STAGE = Stage(name="adakv", order=10, knobs=AllocationKnobs, preset={"budgets": "adakv"}, scores=allocate)

@@ -84,10 +84,6 @@ STAGE = Stage(
     order=20,
     knobs=ChunkKnobs,
     preset={"granularity": "chunk"},
-    learn=(
-        "`granularity=chunk` (ChunkKV): chunks of `chunk_size` tokens scored by their mean, "
-        "$\\bar s_c=\\tfrac{1}{|c|}\\sum_{j\\in c}\\sum_h s^{(h)}_j$, whole chunks kept, the same in every head."
-    ),
     excludes={"adakv": SHARED_CHUNKS, "criticalkv": SHARED_CHUNKS},
     scores=chunks,
     records=("granularity",),

@@ -110,14 +110,5 @@ def reweight(
 
 
 STAGE = Stage(
-    name="criticalkv",
-    order=30,
-    knobs=CriticalKnobs,
-    preset={"critical": True},
-    learn=(
-        "`critical=true` (CriticalKV): each head keeps a `first_stage_ratio` share of its budget by $s_j$, the rest "
-        "by $(s_j+\\epsilon)\\,\\lVert v_j W_o^{(h)}\\rVert_1$, what the value adds to the layer's output."
-    ),
-    scores=reweight,
-    records=("critical",),
+    name="criticalkv", order=30, knobs=CriticalKnobs, preset={"critical": True}, scores=reweight, records=("critical",)
 )

@@ -114,12 +114,6 @@ STAGE = Stage(
     order=40,
     knobs=RerotationKnobs,
     preset={"rerotate": True},
-    learn=(
-        "`rerotate=true` (kvpress's KeyRerotationPress, the form of StreamingLLM's and Finch's caches): each kept "
-        "key is turned by RoPE from its position $p_j$ to a new one, $k_j\\leftarrow R_{p'_j-p_j}\\,k_j$, so that "
-        "a head's $n_h$ kept keys sit at $P-n_h,\\dots,P-1$ ($P$: the most keys any head keeps) and the question "
-        "starts at $P$: the positions after the cache become contiguous. Values are untouched."
-    ),
     check=check_rerotation,
     kept=rerotate_keys,
 )

@@ -171,10 +171,6 @@ class AMOptions(ScoredOptions):
             raise MethodError("value_anchor needs value_fit=least_squares (value_fit=original fits no values)")
         if self.self_study_weight > 0 and self.query_source == "self_study":
             raise MethodError("self_study_weight mixes self-study queries into another query_source")
-        if self.self_study_weight > 0 and self.on_policy and not self.on_policy_sweep:
-            raise MethodError(
-                "self_study_weight with on_policy needs on_policy_sweep=true (the re-read reads one source)"
-            )
 
 
 def reference_queries(ctx: Context, opts: QueryOptions, question: str | None) -> list[torch.Tensor]:
@@ -201,15 +197,15 @@ def source_tokens(ctx: Context, opts: QueryOptions, question: str | None) -> tor
     raise MethodError("on-policy queries need query_source=repeat (or question, with a question)")
 
 
-def on_policy_text(ctx: Context, opts: AMOptions, question: str | None) -> tuple[torch.Tensor, int]:
-    """What the on-policy sweep reads after the document: the source's tokens (:func:`source_tokens`),
-    then, with ``self_study_weight``, the self-study conversations one after the other
-    (kvlab.queries.SelfStudy.transcript); and how many of its tokens are the source's."""
+def on_policy_segments(ctx: Context, opts: AMOptions, question: str | None) -> list[torch.Tensor]:
+    """What the on-policy pass reads, each segment [n_k] on its own right after the document (as the
+    paper's code re-reads each conversation over the context's cache): the source's tokens
+    (:func:`source_tokens`), then, with ``self_study_weight``, each self-study conversation
+    (kvlab.queries.SelfStudy.turns)."""
     ids = source_tokens(ctx, opts, question)
     if opts.self_study_weight == 0:
-        return ids, ids.numel()
-    transcript = self_study(ctx, opts.self_study_tokens).transcript().to(ids.device)
-    return torch.cat([ids, transcript]), ids.numel()
+        return [ids]
+    return [ids, *(turn.to(ids.device) for turn in self_study(ctx, opts.self_study_tokens).turns)]
 
 
 def queries_text(details: dict) -> str | None:

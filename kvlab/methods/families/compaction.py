@@ -9,6 +9,8 @@ queries and budgets are kvlab.methods.families.am_recipe.
 
 from __future__ import annotations
 
+import contextvars
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,14 +22,14 @@ from kvlab.compression.block_solve import BlockJob, solve_ragged
 from kvlab.compression.options import MethodError
 from kvlab.compression.request import Request
 from kvlab.compression.solvers.compact import CompactBlock
+from kvlab.context import Context
 from kvlab.kernels import dispatch as kernels
 from kvlab.methods.families.am_recipe import (
     AMOptions,
     am_budgets,
     mixed_queries,
-    on_policy_text,
+    on_policy_segments,
     reference_queries,
-    source_tokens,
     subsample,
 )
 from kvlab.methods.families.scorers import KVzipOptions, kvzip_scores
@@ -466,29 +468,63 @@ def on_policy_cache(
     key_scores: list[torch.Tensor] | None,
     exact_scores: list[torch.Tensor] | None = None,
 ) -> tuple[CompressedKV, float]:
-    """On-policy Attention Matching in one forward sweep: the reference text (:func:`source_tokens`) is
-    read once after the full cache, and each layer is fitted as the pass reaches it, with the queries
-    the pass records there (read through layers 0..l-1, already compacted), then the pass goes on
-    through the compacted layer (:class:`SweepCapture`). Layer l's queries depend only on layers
+    """On-policy Attention Matching in one forward sweep: each segment of the reference text
+    (:func:`on_policy_segments`: the source's text, each self-study conversation) is read once, on its
+    own right after the full cache, and each layer is fitted as the passes reach it, on the queries
+    they all record there (read through layers 0..l-1, already compacted), then the passes go on
+    through the compacted layer (:class:`SweepLayers`). Layer l's queries depend only on layers
     0..l-1, final once fitted, so this is the per-layer re-read (:func:`on_policy_reread`) at the cost
-    of one pass. The text is read in one piece (a layer's fit needs all of its queries), its attention
+    of one pass. A segment is read in one piece (a layer's fit needs all of its queries), its attention
     after a fitted layer in blocks of queries (kvlab.runtime.attention.BIAS_BLOCK). Returns the cache
-    and the seconds spent outside the fits (the pass)."""
+    and the seconds spent outside the fits (the passes)."""
     ctx = req.ctx
-    ids, n_source = on_policy_text(ctx, opts, req.question)
+    segments = on_policy_segments(ctx, opts, req.question)
     length = ctx.full.stored.logical_len if req.record_importance else None
-    capture = SweepCapture(
+    sweep = SweepLayers(
         ctx.lm.n_layers,
+        len(segments),
         lambda layer, q: fit_on_policy(
-            req, opts, layer, q[:, :n_source], budgets, length, key_scores, exact_scores, q[:, n_source:]
+            req,
+            opts,
+            layer,
+            q[0],
+            budgets,
+            length,
+            key_scores,
+            exact_scores,
+            torch.cat(q[1:], dim=1) if q[1:] else None,
         ),
         ctx.length,
     )
     start = time.perf_counter()
-    read_after_into(ctx, ids, capture)
+    read_segments(ctx, segments, sweep)
     total = time.perf_counter() - start
-    fitting = sum(f.timings["keys"] + f.timings["bias"] + f.timings["values"] for f in capture.fits)
-    return fitted_cache(capture.fits, ctx.full.stored.logical_len), max(0.0, total - fitting)
+    fitting = sum(f.timings["keys"] + f.timings["bias"] + f.timings["values"] for f in sweep.fits)
+    return fitted_cache(sweep.fits, ctx.full.stored.logical_len), max(0.0, total - fitting)
+
+
+def read_segments(ctx: Context, segments: list[torch.Tensor], sweep: SweepLayers) -> None:
+    """Every segment read after the full cache into its capture of ``sweep``, each pass in its own thread
+    (the first in this one), the caller's context (its cancellation scope) carried into each; the first
+    real error of any pass raised here (the others' broken barrier is only its echo)."""
+    errors: list[BaseException] = []
+
+    def read(k: int) -> None:
+        try:
+            read_after_into(ctx, segments[k], sweep.captures[k])
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, in the caller's thread
+            errors.append(exc)
+            sweep.barrier.abort()  # the other passes wait at the next layer's barrier: release them
+
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(read, k)) for k in range(1, len(segments))]
+    for thread in threads:
+        thread.start()
+    read(0)
+    for thread in threads:
+        thread.join()
+    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if real or errors:
+        raise (real or errors)[0]
 
 
 def fit_on_policy(
@@ -523,32 +559,56 @@ def fit_on_policy(
     )
 
 
-class SweepCapture(QueryCapture):
-    """The on-policy sweep's capture: as each layer's queries are recorded, the layer is fitted on them
-    (``fit(layer, q [H, n, d])``) and the pass reads the fitted layer in place of the full one.
+class SweepLayers:
+    """The on-policy sweep's passes, one per segment of its text, held together layer by layer: once
+    every pass has recorded layer l's queries (a barrier), the layer is fitted once on them all, in
+    segment order (``fit(layer, [q_k [H, n_k, d], ...])``), and every pass reads the fitted layer in
+    place of the full one (:class:`SweepCapture`).
 
-    cached: the full cache's length (template and document), which the pass's keys follow.
+    cached: the full cache's length (template and document), which each pass's own keys follow.
     """
 
-    def __init__(self, n_layers: int, fit: Callable[[int, torch.Tensor], LayerFit], cached: int) -> None:
-        super().__init__(n_layers)
+    def __init__(
+        self, n_layers: int, n_segments: int, fit: Callable[[int, list[torch.Tensor]], LayerFit], cached: int
+    ) -> None:
         self.fit = fit
         self.cached = cached
         self.fits: list[LayerFit] = []
+        self.captures = [SweepCapture(n_layers, self) for _ in range(n_segments)]
+        self.barrier = threading.Barrier(n_segments, action=self._fit_next)
+
+    def _fit_next(self) -> None:
+        """The barrier's action (one thread, the others waiting): fit the next layer on every pass's queries."""
+        layer = len(self.fits)
+        self.fits.append(self.fit(layer, [c.layer(layer) for c in self.captures]))
+        for capture in self.captures:
+            del capture.chunks[layer]  # fitted: its queries are not needed again (30 layers' would stay alive)
+
+    def fitted(self, layer: int) -> LayerFit:
+        """Layer ``layer``'s fit, once every pass has reached it."""
+        self.barrier.wait()
+        return self.fits[layer]
+
+
+class SweepCapture(QueryCapture):
+    """One pass of the on-policy sweep (:class:`SweepLayers`): as each layer's queries are recorded, the
+    pass waits for the layer's fit and reads the fitted layer, then its own keys."""
+
+    def __init__(self, n_layers: int, sweep: SweepLayers) -> None:
+        super().__init__(n_layers)
+        self.sweep = sweep
 
     def attended(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if len(self.chunks[layer]) != 1:
-            raise RuntimeError("the on-policy sweep reads its text in one pass")
-        fit = self.fit(layer, self.layer(layer))
-        self.fits.append(fit)
-        del self.chunks[layer]  # fitted: its queries are not needed again (30 layers' would stay alive)
+            raise RuntimeError("the on-policy sweep reads each segment in one pass")
+        fit = self.sweep.fitted(layer)
         if all(seg.fate == "window" for seg in fit.segments):
             return keys, values, bias
         # The fitted layer (template, compact keys with their biases, padding at -inf), then the pass's own keys.
         view = concat_views([seg.view() for seg in fit.segments])
-        own = slice(self.cached, keys.shape[2])
+        own = slice(self.sweep.cached, keys.shape[2])
         return (
             torch.cat([view.keys.to(keys.dtype).unsqueeze(0), keys[:, :, own]], dim=2),
             torch.cat([view.values.to(values.dtype).unsqueeze(0), values[:, :, own]], dim=2),
@@ -563,11 +623,12 @@ def on_policy_reread(
     key_scores: list[torch.Tensor] | None,
     exact_scores: list[torch.Tensor] | None = None,
 ) -> tuple[CompressedKV, float]:
-    """On-policy by re-reading: layer by layer, the reference text read again through the layers fitted so
-    far (one pass per layer, as the paper's code does it). The reference the sweep is tested against
+    """On-policy by re-reading: layer by layer, each segment of the reference text
+    (:func:`on_policy_segments`) read again through the layers fitted so far (one pass per layer and
+    segment, as the paper's code does it). The reference the sweep is tested against
     (``on_policy_sweep=false``)."""
     ctx = req.ctx
-    ids = source_tokens(ctx, opts, req.question)
+    segments = on_policy_segments(ctx, opts, req.question)
     full = ctx.full.stored
     length = full.logical_len if req.record_importance else None
     fits: list[LayerFit] = []
@@ -575,7 +636,8 @@ def on_policy_reread(
     for layer in range(ctx.lm.n_layers):
         start = time.perf_counter()
         mixed = CompressedKV([f.segments for f in fits] + full.layers[layer:], full.logical_len)
-        q = read_after(ctx, ids, mixed, layers=layer + 1)[layer]
+        q = [read_after(ctx, ids, mixed, layers=layer + 1)[layer] for ids in segments]
         queries_s += time.perf_counter() - start
-        fits.append(fit_on_policy(req, opts, layer, q, budgets, length, key_scores, exact_scores))
+        extra = torch.cat(q[1:], dim=1) if q[1:] else None
+        fits.append(fit_on_policy(req, opts, layer, q[0], budgets, length, key_scores, exact_scores, extra))
     return fitted_cache(fits, full.logical_len), queries_s

@@ -57,26 +57,6 @@ OLDEST = "oldest"
 #: vLLM's divisors for ``--calculate-kv-scales`` (``vllm/envs.py``: K_SCALE_CONSTANT, V_SCALE_CONSTANT).
 K_SCALE_CONSTANT, V_SCALE_CONSTANT = 200.0, 100.0
 
-FP8_SCALE_LEARN = (
-    "Scales (`scale`): `fixed` is $s=1$, vLLM's default when the checkpoint ships none; `calculated` is "
-    "`--calculate-kv-scales`, $s_K=\\max|K|/200$ and $s_V=\\max|V|/100$ per layer from the first forward pass "
-    "(here the document's prefill; vLLM's `K_SCALE_CONSTANT` and `V_SCALE_CONSTANT`, not the format's largest "
-    "value); `checkpoint` is what a calibrated checkpoint ships, $s=\\max|x|/x_{\\max}$ (llm-compressor), "
-    "calibrated on the document itself. SGLang's `--kv-cache-dtype fp8_e4m3` and `fp8_e5m2` store the same "
-    "codes with the same per-tensor scales (1.0 unless the checkpoint or `--quantization-param-path` gives "
-    "them): its memory pool's `set_kv_buffer` (`python/sglang/srt/mem_cache/memory_pool.py`) divides by "
-    "`k_scale` and `v_scale`, then casts with torch, without a clamp of its own: the same codes for e4m3, "
-    "whose torch cast saturates at 448, but for e5m2 a value past 57344 is stored as infinity there, where "
-    "vLLM and kvlab store 57344."
-)
-
-EVICT_LEARN = (
-    "The ratio caps the memory, as for `kivi`: ratio 1 is the full cache; above it the whole cache is stored in "
-    "the format, and if that is still above full bytes / ratio, document tokens are evicted until it fits, the "
-    "same number in every head: the oldest (`evict_with=oldest`), or those a scoring method ranks lowest "
-    "(`evict_with=snapkv`, `h2o`, ...): evict, then store the rest in the format."
-)
-
 
 def scoring_methods() -> list[str]:
     """The registered methods whose scores can choose what to evict (the eviction methods)."""
