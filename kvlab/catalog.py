@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import kvlab.methods  # noqa: F401 - every method registered before the catalog reads the registry
 from kvlab.compression.interface import FAMILIES
-from kvlab.compression.options import MethodError, allowed, option_types
+from kvlab.compression.options import MethodError, alias_of, allowed, option_types
 from kvlab.compression.paper import Baseline, Paper
 from kvlab.compression.registry import REGISTRY, method_class, method_presets
 from kvlab.compression.selection import SELECTION_PRESETS, SelectionOptions, selection_learn
@@ -83,6 +83,7 @@ class Knob:
         text = str(value).strip()
         kind, problem = self.kind, f"{self.method}: {self.name} must be {self.allowed}, got {value!r}"
         if self.choices is not None:
+            text = alias_of(self.field, text) or text
             if text not in self.choices:
                 raise MethodError(problem)
             return text
@@ -134,6 +135,19 @@ def method_spec(entry: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
             )
         options.append((knob.strip(), by_name[knob.strip()].convert(text.strip())))
     return name, tuple(options)
+
+
+def renamed_knobs(entry: str) -> list[str]:
+    """One line per knob value of ``name:knob=value:...`` written in an old spelling that the knob reads as
+    today's (kvlab.compression.options.knob's aliases): "`budgets=nonuniform` is `budgets=profile` now."."""
+    name, *pairs = entry.strip().split(":")
+    by_name = {k.name: k for k in knobs(name)}
+    lines = []
+    for pair in pairs:
+        knob, _, text = (part.strip() for part in pair.partition("="))
+        if knob in by_name and (today := alias_of(by_name[knob].field, text)) is not None:
+            lines.append(f"`{knob}={text}` is `{knob}={today}` now.")
+    return lines
 
 
 def knob_text(value: Any) -> str:

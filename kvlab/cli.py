@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 from kvlab.bounded.policies import bounded_policies
 from kvlab.catalog import Knob, all_knobs, describe, methods_markdown, presets
 from kvlab.compression.budget_profiles import budgets_text
+from kvlab.compression.options import alias_of
 from kvlab.compression.selection import SELECTION_PRESETS
 from kvlab.methods import REGISTRY, MethodError, get_method
 from kvlab.methods.families.am_recipe import queries_text
@@ -66,13 +67,18 @@ def _flag_type(knob: Knob) -> Callable[[str], Any]:
     return parse
 
 
+def _choice_type(knobs: list[Knob]) -> Callable[[str], str]:
+    """argparse's ``type=`` for a knob of choices: an old spelling read as today's (its ``aliases``)."""
+    return lambda text: next((today for k in knobs if (today := alias_of(k.field, text))), text)
+
+
 def _flag_help(knobs: list[Knob]) -> str:
     defaults: dict[str, list[str]] = {}
     for k in knobs:
         defaults.setdefault(repr(k.default), []).append(k.method)
     default = "; ".join(f"default {d} for {', '.join(m)}" for d, m in defaults.items())
     allowed = "" if knobs[0].choices else f"{knobs[0].allowed}; "  # argparse lists the choices itself
-    # A name two families share (budgets: AM's and the selection wrappers'): each meaning once.
+    # A name two families share (budgets: AM's and the selection wrappers'): each help line once.
     return f"{'; '.join(dict.fromkeys(k.help for k in knobs))} ({allowed}{default})"
 
 
@@ -92,7 +98,9 @@ def add_method_options(parser: argparse.ArgumentParser) -> None:
         # The union of the methods' choices; each method's Options refuses what is not its own.
         choices = list(dict.fromkeys(c for k in knobs for c in k.choices or ()))
         kind = (
-            {"type": str, "choices": choices} if knob.choices else {"type": _flag_type(knob), "metavar": name.upper()}
+            {"type": _choice_type(knobs), "choices": choices}
+            if knob.choices
+            else {"type": _flag_type(knob), "metavar": name.upper()}
         )
         group.add_argument(
             "--" + name.replace("_", "-"), dest="opt_" + name, default=None, help=_flag_help(knobs), **kind
@@ -187,7 +195,7 @@ def _add_budgets_parser(sub: Any) -> None:
     sweep = sub.add_parser(
         "budgets",
         help="sensitivity sweep -> a model's head-budget profile (Attention Matching's "
-        "default budgets, budgets=nonuniform)",
+        "default budgets, budgets=profile)",
     )
     sweep.add_argument("--model", default=None, help="as for run")
     sweep.add_argument("--doc", default=None, help="document (default: the bundled story, with its questions)")

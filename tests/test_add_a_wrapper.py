@@ -176,7 +176,10 @@ def test_the_shipped_stages_exclusions_are_refused_in_one_line():
     """ChunkKV's declared exclusions (AdaKV's budgets, CriticalKV), each with both presets on."""
     declared = {(stage.name, other): why for stage in STAGES for other, why in stage.excludes.items()}
     assert set(declared) == {("chunkkv", "adakv"), ("chunkkv", "criticalkv")}
-    expected = {"adakv": "budgets=adakv needs granularity=token", "criticalkv": "critical=true needs granularity=token"}
+    expected = {
+        "adakv": "budgets=document needs granularity=token",
+        "criticalkv": "critical=true needs granularity=token",
+    }
     for (_, other), why in declared.items():
         with pytest.raises(MethodError) as refused:
             get_method("snapkv", preset=other, granularity="chunk")

@@ -197,7 +197,7 @@ def test_adakv_is_one_top_k_over_the_layer_with_a_floor(ctx, eager):
     ratio, alpha = 4.0, 0.5
     budget = 24
     floor = int(alpha * budget)
-    stored = compress(ctx, "knorm", ratio, budgets="adakv", alpha_safeguard=alpha)
+    stored = compress(ctx, "knorm", ratio, budgets="document", alpha_safeguard=alpha)
     got = kept(stored, ctx)
     lengths = set()
     for layer in range(ctx.lm.n_layers):
@@ -219,7 +219,7 @@ def test_adakv_stores_the_bytes_of_the_tokens_it_keeps(ctx):
     2 * 52 * 128 = 13,312 bytes, ragged or not (a masking implementation would store all 98 per head:
     2 * 2 * 98 * 128 = 50,176)."""
     uniform = compress(ctx, "snapkv", 4.0)
-    ada = compress(ctx, "snapkv", 4.0, budgets="adakv")
+    ada = compress(ctx, "snapkv", 4.0, budgets="document")
     per_head = ada.kept_per_head()
     assert int(per_head.sum()) == int(uniform.kept_per_head().sum()) == 2 * 2 * 26
     assert len(set(per_head.flatten().tolist())) > 1
@@ -227,7 +227,7 @@ def test_adakv_stores_the_bytes_of_the_tokens_it_keeps(ctx):
 
 
 def test_adakv_with_a_full_safeguard_is_uniform(ctx):
-    assert kept(compress(ctx, "keydiff", 3.0, budgets="adakv", alpha_safeguard=1.0), ctx) == kept(
+    assert kept(compress(ctx, "keydiff", 3.0, budgets="document", alpha_safeguard=1.0), ctx) == kept(
         compress(ctx, "keydiff", 3.0), ctx
     )
 
@@ -278,7 +278,7 @@ def test_criticalkv_with_every_pick_in_the_first_stage_is_the_method(ctx):
 
 
 @pytest.mark.parametrize("name", ["knorm", "lagkv", "snapkv", "kvzip"])
-@pytest.mark.parametrize("options", [{"budgets": "adakv"}, {"granularity": "chunk"}, {"critical": True}])
+@pytest.mark.parametrize("options", [{"budgets": "document"}, {"granularity": "chunk"}, {"critical": True}])
 def test_a_wrapper_at_ratio_one_keeps_everything(ctx, name, options):
     stored = compress(ctx, name, 1.0, **options)
     assert int(stored.kept_per_head().min()) == ctx.length
@@ -293,8 +293,8 @@ def test_wrappers_are_knobs_of_every_scoring_method_and_in_its_learn_text():
 
 
 def test_chunks_refuse_per_head_wrappers_in_one_line():
-    with pytest.raises(MethodError, match="budgets=adakv needs granularity=token"):
-        get_method("snapkv", budgets="adakv", granularity="chunk")
+    with pytest.raises(MethodError, match="budgets=document needs granularity=token"):
+        get_method("snapkv", budgets="document", granularity="chunk")
     with pytest.raises(MethodError, match="critical=true needs granularity=token"):
         get_method("tova", critical=True, granularity="chunk")
     with pytest.raises(MethodError, match="alpha_safeguard must be a number from 0 to 1"):

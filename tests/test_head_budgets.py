@@ -91,7 +91,7 @@ def test_attention_matching_uses_the_models_profile_by_default_at_equal_bytes(ct
     write_profile(folder, ctx.lm.name, [[4.0, 1.0], [0.5, 0.5]])
     for ratio, expected in ((4.0, [[64, 16], [8, 8]]), (2.0, [[96, 48], [24, 24]])):
         stored = get_method("attention_matching").compress(Request(ctx, ratio))
-        assert stored.meta["budgets"] == "nonuniform"
+        assert stored.meta["budgets"] == "profile"
         assert profile_name(ctx.lm.name) in stored.meta["budgets_source"]
         assert (stored.kept_per_head().cpu() - ctx.prefix_len).tolist() == expected
         uniform = get_method("attention_matching", budgets="uniform").compress(Request(ctx, ratio))
@@ -105,11 +105,11 @@ def test_a_model_without_a_profile_runs_uniform_and_says_why(ctx):
     assert f"no profile for {ctx.lm.name}" in stored.meta["budgets_source"]
     assert "kvlab budgets" in stored.meta["budgets_source"]
     with pytest.raises(MethodError, match="no head-budget profile"):
-        get_method("attention_matching", budgets="nonuniform").compress(Request(ctx, 4.0))
+        get_method("attention_matching", budgets="profile").compress(Request(ctx, 4.0))
     # What the run's summary, the page and `kvlab run` print: the reason once, not "uniform: uniform ...".
     assert budgets_text(stored.meta) == stored.meta["budgets_source"]
-    profiled = {"budgets": "nonuniform", "budgets_source": "the model's profile m.json"}
-    assert budgets_text(profiled) == "nonuniform: the model's profile m.json"
+    profiled = {"budgets": "profile", "budgets_source": "the model's profile m.json"}
+    assert budgets_text(profiled) == "profile: the model's profile m.json"
     assert budgets_text({"kept": 3}) is None
 
 
@@ -124,7 +124,7 @@ def test_a_measured_profile_is_kept_and_used(ctx, tmp_path, monkeypatch):
     assert find_profile(ctx.lm.name) is not None and str(folder) in path
     assert json.loads(open(path).read())["shares"] == [[round(x, 6) for x in r] for r in sweep.shares.tolist()]
     stored = get_method("attention_matching").compress(Request(ctx, 4.0))
-    assert stored.meta["budgets"] == "nonuniform"
+    assert stored.meta["budgets"] == "profile"
     expected = allocate(sweep.shares, 24, ctx.doc_len)
     assert torch.equal(stored.kept_per_head().cpu() - ctx.prefix_len, expected)
 
@@ -188,7 +188,7 @@ def test_a_methods_own_allocation_is_not_replaced(ctx, tmp_path, monkeypatch):
     assert stored.meta["budgets"] == "global"
     monkeypatch.setenv("KVLAB_BUDGETS_DIR", str(tmp_path))
     write_profile(tmp_path, ctx.lm.name, [[4.0, 1.0], [0.5, 0.5]])
-    stored = get_method("knorm", budgets="nonuniform").compress(req)
+    stored = get_method("knorm", budgets="profile").compress(req)
     assert (stored.kept_per_head().cpu() - ctx.prefix_len).tolist() == [[64, 16], [8, 8]]
     assert stored.nbytes == get_method("knorm").compress(req).nbytes
 
@@ -338,14 +338,14 @@ def test_a_sweep_runs_each_method_once_per_budget_it_has(tiny, monkeypatch, tmp_
     labels = [lab.sweep_label(sweep, r) for r in sweep.results]
     assert labels == [
         "knorm [budgets=uniform]",
-        "knorm [budgets=adakv]",
+        "knorm [budgets=document]",
         "knorm [budgets=global]",
         "attention_matching [budgets=uniform]",
         "attention_matching [budgets=document]",
         "attention_matching [budgets=global]",
         "streaming_llm [budgets=uniform]",
         "pyramidkv [budgets=pyramid]",
-        "pyramidkv [budgets=adakv]",
+        "pyramidkv [budgets=document]",
     ]
     assert [e.method for e in sweep.errors] == ["pyramidkv [budgets=global]"]
     assert "PyramidKV" in sweep.errors[0].message
@@ -353,3 +353,26 @@ def test_a_sweep_runs_each_method_once_per_budget_it_has(tiny, monkeypatch, tmp_
         assert len({r.bytes_compressed for r in sweep.results if r.method == name}) == 1
     with pytest.raises(lab.InputError, match="unknown head budgets nope"):
         lab.compare(DOC, None, ["knorm"], [4.0], "w5", budgets=["nope"])
+
+
+def test_the_old_spellings_of_budgets_are_read_as_todays():
+    """One vocabulary (uniform, profile, document, global) for every method's ``budgets``: scripts, sheets
+    and links written before it keep working, each old value (nonuniform, adakv) read as today's, and a
+    link says so in one line."""
+    from kvlab.catalog import method_names
+    from kvlab.cli import build_parser, method_from_args
+    from kvlab.compression.request import MAX_RATIO, MIN_RATIO
+    from kvlab.lab.links import LinkChoices, parse_link
+
+    am, knorm = "attention_matching", "knorm"
+    assert get_method(am, budgets="nonuniform").options == get_method(am, budgets="profile").options
+    assert get_method(knorm, budgets="adakv").options == get_method(knorm, budgets="document").options
+    argv = ["run", "--doc", "d.txt", "--method", knorm, "--ratio", "4", "--question", "q", "--budgets", "adakv"]
+    assert method_from_args(knorm, build_parser().parse_args(argv)).options.budgets == "document"
+    choices = LinkChoices((), tuple(method_names()), (MIN_RATIO, MAX_RATIO), (), (MIN_RATIO, MAX_RATIO), ())
+    link = parse_link({"method": f"{am}:budgets=nonuniform:max_queries=4096", "ratio": "5"}, choices)
+    assert link.options == (("budgets", "profile"), ("max_queries", 4096)) and link.notes == ()
+    assert link.note() == (
+        "**This link uses older spellings, read as today's:** `budgets=nonuniform` is `budgets=profile` now."
+    )
+    assert parse_link({"method": f"{am}:budgets=profile", "ratio": "5"}, choices).note() == ""

@@ -72,7 +72,7 @@ def by_hand_positions(stored) -> tuple[list[list[torch.Tensor]], int]:
     "name, options",
     [
         ("knorm", {}),
-        ("knorm", {"budgets": "adakv"}),  # ragged heads
+        ("knorm", {"budgets": "document"}),  # ragged heads
         ("pyramidkv", {}),  # a budget per layer
         ("knorm", {"granularity": "chunk"}),
         ("streaming_llm", {}),  # its own knob: the paper's positions within the cache
@@ -141,7 +141,7 @@ def attention_by_hand(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tupl
 
 def test_head_errors_of_a_rerotated_cache_put_the_queries_where_generation_asks_them(ctx, question, eager):
     """Recorded queries stand at their original positions t; generation asks them at t - shift."""
-    stored = get_method("knorm", rerotate=True, budgets="adakv").compress(Request(ctx, 4.0))
+    stored = get_method("knorm", rerotate=True, budgets="document").compress(Request(ctx, 4.0))
     shift, length, m = stored.position_shift, ctx.length, question.numel()
     new, _ = by_hand_positions(stored)
     asked = torch.arange(length, length + m)

@@ -146,7 +146,7 @@ def h2o_attention(eager, ctx, layer: int, kv_head: int) -> list[float]:
     return [sum(float(att[h, j:, j].sum()) / (n - j) for h in heads) / group for j in range(ctx.prefix_len, n)]
 
 
-@pytest.mark.parametrize("options", [{}, {"merge_budget": 3, "seed": 5}, {"budgets": "adakv"}])
+@pytest.mark.parametrize("options", [{}, {"merge_budget": 3, "seed": 5}, {"budgets": "document"}])
 def test_cam_cache_is_its_formula(ctx, eager, options):
     """Every kept value of every layer and head is v_j + sum over the merged evicted i whose window
     (the next merge_budget kept tokens) holds j of v_i / |W_i|, with M_i = [u_i < p_i], u the
@@ -253,7 +253,7 @@ def test_bytes_are_the_kept_tokens(ctx, name):
     stored = get_method(name).compress(Request(ctx, 4.0))
     assert stored.nbytes == 2 * 2 * 26 * 2 * 16 * 4 == 13_312
     assert stored.breakdown() == {"full-precision keys+values": 13_312}
-    ragged = get_method(name, budgets="adakv").compress(Request(ctx, 4.0))
+    ragged = get_method(name, budgets="document").compress(Request(ctx, 4.0))
     assert ragged.nbytes == int(ragged.kept_per_head().sum()) * 2 * 16 * 4
 
 

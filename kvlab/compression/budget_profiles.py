@@ -3,27 +3,33 @@
 A ratio r asks for T / r keys per KV head *on average*. Every allocation here keeps the total at
 exactly that times the heads of the layers a method compresses (equal bytes, whatever the
 allocation: what a head capped at the document's T keys cannot use goes to the others), and no
-head keeps more than T keys or fewer than one. The allocations (the ``budgets`` knob of Attention
-Matching and of every scoring method, :data:`BUDGET_SOURCES`):
+head keeps more than T keys or fewer than one. One vocabulary, :data:`BUDGETS`, for the ``budgets``
+knob of Attention Matching and of every scoring method, the Compare tab's budgets axis and
+``kvlab compare --budgets``, each value dispatched by one function, :func:`allocation`:
 
-- ``uniform``: T / r keys each;
-- ``nonuniform``: the model's profile, each head's share of the total measured once by
+- ``uniform``: T / r keys each (a method's own allocation, e.g. PyramidKV's pyramid, stays its own);
+- ``profile``: the model's profile, each head's share of the total measured once by
   ``kvlab budgets`` (a sensitivity sweep, kvlab.lab.budget_sweep), shipped for the
   offline models under assets/budgets/ and kept for any other model in the user's cache
   (:func:`kvlab.paths.budgets_dir`), capped to [1/``MIN_SHARE_DIV``, ``MAX_SHARE``] x uniform as
   the published profiles are;
-- the document's own: a share per head from this document's scores (Attention Matching's
-  ``document``; AdaKV's ``adakv``, within each layer);
+- ``document``: this document's own reading, each family's published way (Attention Matching: a
+  share per head from how concentrated its reference queries' attention is; a scoring method:
+  AdaKV's sharing of each layer's budget by the method's scores);
 - ``global``: one ranking of every head's scores across heads and layers, each head keeping its
   best key first (KVzip's pruning; the Attention Matching code's global RMS budgets);
 - ``auto`` (Attention Matching's default, the paper's recipe): the model's profile where it has
   one, else uniform, and the run says so.
+
+The spellings before this vocabulary (``nonuniform``, ``adakv``) are read as today's
+(:data:`BUDGET_ALIASES`), with a note where a link uses them.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,31 +45,18 @@ BUDGET_DIR = assets_dir() / "budgets"
 MAX_SHARE = 9.0
 MIN_SHARE_DIV = 7.0
 
+#: The head-budget allocations every ``budgets`` knob chooses from (Attention Matching adds ``auto``).
+BUDGETS = ("uniform", "profile", "document", "global")
+#: Old spellings of the budgets knob's values -> today's (kvlab.compression.options.knob's aliases).
+BUDGET_ALIASES = {"nonuniform": "profile", "adakv": "document"}
+
 #: What each allocation's budgets follow, in words (the page's "Keys per head" and the docs).
 BUDGET_SOURCES = {
     "uniform": "the same budget for every head",
-    "nonuniform": "the model's profile (per-head sensitivity, measured once by kvlab budgets)",
+    "profile": "the model's profile (per-head sensitivity, measured once by kvlab budgets)",
     "document": "this document's reference queries (how concentrated each head's attention is)",
-    "adakv": "this document's scores, shared among the heads of each layer (AdaKV)",
     "global": "one ranking of the method's scores across every head and layer",
 }
-
-
-#: The budgets axis of a sweep (Compare, ``kvlab compare --budgets``): each value as the ``budgets``
-#: knob of the methods that have one. "document" is each family's own reading of the document:
-#: Attention Matching's ``document``, a scoring method's AdaKV.
-BUDGET_AXIS: dict[str, tuple[str, ...]] = {
-    "uniform": ("uniform",),
-    "profile": ("nonuniform",),
-    "document": ("document", "adakv"),
-    "global": ("global",),
-}
-
-
-def axis_knob(choices: tuple[str, ...], value: str) -> str | None:
-    """The ``budgets`` knob value that the axis ``value`` stands for among a method's ``choices``
-    (None: the method has no such allocation). KeyError for a value not on the axis."""
-    return next((v for v in BUDGET_AXIS[value] if v in choices), None)
 
 
 @dataclass(frozen=True)
@@ -204,9 +197,9 @@ def uniform(req: Request, source: str = BUDGET_SOURCES["uniform"]) -> HeadBudget
 
 
 def from_profile(req: Request) -> HeadBudgets:
-    """The model's profile (``budgets=nonuniform``); MethodError when it has none."""
+    """The model's profile (``budgets=profile``); MethodError when it has none."""
     shares, source = load_profile(req.ctx.lm)
-    return HeadBudgets(spread(req.ctx.lm, shares, req.doc_budget, req.ctx.doc_len), "nonuniform", source)
+    return HeadBudgets(spread(req.ctx.lm, shares, req.doc_budget, req.ctx.doc_len), "profile", source)
 
 
 def pooled_budgets(scores: list[torch.Tensor], per_head: int, floor: int = 1) -> torch.Tensor:
@@ -246,7 +239,7 @@ def global_ranking(req: Request, scores: list[torch.Tensor]) -> HeadBudgets:
 
 
 def budgets_text(details: dict) -> str | None:
-    """A run's head budgets in words from its details ("nonuniform: the model's profile ..."; the
+    """A run's head budgets in words from its details ("profile: the model's profile ..."; the
     source alone where it names the allocation already), or None for a method without budgets."""
     if "budgets_source" not in details:
         return None
@@ -255,10 +248,31 @@ def budgets_text(details: dict) -> str | None:
 
 
 def resolve(lm: LoadedModel, asked: str) -> tuple[str, str | None]:
-    """The allocation ``asked`` stands for on ``lm``: ``auto`` is ``nonuniform`` where the model has a
+    """The allocation ``asked`` stands for on ``lm``: ``auto`` is ``profile`` where the model has a
     profile, else ``uniform`` with the reason (the second item; None otherwise)."""
     if asked != "auto":
         return asked, None
     if find_profile(lm.name) is not None:
-        return "nonuniform", None
+        return "profile", None
     return "uniform", f"uniform budgets: no profile for {lm.name} (measure one with `kvlab budgets --model {lm.name}`)"
+
+
+def allocation(
+    req: Request,
+    asked: str,
+    own: HeadBudgets,
+    scores: Callable[[], list[torch.Tensor]],
+    document: Callable[[], HeadBudgets],
+) -> HeadBudgets:
+    """The head budgets of ``budgets=asked`` (:data:`BUDGETS` or ``auto``, :func:`resolve`), for every method:
+    ``own`` for uniform (the method's own allocation, the reason said when ``auto`` fell back to it),
+    the model's profile, the method's ``document`` reading, or the global ranking of its ``scores()``
+    (per layer [H_kv, T_doc]). ``scores`` and ``document`` are called only when asked for."""
+    mode, why = resolve(req.ctx.lm, asked)
+    if mode == "uniform":
+        return own if why is None else HeadBudgets(own.budgets, own.mode, why)
+    if mode == "profile":
+        return from_profile(req)
+    if mode == "document":
+        return document()
+    return global_ranking(req, scores())

@@ -25,17 +25,26 @@ def knob(
     high: float | None = None,
     odd: bool = False,
     slider: bool = False,
+    aliases: dict[str, str] | None = None,
 ) -> Any:
     """A dataclass field for one method knob: its default, its help line and what it allows.
 
     low / high: inclusive bounds of a number (None: open); odd: a whole number
     that must be odd (a centred pooling kernel); slider: the app shows the
     number as a slider from low to high (both must be given), for knobs a
-    learner is meant to move and watch.
+    learner is meant to move and watch; aliases: a choice's old spelling -> today's, read as
+    today's (links and sheets in the wild keep working; :func:`alias_of` names the change).
     """
     if slider and (low is None or high is None):
         raise ValueError("a slider knob needs both bounds (low and high)")
-    return field(default=default, metadata={"help": help, "low": low, "high": high, "odd": odd, "slider": slider})
+    metadata = {"help": help, "low": low, "high": high, "odd": odd, "slider": slider, "aliases": aliases or {}}
+    return field(default=default, metadata=metadata)
+
+
+def alias_of(f: dataclasses.Field, value: Any) -> str | None:
+    """Today's spelling of ``value`` when it is an old one of knob ``f``'s choices (:func:`knob`'s aliases),
+    else None."""
+    return f.metadata.get("aliases", {}).get(value) if isinstance(value, str) else None
 
 
 def allowed(f: dataclasses.Field, kind: Any) -> str:
@@ -95,6 +104,9 @@ class Options:
         kinds = option_types(type(self))
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if (today := alias_of(f, value)) is not None:
+                object.__setattr__(self, f.name, today)  # frozen: the old spelling read as today's
+                value = today
             if f.init and not _accepts(f, kinds[f.name], value):
                 raise MethodError(f"{f.name} must be {allowed(f, kinds[f.name])}, got {value!r}")
 

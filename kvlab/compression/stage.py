@@ -37,7 +37,7 @@ class Stage:
         first is its switch: the stage is on when that knob is not at its default.
     preset: the knob values that turn it on as published.
     excludes: stage name -> why: while this stage is on, that one must be off; the refusal is one
-        line, ``budgets=adakv needs granularity=token: <why>``.
+        line, ``budgets=document needs granularity=token: <why>``.
     scores: (request, per layer [H_kv, T_doc] scores, the head budgets [n_layers, H_kv], the
         options) -> the scores and budgets for each head's top-k, when it is on.
     check: MethodError unless it can hold for the model; run before the scores (a refusal costs nothing).

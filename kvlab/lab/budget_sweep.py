@@ -9,7 +9,7 @@ questions is measured. A head's sensitivity is how much its boost lowers
 that loss. Budget shares follow the sensitivities (a smooth version of the
 published greedy donor -> receiver exchange), capped per head, and are
 written to the user's budgets folder (kvlab.paths.budgets_dir; ``--out``
-elsewhere: the shipped profiles are in assets/budgets/) for ``budgets=nonuniform``
+elsewhere: the shipped profiles are in assets/budgets/) for ``budgets=profile``
 and Attention Matching's default. Only the layers a method compresses are swept: a
 sliding-window layer keeps its window (share 1, never used).
 """

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from kvlab import cancellation, figures, limits
 from kvlab import models as models_module
-from kvlab.compression.budget_profiles import BUDGET_AXIS, axis_knob
+from kvlab.compression.budget_profiles import BUDGET_ALIASES, BUDGETS
 from kvlab.compression.options import option_types
 from kvlab.context import Progress, no_progress
 from kvlab.lab.explore import prepared_context, sub_progress
@@ -77,7 +77,7 @@ class Sweep:
     wall_s: float = 0.0
     stopped: str = ""
     ceilings: list[Ceiling] = field(default_factory=list)
-    budgets: list[str] = field(default_factory=list)  # the budgets axis (BUDGET_AXIS values); empty: none
+    budgets: list[str] = field(default_factory=list)  # the budgets axis (BUDGETS values); empty: none
 
 
 def sweep_label(sweep: "Sweep", r: RunResult) -> str:
@@ -94,18 +94,17 @@ def run_name(method: Method, axis: bool) -> str:
 
 
 def budget_variants(names: list[str], axis: typing.Sequence[str]) -> list[Method]:
-    """Each method once per value of the budgets ``axis`` (kvlab.compression.budget_profiles.BUDGET_AXIS)
-    it has, with that ``budgets`` knob; a method without the knob, or with none of the values, runs once
-    with its defaults. No axis: each method with its defaults. InputError for a value not on the axis."""
-    unknown = [v for v in axis if v not in BUDGET_AXIS]
+    """Each method once per value of the budgets ``axis`` (kvlab.compression.budget_profiles.BUDGETS) it has,
+    with that ``budgets`` knob; a method without the knob, or with none of the values, runs once with its
+    defaults. No axis: each method with its defaults. InputError for a value not on the axis."""
+    unknown = [v for v in axis if v not in BUDGETS]
     if unknown:
-        raise InputError(f"unknown head budgets {', '.join(unknown)}; choose from {', '.join(BUDGET_AXIS)}")
+        raise InputError(f"unknown head budgets {', '.join(unknown)}; choose from {', '.join(BUDGETS)}")
     out: list[Method] = []
     for name in names:
         plain = get_method(name)
         choices = typing.get_args(option_types(type(plain.options)).get("budgets"))
-        knobs = list(dict.fromkeys(k for v in axis if (k := axis_knob(choices, v)) is not None))
-        out += [get_method(name, budgets=k) for k in knobs] or [plain]
+        out += [get_method(name, budgets=v) for v in dict.fromkeys(axis) if v in choices] or [plain]
     return out
 
 
@@ -156,7 +155,7 @@ def _check_request(
     made from one checked spec."""
     methods, ratios = check_sweep(methods, ratios)
     specs: list[str | None] = list(dict.fromkeys(s.strip() for s in models or [] if s.strip())) or [model or None]
-    axis = list(dict.fromkeys(budgets))
+    axis = list(dict.fromkeys(BUDGET_ALIASES.get(b, b) for b in budgets))  # an old spelling read as today's
     chosen = budget_variants(methods, axis)
     points = len(chosen) * len(ratios) * len(specs)
     if points > MAX_SWEEP_POINTS:

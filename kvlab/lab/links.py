@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 from urllib.parse import urlencode
 
-from kvlab.catalog import method_spec, method_text
+from kvlab.catalog import method_spec, method_text, renamed_knobs
 from kvlab.lab.spec import RunSpec, run_spec
 from kvlab.methods import MethodError, get_method
 
@@ -80,10 +80,16 @@ class Link:
     source: str | None = None
     models: tuple[str, ...] | None = None
     notes: tuple[str, ...] = field(default=())
+    renamed: tuple[str, ...] = field(default=())  # old spellings read as today's, one line each
 
     def note(self) -> str:
-        """The page's line about the link: "" when every parameter was taken."""
-        return "" if not self.notes else "**This link was partly understood:** " + " ".join(self.notes)
+        """The page's lines about the link: "" when every parameter was taken as written."""
+        lines = []
+        if self.notes:
+            lines.append("**This link was partly understood:** " + " ".join(self.notes))
+        if self.renamed:
+            lines.append("**This link uses older spellings, read as today's:** " + " ".join(self.renamed))
+        return "\n\n".join(lines)
 
 
 def number(text: str) -> float | None:
@@ -129,7 +135,9 @@ def _read_models(got: dict[str, str], choices: LinkChoices, values: dict, notes:
         values["models"] = offered_models
 
 
-def _read_methods(got: dict[str, str], tab: str, choices: LinkChoices, values: dict, notes: list[str]) -> None:
+def _read_methods(
+    got: dict[str, str], tab: str, choices: LinkChoices, values: dict, notes: list[str], renamed: list[str]
+) -> None:
     """The method (Explore runs one, its knobs too) or methods, each offered by the tab."""
     offered = choices.generate_methods if tab == "generate" else choices.methods
     entries = _names(got.get("methods") or got.get("method") or "")
@@ -142,22 +150,24 @@ def _read_methods(got: dict[str, str], tab: str, choices: LinkChoices, values: d
     known = tuple(dict.fromkeys(n for n in names if n in offered))
     if tab == "explore" and known:
         values["method"] = known[0]
-        values["options"] = _knobs(entries[names.index(known[0])], notes)
+        values["options"] = _knobs(entries[names.index(known[0])], notes, renamed)
         if len(known) > 1:
             notes.append(f"Explore runs one method: `{known[0]}`.")
     elif tab in ("compare", "generate") and known:
         values["methods"] = known
 
 
-def _knobs(spec: str, notes: list[str]) -> tuple[tuple[str, Any], ...]:
+def _knobs(spec: str, notes: list[str], renamed: list[str]) -> tuple[tuple[str, Any], ...]:
     """The knobs of an Explore method ``name:knob=value:...``, each checked as the method's Options check it;
-    () with a note when one is refused (the method then runs with its defaults)."""
+    () with a note when one is refused (the method then runs with its defaults); a line in ``renamed`` for
+    each old spelling read as today's (kvlab.catalog.renamed_knobs)."""
     try:
         name, options = method_spec(spec)
         get_method(name, **dict(options))
     except MethodError as exc:
         notes.append(f"{exc} (the method's defaults are used).")
         return ()
+    renamed += renamed_knobs(spec)
     return options
 
 
@@ -204,13 +214,14 @@ def parse_link(params: Mapping[str, str], choices: LinkChoices) -> Link:
     _read_document(got, choices, values, notes)
     if got.get("models") and tab == "compare":
         _read_models(got, choices, values, notes)
-    _read_methods(got, tab, choices, values, notes)
+    renamed: list[str] = []
+    _read_methods(got, tab, choices, values, notes, renamed)
     ratio_text = got.get("ratios") or got.get("ratio") or ""
     if ratio_text and tab in (*ONE_RATIO_TABS, "compare"):
         _read_ratios(ratio_text, tab, choices, values, notes)
     if tab == "generate":
         _read_generation(got, values, notes)
-    return Link(tab=tab, notes=tuple(notes), **values)  # type: ignore[arg-type]
+    return Link(tab=tab, notes=tuple(notes), renamed=tuple(renamed), **values)  # type: ignore[arg-type]
 
 
 def link_query(link: Link) -> str:

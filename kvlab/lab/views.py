@@ -67,7 +67,7 @@ def summary_markdown(ex: Explored) -> str:
 
 
 def budgets_note(r: RunResult) -> str:
-    """Where the run's per-head budgets came from ("; head budgets nonuniform: the model's profile ...") and,
+    """Where the run's per-head budgets came from ("; head budgets profile: the model's profile ...") and,
     for a fit on reference queries, which queries ("; reference queries repeat, ... on-policy"), or ""."""
     budgets, queries = budgets_text(r.details), queries_text(r.details)
     return (f"; head budgets {budgets}" if budgets else "") + (f"; reference queries {queries}" if queries else "")

@@ -124,7 +124,7 @@ class CaM(MergingMethod):
     presets = {
         "cam_streaming_llm": {"scorer": "streaming_llm"},
         "cam_knorm": {"scorer": "knorm"},
-        "cam_adakv_snapkv": {"scorer": "snapkv", "budgets": "adakv"},
+        "cam_adakv_snapkv": {"scorer": "snapkv", "budgets": "document"},
         "cam_tova": {"scorer": "tova"},
     }
 

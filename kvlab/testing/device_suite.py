@@ -187,7 +187,10 @@ def _budgets(lm: LoadedModel, workdir: Path) -> None:
             os.environ.pop("KVLAB_BUDGETS_DIR")
         else:
             os.environ["KVLAB_BUDGETS_DIR"] = before
-    if sweep.errors or {r.details["budgets"] for r in sweep.results} != {"nonuniform", "adakv", "document", "global"}:
+    ran = {(r.method, r.details["budgets"]) for r in sweep.results}
+    if sweep.errors or ran != {
+        (m, b) for m in ("snapkv", "attention_matching") for b in ("profile", "document", "global")
+    }:
         raise AssertionError(f"budget allocations failed or missing: {sweep.errors}")
 
 

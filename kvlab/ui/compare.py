@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from kvlab.catalog import aware_tag, method_names
-from kvlab.compression.budget_profiles import BUDGET_AXIS
+from kvlab.compression.budget_profiles import BUDGETS
 from kvlab.lab import load_results, parse_ratios, run_tasks, write_exports
 from kvlab.lab.inputs import MAX_RATIO, MIN_RATIO
 from kvlab.lab.tasks import MAX_LIVE_ITEMS, MAX_LIVE_LENGTH, MIN_LENGTH
@@ -45,8 +45,8 @@ from kvlab.ui.tasks import TaskOutputs, build_task_outputs, show
 #: Ratios offered, and those ticked at first.
 SWEEP_RATIOS = (2, 5, 10, 20, 50)
 SWEEP_DEFAULT_RATIOS = (5, 10, 20, 50)
-#: The head-budgets axis as the page names it (kvlab.compression.budget_profiles.BUDGET_AXIS).
-BUDGET_AXIS_LABELS = {
+#: The head-budgets axis as the page names it (kvlab.compression.budget_profiles.BUDGETS).
+BUDGET_LABELS = {
     "uniform": "uniform",
     "profile": "the model's profile",
     "document": "the document's own",
@@ -187,7 +187,7 @@ def build_sweep_choices() -> SweepChoices:
                 elem_id="kvlab-compare-more",
             )
             cmp_budgets = gr.CheckboxGroup(
-                choices=[(BUDGET_AXIS_LABELS[v], v) for v in BUDGET_AXIS],
+                choices=[(BUDGET_LABELS[v], v) for v in BUDGETS],
                 value=[],
                 label="Head budgets",
                 info="None ticked: each method's default. Ticked: each method with a budgets knob once per value, "

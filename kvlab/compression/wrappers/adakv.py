@@ -1,16 +1,16 @@
 """AdaKV (Feng et al., 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget
 Allocation for Efficient LLM Inference", arXiv 2407.11550): head-adaptive budgets.
 
-A wrapper over any scoring method (``budgets=adakv``): a layer's budget (the
+A wrapper over any scoring method (``budgets=document``, the preset ``adakv``): a layer's budget (the
 sum of its heads' budgets under the method's own allocation) is shared among
 its KV heads by one top-k over the scores of all of them, so a head whose
 scores are concentrated gives keys to a head whose scores are spread out. A
 safeguard keeps each head at least ``alpha_safeguard`` of the mean per-head
 budget (the paper's and kvpress's default: 0.2), its own top scores first.
 
-The same knob (``budgets``) also places the budget by the model's head-budget profile
-(``nonuniform``) or by one ranking across every head and layer (``global``), both from
-kvlab.compression.budget_profiles.
+The same knob (``budgets``, kvlab.compression.budget_profiles' one vocabulary) also places the budget
+by the model's head-budget profile (``profile``) or by one ranking across every head and layer
+(``global``).
 
 kvlab stores the result ragged (kvlab.runtime.cache.DenseSegment packs each
 head's own length), so the bytes stored are those of the tokens kept. kvpress's
@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import torch
 
-from kvlab.compression.budget_profiles import BUDGET_SOURCES, HeadBudgets, from_profile, global_ranking
+from kvlab.compression.budget_profiles import BUDGET_ALIASES, HeadBudgets, allocation
 from kvlab.compression.options import MethodError, knob
 from kvlab.compression.request import Request
 from kvlab.compression.stage import Stage
@@ -50,49 +50,57 @@ def adakv_budgets(scores: torch.Tensor, total: int, floor: int) -> torch.Tensor:
     return torch.bincount(picked // length, minlength=n_heads)
 
 
+#: What AdaKV's budgets follow (``budgets=document`` on a scoring method), in words.
+SOURCE = "this document's scores, shared among the heads of each layer (AdaKV)"
+
+
 @dataclass(frozen=True)
 class AllocationKnobs:
     """Where each head's budget comes from (:func:`allocate`); on when ``budgets`` is not uniform."""
 
-    budgets: Literal["uniform", "adakv", "nonuniform", "global"] = knob(
+    budgets: Literal["uniform", "profile", "document", "global"] = knob(
         "uniform",
-        "uniform (the method's own per-head budgets), adakv (a layer's budget shared among its heads by "
-        "their scores), nonuniform (the model's head-budget profile, as Attention Matching's) or global (one "
+        "uniform (the method's own per-head budgets), document (AdaKV: a layer's budget shared among its heads "
+        "by their scores), profile (the model's head-budget profile, as Attention Matching's) or global (one "
         "ranking of the scores across every head and layer, as KVzip's); the last three stored ragged",
+        aliases=BUDGET_ALIASES,
     )
     alpha_safeguard: float = knob(
-        0.2, "adakv: fewest tokens a head keeps, as a share of the mean per-head budget", low=0.0, high=1.0
+        0.2, "document: fewest tokens a head keeps, as a share of the mean per-head budget", low=0.0, high=1.0
     )
 
 
 def allocate(
     req: Request, scores: list[torch.Tensor], own: HeadBudgets, opts: Any
 ) -> tuple[list[torch.Tensor], HeadBudgets]:
-    """The head budgets ``opts.budgets`` asks for in place of the method's own (``own``, [n_layers, H_kv]):
-    AdaKV's from the method's scores (per layer [H_kv, T_doc], unchanged), as kvpress's
-    CriticalAdaKVPress, over the layer totals of ``own``; the model's profile; the global ranking.
+    """The head budgets ``opts.budgets`` asks for in place of the method's own (``own``, [n_layers, H_kv]),
+    through the one allocation (kvlab.compression.budget_profiles.allocation): AdaKV's from the method's
+    scores (per layer [H_kv, T_doc], unchanged), as kvpress's CriticalAdaKVPress, over the layer totals
+    of ``own``; the model's profile; the global ranking.
 
     MethodError when a profile or the global ranking would replace an allocation the method makes
     itself (``own.mode`` not uniform: PyramidKV's pyramid, KVzip's pruning).
     """
-    if opts.budgets in ("nonuniform", "global"):
-        if own.mode != "uniform":
-            raise MethodError(
-                f"budgets={opts.budgets} would replace the method's own allocation ({own.source}); "
-                "use budgets=uniform or adakv with it"
-            )
-        return scores, from_profile(req) if opts.budgets == "nonuniform" else global_ranking(req, scores)
+    if opts.budgets in ("profile", "global") and own.mode != "uniform":
+        raise MethodError(
+            f"budgets={opts.budgets} would replace the method's own allocation ({own.source}); "
+            "use budgets=uniform or document with it"
+        )
     n_heads = own.budgets.shape[1]
-    return scores, HeadBudgets(
-        torch.stack(
-            [
-                adakv_budgets(s, int(b.sum()), safeguard(int(b.sum()), n_heads, opts.alpha_safeguard))
-                for s, b in zip(scores, own.budgets)
-            ]
-        ),
-        "adakv",
-        BUDGET_SOURCES["adakv"] + ("" if own.mode == "uniform" else f", from {own.source}"),
-    )
+
+    def adakv() -> HeadBudgets:
+        return HeadBudgets(
+            torch.stack(
+                [
+                    adakv_budgets(s, int(b.sum()), safeguard(int(b.sum()), n_heads, opts.alpha_safeguard))
+                    for s, b in zip(scores, own.budgets)
+                ]
+            ),
+            "document",
+            SOURCE + ("" if own.mode == "uniform" else f", from {own.source}"),
+        )
+
+    return scores, allocation(req, opts.budgets, own, lambda: scores, adakv)
 
 
-STAGE = Stage(name="adakv", order=10, knobs=AllocationKnobs, preset={"budgets": "adakv"}, scores=allocate)
+STAGE = Stage(name="adakv", order=10, knobs=AllocationKnobs, preset={"budgets": "document"}, scores=allocate)

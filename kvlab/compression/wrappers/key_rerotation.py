@@ -12,7 +12,7 @@ kept keys, not at the context's length: the model sees a short context with no g
 New positions are right-aligned. Let P be the largest number of keys any head stores (the
 template prefix included). A head that keeps n_h keys has them, in reading order, at
 P - n_h .. P - 1, and the question starts at P. With the same budget in every head and layer
-this is kvpress's 0 .. n_kept - 1 with P = n_kept. With ragged heads (``budgets=adakv``) or
+this is kvpress's 0 .. n_kept - 1 with P = n_kept. With ragged heads (``budgets=document``) or
 per-layer budgets (pyramidkv) each head's latest kept key stays right before the question, as
 it was in the full cache: kvpress has one budget for all and never meets the case.
 """

@@ -13,15 +13,7 @@ from typing import Any, Literal
 
 import torch
 
-from kvlab.compression.budget_profiles import (
-    BUDGET_SOURCES,
-    HeadBudgets,
-    from_profile,
-    global_ranking,
-    resolve,
-    spread,
-    uniform,
-)
+from kvlab.compression.budget_profiles import BUDGET_ALIASES, BUDGET_SOURCES, HeadBudgets, allocation, spread, uniform
 from kvlab.compression.options import MethodError, Options, knob
 from kvlab.compression.paper import Paper
 from kvlab.compression.request import Request
@@ -113,13 +105,14 @@ class AMOptions(ScoredOptions):
     ridge: float = knob(
         1e-6, "ridge of the value and bias least squares, relative to the Gram's mean diagonal", low=0.0
     )
-    budgets: Literal["auto", "uniform", "nonuniform", "document", "global"] = knob(
+    budgets: Literal["auto", "uniform", "profile", "document", "global"] = knob(
         "auto",
         "per-head budgets, the total always T/r per head on average: auto (the paper's recipe: the model's "
-        "profile where it has one, else uniform, said), uniform, nonuniform (the model's profile from its "
+        "profile where it has one, else uniform, said), uniform, profile (the model's profile from its "
         "sensitivity sweep, kvlab budgets), document (this document's reference queries: heads whose "
         "attention is concentrated keep more) or global (one ranking of the reference queries' attention "
         "across every head and layer)",
+        aliases=BUDGET_ALIASES,
     )
     compaction_chunk: int = knob(0, "compact the document in chunks of this many tokens (0: one block)", low=0)
     on_policy: bool = knob(
@@ -313,21 +306,25 @@ def attention_scores(ctx: Context, queries: list[torch.Tensor], opts: ScoredOpti
 
 
 def am_budgets(req: Request, opts: AMOptions, queries: list[torch.Tensor] | None = None) -> HeadBudgets:
-    """The compact keys per head for ``opts.budgets`` (kvlab.compression.budget_profiles): ``auto`` the
-    model's profile where it has one, else uniform with the reason; ``document`` and ``global`` read
-    the reference ``queries`` (per layer [H, n, d]; MethodError without them: not on-policy)."""
-    mode, why = resolve(req.ctx.lm, opts.budgets)
-    if mode == "uniform":
-        return uniform(req, why or BUDGET_SOURCES["uniform"])
-    if mode == "nonuniform":
-        return from_profile(req)
-    if queries is None:
-        raise MethodError(f"budgets={mode} reads the reference queries before the fit: not on-policy")
-    if mode == "document":
-        return HeadBudgets(
-            document_budgets(req.ctx, queries, opts, req.doc_budget), "document", BUDGET_SOURCES["document"]
-        )
-    return global_ranking(req, attention_scores(req.ctx, queries, opts))
+    """The compact keys per head for ``opts.budgets`` (kvlab.compression.budget_profiles.allocation): ``auto``
+    the model's profile where it has one, else uniform with the reason; ``document`` (how concentrated
+    each head's attention is) and ``global`` read the reference ``queries`` (per layer [H, n, d];
+    MethodError without them: not on-policy)."""
+
+    def read() -> list[torch.Tensor]:
+        if queries is None:
+            raise MethodError(f"budgets={opts.budgets} reads the reference queries before the fit: not on-policy")
+        return queries
+
+    return allocation(
+        req,
+        opts.budgets,
+        uniform(req),
+        lambda: attention_scores(req.ctx, read(), opts),
+        lambda: HeadBudgets(
+            document_budgets(req.ctx, read(), opts, req.doc_budget), "document", BUDGET_SOURCES["document"]
+        ),
+    )
 
 
 class QuerySourced:
