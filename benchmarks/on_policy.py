@@ -11,8 +11,11 @@ timed as the preparation a page does once per document), for each ratio, the com
   forward sweep (kvlab.methods.families.compaction.on_policy_cache);
 - ``reread``: the same on-policy fit by re-reading the text once per layer, as the paper's code does
   (``on_policy_sweep=false``), timed once per ratio (it is the slow one);
-- ``recipe``: the paper's headline recipe as far as the lab has it: on-policy (the sweep), the repeat
-  pass with self-study conversations (``self_study_weight=1``), up to 50,000 queries per head.
+- ``mix``: the recipe's query mix alone, off-policy: the repeat pass and the self-study conversations
+  (``self_study_weight=1``), up to 50,000 queries per head;
+- ``recipe``: the paper's headline recipe as far as the lab has it: on-policy (the sweep, each segment of
+  the text read on its own after the document), the repeat pass with self-study conversations
+  (``self_study_weight=1``), up to 50,000 queries per head.
 
 Each (but ``reread``) the best and the median of ``--repeats`` runs taken in turn. Then how many times
 faster the sweep is than the re-read (the re-read's time over the sweep's median) and the recipe's
@@ -40,6 +43,7 @@ CONFIGS = {
     "default": {},
     "sweep": {"on_policy": True},
     "reread": {"on_policy": True, "on_policy_sweep": False},
+    "mix": {"self_study_weight": 1.0, "max_queries": 50000},
     "recipe": {"on_policy": True, "self_study_weight": 1.0, "max_queries": 50000},
 }
 

@@ -8,12 +8,15 @@ is a source only for methods that say they are query-aware.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
 
 from kvlab.context import Context, Memo
+from kvlab.memo import MISSING
 from kvlab.prompts import REPEAT_INSTRUCTION, question_tokens, repeat_tokens
+from kvlab.results import RunKey, code_identity, loaded_identity, store, text_digest
 from kvlab.runtime.cache import CompressedKV
 from kvlab.runtime.decode import Session, extend, greedy, open_session, read_chunked
 from kvlab.runtime.hooks import QueryCapture
@@ -129,28 +132,58 @@ def question_queries(ctx: Context, question: str) -> list[torch.Tensor]:
 class SelfStudy:
     """Self-study conversations about a document: per prompt, the prompt turn's tokens then the model's
     greedy answer (``turns``, each [n_i]); ``queries``: per layer [H, n, d] the queries recorded while
-    each was read after the full cache on its own (the prompt, then every answer token fed back)."""
+    each was read after the full cache on its own."""
 
     turns: tuple[torch.Tensor, ...]
     queries: list[torch.Tensor]
 
 
+def self_study_key(ctx: Context, token_budget: int) -> RunKey:
+    """Where the result store keeps a document's self-study conversations: by the model's weights, the
+    document, the prompts, the budget and the code that wrote them."""
+    return RunKey(
+        model=loaded_identity(ctx.lm),
+        document=text_digest(ctx.text),
+        question="",
+        method="self_study",
+        options=json.dumps(SELF_STUDY_PROMPTS),
+        ratio=1.0,
+        max_new_tokens=token_budget,
+        code=code_identity(),
+    )
+
+
+def conversations(ctx: Context, token_budget: int) -> list[list[int]]:
+    """The self-study conversations' tokens, generated greedily: per prompt, its turn then the answer fed
+    back (the last generated token never is: nothing reads it)."""
+    per_prompt = max(1, token_budget // len(SELF_STUDY_PROMPTS))
+    turns = []
+    for prompt in SELF_STUDY_PROMPTS:
+        ids = question_tokens(ctx.lm.tokenizer, prompt)
+        answer = greedy(ctx.lm, ctx.full.stored, ids, per_prompt)
+        turns.append(ids.tolist() + list(answer.ids[:-1]))
+    return turns
+
+
 def self_study(ctx: Context, token_budget: int = 256) -> SelfStudy:
     """Self-study: the model answers generic prompts about the document (greedily, ``token_budget``
-    generated tokens over all prompts: generation is the slow part on a CPU), made once per context."""
+    generated tokens over all prompts: generation is the slow part on a CPU), made once per context.
+
+    The conversations' text is kept in the result store (:func:`self_study_key`), so that a restart or
+    another process reads it instead of generating it again; the queries are always those of each
+    conversation read after the full cache on its own, the same whether the text was generated now or
+    read from the store."""
 
     def make() -> SelfStudy:
-        capture = QueryCapture(ctx.lm.n_layers)
-        stored = ctx.full.stored
-        per_prompt = max(1, token_budget // len(SELF_STUDY_PROMPTS))
-        turns = []
-        for prompt in SELF_STUDY_PROMPTS:
-            ids = question_tokens(ctx.lm.tokenizer, prompt)
-            answer = greedy(ctx.lm, stored, ids, per_prompt, capture)
-            # The tokens fed back: the last generated one never is (nothing reads it).
-            fed = torch.tensor(answer.ids[:-1], dtype=ids.dtype, device=ids.device)
-            turns.append(torch.cat([ids, fed]))
-        return SelfStudy(tuple(turns), capture.per_layer())
+        key = self_study_key(ctx, token_budget)
+        kept = store().get(key)
+        if kept is MISSING:
+            kept = conversations(ctx, token_budget)
+            store().put(key, kept)
+        ids = ctx.tokens.ids
+        turns = tuple(torch.tensor(turn, dtype=ids.dtype, device=ids.device) for turn in kept)
+        reads = [read_after(ctx, turn) for turn in turns]
+        return SelfStudy(turns, [torch.cat([r[layer] for r in reads], dim=1) for layer in range(ctx.lm.n_layers)])
 
     return ctx.cached(SelfStudyQueries(token_budget), make)
 

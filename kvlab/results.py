@@ -44,6 +44,7 @@ from typing import Any, Callable, Hashable, Literal
 
 from kvlab import limits
 from kvlab.memo import MISSING, compute_once
+from kvlab.runtime.model import LoadedModel
 
 log = logging.getLogger("kvlab.results")
 
@@ -160,6 +161,16 @@ def model_identity(spec: str | None) -> str:
     if location.is_dir():
         return "folder:" + folder_digest(location)
     return f"hub:{source.location}@{hub_revision(source.location) or 'unresolved'}"
+
+
+def loaded_identity(lm: LoadedModel) -> str:
+    """What identifies a loaded model's weights when no file names them (a model built in code, any model
+    handed to the lab): its name, its configuration and a digest of the first 4,096 values of its token
+    embedding (a slice moved to the CPU only to be hashed: two trainings, or two random seeds, differ there)."""
+    weight = lm.model.get_input_embeddings().weight.detach().flatten()[: 1 << 12]
+    digest = hashlib.sha256(weight.float().cpu().numpy().tobytes())
+    digest.update(lm.model.config.to_json_string().encode())
+    return f"loaded:{lm.name}:{digest.hexdigest()[:32]}"
 
 
 def options_text(options: object) -> str:

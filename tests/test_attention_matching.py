@@ -148,21 +148,35 @@ def test_mixed_queries_are_both_sources_capped_and_weighted(ctx):
 
 def test_self_study_and_on_policy_combine_in_the_sweep(ctx):
     """The paper's recipe, self-study with the repeat and re-read on-policy, runs (once refused): each
-    layer fits on the repeat's queries and self-study's, each capped (the per-head counts), the
-    self-study conversations read after the repeat through the layers fitted before."""
+    layer fits on the repeat's queries and self-study's, each capped (the per-head counts), each
+    self-study conversation read on its own after the document through the layers fitted before."""
     from kvlab.queries import self_study
 
     opts = {"on_policy": True, "self_study_weight": 2.0, "self_study_tokens": 8, "max_queries": 60}
     stored = get_method("attention_matching", **opts).compress(Request(ctx, 4.0))
     g = ctx.lm.n_heads // ctx.lm.n_kv_heads
     n_repeat = repeat_queries(ctx)[0].shape[1]
-    n_study = self_study(ctx, 8).transcript().numel()
+    n_study = sum(turn.numel() for turn in self_study(ctx, 8).turns)
     assert stored.meta["queries_per_head"] == [min(60, g * n_repeat) + min(60, g * n_study)] * ctx.lm.n_layers
     assert int(stored.kept_per_head().max()) <= round(ctx.doc_len / 4) + ctx.prefix_len
     # Without self-study the same sweep fits on fewer queries, to another cache.
     plain = get_method("attention_matching", on_policy=True, max_queries=60).compress(Request(ctx, 4.0))
     assert plain.meta["queries_per_head"] == [min(60, g * n_repeat)] * ctx.lm.n_layers
     assert not torch.equal(plain.layer_view(1).values, stored.layer_view(1).values)
+
+
+def test_self_study_text_is_kept_in_the_result_store_and_read_back_the_same(ctx, monkeypatch):
+    """A document's self-study conversations are generated once and kept (kvlab.results): a new context of
+    the same document (a restart, another process) reads them back instead of generating, and its queries
+    are the same."""
+    from kvlab import queries
+
+    first = queries.self_study(prepare_context(ctx.lm, ctx.text), 8)  # generated: this test's store is empty
+    monkeypatch.setattr(queries, "greedy", lambda *a, **k: pytest.fail("generated again"))
+    again = queries.self_study(prepare_context(ctx.lm, ctx.text), 8)
+    assert [t.tolist() for t in again.turns] == [t.tolist() for t in first.turns]
+    for layer, q in enumerate(first.queries):
+        assert torch.equal(again.queries[layer], q)
 
 
 def test_the_retrieval_knobs_compress_within_budget_and_refuse_contradictions(ctx):
@@ -193,7 +207,6 @@ def test_the_retrieval_knobs_compress_within_budget_and_refuse_contradictions(ct
             assert set(top.tolist()) <= kept
     for bad, match in (
         ({"value_fit": "original", "value_anchor": 0.1}, "value_anchor"),
-        ({"self_study_weight": 1.0, "on_policy": True, "on_policy_sweep": False}, "on_policy_sweep"),
         ({"self_study_weight": 1.0, "query_source": "self_study"}, "self_study_weight"),
         ({"kvzip_share": 1.5}, "kvzip_share"),
         ({"value_anchor": -1.0}, "value_anchor"),

@@ -9,10 +9,11 @@ queries and budgets are kvlab.methods.families.am_recipe.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -505,13 +506,16 @@ def on_policy_cache(
 
 def read_segments(ctx: Context, segments: list[torch.Tensor], sweep: SweepLayers) -> None:
     """Every segment read after the full cache into its capture of ``sweep``, each pass in its own thread
-    (the first in this one), the caller's context (its cancellation scope) carried into each; the first
-    real error of any pass raised here (the others' broken barrier is only its echo)."""
+    (the first in this one) under the caller's context (its cancellation scope) and torch function modes
+    (:func:`carried_modes`); the first real error of any pass raised here (the others' broken barrier is
+    only its echo)."""
     errors: list[BaseException] = []
+    modes = torch.overrides._get_current_function_mode_stack()
 
     def read(k: int) -> None:
         try:
-            read_after_into(ctx, segments[k], sweep.captures[k])
+            with carried_modes(modes) if k else contextlib.nullcontext():
+                read_after_into(ctx, segments[k], sweep.captures[k])
         except BaseException as exc:  # noqa: BLE001 - re-raised below, in the caller's thread
             errors.append(exc)
             sweep.barrier.abort()  # the other passes wait at the next layer's barrier: release them
@@ -525,6 +529,16 @@ def read_segments(ctx: Context, segments: list[torch.Tensor], sweep: SweepLayers
     real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
     if real or errors:
         raise (real or errors)[0]
+
+
+@contextlib.contextmanager
+def carried_modes(modes: list) -> Iterator[None]:
+    """The caller's torch function modes, entered in a worker thread: a mode holds for the thread that
+    entered it only (``with torch.device(...)``, kvlab.testing.fake_cuda's device-mixing check)."""
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        yield
 
 
 def fit_on_policy(
