@@ -8,7 +8,7 @@ timed as the preparation a page does once per document), for each ratio, the com
 
 - ``default``: today's default (off-policy, the repeat pass's queries, capped at 2,048 per head);
 - ``sweep``: ``on_policy=true``, each layer's queries read through the layers fitted before it, in one
-  forward sweep (kvlab.methods.families.compaction.on_policy_cache);
+  forward sweep (kvlab.methods.families.document_fit.on_policy_cache);
 - ``reread``: the same on-policy fit by re-reading the text once per layer, as the paper's code does
   (``on_policy_sweep=false``), timed once per ratio (it is the slow one);
 - ``mix``: the recipe's query mix alone, off-policy: the repeat pass and the self-study conversations

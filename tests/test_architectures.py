@@ -360,18 +360,18 @@ def test_the_sweep_reads_each_conversation_on_its_own_after_the_document(ctx, mo
     """As the paper's code re-reads each self-study conversation over the context's cache alone: the
     first layer's fitting queries (nothing compacted before it) are the repeat pass's and each
     conversation's as read by itself right after the full cache, not as read after the others."""
-    from kvlab.methods.families import compaction
+    from kvlab.methods.families import document_fit
     from kvlab.prompts import repeat_tokens
     from kvlab.queries import read_after, self_study
 
     seen = {}
-    real = compaction.fit_on_policy
+    real = document_fit.fit_on_policy
 
     def spy(req, opts, layer, q, *args):
         seen.setdefault(layer, (q, args[-1]))
         return real(req, opts, layer, q, *args)
 
-    monkeypatch.setattr(compaction, "fit_on_policy", spy)
+    monkeypatch.setattr(document_fit, "fit_on_policy", spy)
     options = {"on_policy": True, "budgets": "uniform", "self_study_weight": 1.0, "self_study_tokens": 12}
     get_method("attention_matching", **options).compress(Request(ctx, 3.0, QUESTION))
     q, extra = seen[0]

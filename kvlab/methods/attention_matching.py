@@ -23,7 +23,7 @@ from kvlab.compression.interface import Method
 from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.methods.families.am_recipe import PAPER, PRESETS, AMOptions, QuerySourced
-from kvlab.methods.families.compaction import compact_document
+from kvlab.methods.families.document_fit import compact_document
 from kvlab.runtime.cache import CompressedKV
 
 

@@ -18,7 +18,7 @@ from kvlab.compression.registry import register
 from kvlab.compression.request import Request
 from kvlab.context import prepare_context
 from kvlab.methods.families.am_recipe import PAPER, PRESETS, AMOptions, QuerySourced
-from kvlab.methods.families.compaction import compact_document
+from kvlab.methods.families.document_fit import compact_document
 from kvlab.methods.families.summary import SUMMARY_PROMPT, write_summary
 from kvlab.prompts import question_tokens
 from kvlab.runtime.cache import CompressedKV, keep_windows, template_segment

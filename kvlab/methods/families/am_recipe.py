@@ -202,7 +202,7 @@ def on_policy_segments(ctx: Context, opts: AMOptions, question: str | None) -> l
 
 
 def queries_text(details: dict) -> str | None:
-    """A fit's reference queries in words from a run's details (kvlab.methods.families.compaction.query_meta):
+    """A fit's reference queries in words from a run's details (kvlab.methods.families.document_fit.query_meta):
     "repeat + self_study (weight 1), 6,144-8,010 per KV head (cap 50,000), on-policy (one sweep)"; None
     for a run without them."""
     if "query_kinds" not in details:
