@@ -35,10 +35,14 @@ browser:
 run: setup
 	$(PY) app.py
 
+# The suite in parallel, one worker per core (at most four; tests/conftest.py gives each its share of the
+# threads), a module to a worker so that a module's shared fixtures (a served app, a prefilled model) are built
+# once; `make test TEST_WORKERS=0` runs it in this process, in order.
+TEST_WORKERS ?= auto
 test: setup-dev browser
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --maxprocesses 4 --dist loadscope tests
 
 # A developer's quick answer: everything but the tests marked slow, browser, load or matrix (pyproject.toml's
 # markers; matrix = the per-method harnesses' cases beyond tests/conftest.py's QUICK_METHODS); `make test` runs all.

@@ -16,6 +16,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Finished runs of the suite's servers (subprocesses included) go to a folder of this session's own:
 # never the user's store, where an earlier session's results would answer this one's requests.
 os.environ["KVLAB_STORE_DIR"] = tempfile.mkdtemp(prefix="kvlab-test-store-")
+# `make test` runs the suite in parallel (pytest-xdist, one worker per core): each worker, and the servers it
+# starts, takes its share of the cores, since torch's threads spin and oversubscribed cores slow every worker.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 import pytest
 from transformers import PreTrainedTokenizerFast

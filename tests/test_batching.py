@@ -9,6 +9,8 @@ projection, over the layers, times the logits' size.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import threading
 
 import pytest
@@ -180,3 +182,19 @@ def test_a_run_not_allowed_to_leave_keeps_the_slot():
         with slot._cond:
             assert slot._holder == threading.get_ident()
     assert not slot.busy
+
+
+def test_a_model_that_answered_can_be_copied_and_the_copy_answers_on_its_own(lm, caches):
+    """copy.deepcopy of a model whose batcher exists (a lock, sessions' events): the copy gets a batcher of its
+    own over its own weights; it answers as the original does, and changing its weights leaves the original's
+    answer alone (the reference: the original's logits before the copy)."""
+    ids = tokens(3, 4)
+    before = extend(lm, open_session(lm, caches[0]), ids)
+    assert batching.batcher(lean_model(lm.model)) is not None  # the model now carries a batcher and its lock
+    twin = dataclasses.replace(lm, model=copy.deepcopy(lm.model))
+    assert batching.batcher(lean_model(twin.model)) is not batching.batcher(lean_model(lm.model))
+    assert torch.equal(extend(twin, open_session(twin, caches[0]), ids), before)
+    with torch.no_grad():
+        twin.model.lm_head.weight.mul_(2.0)
+    assert torch.equal(extend(lm, open_session(lm, caches[0]), ids), before)
+    assert not torch.equal(extend(twin, open_session(twin, caches[0]), ids), before)

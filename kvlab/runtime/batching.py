@@ -18,6 +18,7 @@ the same near-tie caveat as checking a draft in one pass
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from contextlib import contextmanager
@@ -70,6 +71,11 @@ class StepBatcher:
         self._pending: list[_Step] = []
         self._leader: _Step | None = None
         self.passes = self.rows = self.widest = 0
+
+    def __deepcopy__(self, memo: dict) -> StepBatcher:
+        """A copied model's batcher (``copy.deepcopy`` of a model that has answered): a new one over the copied
+        lean model, with its own lock and nobody joined; locks and waiting sessions are not state to copy."""
+        return StepBatcher(copy.deepcopy(self.lean, memo), self.max_batch, self.gather_s)
 
     @contextmanager
     def joined(self) -> Iterator[None]:
