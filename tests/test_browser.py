@@ -237,7 +237,10 @@ def test_links_open_a_configuration_and_link_to_this_gives_it_back(app_url, page
     # A link with a method's knob sets that knob (through the load's hidden box: kvlab.ui.knobs.link_panel)
     # and prepares the method with it; the method's other knobs keep their defaults (a link names only
     # the knobs that differ from them).
-    page.goto(f"{app_url}?tab=explore&example=story&method=attention_matching:budgets=uniform&ratio=5")
+    page.goto(
+        f"{app_url}?tab=explore&example=story&method=attention_matching:budgets=uniform&ratio=5",
+        wait_until="domcontentloaded",
+    )
     expect(page.locator("#kvlab-method input")).to_have_value(re.compile(r"^attention_matching"), timeout=20_000)
     expect(page.locator("#kvlab-doc-status")).to_contain_text("Ready", timeout=RUN_TIMEOUT_MS)
     page.locator("#kvlab-link-make").click()  # "Link to this" reads the knobs the page holds
