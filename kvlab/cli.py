@@ -156,7 +156,7 @@ def _add_run_parser(sub: Any) -> argparse.ArgumentParser:
         help="embedded (default), a .gguf file, a local directory or a hub id; also KVLAB_MODEL",
     )
     run.add_argument("--max-new-tokens", type=int, default=48, help="answer length cap (default 48)")
-    run.add_argument("--json", action="store_true", help="print one JSON object")
+    run.add_argument("--json", action="store_true", help="print one JSON object (progress stays on stderr)")
     run.add_argument(
         "--save-cache",
         default=None,
@@ -229,7 +229,7 @@ def _add_generate_parser(sub: Any) -> None:
         "--max-new-tokens", type=int, default=200, help="tokens written at most (default 200, at most 2048)"
     )
     gen.add_argument("--model", default=None, help="as for run")
-    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (progress stays on stderr)")
 
 
 def _add_warm_parser(sub: Any) -> None:
@@ -273,7 +273,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         from kvlab.cache_command import check_save_path, save_run_cache
 
         save_to = check_save_path(args.save_cache)
-    progress = (lambda f, desc: None) if args.json else _stderr_progress
+    # Progress on stderr with --json too: the JSON is stdout's alone, and a Cartridges training runs minutes.
+    progress = _stderr_progress
     # The lab's own run (kvlab.lab.explore): the same checks and the same path as the app's Explore.
     explored = explore(spec, progress)
     result = explored.run.result
@@ -362,7 +363,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             args.budget,
             args.max_new_tokens,
             args.model,
-            (lambda f, desc: None) if args.json else _stderr_progress,
+            _stderr_progress,  # stderr: --json's object is stdout's alone
         )
     except (InputError, MethodError) as exc:
         raise UsageError(str(exc)) from exc

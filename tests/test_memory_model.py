@@ -42,7 +42,9 @@ TOKENS = 15000
 #   attention over the kept keys, [n, t] per KV head (n = 2,048 queries, t =
 #   15000 / 5 keys), a few at a time; each is 1.7x this cache here, and they
 #   grow like t, i.e. linearly in T (the mass fit solves the n x n dual when
-#   n < t, never a t x t system); measured 14.5;
+#   n < t, never a t x t system); measured 14.5; KVSculpt runs the same fit, then
+#   learns one head's keys at a time (its [n, t] attention and their gradients):
+#   measured 14.7;
 # - a lab run: the prefill, Attention Matching's compression, both answers, the
 #   errors; measured 18.9.
 HELD_MAX_CACHES = 2.0  # multiples of the KV cache, besides the recorded queries
@@ -102,7 +104,7 @@ def test_a_prefilled_context_holds_its_cache_and_queries_only(figures):
 
 @pytest.mark.parametrize("method", sorted(REGISTRY))
 def test_each_method_compresses_within_a_bounded_multiple_of_the_cache(figures, method):
-    limit = ATTENTION_MATCHING_MAX if method == "attention_matching" else COMPRESS_MAX
+    limit = ATTENTION_MATCHING_MAX if method in ("attention_matching", "kvsculpt") else COMPRESS_MAX
     assert multiples(figures)[method] <= limit, f"{method}: {multiples(figures)[method]:.2f}x the KV cache"
 
 

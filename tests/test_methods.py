@@ -43,6 +43,7 @@ UNSCORED = {
     "fp4_e2m1",
     "turboquant",  # the engine formats evict the oldest tokens by default, as KIVI
     "simlayerkv",
+    "cartridges",  # trained keys stand for no one token: nothing to score
 }  # within a layer its scores are positions (initial + recent), as StreamingLLM's
 
 
