@@ -26,8 +26,11 @@ import pytest
 
 sync_api = pytest.importorskip("playwright.sync_api")
 
+from test_claims import stored_counts  # noqa: E402
+
 from benchmarks.browser import chromium_page, chromium_path, mark_outputs, pick_method, serve_app, wait_for_run  # noqa: E402
 from kvlab import lab, results  # noqa: E402
+from kvlab.lab import claims  # noqa: E402
 from kvlab.lab.head_roles import head_roles  # noqa: E402
 from kvlab.lab.spec import run_spec  # noqa: E402
 from kvlab.memo import MISSING  # noqa: E402
@@ -445,3 +448,22 @@ def take_asset(page, tmp_path: Path, name: str, *parts: list) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     sheet.save(folder / name, optimize=True)
     assert (folder / name).stat().st_size > 10_000
+
+
+def test_the_claims_show_each_stored_figure_a_verdict_and_how_to_reproduce_it(app_url, page):
+    """Learn's Claims section: one block per claim, each with its measured figure, a verdict and a command
+    (and a link where the page can open it); the figures hold the counts of the stored rows
+    (assets/claims.json), counted by the test itself."""
+    expect = sync_api.expect
+    page.goto(app_url + "?tab=learn", wait_until="domcontentloaded")
+    blocks = page.locator("#kvlab-claims .kvlab-claim")
+    expect(blocks).to_have_count(len(claims.CLAIMS), timeout=60_000)
+    for claim in claims.CLAIMS:
+        block = page.locator(f"#kvlab-claim-{claim.id}")
+        for part in ("figure", "verdict", "command"):
+            expect(block.locator(f".kvlab-claim-{part}")).to_have_text(re.compile(r"\S{3,}"))
+        expect(block.locator(".kvlab-claim-verdict")).not_to_have_text("Not checked yet.")
+        if claim.link:
+            assert block.get_by_role("link", name="open it on this page").get_attribute("href").endswith(claim.link)
+    for claim_id, expected in stored_counts(claims.load()):
+        expect(page.locator(f"#kvlab-claim-{claim_id} .kvlab-claim-figure")).to_contain_text(expected)
