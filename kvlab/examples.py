@@ -30,8 +30,12 @@ class Example:
             (the first of its aliases: what the UI shows as the expected answer).
         aliases: Every accepted form of each answer (``answers[i] == aliases[i][0]``),
             for scorers such as :func:`kvlab.tasks.marking.contains_match`.
-        tokens: Length of the cleaned document in SmolLM2 tokens, without special
-            tokens (None if unknown).
+        tokens: Length of the cleaned document in its model's tokens (SmolLM2's when
+            ``model`` is None), without special tokens (None if unknown).
+        model: The model the example is read by (its spec, kvlab.models), for a document
+            longer than the default model's window; None: any model.
+        source: Where the text comes from (a public-domain book's author, title and
+            edition); None: written for kvlab.
     """
 
     id: str
@@ -42,6 +46,8 @@ class Example:
     answers: tuple[str, ...]
     aliases: tuple[tuple[str, ...], ...]
     tokens: int | None = None
+    model: str | None = None
+    source: str | None = None
 
     def text(self) -> str:
         """Return the document's cleaned text (read with :func:`read_document`)."""
@@ -127,6 +133,9 @@ def load_examples(root: Path | None = None) -> list[Example]:
         tokens = entry.get("tokens")
         if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
             raise DocumentError(f"{where}: 'tokens' must be a non-negative integer.")
+        for key in ("model", "source"):
+            if key in entry and not _is_text(entry[key]):
+                raise DocumentError(f"{where}: '{key}', when given, must be a non-empty string.")
 
         examples.append(
             Example(
@@ -138,6 +147,8 @@ def load_examples(root: Path | None = None) -> list[Example]:
                 answers=answers,
                 tokens=tokens,
                 aliases=aliases,
+                model=entry.get("model"),
+                source=entry.get("source"),
             )
         )
     return examples

@@ -45,6 +45,8 @@ QUESTION = "What is the name of the head baker?"
 FAST = "streaming_llm" if "streaming_llm" in REGISTRY else default_method()
 OTHER = "tova" if "tova" in REGISTRY else FAST
 MISSING_MODEL = "/nonexistent/kvlab-missing-model.gguf"
+#: What the API returns for an output an event leaves as it is (gr.skip()).
+NO_CHANGE = {"__type__": "update"}
 
 
 @pytest.fixture(scope="module")
@@ -446,9 +448,24 @@ def test_binary_file_is_a_clear_error(client, tmp_path):
 def test_load_example_fills_text_and_questions(client):
     examples = lab.examples()
     assert examples, "the bundled examples should load"
-    text, suggested, question, _ = client.predict(examples[0].id, api_name="/load_example")
+    text, suggested, question, _, model = client.predict(examples[0].id, api_name="/load_example")
     assert len(text) > 1000
     assert question == examples[0].questions[0]
+    assert model == NO_CHANGE  # an example any model reads leaves the model menu as it is
+
+
+def test_a_long_example_switches_the_model_to_its_own_where_the_page_offers_it(embedded):
+    """The long example (issue #58) is read by Gemma 3 270M: picking it sets the model menu to that model
+    (then the page prepares it with that model); a page that does not offer the model does not list it."""
+    (long,) = [ex for ex in lab.examples() if ex.model is not None]
+    assert long.model in installed_packaged()  # make setup installs it
+    assert long not in lab.offered_examples([EMBEDDED])
+    with serve_app(embedded, [(EMBEDDED_LABEL, EMBEDDED), ("Gemma", long.model)]) as url:
+        client = gradio_client.Client(url, verbose=False)
+        text, _, question, _, model = client.predict(long.id, api_name="/load_example")
+        assert (text, question, model) == (long.text(), long.questions[0], long.model)
+        *_, model = client.predict("story", api_name="/load_example")
+        assert model == NO_CHANGE  # back to a short example: the menu keeps the visitor's model
 
 
 def test_tasks_mode_scores_answers_against_known_ones(client, tmp_path):

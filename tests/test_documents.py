@@ -318,7 +318,13 @@ def test_bundled_examples_load_and_answers_are_in_text() -> None:
         assert len(ex.questions) == len(ex.answers), ex.id
         assert isinstance(ex.tokens, int) and ex.tokens > 0, ex.id
         words = len(text.split())
-        assert 1200 <= words <= 2000, (ex.id, words)
+        # The examples any model reads fit the embedded model's window; a long one names its model and
+        # where its text comes from (issue #58: 12k-20k tokens, a public-domain text).
+        if ex.model is None:
+            assert 1200 <= words <= 2000, (ex.id, words)
+        else:
+            assert 12_000 <= ex.tokens <= 20_000, (ex.id, ex.tokens)
+            assert ex.source and "public domain" in ex.source, ex.id
         assert len(ex.aliases) == len(ex.questions), ex.id
         for answer, aliases in zip(ex.answers, ex.aliases):
             assert answer == aliases[0], ex.id
@@ -361,6 +367,7 @@ def test_load_examples_custom_root(tmp_path: Path) -> None:
     assert ex.aliases == (("Oslo",),)
     assert ex.tokens == 6
     assert ex.text() == "Anna lives in Oslo."
+    assert ex.model is None and ex.source is None  # read by any model, written for kvlab
 
 
 def test_answers_may_list_aliases(tmp_path: Path) -> None:
@@ -395,6 +402,8 @@ def test_answers_may_list_aliases(tmp_path: Path) -> None:
         ({"answers": [["a1", " "]]}, "'answers'"),
         ({"answers": [["a1", 2]]}, "'answers'"),
         ({"tokens": "many"}, "'tokens'"),
+        ({"model": ""}, "'model'"),
+        ({"source": 3}, "'source'"),
     ],
 )
 def test_load_examples_rejects_bad_entries(tmp_path: Path, entry: dict, message: str) -> None:

@@ -18,7 +18,7 @@ from kvlab.compression.solvers.compact import FitSettings, compact_block
 from kvlab.context import prepare_context
 from kvlab.methods import REGISTRY, MethodError, Request, get_method
 from kvlab.methods.families.am_recipe import AMOptions, fitting_queries, reference_queries
-from kvlab.methods.families.compaction import compact_cache
+from kvlab.methods.families.compaction import chunk_spans, compact_cache, split_budget
 from kvlab.metrics import head_errors, percentile_levels, question_attention
 from kvlab.pipeline import evaluation
 from kvlab.queries import repeat_queries
@@ -285,6 +285,16 @@ def test_attention_matching_variants_beat_eviction_on_the_same_queries(ctx, opti
     err = head_errors(ctx.full.stored, stored, ev.queries).mean_output
     err_evicted = head_errors(ctx.full.stored, evicted, ev.queries).mean_output
     assert err < 0.25 * err_evicted
+
+
+def test_chunks_cover_the_document_and_share_each_heads_budget_in_proportion():
+    """Chunked compaction (``compaction_chunk``): spans of the chunk size, the last one shorter, and each
+    head's budget shared by the chunks' lengths, worked by hand: 10 keys over chunks of 40/40/20 tokens
+    are 4/4/2; 7 keys (2.8/2.8/1.4 in proportion) round up to 3/3 and the last takes the 1 left."""
+    assert chunk_spans(100, 40) == [(0, 40), (40, 80), (80, 100)]
+    assert chunk_spans(100, 0) == chunk_spans(100, 100) == chunk_spans(100, 4096) == [(0, 100)]
+    shares = split_budget(torch.tensor([10, 7]), chunk_spans(100, 40), 100)
+    assert [s.tolist() for s in shares] == [[4, 3], [4, 3], [2, 1]]
 
 
 def test_fitting_queries_are_the_groups_queries_seeded_subsample():

@@ -42,6 +42,8 @@ from kvlab.tasks.task_registry import build_items
         ("  An   apple, a day ", "apple day"),
         ("Theatre", "theatre"),  # "the" inside a word stays
         ("U.S.A.", "usa"),
+        ("\u2018A glass of champagne.\u2019", "glass of champagne"),  # a book's curly quotes, copied
+        ("\u201cDrink me,\u201d \u00abshe\u00bb said", "drink me she said"),
         ("", ""),
     ],
 )

@@ -341,8 +341,23 @@ def test_a_missing_or_empty_sheet_is_one_line_and_exit_2(tmp_path, capsys):
 
 def test_the_bundled_workshop_sheet_reads():
     items = read_sheet(ROOT / "assets" / "workshop.txt")
-    assert len(items) == 18 and len({(i.method, i.ratio) for i in items}) == 18
+    story = [i for i in items if i.example == "story"]
+    assert len(story) == 18 and len({(i.method, i.ratio) for i in story}) == 18
     assert (items[0].method, items[0].ratio) == ("attention_matching", 10.0)
+    # The long example's runs, read by its own model (issue #58: a class opens it at once).
+    long = [i for i in items if i.example == "time_machine"]
+    assert {i.method for i in long} >= {"attention_matching", "snapkv", "kvzip"}
+    assert {i.model for i in long} == {"gemma3-270m"} and {i.model for i in story} == {None}
+
+
+def test_a_long_examples_lines_warm_with_its_own_model_unless_the_line_names_one():
+    """An example read by its own model (kvlab.examples.Example.model) is warmed with it, as the page
+    opens it with it; the other examples with the sheet's default model."""
+    items = parse_sheet(
+        "snapkv 10 time_machine\n?tab=explore&example=time_machine&method=kvzip&ratio=5\nsnapkv 10 story\n",
+        default_model="embedded",
+    )
+    assert [i.model for i in items] == ["gemma3-270m", "gemma3-270m", "embedded"]
 
 
 PLAN_SHEET = ROOT / "assets" / "workshop-plan.txt"

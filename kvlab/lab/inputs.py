@@ -230,6 +230,24 @@ def model_choices(environ: typing.Mapping[str, str] | None = None) -> list[tuple
     extra = [s.strip() for s in (env.get("KVLAB_MODELS") or "").split(",") if s.strip()]
     out: list[tuple[str, str]] = []
     for spec in dict.fromkeys([default, EMBEDDED, *installed_packaged(), *extra]):
-        label = EMBEDDED_LABEL if spec == EMBEDDED else PACKAGED[spec].label if spec in PACKAGED else spec
-        out.append((label + (" (default)" if spec == default else ""), spec))
+        out.append((model_label(spec) + (" (default)" if spec == default else ""), spec))
     return out
+
+
+def model_label(spec: str) -> str:
+    """A model's name in menus: the embedded or a packaged model's label, else its spec."""
+    return EMBEDDED_LABEL if spec == EMBEDDED else PACKAGED[spec].label if spec in PACKAGED else spec
+
+
+def example_label(ex: Example) -> str:
+    """An example in the menus: its title, its length and, for one read by its own model, that model."""
+    length = f"~{ex.tokens:,} tokens" if ex.tokens else ""
+    reader = f"read by {model_label(ex.model)}" if ex.model else ""
+    detail = ", ".join(part for part in (length, reader) if part)
+    return f"{ex.title} ({detail})" if detail else ex.title
+
+
+def offered_examples(specs: typing.Sequence[str]) -> list[Example]:
+    """The bundled examples a page offering the models ``specs`` can read: those read by any model, and
+    those whose own model is offered (a long example is left out where its model is not)."""
+    return [ex for ex in examples() if ex.model is None or ex.model in specs]

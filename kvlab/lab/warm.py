@@ -16,7 +16,8 @@ way ``kvlab bench`` takes them (``name:knob=value:knob=value``)::
     attention_matching:self_study_weight=4 5 story Who kept the ledger?
 
 The question defaults to the example's first, the answer length to the
-page's default, the model to the lab's default. Each configuration is what
+page's default, the model to the example's own (a long example's,
+kvlab.examples.Example.model), else the lab's default. Each configuration is what
 the page's Run would compute for it (the same kvlab.results.RunKey), so a
 warmed configuration is answered from the store at once. :func:`warm` skips
 what is stored already: a warm that stopped half way goes on where it stopped.
@@ -104,7 +105,8 @@ def _link_items(text: str, line: int, by_id: dict[str, Example], default_model: 
         raise SheetError(f"line {line}: a link to warm names an example and a ratio, an Explore link a method too")
     ex = by_id[link.example]
     question = link.question or ex.questions[0]
-    return [WarmItem(line, ex.id, question, m, link.options, link.ratio, link.model) for m in methods]
+    model = link.model or ex.model or default_model
+    return [WarmItem(line, ex.id, question, m, link.options, link.ratio, model) for m in methods]
 
 
 def _plain_items(text: str, line: int, by_id: dict[str, Example], default_model: str | None) -> list[WarmItem]:
@@ -121,7 +123,7 @@ def _plain_items(text: str, line: int, by_id: dict[str, Example], default_model:
         raise SheetError(f"line {line}: example {example_id!r} is not bundled (one of {', '.join(by_id)})")
     ex = by_id[example_id]
     question = parts[3].strip() if len(parts) > 3 else ex.questions[0]
-    return [WarmItem(line, ex.id, question, name, options, ratio, default_model)]
+    return [WarmItem(line, ex.id, question, name, options, ratio, ex.model or default_model)]
 
 
 def parse_sheet(text: str, default_model: str | None = None, pool: list[Example] | None = None) -> list[WarmItem]:

@@ -99,8 +99,9 @@ class KVSculptOptions(ScoredOptions):
 def am_options(opts: KVSculptOptions) -> AMOptions:
     """Attention Matching's knobs for the shared fit: the reference queries and their score as asked,
     HighestAttnKeys, the bias and values as Attention Matching fits them, ``budgets`` as asked (pilot
-    starts from uniform)."""
+    starts from uniform), each head's block in one piece (the keys are learned over the whole block)."""
     return AMOptions(
+        compaction_chunk=0,
         query_source=opts.query_source,
         max_queries=opts.max_queries,
         seed=opts.seed,

@@ -12,14 +12,17 @@ from collections import Counter
 from collections.abc import Sequence
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCT = str.maketrans("", "", string.punctuation)
+# SQuAD's punctuation is ASCII's; the typographic quotes join it here: a model that copies a book's
+# curly quotes would otherwise glue them to the word it quotes ("‘champagne.’" never matching "champagne").
+_PUNCT = str.maketrans("", "", string.punctuation + "\u2018\u2019\u201a\u201c\u201d\u201e\u00ab\u00bb\u2039\u203a")
 
 
 def normalize_answer(text: str) -> str:
     """Lower-case, drop punctuation and the articles a/an/the, collapse whitespace.
 
     The order (case, punctuation, articles, whitespace) is SQuAD v1.1's
-    official evaluation script's, so scores are comparable with published ones.
+    official evaluation script's, so scores are comparable with published ones;
+    its punctuation is ASCII's, to which the typographic quotes are added.
     """
     text = text.lower().translate(_PUNCT)
     text = _ARTICLES.sub(" ", text)

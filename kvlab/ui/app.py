@@ -16,8 +16,7 @@ from __future__ import annotations
 import gradio as gr
 
 from kvlab.catalog import method_names, query_awareness
-from kvlab.lab import examples as bundled_examples
-from kvlab.lab import model_choices
+from kvlab.lab import model_choices, offered_examples
 from kvlab.runtime.model import LoadedModel
 from kvlab.ui.compare import build_compare_tab
 from kvlab.ui.explore import build_explore_tab
@@ -74,7 +73,7 @@ def build_app(
         )
         gr.Markdown(notice, visible=bool(notice), elem_id="kvlab-model-notice")
         link_note = gr.Markdown(elem_id="kvlab-link-note")
-        examples = bundled_examples()
+        examples = offered_examples(specs)
         tab = gr.State("explore")
         with gr.Tabs() as tabs:
             with gr.Tab("Explore", id="explore") as explore_tab:
@@ -87,7 +86,9 @@ def build_app(
                     lm.n_layers if lm else _DEFAULT_LAYERS,
                     lm.n_kv_heads if lm else _DEFAULT_KV_HEADS,
                 )
-            picking = build_pick_tab(model, examples, specs)  # its own gr.Tab("Your pick", id="pick")
+            # Your pick lists a document's sentences to tick: the examples any model reads, not a long one.
+            short = [ex for ex in examples if ex.model is None]
+            picking = build_pick_tab(model, short, specs)  # its own gr.Tab("Your pick", id="pick")
             with gr.Tab("Compare", id="compare") as compare_tab:
                 sweep = build_compare_tab(inputs, specs)
             with gr.Tab("Generate", id="generate") as generate_tab:

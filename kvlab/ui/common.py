@@ -34,6 +34,7 @@ from gradio import utils as gradio_utils
 
 from kvlab import cancellation, limits, results, scheduler
 from kvlab.documents import DocumentError, read_document
+from kvlab.examples import Example
 from kvlab.lab import InputError, RunSpec
 from kvlab.methods import MethodError
 from kvlab.runtime.model import ModelLoadError
@@ -128,6 +129,12 @@ def checked_model(spec: str | None, specs: list[str]) -> str:
     if spec not in specs:
         raise InputError(f"the model {spec!r} is not offered here; choose one of: {', '.join(specs)}")
     return spec
+
+
+def example_model(ex: Example | None, specs: list[str]) -> str | None:
+    """The model an example is read by (kvlab.examples.Example.model) when this page offers it; None: the
+    page's model stays."""
+    return ex.model if ex is not None and ex.model in specs else None
 
 
 def upload_folder() -> Path:

@@ -32,6 +32,7 @@ from kvlab import figures
 from kvlab.catalog import aware_tag, method_info, method_label, method_names
 from kvlab.documents import DocumentError
 from kvlab.examples import Example
+from kvlab.lab import example_label
 from kvlab.lab.tasks import MAX_DEPTHS
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
 from kvlab.ui import common
@@ -87,7 +88,7 @@ def build_explore_tab(
     fates = build_token_view(n_layers, n_kv)
     needle = build_needle_test(methods, start_method)
 
-    loaded, uploaded = wire_document(examples, doc, choice)
+    loaded, uploaded = wire_document(examples, doc, choice, model, specs)
     prepare_pick = wire_method(choice)
     prepare_args = wire_prepare(doc, choice, model, start_method, specs, loaded, uploaded, prepare_pick)
     wire_run(doc, choice, results, fates, last, model, start_method, specs)
@@ -113,7 +114,7 @@ def build_explore_tab(
 def build_document_column(examples: list[Example], first: Example | None) -> DocumentWidgets:
     """The example menu, the upload and the document's text, opening on ``first``."""
     example = gr.Dropdown(
-        choices=[(f"{ex.title}" + (f" (~{ex.tokens:,} tokens)" if ex.tokens else ""), ex.id) for ex in examples],
+        choices=[(example_label(ex), ex.id) for ex in examples],
         value=first.id if first else None,
         label="Bundled example",
         info="Fills the document and offers questions about it",

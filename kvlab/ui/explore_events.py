@@ -46,25 +46,27 @@ def prepared_status(p: Prepared) -> str:
 
 
 def wire_document(
-    examples: list[Example], doc: DocumentWidgets, choice: ChoiceWidgets
+    examples: list[Example], doc: DocumentWidgets, choice: ChoiceWidgets, model: gr.Dropdown, specs: list[str]
 ) -> tuple[gr.events.Dependency, gr.events.Dependency]:
-    """``/load_example``, ``/pick_question`` and ``/load_file``; returns the example's and the upload's events."""
+    """``/load_example``, ``/pick_question`` and ``/load_file``; returns the example's and the upload's events.
+    An example read by its own model (a long one: kvlab.examples.Example.model) switches the model menu to it."""
 
     def on_example(example_id: str | None):
         ex = next((e for e in examples if e.id == example_id), None)
         if ex is None:
-            return gr.Textbox(), gr.Dropdown(choices=[], value=None), gr.Textbox(), None
+            return gr.Textbox(), gr.Dropdown(choices=[], value=None), gr.Textbox(), None, gr.skip()
         try:
             body = ex.text()
         except DocumentError as exc:
             raise as_gr_error(exc) from exc
-        return body, gr.Dropdown(choices=list(ex.questions), value=ex.questions[0]), ex.questions[0], None
+        questions = gr.Dropdown(choices=list(ex.questions), value=ex.questions[0])
+        return body, questions, ex.questions[0], None, common.example_model(ex, specs) or gr.skip()
 
     # .input, not .change: a link sets the menu with its own question (kvlab.ui.page_links), which .change would undo.
     loaded = doc.example.input(
         on_example,
         [doc.example],
-        [doc.text, choice.suggested, choice.question, doc.upload],
+        [doc.text, choice.suggested, choice.question, doc.upload, model],
         api_name="load_example",
         concurrency_limit=None,
     )

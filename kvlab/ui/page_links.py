@@ -17,7 +17,15 @@ from kvlab.documents import DocumentError
 from kvlab.examples import Example
 from kvlab.lab import links
 from kvlab.lab.inputs import MAX_RATIO, MIN_RATIO
-from kvlab.ui.common import RATIO_MAX, RATIO_MIN, CompareInputs, DocumentInputs, GenerateInputs, PickInputs
+from kvlab.ui.common import (
+    RATIO_MAX,
+    RATIO_MIN,
+    CompareInputs,
+    DocumentInputs,
+    GenerateInputs,
+    PickInputs,
+    example_model,
+)
 from kvlab.ui.compare import SWEEP_RATIOS
 from kvlab.ui.generate import SOURCES as GENERATE_SOURCES
 from kvlab.ui.knobs import changed, link_panel
@@ -102,7 +110,7 @@ def link_updates(link: links.Link, ex: Example | None, doc: str | None, choices:
         question,
         link.method or keep,
         keep if link.ratio is None or picked else link.ratio,
-        link.model or keep,
+        link.model or example_model(ex, list(choices.models)) or keep,
         compare_methods,
         ticked,
         more,
