@@ -86,9 +86,7 @@ def build_app(
                     lm.n_layers if lm else _DEFAULT_LAYERS,
                     lm.n_kv_heads if lm else _DEFAULT_KV_HEADS,
                 )
-            # Your pick lists a document's sentences to tick: the examples any model reads, not a long one.
-            short = [ex for ex in examples if ex.model is None]
-            picking = build_pick_tab(model, short, specs)  # its own gr.Tab("Your pick", id="pick")
+            picking = build_pick_tab(model, examples, specs)  # its own gr.Tab("Your pick", id="pick")
             with gr.Tab("Compare", id="compare") as compare_tab:
                 sweep = build_compare_tab(inputs, specs)
             with gr.Tab("Generate", id="generate") as generate_tab:

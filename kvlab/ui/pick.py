@@ -68,9 +68,11 @@ def rank_line(picked: Picked) -> str:
 
 def build_pick_tab(model: gr.Dropdown, examples: list[Example], specs: list[str]) -> PickInputs:
     """The tab ``gr.Tab("Your pick", id="pick")``, its widgets and events (inside an open ``gr.Tabs``),
-    opening on the first example and its question; -> the tab and what a link sets."""
+    opening on the first example and its question; -> the tab and what a link sets. It lists a document's
+    sentences to tick: it offers the examples any model reads, not a long one read by its own model."""
+    short = [ex for ex in examples if ex.model is None]
     with gr.Tab("Your pick", id="pick") as tab:
-        return PickInputs(tab, *build_pick_widgets(model, examples, specs))
+        return PickInputs(tab, *build_pick_widgets(model, short, specs))
 
 
 def build_pick_widgets(

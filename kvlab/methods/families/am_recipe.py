@@ -115,12 +115,13 @@ class AMOptions(ScoredOptions):
         aliases=BUDGET_ALIASES,
     )
     # Chunks keep the fit's cost linear in the document (one block's Gram grows like (T/r)^2): 8k-32k tokens on
-    # Gemma 3 270M, exponent 1.03 in chunks of 4096 against 1.31 in one block; but on 16k-token books the
-    # chunks' shares by length kept 5/12 needles at 2x where one block kept 8/12 (docs/long-context.md).
+    # Gemma 3 270M, exponent 1.03 in chunks against 1.31 in one block, for the same needles on books at 8k and
+    # 16k tokens (10/24 at 2x in chunks, 11/24 in one block; docs/long-context.md). Documents up to a chunk
+    # long are one block, as in the paper's QuALITY runs.
     compaction_chunk: int = knob(
-        0,
+        4096,
         "compact the document in chunks of this many tokens, each fitted on every reference query with each "
-        "head's budget shared by the chunks' lengths (0: one block; 4096: the published code's fixed chunk size)",
+        "head's budget shared by the chunks' lengths (4096: the published code's fixed chunk size; 0: one block)",
         low=0,
     )
     on_policy: bool = knob(
