@@ -7,6 +7,7 @@ import dataclasses
 import os
 import tempfile
 import threading
+import time
 from concurrent.futures import Future
 
 # Before anything imports triton, gradio or the hub client.
@@ -203,3 +204,17 @@ def method_sections(markdown: str) -> dict[str, tuple[str, str]]:
         elif name is not None:
             lines.append(line)
     return sections
+
+
+def cancel_when_known(job, timeout_s: float = 60) -> None:
+    """Press Stop on a gradio_client job once the client knows its event's id.
+
+    The client learns the id when its join returns, which can come after the
+    server has started the work: a cancel sent before names no event (its
+    ``/cancel`` carries ``event_id: None``) and stops nothing.
+    """
+    deadline = time.monotonic() + timeout_s
+    while job.communicator.event_id is None:
+        assert time.monotonic() < deadline, "the client never learned its event's id"
+        time.sleep(0.01)
+    job.cancel()

@@ -25,6 +25,7 @@ httpx = pytest.importorskip("httpx")
 from gradio_client.exceptions import AppError  # noqa: E402
 
 from benchmarks.browser import serve_app  # noqa: E402
+from conftest import cancel_when_known  # noqa: E402
 from kvlab import cancellation, lab, limits, models  # noqa: E402
 from kvlab.ui import common, explore_events  # noqa: E402
 
@@ -172,7 +173,7 @@ def test_stop_ends_the_work_at_its_next_step_and_the_server_goes_on(app):
         api_name="/compare",
     )
     assert steps.started.wait(60)
-    job.cancel()
+    cancel_when_known(job)
     line = stops.wait()
     assert "Stop was pressed" in line and steps.gone == cancellation.STOPPED and steps.after_gone == 0
     steps.reset(0.0)

@@ -33,6 +33,7 @@ gradio_client = pytest.importorskip("gradio_client")
 httpx = pytest.importorskip("httpx")
 
 from benchmarks.browser import serve_app  # noqa: E402
+from conftest import cancel_when_known  # noqa: E402
 from kvlab import cancellation, lab, limits, models  # noqa: E402
 from kvlab.context import prepare_context  # noqa: E402
 from kvlab.context_store import CONTEXTS, ContextStore  # noqa: E402
@@ -282,7 +283,7 @@ def run_at_once(calls: list[tuple[str, Callable[[], object]]], stopper) -> dict[
     threads = [threading.Thread(target=guarded_call, args=call) for call in calls]
     for t in threads:
         t.start()
-    stopper.cancel()
+    cancel_when_known(stopper)
     for t in threads:
         t.join(4 * LOAD_TIMEOUT_S)
     return results
