@@ -25,11 +25,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterator
 
-#: Why a request stopped (Cancelled.reason).
+#: Why a request stopped (Cancelled.reason); the last two stop a document's preparation in the background
+#: (kvlab.lab.background): past its own bound, or once no page has waited for it for a while.
 TIME, STOPPED, GONE, SUPERSEDED = "time", "stopped", "gone", "superseded"
+PREPARE_TIME, UNWATCHED = "prepare_time", "unwatched"
 
 _WHY = {
     TIME: "it ran past this server's time limit of {limit:g} s per request (KVLAB_MAX_REQUEST_S)",
+    PREPARE_TIME: "it ran past this server's time limit of {limit:g} s for preparing a document (KVLAB_MAX_PREPARE_S)",
+    UNWATCHED: "no page waited for it any more (each page that asked was closed or stopped)",
     STOPPED: "Stop was pressed",
     GONE: "its page or client disconnected",
     SUPERSEDED: "a newer request of the same kind from the same page replaced it while it waited",
@@ -59,6 +63,9 @@ class Scope:
     while it waits for the slot how many requests go first and about how long that takes
     (None: no estimate yet). leave(): gives up the slot this request holds for good, when
     its holder allows it (:func:`kvlab.scheduler.may_leave`); :func:`leave_slot` calls it.
+    over_time: the reason given once ``limit_s`` has passed (TIME, or PREPARE_TIME for a preparation);
+    progress(fraction, step): where :func:`report` sends the steps of work deep inside (a reference
+    pass's chunks) that no caller passes a progress sink to (None: nowhere; set by :func:`reporting`).
     """
 
     limit_s: float | None = None
@@ -69,6 +76,8 @@ class Scope:
     priority: int = VISITOR
     on_wait: Callable[[int, float | None], None] | None = None
     leave: Callable[[], None] = lambda: None
+    over_time: str = TIME
+    progress: Callable[[float, str], None] | None = None
     start: float = field(default_factory=time.monotonic)
     waited_s: float = 0.0
     last: str = ""
@@ -86,7 +95,7 @@ class Scope:
         if why is not None:
             return why
         if self.limit_s is not None and self.elapsed_s > self.limit_s:
-            return TIME
+            return self.over_time
         return None
 
 
@@ -174,10 +183,33 @@ def checked(progress: Callable[[float, str], None]) -> Callable[[float, str], No
     """A progress sink that is a checkpoint too (each report names the step reached)."""
 
     def report(fraction: float, desc: str) -> None:
+        progress(fraction, desc)  # shown first: the step reached is what a stop there names
         checkpoint(desc)
-        progress(fraction, desc)
 
     return report
+
+
+def report(fraction: float, step: str) -> None:
+    """A step of work deep inside a computation (a chunk of a reference pass): a checkpoint, and told to
+    the scope's progress sink where one is set (:func:`reporting`); ``fraction`` is of that computation."""
+    s = _SCOPE.get()
+    if s is not None and s.progress is not None:
+        s.progress(fraction, step)
+    checkpoint(step)
+
+
+@contextmanager
+def reporting(progress: Callable[[float, str], None]) -> Iterator[None]:
+    """Send the :func:`report` calls made inside to ``progress`` (within the current scope; a no-op outside one)."""
+    s = _SCOPE.get()
+    if s is None:
+        yield
+        return
+    before, s.progress = s.progress, progress
+    try:
+        yield
+    finally:
+        s.progress = before
 
 
 def wait(done: Callable[[float], bool]) -> None:
@@ -185,9 +217,16 @@ def wait(done: Callable[[float], bool]) -> None:
 
     ``done(timeout)`` waits at most ``timeout`` seconds for something (a lock,
     a future) and says whether it came; so a request that is stopped while it
-    waits stops within POLL_S.
+    waits stops within POLL_S. The time spent in ``done`` is waiting, not work:
+    it is added to the scope's ``waited_s`` as it passes, so a long wait never
+    runs into the request's time limit.
     """
+    s = _SCOPE.get()
     while True:
         checkpoint()
-        if done(POLL_S):
+        start = time.monotonic()
+        came = done(POLL_S)
+        if s is not None:
+            s.waited_s += time.monotonic() - start
+        if came:
             return

@@ -41,6 +41,7 @@ class Limits:
     max_models: models kept loaded (least recently used are unloaded);
     generate_tokens: most tokens one Generate request may write;
     request_s: seconds one request of the app may hold the compute slot (kvlab.cancellation stops it then);
+    prepare_s: seconds of work one document's preparation in the background may take (kvlab.lab.background);
     queue_size: requests that may wait for the compute slot (more are told the lab is busy);
     compute_admitted: heavy events Gradio starts at once (they wait for the compute slot, which
     serves them fairly; a stored answer is served without waiting at all);
@@ -61,6 +62,9 @@ class Limits:
     generate_tokens: int = 2048
     # A CPU Space answers an Explore run in well under a minute: three minutes is a long sweep.
     request_s: int = 180
+    # Gemma 3 270M prepares a 32,000-token document for Attention Matching in about 400 s on an idle
+    # 2-core CPU (docs/long-context.md): the model's whole window, with room for a busy machine.
+    prepare_s: int = 1800
     # A workshop of thirty with three clicks each in flight fits; beyond it a clear "busy" line.
     queue_size: int = 100
     compute_admitted: int = 100
@@ -83,6 +87,7 @@ ENV: dict[str, str] = {
     "max_models": "KVLAB_MAX_MODELS",
     "generate_tokens": "KVLAB_MAX_GENERATE_TOKENS",
     "request_s": "KVLAB_MAX_REQUEST_S",
+    "prepare_s": "KVLAB_MAX_PREPARE_S",
     "queue_size": "KVLAB_QUEUE_SIZE",
     "compute_admitted": "KVLAB_COMPUTE_ADMITTED",
     "store_bytes": "KVLAB_STORE_BYTES",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from collections import OrderedDict
 from concurrent import futures
 from concurrent.futures import Future
@@ -70,11 +69,8 @@ def compute_once(
             break
         if on_follow is not None:
             on_follow()
-        scope = cancellation.current()
-        if scope is not None:  # a request: it may be stopped while it waits, and the wait is not its work
-            start = time.monotonic()
+        if cancellation.current() is not None:  # a request: it may be stopped while it waits (not its work)
             cancellation.wait(lambda timeout: bool(futures.wait([flight], timeout).done))
-            scope.waited_s += time.monotonic() - start
         try:
             return flight.result()
         except cancellation.Cancelled:

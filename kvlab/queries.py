@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from kvlab.cancellation import report
 from kvlab.context import Context, Memo
 from kvlab.memo import MISSING
 from kvlab.prompts import REPEAT_INSTRUCTION, question_tokens, repeat_tokens
@@ -53,11 +55,16 @@ class SelfStudyQueries(Memo):
 
 
 def _session_after(
-    ctx: Context, ids: torch.Tensor, capture: QueryCapture, stored: CompressedKV | None = None
+    ctx: Context,
+    ids: torch.Tensor,
+    capture: QueryCapture,
+    stored: CompressedKV | None = None,
+    on_chunk: Callable[[int, int], None] | None = None,
 ) -> Session:
-    """The working session after the model read ``ids`` after a stored cache (default: the full one)."""
+    """The working session after the model read ``ids`` after a stored cache (default: the full one);
+    on_chunk(done, total) hears each chunk read (kvlab.runtime.decode.read_chunked)."""
     session = open_session(ctx.lm, stored or ctx.full.stored)
-    read_chunked(ctx.lm, session, ids, capture)
+    read_chunked(ctx.lm, session, ids, capture, on_chunk=on_chunk)
     return session
 
 
@@ -88,7 +95,9 @@ class RepeatPass:
     """The model asked to repeat the document, then teacher-forced through it again.
 
     queries: per layer [H, n, d] post-RoPE queries of the n repeat tokens
-    (instruction turn + document); keys: per layer [H_kv, n, d] the same
+    (instruction turn + document), [H, 0, d] on a sliding-window layer (it keeps
+    its window whatever it read: no method fits or scores it, and on a long
+    document those queries would be most of the pass's memory); keys: per layer [H_kv, n, d] the same
     tokens' own keys in the model's dtype on its device (KVzip's softmax
     includes them), None on a sliding-window layer: its working cache held
     only its window, not the repeat's keys in order (and a window layer
@@ -105,8 +114,14 @@ def repeat_pass(ctx: Context, instruction: str = REPEAT_INSTRUCTION) -> RepeatPa
 
     def make() -> RepeatPass:
         ids = repeat_tokens(ctx.lm.tokenizer, ctx.tokens.ids[ctx.prefix_len :], instruction)
-        capture = QueryCapture(ctx.lm.n_layers)
-        session = _session_after(ctx, ids, capture)
+        windowed = frozenset(i for i, g in enumerate(ctx.lm.geometry) if g.window is not None)
+        capture = QueryCapture(ctx.lm.n_layers, skip=windowed)
+
+        # As long as the prefill on a long document: each chunk a step to report and to stop at.
+        def chunk(done: int, total: int) -> None:
+            report(done / total, f"repeat pass, {done:,}/{total:,} tokens")
+
+        session = _session_after(ctx, ids, capture, on_chunk=chunk)
         # A copy: a slice would keep the whole working cache (document included) alive.
         keys = [
             None if g.window is not None else layer.keys[0, :, ctx.length :].clone()
@@ -158,7 +173,8 @@ def conversations(ctx: Context, token_budget: int) -> list[list[int]]:
     back (the last generated token never is: nothing reads it)."""
     per_prompt = max(1, token_budget // len(SELF_STUDY_PROMPTS))
     turns = []
-    for prompt in SELF_STUDY_PROMPTS:
+    for i, prompt in enumerate(SELF_STUDY_PROMPTS):
+        report(i / len(SELF_STUDY_PROMPTS), f"self-study, conversation {i + 1} of {len(SELF_STUDY_PROMPTS)}")
         ids = question_tokens(ctx.lm.tokenizer, prompt)
         answer = greedy(ctx.lm, ctx.full.stored, ids, per_prompt)
         turns.append(ids.tolist() + list(answer.ids[:-1]))

@@ -181,10 +181,7 @@ class Slot:
                     self._waiting.remove(ticket)
                 self._cond.notify_all()
             raise
-        waited = time.monotonic() - start
-        if s is not None:  # the time limit counts work, not waiting
-            s.waited_s += waited
-        return waited
+        return time.monotonic() - start  # not the request's work: wait() counted it as waiting
 
     def _take(self, ticket: Ticket, timeout: float, s: Scope | None) -> bool:
         def ready() -> bool:

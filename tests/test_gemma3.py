@@ -160,3 +160,23 @@ def test_the_repeat_pass_keeps_its_own_keys_on_full_layers_only():
         else:
             assert recorded.keys[layer] is None
     assert lm.compressed_layers and len(lm.compressed_layers) < lm.n_layers
+
+
+def test_the_repeat_pass_keeps_queries_on_full_layers_only():
+    """A window layer keeps its window whatever it read, so the repeat pass keeps none of its queries (most
+    of the pass's memory on a long document: 15 of Gemma 3 270M's 18 layers); a full layer's are those of
+    one prefill over context + repeat, read by the hooks independently. A tiny Gemma 3, window 16."""
+    from kvlab.runtime.hooks import QueryCapture
+
+    lm = random_model("gemma3", {"sliding_window": 16})
+    ctx = prepare_context(lm, " ".join(f"w{(i * 5) % 60 + 2}" for i in range(72)))
+    recorded = repeat_pass(ctx)
+    ids = torch.cat([ctx.tokens.ids, repeat_tokens(lm.tokenizer, ctx.tokens.ids[ctx.prefix_len :])])
+    capture = QueryCapture(lm.n_layers)
+    prefill(lm, ids, capture)
+    for layer, g in enumerate(lm.geometry):
+        whole = capture.layer(layer)
+        if g.window is None:
+            torch.testing.assert_close(recorded.queries[layer], whole[:, ctx.length :], rtol=1e-5, atol=1e-5)
+        else:
+            assert recorded.queries[layer].shape == (whole.shape[0], 0, whole.shape[2])

@@ -10,6 +10,7 @@ The app (kvlab.ui), the CLI (kvlab.cli) and the benchmarks call these:
   written out by :func:`write_exports` (CSV and JSON);
 - :func:`generate`: every bounded-cache method writing after one prompt -> :class:`Generated`;
 - :func:`prepare_document`: the prefill and a method's document-only work, ahead of a run;
+  :func:`ensure_prepared`, the same by a background job that a request waits for (:class:`PreparationStatus`);
 - :func:`pick`: the learner's own pick of the document's spans (the ``manual`` method) ranked among
   the methods at one ratio -> :class:`Picked`; :func:`read_for_pick`, what to pick from;
 - :class:`TokenFates`: what happened to every token of a run, as light data;
@@ -18,8 +19,9 @@ The app (kvlab.ui), the CLI (kvlab.cli) and the benchmarks call these:
 - the input checks of :mod:`kvlab.lab.inputs` (their errors are fit to show as is).
 """
 
+from kvlab.lab.background import PreparationStatus, ensure_prepared
 from kvlab.lab.compare import MAX_SWEEP_POINTS, Sweep, SweepError, compare, sweep_charts, sweep_label
-from kvlab.lab.explore import Explored, explore, prepared_context, sub_progress, token_texts
+from kvlab.lab.explore import DoneForIt, Explored, explore, prepared_context, sub_progress, token_texts
 from kvlab.lab.exports import EXPORT_FIELDS, export_dir, sweep_json, sweep_records, write_exports
 from kvlab.lab.fates import TokenFates
 from kvlab.lab.generate import MAX_GENERATE_TOKENS, Generated, MethodGeneration, generate, generation_record
@@ -46,12 +48,14 @@ __all__ = [
     "MethodGeneration",
     "generate",
     "generation_record",
+    "DoneForIt",
     "EXPORT_FIELDS",
     "MAX_SWEEP_POINTS",
     "Explored",
     "InputError",
     "PickDocument",
     "Picked",
+    "PreparationStatus",
     "Prepared",
     "RunSpec",
     "Sweep",
@@ -65,6 +69,7 @@ __all__ = [
     "check_question",
     "compare",
     "document_text",
+    "ensure_prepared",
     "example_label",
     "examples",
     "expected_answer",

@@ -110,9 +110,19 @@ def sub_progress(progress: Progress, lo: float, width: float, label: str = "") -
     return lambda f, desc: progress(lo + width * min(max(f, 0.0), 1.0), f"{label}{desc}")
 
 
-def explore(spec: RunSpec, progress: Progress = no_progress) -> Explored:
+@dataclass(frozen=True)
+class DoneForIt:
+    """What a run's own preparation did just before it (kvlab.lab.ensure_prepared, in the background): the
+    prefill, the full cache's answer (then this run did them, not an earlier one), in ``seconds``."""
+
+    prefill: bool = False
+    answer: bool = False
+    seconds: float = 0.0
+
+
+def explore(spec: RunSpec, progress: Progress = no_progress, done_for_it: DoneForIt = DoneForIt()) -> Explored:
     """One Explore run of a checked ``spec`` (kvlab.lab.spec.run_spec): prefill (cached), compress, answer
-    twice, measure.
+    twice, measure; ``done_for_it``: what its own preparation did before (counted as this run's).
 
     Raises DocumentError (incl. ContextTooLong), MethodError, ModelLoadError or
     InputError with a message fit for the user.
@@ -140,8 +150,8 @@ def explore(spec: RunSpec, progress: Progress = no_progress) -> Explored:
         ctx.cached(TokenTexts(), lambda: token_texts(lm.tokenizer, ctx.tokens.ids.tolist())),
         expected_answer(spec.question),
         method_obj.uses_question(),
-        prefill_reused=not prefilled,
-        full_answer_reused=answered,
-        wall_s=time.perf_counter() - start,
+        prefill_reused=not (prefilled or done_for_it.prefill),
+        full_answer_reused=answered and not done_for_it.answer,
+        wall_s=time.perf_counter() - start + done_for_it.seconds,
         roles=roles,
     )

@@ -36,6 +36,11 @@ class AttentionTopK(QuerySourced, EvictionMethod):
         out = []
         for layer, q in enumerate(reference_queries(ctx, opts, req.question)):
             keys = ctx.full.keys[layer][:, ctx.prefix_len :]
+            if ctx.full.window(layer) is not None:
+                # A sliding-window layer keeps its window whatever its scores (and the repeat pass keeps no
+                # queries there: kvlab.queries.RepeatPass): none needed.
+                out.append(torch.zeros(keys.shape[0], keys.shape[1], device=keys.device))
+                continue
             grouped = fitting_queries(q, keys.shape[0], opts)
             # Chunked over the keys (a Triton kernel on CUDA): no [H_kv, n, T] matrix at long context.
             scale = ctx.lm.geometry[layer].scaling

@@ -153,7 +153,7 @@ def sculpt_document(req: Request, opts: KVSculptOptions, method: str) -> Compres
     fits: list[LayerFit] = []
     for i, q in enumerate(queries):
         if i not in works:
-            fits.append(window_fit(full.layers[i], q.shape[1], length))
+            fits.append(window_fit(full.layers[i], length))
             continue
         block = sculpt_layer(works[i], solved[i][0], targets[i], opts, am.ridge)
         fits.append(finish_layer(works[i], [block], am, ctx.prefix_len, length))

@@ -32,9 +32,16 @@ class QueryCapture:
 
     n_layers: int
     chunks: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    #: Layers whose queries nobody reads (a reference pass's sliding-window layers): each keeps an empty
+    #: [H, 0, d], since a long document's queries there would be most of the pass's memory (15 of Gemma 3's 18 layers).
+    skip: frozenset[int] = frozenset()
 
     def record(self, layer: int, query: torch.Tensor) -> None:
         if layer >= self.n_layers:
+            return
+        if layer in self.skip:
+            if layer not in self.chunks:  # a copy: an empty view would keep the whole query alive
+                self.chunks[layer] = [query[0, :, :0].detach().clone()]
             return
         # RoPE made ``query`` afresh: the view holds exactly these queries, nothing more.
         self.chunks.setdefault(layer, []).append(query[0].detach())

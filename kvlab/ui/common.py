@@ -35,7 +35,7 @@ from gradio import utils as gradio_utils
 from kvlab import cancellation, limits, results, scheduler
 from kvlab.documents import DocumentError, read_document
 from kvlab.examples import Example
-from kvlab.lab import InputError, RunSpec
+from kvlab.lab import InputError, PreparationStatus, Prepared, RunSpec, ensure_prepared
 from kvlab.methods import MethodError
 from kvlab.runtime.model import ModelLoadError
 from kvlab.ui.knobs import KnobPanel
@@ -303,6 +303,32 @@ def user_facing(what: str) -> Iterator[None]:
         raise unexpected(exc, what) from exc
 
 
+def prepared_first(
+    text: str | None,
+    methods: list[tuple[str, dict[str, Any]]],
+    model: str,
+    question: str | None,
+    max_new_tokens: int,
+    progress: Callable[..., Any] | None,
+) -> tuple[Prepared, ...]:
+    """The document prepared for each (method, options) of ``methods`` and ``question`` answered from
+    its full cache, by a background job (kvlab.lab.ensure_prepared), waited for with its progress and
+    time left on the page and outside the compute slot: a long document's preparation is not bounded
+    by one request's time limit. On ZeroGPU nothing is done here (nothing computed outside a GPU slot
+    survives it: the run prepares the document itself). Returns what each preparation did (none on ZeroGPU)."""
+    if spaces is not None:
+        return ()
+
+    def show(status: PreparationStatus) -> None:
+        if progress is not None:
+            progress(status.fraction, desc=status.line())
+
+    return tuple(
+        ensure_prepared(text, method, options, model, question, max_new_tokens, on_status=show)
+        for method, options in methods
+    )
+
+
 def guarded(
     what: str,
     work: Callable[[], T],
@@ -310,14 +336,20 @@ def guarded(
     kind: str | None = None,
     progress: Callable[..., Any] | None = None,
     leave: bool = False,
+    ready: Callable[[], object] | None = None,
 ) -> T:
     """``work()`` holding the compute slot within the request's bounds (:func:`bounded`), failures
     shown to the user (:func:`user_facing`). leave: a run of ``work`` leaves the slot once its answer
     decodes (batched with the others', as :func:`served`'s), and a later unit of ``work`` takes it back
-    (kvlab.cancellation.between_units)."""
-    with user_facing(what), bounded(owner=owner, kind=kind, progress=progress) as scope:
-        with scheduler.may_leave(COMPUTE) if leave else nullcontext(scope):
-            return work()
+    (kvlab.cancellation.between_units). ready: called first, within the same bounds but before the slot
+    is taken (:func:`prepared_first`)."""
+    with user_facing(what):
+        if ready is not None:
+            with bounded(slot=None, owner=owner, kind=kind, progress=progress):
+                ready()
+        with bounded(owner=owner, kind=kind, progress=progress) as scope:
+            with scheduler.may_leave(COMPUTE) if leave else nullcontext(scope):
+                return work()
 
 
 def served(
@@ -327,6 +359,7 @@ def served(
     owner: str | None = None,
     kind: str | None = None,
     progress: Callable[..., Any] | None = None,
+    ready: Callable[[RunSpec], object] | None = None,
 ) -> tuple[T, results.Served, results.RunKey]:
     """(``work(spec)``'s value, how it was served, the run's store key) through the result store
     (kvlab.results), ``spec = checked()``.
@@ -334,7 +367,8 @@ def served(
     ``checked()`` checks the inputs into a run spec (kvlab.lab.RunSpec), whose key names the
     configuration; a stored one is answered at once, without the compute slot; one being computed for
     another page is waited for and shared; else ``work(spec)`` runs holding the slot (fairly, its place
-    in line shown) and its value is stored. Within the request's bounds, failures shown to the user as in
+    in line shown) and its value is stored; ``ready(spec)`` first, before the slot is taken (the document's
+    preparation, :func:`prepared_first`). Within the request's bounds, failures shown to the user as in
     :func:`guarded`.
     """
 
@@ -347,6 +381,8 @@ def served(
         key = spec.key()
 
         def compute() -> T:
+            if ready is not None:
+                ready(spec)
             # A run leaves the slot once its answer decodes step by step (batched with the other runs
             # decoding then): the next page's compression starts meanwhile.
             with COMPUTE.hold(), scheduler.may_leave(COMPUTE):

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import gradio as gr
@@ -39,7 +40,7 @@ from kvlab.ui.common import (
     guarded,
     on_gpu,
 )
-from kvlab.ui.present import COMPARE_COLUMNS, compare_rows, sweep_status, sweep_view
+from kvlab.ui.present import COMPARE_COLUMNS, SweepView, compare_rows, sweep_status, sweep_view
 from kvlab.ui.tasks import TaskOutputs, build_task_outputs, show
 
 #: Ratios offered, and those ticked at first.
@@ -362,6 +363,24 @@ def wire_tasks(choices: SweepChoices, tasks: TaskWidgets, model: gr.Dropdown, sp
     tasks.files.upload(on_results, [tasks.files], tasks.views.all, api_name="load_results", concurrency_limit=4)
 
 
+def sweep_outputs(view: SweepView) -> tuple:
+    """``/compare``'s outputs for a finished sweep: its status, the full cache's answers, the three charts,
+    the table, and the CSV and JSON files it was written to."""
+    sweep = view.sweep
+    csv_path, json_path = write_exports(sweep)
+    return (
+        sweep_status(sweep) + (f"\n\n**{sweep.stopped}**" if sweep.stopped else ""),
+        "\n".join(
+            f"{c.model + ': ' if len(sweep.ceilings) > 1 else ''}{c.answer_full}  (log-perplexity {c.logppl_full:.3f})"
+            for c in sweep.ceilings
+        ),
+        *view.charts,
+        {"headers": COMPARE_COLUMNS, "data": compare_rows(sweep)},
+        csv_path,
+        json_path,
+    )
+
+
 def wire_sweep(inputs: DocumentInputs, choices: SweepChoices, question: QuestionWidgets, specs: list[str]) -> None:
     """``/compare`` on the sweep's Run (on the Explore tab's document, question and model), and its Stop."""
 
@@ -380,10 +399,11 @@ def wire_sweep(inputs: DocumentInputs, choices: SweepChoices, question: Question
         progress=gr.Progress(),
     ):
         chosen = list(methods or [])
+        document = functools.cache(lambda: common.document_input(text, file))  # an upload is read once
         view = guarded(
             ", ".join(chosen),
             lambda: sweep_view(
-                common.document_input(text, file),
+                document(),
                 None,
                 chosen,
                 parse_ratios(ratios, more_ratios),
@@ -397,21 +417,16 @@ def wire_sweep(inputs: DocumentInputs, choices: SweepChoices, question: Question
             owner=common.session_of(request),
             kind="compare",
             progress=progress,
-        )
-        sweep = view.sweep
-        csv_path, json_path = write_exports(sweep)
-        return (
-            sweep_status(sweep) + (f"\n\n**{sweep.stopped}**" if sweep.stopped else ""),
-            "\n".join(
-                f"{c.model + ': ' if len(sweep.ceilings) > 1 else ''}{c.answer_full}  "
-                f"(log-perplexity {c.logppl_full:.3f})"
-                for c in sweep.ceilings
+            ready=lambda: common.prepared_first(
+                document(),
+                [(name, {}) for name in chosen],
+                checked_model(model, specs),
+                question,
+                max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+                progress,
             ),
-            *view.charts,
-            {"headers": COMPARE_COLUMNS, "data": compare_rows(sweep)},
-            csv_path,
-            json_path,
         )
+        return sweep_outputs(view)
 
     sweep_run = question.run.click(
         on_compare,

@@ -10,7 +10,7 @@ import gradio as gr
 from kvlab.catalog import options_from, prepares
 from kvlab.documents import DocumentError
 from kvlab.examples import Example
-from kvlab.lab import InputError, Prepared, RunSpec, needle_test, parse_ratios, prepare_document, run_spec
+from kvlab.lab import InputError, Prepared, RunSpec, needle_test, parse_ratios, run_spec
 from kvlab.lab.head_roles import HeadRoles
 from kvlab.lab.views import head_picker_label, head_role_line, with_served_note
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
@@ -154,16 +154,17 @@ def wire_prepare(
         if common.spaces is not None:  # ZeroGPU: nothing computed outside a GPU slot survives it
             return "The document is read when you click Run."
         try:
-            with common.bounded(slot=None):  # the time limit, Stop and a disconnect bound it too
-                prepared = prepare_document(
+            # Computed by a background job with its own bound (common.prepared_first): this request only
+            # waits, showing its progress; Stop and a closed page end the wait, not at once the job, which a
+            # reload or a Run clicked meanwhile joins.
+            with common.bounded(slot=None):
+                (prepared,) = common.prepared_first(
                     common.document_input(text, file),
-                    None,
-                    method,
-                    options_from(method, knobs),
+                    [(method, options_from(method, knobs))],
                     checked_model(model, specs),
-                    progress,
                     question,
                     max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+                    progress,
                 )
         except USER_ERRORS as exc:
             return f"Not prepared: {exc}"
@@ -178,7 +179,9 @@ def wire_prepare(
         inputs=[doc.text, doc.upload, choice.method, model, choice.question, choice.max_new, choice.knobs.values],
         outputs=[doc.status],
         preprocess=False,  # see wire_run
-        concurrency_limit=1,
+        # Requests here only wait for the background jobs, which take turns (kvlab.lab.background): a page
+        # that comes back must not queue behind another page's wait.
+        concurrency_limit=common.COMPUTE_ADMITTED,
         concurrency_id="prepare",
         trigger_mode="always_last",
         show_progress_on=[doc.status],
@@ -288,13 +291,28 @@ def run_handler(start_method: str, specs: list[str], n_outputs: int) -> Callable
                 checked_model(model, specs),
             )
 
+        before: list[Prepared] = []  # what the run's own preparation did (its summary says so)
+
+        def ready(spec: RunSpec) -> None:
+            before.extend(
+                common.prepared_first(
+                    spec.document,
+                    [(spec.method, spec.options)],
+                    spec.model,
+                    spec.question,
+                    spec.max_new_tokens,
+                    progress,
+                )
+            )
+
         stored, how, key = served(
             method,
             checked,
-            lambda spec: run_view(spec, progress),
+            lambda spec: run_view(spec, progress, tuple(before)),
             owner=common.session_of(request),
             kind="run",
             progress=progress,
+            ready=ready,
         )
         yield from run_updates(stored, how, key.digest, layer, head, intensity, n_outputs)
 

@@ -18,7 +18,7 @@ from gradio.components.plot import PlotData
 
 from kvlab import figures
 from kvlab.context import Progress, no_progress
-from kvlab.lab import RunSpec, Sweep, TokenFates, compare, explore, sweep_charts, sweep_label
+from kvlab.lab import DoneForIt, Prepared, RunSpec, Sweep, TokenFates, compare, explore, sweep_charts, sweep_label
 from kvlab.lab.views import RunView, present
 from kvlab.memo import compute_once, recently_used
 from kvlab.ui.common import GPU_MAX_S, GPU_RUN_S, GPU_SWEEP_BASE_S, GPU_SWEEP_POINT_S, on_gpu
@@ -141,12 +141,16 @@ def token_view_for(digest: str, view: TokenFates, layer: int, head: int, intensi
 
 
 @on_gpu(duration=GPU_RUN_S)
-def run_view(spec: RunSpec, progress: Progress = no_progress) -> RunView:
+def run_view(spec: RunSpec, progress: Progress = no_progress, before: tuple[Prepared, ...] = ()) -> RunView:
     """The heavy part of ``/run``: kvlab.lab.explore, then :func:`present` (figures are drawn after, by :func:`draw`).
 
-    ``progress`` may be a ``gr.Progress`` (it is picklable; a lambda would not be).
+    ``progress`` may be a ``gr.Progress`` (it is picklable; a lambda would not be); ``before``: what the run's
+    own preparation did just before it (kvlab.ui.common.prepared_first).
     """
-    return present(explore(spec, progress))
+    done = DoneForIt(
+        any(p.prefilled_now for p in before), any(p.answer_s is not None for p in before), sum(p.wall_s for p in before)
+    )
+    return present(explore(spec, progress, done))
 
 
 @dataclass

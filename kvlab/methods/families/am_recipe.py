@@ -219,7 +219,8 @@ def queries_text(details: dict) -> str | None:
     kinds = " + ".join(details["query_kinds"])
     if "self_study" in details["query_kinds"][1:]:
         kinds += f" (weight {details['self_study_weight']:g})"
-    counts = details.get("queries_per_head") or [0]
+    # Per layer; a sliding-window layer fits nothing (0): the count is the fitted layers'.
+    counts = [c for c in details.get("queries_per_head") or [] if c] or [0]
     low, high = min(counts), max(counts)
     count = f"{low:,}" if low == high else f"{low:,}-{high:,}"
     policy = {"no": "off-policy", "sweep": "on-policy (one sweep)", "reread": "on-policy (re-read per layer)"}

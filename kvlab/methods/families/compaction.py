@@ -302,16 +302,16 @@ def diagnostics(fits: list[LayerFit]) -> dict:
     }
 
 
-def window_fit(segments: list[Segment], n_queries: int, importance_len: int | None = None) -> LayerFit:
-    """A sliding-window layer left as the model keeps it (fate "window"): nothing fitted, no error,
-    no token scored (importance NaN, when recorded: see CompressedKV.importance)."""
+def window_fit(segments: list[Segment], importance_len: int | None = None) -> LayerFit:
+    """A sliding-window layer left as the model keeps it (fate "window"): nothing fitted (no query used),
+    no error, no token scored (importance NaN, when recorded: see CompressedKV.importance)."""
     zeros = torch.zeros(segments[0].lengths().shape[0], device=segments[0].lengths().device)
     n_heads = zeros.shape[0]
     importance = None if importance_len is None else torch.full((n_heads, importance_len), float("nan"), device="cpu")
     return LayerFit(
         list(segments),
         {"keys": 0.0, "bias": 0.0, "values": 0.0},
-        n_queries,
+        0,
         zeros,
         zeros,
         importance,
@@ -374,7 +374,7 @@ def compact_cache(
     fits = [
         finish_layer(work[i], solved[i], opts, protected, length)
         if i in work
-        else window_fit(reference.layers[i], q.shape[1], length)
-        for i, q in enumerate(queries)
+        else window_fit(reference.layers[i], length)
+        for i in range(len(queries))
     ]
     return fitted_cache(fits, reference.logical_len)

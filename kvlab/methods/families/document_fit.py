@@ -196,7 +196,7 @@ def fit_on_policy(
     full = ctx.full.stored
     req.progress(0.3 + 0.3 * (layer + 1) / ctx.lm.n_layers, f"on-policy: layer {layer + 1}")
     if is_window(full.layers[layer]):
-        return window_fit(full.layers[layer], q.shape[1], importance_len)
+        return window_fit(full.layers[layer], importance_len)
     return compact_layer(
         full.layer_view(layer),
         q,
