@@ -122,17 +122,10 @@ def test_waiting_for_a_preparation_is_not_the_waiters_work(slowed):
     assert time.monotonic() - start > 1.0 and prepared.prefilled_now
 
 
-def test_a_preparation_nobody_waits_for_stops_and_keeps_nothing(slowed, monkeypatch):
+def test_a_preparation_nobody_waits_for_stops(slowed, monkeypatch):
     monkeypatch.setattr(background, "GRACE_S", 0.3)
     text = doc("abandoned")
-    gone = threading.Event()
-    waiter, out = in_thread(_wait_until, gone, text)
-    while PREPARATIONS.running(text, "tiny") is None:
-        time.sleep(0.01)
-    job = PREPARATIONS.running(text, "tiny")
-    gone.set()  # the page is closed: its wait ends at its next look
-    waiter.join(30)
-    assert isinstance(out.get("error"), cancellation.Cancelled) and out["error"].reason == cancellation.GONE
+    job = closed_page(text)
     deadline = time.monotonic() + 30
     while PREPARATIONS.running(text, "tiny") is job and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -140,23 +133,29 @@ def test_a_preparation_nobody_waits_for_stops_and_keeps_nothing(slowed, monkeypa
     assert isinstance(job.error, cancellation.Cancelled) and job.error.reason == cancellation.UNWATCHED
 
 
-def _wait_until(gone: threading.Event, text: str):
-    """A page's request: waits for ``text``'s preparation until ``gone`` is set (its page closed)."""
-    with cancellation.scope(None, lambda: cancellation.GONE if gone.is_set() else None):
-        return ensure_prepared(text, "attention_matching", None, "tiny", QUESTION, 6)
-
-
-def test_a_reload_within_the_grace_joins_the_running_preparation(slowed, monkeypatch):
-    monkeypatch.setattr(background, "GRACE_S", 30.0)
-    text = doc("reloaded")
+def closed_page(text: str) -> background.Job:
+    """A page's request waits for ``text``'s preparation, then its page is closed (its wait ends at its next
+    look, stopped as GONE); returns the job it waited for."""
     gone = threading.Event()
-    waiter, out = in_thread(_wait_until, gone, text)
+
+    def wait_until_gone():
+        with cancellation.scope(None, lambda: cancellation.GONE if gone.is_set() else None):
+            return ensure_prepared(text, "attention_matching", None, "tiny", QUESTION, 6)
+
+    waiter, out = in_thread(wait_until_gone)
     while PREPARATIONS.running(text, "tiny") is None:
         time.sleep(0.01)
     job = PREPARATIONS.running(text, "tiny")
     gone.set()
     waiter.join(30)
-    assert isinstance(out.get("error"), cancellation.Cancelled)
+    assert isinstance(out.get("error"), cancellation.Cancelled) and out["error"].reason == cancellation.GONE
+    return job
+
+
+def test_a_reload_within_the_grace_joins_the_running_preparation(slowed, monkeypatch):
+    monkeypatch.setattr(background, "GRACE_S", 30.0)
+    text = doc("reloaded")
+    job = closed_page(text)
     again = ensure_prepared(text, "attention_matching", None, "tiny", QUESTION, 6)  # the reloaded page
     assert slowed.count(text) == 1 and job.scope.reason() is None  # not started again
     assert again.doc_tokens > 100
