@@ -27,9 +27,14 @@ DELAY_S = 0.3
 
 
 class Slowed(list):
-    """The documents prefilled, in order; ``delay_s``: each step's sleep in a preparation's thread."""
+    """The documents prefilled, in order (``threads``: each one's thread); ``delay_s``: each step's sleep in a
+    preparation's thread."""
 
     delay_s = DELAY_S
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: dict[str, str] = {}
 
 
 @pytest.fixture
@@ -52,6 +57,7 @@ def slowed(tiny, monkeypatch):
 
     def counted(lm, text, progress=context_module.no_progress):
         prefills.append(text)
+        prefills.threads[text] = threading.current_thread().name
         return real_prepare(lm, text, progress)
 
     monkeypatch.setattr(context_module, "prepare_context", counted)
@@ -230,3 +236,26 @@ def test_the_page_prepares_in_the_background_a_reload_joins_it_and_run_waits_for
     assert slowed.count(text) == 1 and running.error is None  # the reload joined the job; nothing restarted it
     assert "attention_matching" in out[0] and "Prefill" in out[0]
     assert any("Preparing the document in the background" in line for line in shown), shown
+
+
+@pytest.mark.slow  # a served app: left out of make test-fast
+def test_the_needle_test_and_your_pick_prepare_their_documents_in_the_background(slowed, tiny, monkeypatch):
+    # The needle test's documents (one per depth) and Your pick's are prefilled by the background job, not
+    # inside the request (here limited to 1 s, shorter than the slowed preparation).
+    gradio_client = pytest.importorskip("gradio_client")
+    from benchmarks.browser import serve_app
+
+    monkeypatch.setattr(limits, "LIMITS", limits.Limits(**{**vars(limits.LIMITS), "request_s": 1}))
+    with serve_app(tiny, [("tiny", "tiny")]) as url:
+        client = gradio_client.Client(url, verbose=False)
+        text = doc("needles")
+        out = client.predict(
+            text=text, methods=["streaming_llm"], ratios="4", depths=1, model="tiny", api_name="/needle_test"
+        )
+        assert "needle test, 1 depths" in out[0] and "Stopped" not in out[0], out[0]
+        (needled,) = [t for t in slowed if t != text]  # the depth's own document (the needle inserted)
+        assert slowed.threads[needled] == "kvlab-prepare"
+        monkeypatch.setattr(limits, "LIMITS", limits.Limits(**{**vars(limits.LIMITS), "request_s": 180}))
+        picked = doc("picked")
+        client.predict(text=picked, ticked=[], ratio=4, question=QUESTION, model="tiny", api_name="/pick")
+        assert slowed.threads[picked] == "kvlab-prepare"

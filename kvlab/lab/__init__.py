@@ -40,7 +40,7 @@ from kvlab.lab.inputs import (
 from kvlab.lab.pick import PickDocument, Picked, pick, read_for_pick, token_budget
 from kvlab.lab.prepare import Prepared, prepare_document
 from kvlab.lab.spec import RunSpec, run_spec
-from kvlab.lab.tasks import TaskRun, load_results, needle_test, run_tasks
+from kvlab.lab.tasks import TaskRun, load_results, needle_test, needle_test_items, run_tasks
 
 __all__ = [
     "MAX_GENERATE_TOKENS",
@@ -64,6 +64,7 @@ __all__ = [
     "TokenFates",
     "load_results",
     "needle_test",
+    "needle_test_items",
     "run_tasks",
     "check_answer_length",
     "check_question",

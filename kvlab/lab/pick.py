@@ -202,14 +202,36 @@ def served_run(spec: RunSpec, progress: Progress) -> tuple[RunView, results.Serv
     return results.store().serve(spec.key(), lambda: present(explore(spec, progress)))
 
 
+def unstored(specs: list[RunSpec]) -> list[RunSpec]:
+    """The specs whose runs the result store does not hold yet (what a pick will compute)."""
+    return [spec for spec in specs if results.store().get(spec.key()) is MISSING]
+
+
+def pick_specs(
+    text: str | None,
+    keep: str | Sequence[str] | None,
+    ratio: float,
+    question: str,
+    methods: Sequence[str] = DEFAULT_RIVALS,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    model: str | None = None,
+) -> list[RunSpec]:
+    """The runs of :func:`pick`: the learner's pick (``manual``) first, then each rival at the same ratio
+    and question. Raises InputError (and the others :func:`kvlab.lab.run_spec` raises) for bad inputs."""
+    rivals = list(dict.fromkeys(m.strip() for m in methods if m.strip() and m.strip() != Manual.name))
+    names, (ratio,) = check_sweep([Manual.name, *rivals], [ratio])
+    mine = run_spec(text, None, Manual.name, ratio, question, max_new_tokens, {"keep": keep_text(keep)}, model)
+    return [mine, *(mine.with_method(name) for name in names[1:])]
+
+
 def run_order(specs: list[RunSpec]) -> list[RunSpec]:
     """``specs`` (the pick first) in the order to run them: the rivals already stored (warmed, or run by
     an earlier pick: no work), then the pick, then the rivals to compute. A class's picks then each take
     the compute slot in one stretch, where handing it over around stored rivals would make every pick
     in line take turns with all the others and finish last."""
     mine, *rivals = specs
-    stored = [spec for spec in rivals if results.store().get(spec.key()) is not MISSING]
-    return [*stored, mine, *(spec for spec in rivals if spec not in stored)]
+    todo = unstored(rivals)
+    return [*(spec for spec in rivals if spec not in todo), mine, *todo]
 
 
 def pick(
@@ -238,10 +260,9 @@ def pick(
     """
     start = time.perf_counter()
     keep = keep_text(keep)
-    rivals = list(dict.fromkeys(m.strip() for m in methods if m.strip() and m.strip() != Manual.name))
-    names, (ratio,) = check_sweep([Manual.name, *rivals], [ratio])
-    mine = run_spec(text, file, Manual.name, ratio, question, max_new_tokens, {"keep": keep}, model)
-    specs = run_order([mine, *(mine.with_method(name) for name in names[1:])])
+    planned = pick_specs(document_text(text, file), keep, ratio, question, methods, max_new_tokens, model)
+    mine, ratio = planned[0], planned[0].ratio
+    specs = run_order(planned)
     expected = expected_answer(mine.question) if gold is None else ((gold,) if isinstance(gold, str) else tuple(gold))
     progress(0.0, f"loading the model {mine.model or ''} (the first use of a model takes a while)")
     lm = models.get_model(mine.model)

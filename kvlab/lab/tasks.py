@@ -12,11 +12,11 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvlab import cancellation, messages, models
-from kvlab.context import Progress, no_progress
-from kvlab.lab.explore import sub_progress
+from kvlab.context import Context, Progress, no_progress, prepare_context
+from kvlab.lab.explore import prepared_context, sub_progress
 from kvlab.lab.inputs import InputError, check_count, check_sweep, document_text
 from kvlab.runtime.model import LoadedModel
 from kvlab.tasks.items import TaskError, TaskItem
@@ -59,9 +59,15 @@ class TaskRun:
 
 
 def answered(
-    lm: LoadedModel, items: Sequence[TaskItem], methods: list[str], ratios: list[float], progress: Progress
+    lm: LoadedModel,
+    items: Sequence[TaskItem],
+    methods: list[str],
+    ratios: list[float],
+    progress: Progress,
+    context_of: Callable[[LoadedModel, str], Context] = prepare_context,
 ) -> tuple[list[TaskResult], str]:
-    """(results, stopped) of kvlab.tasks.runner.run_items, each answer a unit of the request.
+    """(results, stopped) of kvlab.tasks.runner.run_items (``context_of``: how a document is read), each
+    answer a unit of the request.
 
     Between answers others' runs may take the compute slot
     (kvlab.cancellation.between_units). When the time limit passes after some
@@ -75,7 +81,8 @@ def answered(
         progress(fraction, desc)
 
     try:
-        run_items(lm, items, [MethodSpec(name) for name in methods], ratios, unit, on_result=results.append)
+        specs = [MethodSpec(name) for name in methods]
+        run_items(lm, items, specs, ratios, unit, on_result=results.append, context_of=context_of)
     except cancellation.Cancelled as exc:
         if exc.reason != cancellation.TIME or not results:
             raise
@@ -134,23 +141,35 @@ def needle_test(
 ) -> TaskRun:
     """A number hidden at ``depths`` evenly spaced depths of the user's own document; which caches find it.
 
-    Each depth is a document of its own (one prefill each).
+    Each depth is a document of its own (one prefill each), read through the lab's shared store of
+    contexts (kvlab.context_store.CONTEXTS): the page prepares them in the background first
+    (:func:`needle_documents`, kvlab.lab.ensure_prepared), so a long document's prefills are not this
+    request's work.
     """
     start = time.perf_counter()
-    depths = check_count(depths, 1, MAX_DEPTHS, "number of depths")
-    document = document_text(text, file)
     methods, ratios = check_sweep(methods, ratios)
-    spots = [0.5] if depths == 1 else [i / (depths - 1) for i in range(depths)]
-    try:
-        items = needle_items(document, spots, seed)
-    except TaskError as exc:
-        raise InputError(str(exc)) from exc
+    items = needle_test_items(text, file, depths, seed)
     progress(0.0, "loading the model")
     lm = models.get_model(model or None)
-    results, stopped = answered(lm, items, methods, ratios, sub_progress(progress, 0.02, 0.98))
+
+    def shared(lm: LoadedModel, document: str) -> Context:
+        return prepared_context(lm, document)[0]
+
+    results, stopped = answered(lm, items, methods, ratios, sub_progress(progress, 0.02, 0.98), shared)
     return TaskRun(
-        results, summarise(results), f"needle test, {len(spots)} depths", time.perf_counter() - start, stopped
+        results, summarise(results), f"needle test, {len(items)} depths", time.perf_counter() - start, stopped
     )
+
+
+def needle_test_items(text: str | None, file: str | None, depths: int = 3, seed: int = 0) -> list[TaskItem]:
+    """The needle test's items (:func:`needle_test`): one document per depth, each with its needle and question.
+    Raises InputError for a bad count of depths or a document the needle cannot go into."""
+    depths = check_count(depths, 1, MAX_DEPTHS, "number of depths")
+    spots = [0.5] if depths == 1 else [i / (depths - 1) for i in range(depths)]
+    try:
+        return needle_items(document_text(text, file), spots, seed)
+    except TaskError as exc:
+        raise InputError(str(exc)) from exc
 
 
 def load_results(paths: Sequence[str]) -> TaskRun:

@@ -248,8 +248,12 @@ def run_items(
     progress: Progress = no_progress,
     done: Iterable[str] = (),
     on_result: Callable[[TaskResult], None] | None = None,
+    context_of: Callable[[LoadedModel, str], Context] = prepare_context,
 ) -> list[TaskResult]:
     """Answer every item from the full cache, no_context, and each method at each ratio.
+
+    context_of(lm, document): how a document is read (the bench prefills each on its own; a live needle
+    test reads them through the lab's shared store, where the page prepared them).
 
     done: result keys to skip (resume); a document whose results are all done
     is not even prefilled. on_result: called with each new result as soon as
@@ -278,7 +282,7 @@ def run_items(
         if not todo:
             continue
         progress(finished / total, f"prefill of a {group[0].task} document")
-        ctx = prepare_context(lm, group[0].document)
+        ctx = context_of(lm, group[0].document)
         for item in todo:
             keys = plan.keys(lm.name, item)
             prompt = item_prompt_ids(lm, item)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 
@@ -10,7 +11,7 @@ import gradio as gr
 from kvlab.catalog import options_from, prepares
 from kvlab.documents import DocumentError
 from kvlab.examples import Example
-from kvlab.lab import InputError, Prepared, RunSpec, needle_test, parse_ratios, run_spec
+from kvlab.lab import InputError, Prepared, RunSpec, needle_test, needle_test_items, parse_ratios, run_spec
 from kvlab.lab.head_roles import HeadRoles
 from kvlab.lab.views import head_picker_label, head_role_line, with_served_note
 from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS
@@ -362,20 +363,22 @@ def wire_needle(doc: DocumentWidgets, needle: NeedleWidgets, model: gr.Dropdown,
         progress=gr.Progress(),
     ):
         chosen = list(methods or [])
+        document = functools.cache(lambda: common.document_input(text, file))  # an upload is read once
+
+        def ready() -> None:  # each depth's document prepared in the background (a long one's prefills)
+            spec, wanted = checked_model(model, specs), [(m, {}) for m in chosen]
+            for item in needle_test_items(document(), None, depths):
+                common.prepared_first(item.document, wanted, spec, None, DEFAULT_MAX_NEW_TOKENS, progress)
+
         run = guarded(
             ", ".join(chosen),
             lambda: needle_view(
-                common.document_input(text, file),
-                None,
-                chosen,
-                parse_ratios([], ratios),
-                depths,
-                checked_model(model, specs),
-                progress,
+                document(), None, chosen, parse_ratios([], ratios), depths, checked_model(model, specs), progress
             ),
             owner=common.session_of(request),
             kind="needle_test",
             progress=progress,
+            ready=ready,
         )
         return show(run)
 

@@ -20,7 +20,7 @@ import gradio as gr
 from kvlab.documents import DocumentError
 from kvlab.examples import Example
 from kvlab.lab import pick, read_for_pick
-from kvlab.lab.pick import PickDocument, Picked, keep_text, spans_of, tally
+from kvlab.lab.pick import PickDocument, Picked, keep_text, pick_specs, spans_of, tally, unstored
 from kvlab.ui import common
 from kvlab.ui.common import RATIO_DEFAULT, RATIO_MAX, RATIO_MIN, PickInputs
 
@@ -212,9 +212,16 @@ def on_run(  # noqa: ANN201 - gradio outputs
         spec = common.checked_model(model, specs)
         return pick(text, None, keep, ratio, question, progress=lambda f, desc: progress(f, desc=desc), model=spec)
 
+    def ready() -> None:
+        # The document, and the rivals' document-only work still to compute (a warmed class's are stored),
+        # prepared in the background: a long text's prefill is not this request's work.
+        mine, *rivals = pick_specs(text, keep, ratio, question, model=common.checked_model(model, specs))
+        wanted = [(mine.method, mine.options), *((spec.method, spec.options) for spec in unstored(rivals))]
+        common.prepared_first(mine.document, wanted, mine.model, mine.question, mine.max_new_tokens, progress)
+
     # The pick's answer decodes batched with the others' (leave): a class's picks overlap.
     picked = common.guarded(
-        "your pick", work, owner=common.session_of(request), kind="pick", progress=progress, leave=True
+        "your pick", work, owner=common.session_of(request), kind="pick", progress=progress, leave=True, ready=ready
     )
     run = picked.result
     mark_full, mark_pick = picked.view.answer_marks  # right or wrong as Explore marks them, when the gold is known
