@@ -3,6 +3,7 @@ tab, Explore's method knobs, and the round trip through "Link to this"."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from urllib.parse import parse_qsl
 
@@ -40,6 +41,16 @@ def test_a_pick_link_reads_the_example_question_and_ratio():
     )
     assert parse("?tab=pick&ratio=500").ratio is None  # Explore's range: one note, the default kept
     assert "is not a number from 1 to 20" in parse("?tab=pick&ratio=500").note()
+
+
+def test_a_pick_link_to_an_example_the_pick_tab_does_not_list_is_refused_with_a_note():
+    # A long example (read by its own model) is on Explore's menu, not on Your pick's: a pick link naming it
+    # leaves Your pick's menu as it is (an id it does not list would blank it) and says why.
+    choices = dataclasses.replace(CHOICES, examples=("story", "time_machine"), pick_examples=("story",))
+    link = links.parse_link({"tab": "pick", "example": "time_machine"}, choices)
+    assert link.example is None and "not offered on this tab (one of story)" in link.note()
+    assert links.parse_link({"example": "time_machine"}, choices).example == "time_machine"  # Explore lists it
+    assert links.parse_link({"tab": "pick", "example": "story"}, choices).example == "story"
 
 
 def test_an_explore_link_carries_its_methods_knobs_checked_as_the_method_checks_them():

@@ -36,6 +36,7 @@ from kvlab.lab.inputs import (
     model_choices,
     offered_examples,
     parse_ratios,
+    pick_examples,
 )
 from kvlab.lab.pick import PickDocument, Picked, pick, read_for_pick, token_budget
 from kvlab.lab.prepare import Prepared, prepare_document
@@ -80,6 +81,7 @@ __all__ = [
     "offered_examples",
     "parse_ratios",
     "pick",
+    "pick_examples",
     "prepare_document",
     "prepared_context",
     "read_for_pick",

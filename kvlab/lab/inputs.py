@@ -247,6 +247,12 @@ def example_label(ex: Example) -> str:
     return f"{ex.title} ({detail})" if detail else ex.title
 
 
+def pick_examples(offered: typing.Sequence[Example]) -> list[Example]:
+    """The examples of ``offered`` that Your pick lists: those any model reads (it lists a document's
+    sentences to tick, too many in a long one read by its own model)."""
+    return [ex for ex in offered if ex.model is None]
+
+
 def offered_examples(specs: typing.Sequence[str]) -> list[Example]:
     """The bundled examples a page offering the models ``specs`` can read: those read by any model, and
     those whose own model is offered (a long example is left out where its model is not)."""

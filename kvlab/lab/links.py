@@ -61,6 +61,7 @@ class LinkChoices:
     generate_methods: tuple[str, ...]
     models: tuple[str, ...] = ()
     question_chars: int = 2_000
+    pick_examples: tuple[str, ...] | None = None  # the examples Your pick lists (None: all of ``examples``)
 
 
 @dataclass(frozen=True)
@@ -105,11 +106,14 @@ def _names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
 
 
-def _read_document(got: dict[str, str], choices: LinkChoices, values: dict, notes: list[str]) -> None:
-    """The example, the question and the model, for every tab."""
+def _read_document(got: dict[str, str], tab: str, choices: LinkChoices, values: dict, notes: list[str]) -> None:
+    """The example (one ``tab`` lists), the question and the model, for every tab."""
     if got.get("example"):
-        if got["example"] in choices.examples:
+        listed = choices.pick_examples if tab == "pick" and choices.pick_examples is not None else choices.examples
+        if got["example"] in listed:
             values["example"] = got["example"]
+        elif got["example"] in choices.examples:
+            notes.append(f"example `{got['example']}` is not offered on this tab (one of {', '.join(listed)}).")
         else:
             notes.append(f"example `{got['example']}` is not bundled (one of {', '.join(choices.examples)}).")
     if got.get("question"):
@@ -211,7 +215,7 @@ def parse_link(params: Mapping[str, str], choices: LinkChoices) -> Link:
     if tab not in TABS:
         notes.append(f"tab `{tab}` does not exist (one of {', '.join(TABS)}): Explore opens.")
         tab = "explore"
-    _read_document(got, choices, values, notes)
+    _read_document(got, tab, choices, values, notes)
     if got.get("models") and tab == "compare":
         _read_models(got, choices, values, notes)
     renamed: list[str] = []

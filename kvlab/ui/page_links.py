@@ -15,7 +15,7 @@ from kvlab.bounded.policies import bounded_policies
 from kvlab.catalog import method_names
 from kvlab.documents import DocumentError
 from kvlab.examples import Example
-from kvlab.lab import links
+from kvlab.lab import links, pick_examples
 from kvlab.lab.inputs import MAX_RATIO, MIN_RATIO
 from kvlab.ui.common import (
     RATIO_MAX,
@@ -37,6 +37,7 @@ def link_choices(examples: list[Example], specs: list[str]) -> links.LinkChoices
     """What this page's links may choose from: its examples, methods, ranges and models."""
     return links.LinkChoices(
         examples=tuple(ex.id for ex in examples),
+        pick_examples=tuple(ex.id for ex in pick_examples(examples)),
         methods=tuple(method_names()),
         ratio_range=(RATIO_MIN, RATIO_MAX),
         sweep_ratios=tuple(SWEEP_RATIOS),

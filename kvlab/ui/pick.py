@@ -19,7 +19,7 @@ import gradio as gr
 
 from kvlab.documents import DocumentError
 from kvlab.examples import Example
-from kvlab.lab import pick, read_for_pick
+from kvlab.lab import pick, pick_examples, read_for_pick
 from kvlab.lab.pick import PickDocument, Picked, keep_text, pick_specs, spans_of, tally, unstored
 from kvlab.ui import common
 from kvlab.ui.common import RATIO_DEFAULT, RATIO_MAX, RATIO_MIN, PickInputs
@@ -70,9 +70,8 @@ def build_pick_tab(model: gr.Dropdown, examples: list[Example], specs: list[str]
     """The tab ``gr.Tab("Your pick", id="pick")``, its widgets and events (inside an open ``gr.Tabs``),
     opening on the first example and its question; -> the tab and what a link sets. It lists a document's
     sentences to tick: it offers the examples any model reads, not a long one read by its own model."""
-    short = [ex for ex in examples if ex.model is None]
     with gr.Tab("Your pick", id="pick") as tab:
-        return PickInputs(tab, *build_pick_widgets(model, short, specs))
+        return PickInputs(tab, *build_pick_widgets(model, pick_examples(examples), specs))
 
 
 def build_pick_widgets(
