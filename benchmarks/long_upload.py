@@ -2,6 +2,7 @@
 
     python -m benchmarks.long_upload                          # Gemma 3 270M, 32,000 tokens of Walden
     python -m benchmarks.long_upload --tokens 16000 --reload-after 30
+    python -m benchmarks.long_upload --tokens 16000 --needle-depths 2     # then the page's needle test
 
 What a visitor of a CPU Space does with a long document, through the API the page itself calls
 (gradio_client on a server started here): ``/load_file`` uploads the file, ``/prepare`` (which the
@@ -90,6 +91,32 @@ def visit(url: str, path: Path, question: str, args: argparse.Namespace) -> tupl
     return body, joined, status, out, time.monotonic() - start
 
 
+def needle_test(url: str, body: str, args: argparse.Namespace) -> None:
+    """The page's needle test on the uploaded document (each depth's document prepared in the background
+    first): its progress lines, its status line and time, the found-or-not of every run."""
+    import gradio_client
+
+    start = time.monotonic()
+    shown = Shown(start)
+    shown.say(f"the needle test: {args.needle_depths} depths, {args.needle_methods} at {args.ratio:g}x")
+    job = gradio_client.Client(url, verbose=False).submit(
+        text=body,
+        methods=args.needle_methods.split(","),
+        ratios=f"{args.ratio:g}",
+        depths=args.needle_depths,
+        model=args.model,
+        api_name="/needle_test",
+    )
+    while not job.done():
+        shown.watch(job)
+        time.sleep(1.0)
+    out = job.result()
+    print(f"\nneedle test: {out[0].splitlines()[0][:300]} ({time.monotonic() - start:.1f} s)")
+    table = out[5]
+    for row in table["data"]:
+        print("  " + " | ".join(str(cell) for cell in row)[:200])
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=GEMMA3_270M)
@@ -98,6 +125,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--method", default="attention_matching")
     p.add_argument("--ratio", type=float, default=10.0)
     p.add_argument("--reload-after", type=float, default=60.0, help="seconds after the upload the page reloads")
+    p.add_argument(
+        "--needle-depths",
+        type=int,
+        default=0,
+        help="then run the page's needle test on the document at this many depths (0: not)",
+    )
+    p.add_argument("--needle-methods", default="snapkv", help="the needle test's methods, comma-separated")
     args = p.parse_args(argv)
 
     lm = get_model(args.model)
@@ -117,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
         path.write_text(needle.document, encoding="utf-8")
         body, joined, status, out, total = visit(url, path, needle.question, args)
         ctx = context_store.CONTEXTS.peek(lm, body)
+        if args.needle_depths:
+            needle_test(url, body, args)
     full, compressed = (o["value"] if isinstance(o, dict) else o for o in out[1:3])
     answers = needle.answers
     print(f"\nreload joined the running preparation: {'yes' if joined else 'no'}; prefills run: {len(prefills)}")

@@ -250,11 +250,11 @@ def test_the_needle_test_and_your_pick_prepare_their_documents_in_the_background
         client = gradio_client.Client(url, verbose=False)
         text = doc("needles")
         out = client.predict(
-            text=text, methods=["streaming_llm"], ratios="4", depths=1, model="tiny", api_name="/needle_test"
+            text=text, methods=["streaming_llm"], ratios="4", depths=2, model="tiny", api_name="/needle_test"
         )
-        assert "needle test, 1 depths" in out[0] and "Stopped" not in out[0], out[0]
-        (needled,) = [t for t in slowed if t != text]  # the depth's own document (the needle inserted)
-        assert slowed.threads[needled] == "kvlab-prepare"
+        assert "needle test, 2 depths" in out[0] and "Stopped" not in out[0], out[0]
+        # Each depth's own document (the needle inserted at its start, at its end), prefilled once, in the background.
+        assert len(slowed) == 2 and {slowed.threads[t] for t in slowed} == {"kvlab-prepare"}, slowed.threads
         monkeypatch.setattr(limits, "LIMITS", limits.Limits(**{**vars(limits.LIMITS), "request_s": 180}))
         picked = doc("picked")
         client.predict(text=picked, ticked=[], ratio=4, question=QUESTION, model="tiny", api_name="/pick")

@@ -91,6 +91,8 @@ def prepare_document(
     prefill_band, method_band, answer_band = progress_bands(
         [PREFILL_SHARE * fresh, METHOD_SHARE * method_obj.prepares(), ANSWER_SHARE * (asked is not None)]
     )
+    if fresh:  # the first chunk's report comes only once it is read (seconds on a long document)
+        progress(prefill_band[0], "prefill")
     ctx, prefilled = prepared_context(lm, document, sub_progress(progress, *prefill_band))
     progress(method_band[0], f"{method_obj.name}'s document-only work")
     method_start = time.perf_counter()

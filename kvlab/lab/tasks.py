@@ -153,7 +153,9 @@ def needle_test(
     lm = models.get_model(model or None)
 
     def shared(lm: LoadedModel, document: str) -> Context:
-        return prepared_context(lm, document)[0]
+        # Cleaned as every document the page reads (the background preparation's key): a needle at the
+        # end leaves a trailing space that would make it another document.
+        return prepared_context(lm, document_text(document, None))[0]
 
     results, stopped = answered(lm, items, methods, ratios, sub_progress(progress, 0.02, 0.98), shared)
     return TaskRun(
