@@ -199,14 +199,16 @@ def recordable(problem: HeadProblem) -> HeadProblem:
     """``problem`` with tensors autograd may save for a backward pass: those made in inference mode
     (inference tensors, which autograd refuses) cloned, the others as they are. Call outside
     inference mode (a clone made inside one is an inference tensor again)."""
-
-    def normal(t: torch.Tensor | None) -> torch.Tensor | None:
-        return t.clone() if t is not None and t.is_inference() else t
-
-    targets = Targets(normal(problem.targets.output), normal(problem.targets.lse))
+    targets = Targets(trainable(problem.targets.output), trainable(problem.targets.lse))
     return dataclasses.replace(
-        problem, q=normal(problem.q), beta=normal(problem.beta), targets=targets, root_w=normal(problem.root_w)
+        problem, q=trainable(problem.q), beta=trainable(problem.beta), targets=targets, root_w=trainable(problem.root_w)
     )
+
+
+def trainable(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` as autograd may save it: an inference tensor (made in inference mode, which autograd refuses)
+    copied, any other tensor (or None) as it is. Call outside inference mode."""
+    return t.clone() if t is not None and t.is_inference() else t
 
 
 def _batched(targets: Targets) -> tuple[torch.Tensor, torch.Tensor]:

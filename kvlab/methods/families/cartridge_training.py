@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from kvlab.compression.solvers.learned_keys import trainable
 from kvlab.context import Context
 from kvlab.runtime.attention import BIAS_BLOCK
 from kvlab.runtime.cache import CompressedKV, DenseSegment, Segment, template_segment
@@ -170,12 +171,8 @@ def recordable_lean(lm: LoadedModel) -> LeanModel | None:
     lean = lean_model(lm.model)
     if lean is None:
         return None
-
-    def normal(t: torch.Tensor | None) -> torch.Tensor | None:
-        return t.clone() if t is not None and t.is_inference() else t
-
     layers = [
-        dataclasses.replace(w, qkv=normal(w.qkv), qkv_bias=normal(w.qkv_bias), gate_up=normal(w.gate_up))
+        dataclasses.replace(w, qkv=trainable(w.qkv), qkv_bias=trainable(w.qkv_bias), gate_up=trainable(w.gate_up))
         for w in lean.layers
     ]
     return dataclasses.replace(lean, layers=layers)
