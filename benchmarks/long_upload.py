@@ -3,13 +3,16 @@
     python -m benchmarks.long_upload                          # Gemma 3 270M, 32,000 tokens of Walden
     python -m benchmarks.long_upload --tokens 16000 --reload-after 30
     python -m benchmarks.long_upload --tokens 16000 --needle-depths 2     # then the page's needle test
+    python -m benchmarks.long_upload --tokens 16000 --knobs on_policy=true:self_study_weight=1:max_queries=50000
 
 What a visitor of a CPU Space does with a long document, through the API the page itself calls
 (gradio_client on a server started here): ``/load_file`` uploads the file, ``/prepare`` (which the
 page chains after an upload) starts the document's preparation for Attention Matching in the
 background (kvlab.lab.background); after ``--reload-after`` seconds the page is reloaded (its request
 cancelled, as a closed tab's is) and the reloaded page's ``/prepare`` joins the same preparation;
-then Run (``/run``, Attention Matching at ``--ratio``) is clicked at once and waits for it. Printed:
+then Run (``/run``, Attention Matching at ``--ratio``, with ``--knobs`` as the page's knobs box holds them:
+the paper's recipe's compression is long work the background job does too) is clicked at once and waits
+for it. Printed:
 each progress line the waiting pages showed (with the seconds since the upload), whether the reload
 joined the running preparation (the prefills counted), every request's outcome (none may be cut off
 at ``KVLAB_MAX_REQUEST_S``), the time from upload to answer against the prefill's own time (measured in
@@ -64,7 +67,9 @@ def visit(url: str, path: Path, question: str, args: argparse.Namespace) -> tupl
     shown = Shown(start)
     page = gradio_client.Client(url, verbose=False)
     body = page.predict(gradio_client.handle_file(str(path)), api_name="/load_file")
-    prepare = dict(text=body, method=args.method, model=args.model, question=question, max_new_tokens=24)
+    prepare = dict(
+        text=body, method=args.method, model=args.model, question=question, max_new_tokens=24, knobs=args.knobs
+    )
     first = page.submit(api_name="/prepare", **prepare)
     while time.monotonic() - start < args.reload_after and not first.done():
         shown.watch(first)
@@ -81,6 +86,7 @@ def visit(url: str, path: Path, question: str, args: argparse.Namespace) -> tupl
         question=question,
         max_new_tokens=24,
         model=args.model,
+        knobs=args.knobs,
         api_name="/run",
     )
     joined = job is not None and background.PREPARATIONS.running(body, args.model) is job
@@ -124,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--book", default="walden.txt", help="a file of the evaluation data's prose/ folder")
     p.add_argument("--method", default="attention_matching")
     p.add_argument("--ratio", type=float, default=10.0)
+    p.add_argument("--knobs", default="", help="the method's knobs, knob=value:knob=value (as the page's knobs box)")
     p.add_argument("--reload-after", type=float, default=60.0, help="seconds after the upload the page reloads")
     p.add_argument(
         "--needle-depths",
@@ -145,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
         return real_prepare(*args, **kwargs)
 
     context_store.prepare_context = counted
-    print(f"{lm.name}; {args.book}, {args.tokens:,} tokens + a needle at {DEPTH:.0%}; {args.method} at {args.ratio:g}x")
+    method = f"{args.method}:{args.knobs}" if args.knobs else args.method
+    print(f"{lm.name}; {args.book}, {args.tokens:,} tokens + a needle at {DEPTH:.0%}; {method} at {args.ratio:g}x")
     with tempfile.TemporaryDirectory() as tmp, serve_app(lm, [(lm.name, args.model)]) as url:
         path = Path(tmp) / "long.txt"
         path.write_text(needle.document, encoding="utf-8")

@@ -16,9 +16,14 @@ import pytest
 
 from kvlab import cancellation, limits, models
 from kvlab import context as context_module
+from kvlab.context_store import CONTEXTS
 from kvlab.documents import DocumentError
 from kvlab.lab import background
 from kvlab.lab.background import PREPARATIONS, PreparationStatus, duration, ensure_prepared, time_left
+from kvlab.lab.inputs import document_text
+from kvlab.methods import get_method
+from kvlab.methods.attention_matching import AttentionMatching
+from kvlab.pipeline import compressed
 from kvlab.runtime import decode as decode_module
 
 DOC = " ".join(f"w{(i * 5) % 50 + 3}" for i in range(150))
@@ -187,6 +192,36 @@ def test_a_second_document_waits_its_turn(slowed):
     assert seen[0].waiting  # told it waits for the other document, not shown a stalled progress bar
 
 
+@pytest.fixture
+def compressions(monkeypatch) -> list[str]:
+    """The thread of each Attention Matching compression, in order."""
+    threads: list[str] = []
+    real = AttentionMatching.compress
+
+    def compress(self, req):
+        threads.append(threading.current_thread().name)
+        return real(self, req)
+
+    monkeypatch.setattr(AttentionMatching, "compress", compress)
+    return threads
+
+
+def test_a_long_compression_is_made_by_the_job_and_the_run_finds_it(slowed, tiny, compressions):
+    # An on-policy fit reads the reference text through the model (long work on a long document): with the
+    # run's ratio, the job compresses too, in its own thread, and keeps the cache where the run looks for it.
+    # An off-policy fit on prepared queries, or a selection, is the run's to make.
+    text = doc("compressed")
+    prepared = ensure_prepared(text, "attention_matching", {"on_policy": True}, "tiny", QUESTION, 6, ratio=4)
+    assert compressions == ["kvlab-prepare"] and prepared.compress_s is not None
+    ctx = CONTEXTS.peek(tiny, document_text(text, None))
+    on_policy = get_method("attention_matching", on_policy=True)
+    _, reused = compressed(ctx, on_policy, 4, QUESTION, lambda f, d: None, record_importance=True)
+    assert reused and compressions == ["kvlab-prepare"]  # not compressed again
+    assert ensure_prepared(text, "attention_matching", None, "tiny", QUESTION, 6, ratio=4).compress_s is None
+    assert ensure_prepared(text, "snapkv", None, "tiny", QUESTION, 6, ratio=4).compress_s is None
+    assert compressions == ["kvlab-prepare"]
+
+
 def test_a_document_too_long_is_refused_and_the_job_ends(slowed, tiny):
     too_long = " ".join(f"w{i % 50 + 3}" for i in range(tiny.max_context + 10))
     with pytest.raises(DocumentError, match="shorten it"):
@@ -259,3 +294,30 @@ def test_the_needle_test_and_your_pick_prepare_their_documents_in_the_background
         picked = doc("picked")
         client.predict(text=picked, ticked=[], ratio=4, question=QUESTION, model="tiny", api_name="/pick")
         assert slowed.threads[picked] == "kvlab-prepare"
+
+
+@pytest.mark.slow  # a served app: left out of make test-fast
+def test_a_runs_long_compression_is_made_in_the_background(slowed, tiny, compressions, monkeypatch):
+    # A Run of on-policy Attention Matching under a 1 s request limit, its preparation's steps slowed past it:
+    # the compression is made by the background job (its thread), the Run waits for it and answers, and its
+    # summary counts the compression as this run's (not "reused").
+    gradio_client = pytest.importorskip("gradio_client")
+    from benchmarks.browser import serve_app
+
+    monkeypatch.setattr(limits, "LIMITS", limits.Limits(**{**vars(limits.LIMITS), "request_s": 1}))
+    text = doc("long compression")
+    with serve_app(tiny, [("tiny", "tiny")]) as url:
+        out = gradio_client.Client(url, verbose=False).predict(
+            text=text,
+            method="attention_matching",
+            ratio=4,
+            question=QUESTION,
+            max_new_tokens=6,
+            model="tiny",
+            knobs="on_policy=true",
+            api_name="/run",
+        )
+    assert compressions == ["kvlab-prepare"], compressions
+    summary = out[0]
+    assert "Stopped" not in summary and "on-policy" in summary, summary
+    assert "Compression" in summary and "(reused" not in summary, summary

@@ -96,6 +96,13 @@ class Method(ABC):
         """
         return cls.prepare is not Method.prepare
 
+    def long_compression(self) -> bool:
+        """Whether this instance's compression is long work of its own (it trains a cache, writes a summary
+        or reads text through the model): on a long document longer than one request of the app may
+        compute, so the app does it in the document's background preparation (kvlab.lab.background).
+        False by default: a selection or a fit on prepared queries takes seconds."""
+        return False
+
     @abstractmethod
     def compress(self, req: Request) -> CompressedKV:
         """Return the stored cache for ``req.ctx`` at ``req.ratio``."""

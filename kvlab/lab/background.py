@@ -1,9 +1,10 @@
 """Preparing documents in the background: one job per (model, document), bounded on its own, with its progress
 and the time left, stopped once no page waits for it.
 
-A long document's preparation (the prefill, a method's reference pass, the full cache's answer:
-kvlab.lab.prepare.prepare_document) can take longer than one request of the app may compute
-(``KVLAB_MAX_REQUEST_S``): a 32,000-token document on Gemma 3 270M takes about 400 s on a 2-core CPU.
+A long document's preparation (the prefill, a method's reference pass, the full cache's answer, and a
+run's compression where the method's is long work: kvlab.lab.prepare.prepare_document) can take longer
+than one request of the app may compute (``KVLAB_MAX_REQUEST_S``): a 32,000-token document on Gemma 3
+270M takes about 400 s on a 2-core CPU.
 So the page's requests do not compute it themselves: :func:`ensure_prepared` hands it to a background job and
 waits for it, its wait counting against no request's time limit (it is waiting, not work), while
 ``on_status`` hears the job's progress and time left. A second request for the same document (a
@@ -48,12 +49,14 @@ ESTIMATE_FROM = 0.03
 @dataclass
 class Want:
     """What one request asks of a document's preparation: ``method``'s document-only work (with its
-    ``options``) and the full cache's answer to ``question`` (None: none)."""
+    ``options``), the full cache's answer to ``question`` (None: none) and, with ``ratio``, the compression
+    at that ratio where the method's is long work (kvlab.compression.interface.Method.long_compression)."""
 
     method: str
     options: dict[str, Any]
     question: str | None
     max_new_tokens: int
+    ratio: float | None = None
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,7 @@ class Job:
             self._progress,
             want.question,
             want.max_new_tokens,
+            want.ratio,
         )
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -276,9 +280,11 @@ def ensure_prepared(
     question: str | None = None,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     on_status: Callable[[PreparationStatus], None] | None = None,
+    ratio: float | None = None,
 ) -> Prepared:
-    """``text`` prepared for ``method`` (and ``question`` answered from the full cache) by a background job,
-    waited for: what kvlab.lab.prepare.prepare_document does, without the caller computing it.
+    """``text`` prepared for ``method`` (and ``question`` answered from the full cache; with ``ratio``, a long
+    compression made) by a background job, waited for: what kvlab.lab.prepare.prepare_document does,
+    without the caller computing it.
 
     The document and the method are checked here first (their errors raised at once, as prepare_document's);
     the wait ends when the caller's request is stopped (kvlab.cancellation.wait) and is not counted as
@@ -287,7 +293,8 @@ def ensure_prepared(
     """
     document = document_text(text, None)
     get_method(method, **(options or {}))
-    job, future = PREPARATIONS.submit(document, model, Want(method, dict(options or {}), question, max_new_tokens))
+    want = Want(method, dict(options or {}), question, max_new_tokens, ratio)
+    job, future = PREPARATIONS.submit(document, model, want)
 
     def done(timeout: float) -> bool:
         if on_status is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvlab import models
@@ -113,11 +113,13 @@ def sub_progress(progress: Progress, lo: float, width: float, label: str = "") -
 @dataclass(frozen=True)
 class DoneForIt:
     """What a run's own preparation did just before it (kvlab.lab.ensure_prepared, in the background): the
-    prefill, the full cache's answer (then this run did them, not an earlier one), in ``seconds``."""
+    prefill, the full cache's answer, a long compression (then this run did them, not an earlier one), in
+    ``seconds``."""
 
     prefill: bool = False
     answer: bool = False
     seconds: float = 0.0
+    compression: bool = False
 
 
 def explore(spec: RunSpec, progress: Progress = no_progress, done_for_it: DoneForIt = DoneForIt()) -> Explored:
@@ -145,6 +147,8 @@ def explore(spec: RunSpec, progress: Progress = no_progress, done_for_it: DoneFo
         sub_progress(progress, 0.42, 0.58),
         record_importance=True,
     )
+    if done_for_it.compression:  # made for this run by its preparation: not an earlier run's
+        result = replace(result, compression_reused=False)
     return Explored(
         result,
         ctx.cached(TokenTexts(), lambda: token_texts(lm.tokenizer, ctx.tokens.ids.tolist())),

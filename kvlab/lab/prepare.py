@@ -20,13 +20,15 @@ from kvlab.context_store import CONTEXTS
 from kvlab.lab.explore import prepared_context, sub_progress
 from kvlab.lab.inputs import InputError, check_answer_length, check_question, check_question_tokens, document_text
 from kvlab.methods import get_method
-from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS, evaluation, has_evaluation
+from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS, compressed, evaluation, has_evaluation
 
 #: Each step's share of a preparation's progress, in prefills: on Gemma 3 270M at 8k-32k tokens a repeat
 #: pass takes 1.1-1.6 times the prefill (docs/long-context.md) and the full cache's answer a few seconds.
 #: Shares near the steps' real costs keep the time left read from the progress's rate (kvlab.lab.background)
-#: honest as one step gives way to the next.
-PREFILL_SHARE, METHOD_SHARE, ANSWER_SHARE = 1.0, 1.3, 0.1
+#: honest as one step gives way to the next. A long compression (Method.long_compression) costs about three
+#: to four prefills: the paper's recipe of Attention Matching at 16k tokens on Gemma 3 270M 265 s against a
+#: 68 s prefill (docs/long-context.md), Cartridges on the story about three (docs/claims.md).
+PREFILL_SHARE, METHOD_SHARE, ANSWER_SHARE, COMPRESS_SHARE = 1.0, 1.3, 0.1, 3.0
 
 
 def progress_bands(shares: list[float], start: float = 0.02) -> list[tuple[float, float]]:
@@ -47,7 +49,9 @@ class Prepared:
     prefilled_now: this call ran the prefill (else an earlier call had);
     method_s: seconds of the method's own preparation (reference queries...);
     answer_s: seconds of the full cache's answer to the question given (None:
-    no question, or it was already answered).
+    no question, or it was already answered);
+    compress_s: seconds of the compression at the ratio given, when the method's is long work
+    (None: none asked, a short one, or it was already made).
     """
 
     model: str
@@ -58,6 +62,7 @@ class Prepared:
     method_s: float
     wall_s: float
     answer_s: float | None = None
+    compress_s: float | None = None
 
 
 def prepare_document(
@@ -69,9 +74,12 @@ def prepare_document(
     progress: Progress = no_progress,
     question: str | None = None,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    ratio: float | None = None,
 ) -> Prepared:
     """Prefill the document (cached), run ``method``'s preparation for it (e.g. its reference
-    queries), then answer ``question`` from the full cache (kept: every run on it reuses that answer).
+    queries), then answer ``question`` from the full cache (kept: every run on it reuses that answer);
+    with ``ratio``, a method whose compression is long work (Method.long_compression) also compresses
+    at that ratio, kept on the context where the run's kvlab.pipeline.compressed finds it.
 
     Raises the same user-facing errors as kvlab.lab.explore.explore, except for the
     question: one that a run would refuse is not answered here (the run says why).
@@ -88,8 +96,15 @@ def prepare_document(
     except InputError:
         asked = None
     fresh = CONTEXTS.peek(lm, document) is None
-    prefill_band, method_band, answer_band = progress_bands(
-        [PREFILL_SHARE * fresh, METHOD_SHARE * method_obj.prepares(), ANSWER_SHARE * (asked is not None)]
+    # A method reading the question compresses for one the run accepts; the run says why it refuses another.
+    compressing = ratio is not None and method_obj.long_compression() and not (method_obj.uses_question() and not asked)
+    prefill_band, method_band, answer_band, compress_band = progress_bands(
+        [
+            PREFILL_SHARE * fresh,
+            METHOD_SHARE * method_obj.prepares(),
+            ANSWER_SHARE * (asked is not None),
+            COMPRESS_SHARE * compressing,
+        ]
     )
     if fresh:  # the first chunk's report comes only once it is read (seconds on a long document)
         progress(prefill_band[0], "prefill")
@@ -103,7 +118,22 @@ def prepare_document(
     if asked is not None and not has_evaluation(ctx, asked, length):
         progress(answer_band[0], "answering the question from the full cache")
         answer_s = evaluation(ctx, asked, length).answer_s
+    compress_s = None
+    if compressing:
+        progress(compress_band[0], f"compressing with {method_obj.name} at {ratio:g}x")
+        # Each step the method reports is a point where the job can be stopped (nobody waits, its bound).
+        report = cancellation.checked(sub_progress(progress, *compress_band, f"{method_obj.name}: "))
+        made, reused = compressed(ctx, method_obj, ratio, asked or "", report, record_importance=True)
+        compress_s = None if reused else made.compress_s
     progress(1.0, "ready")
     return Prepared(
-        lm.name, method_obj.name, ctx.doc_len, ctx.prefill_s, prefilled, method_s, time.perf_counter() - start, answer_s
+        lm.name,
+        method_obj.name,
+        ctx.doc_len,
+        ctx.prefill_s,
+        prefilled,
+        method_s,
+        time.perf_counter() - start,
+        answer_s,
+        compress_s,
     )

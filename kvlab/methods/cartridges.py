@@ -154,6 +154,10 @@ class Cartridges(Method):
     bf16_tolerance = "near_ties"
     Options = CartridgesOptions
 
+    def long_compression(self) -> bool:
+        """It trains the cache on self-study conversations."""
+        return True
+
     def compress(self, req: Request) -> CompressedKV:
         ctx, opts, t = req.ctx, self.options, req.doc_budget
         meta = {"method": self.name, "cartridge_tokens": t, **uniform(req).meta()}

@@ -123,6 +123,10 @@ class KVSculpt(QuerySourced, Method):
     bf16_tolerance = "same_tokens"
     Options = KVSculptOptions
 
+    def long_compression(self) -> bool:
+        """It learns each head's compact keys by gradient steps."""
+        return True
+
     def compress(self, req: Request) -> CompressedKV:
         return sculpt_document(req, self.options, self.name)
 

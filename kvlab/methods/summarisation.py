@@ -75,6 +75,10 @@ class Summarisation(Method):
     bf16_tolerance = "same_tokens"  # the summary is pinned in tests/test_bf16.py: a prefill of the same tokens
     Options = SummaryOptions
 
+    def long_compression(self) -> bool:
+        """It writes a summary (up to T/ratio tokens, decoded one by one) and reads it."""
+        return True
+
     def compress(self, req: Request) -> CompressedKV:
         ctx, lm, opts = req.ctx, req.ctx.lm, self.options
         if req.ratio == 1:

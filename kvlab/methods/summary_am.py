@@ -39,6 +39,10 @@ class SummaryThenAM(QuerySourced, Method):
     Options = SummaryAMOptions
     presets = PRESETS
 
+    def long_compression(self) -> bool:
+        """It writes a summary, reads it, then fits Attention Matching to it."""
+        return True
+
     def compress(self, req: Request) -> CompressedKV:
         ctx, lm, opts = req.ctx, req.ctx.lm, self.options
         if req.ratio == 1:

@@ -310,12 +310,15 @@ def prepared_first(
     question: str | None,
     max_new_tokens: int,
     progress: Callable[..., Any] | None,
+    ratio: float | None = None,
 ) -> tuple[Prepared, ...]:
     """The document prepared for each (method, options) of ``methods`` and ``question`` answered from
     its full cache, by a background job (kvlab.lab.ensure_prepared), waited for with its progress and
     time left on the page and outside the compute slot: a long document's preparation is not bounded
-    by one request's time limit. On ZeroGPU nothing is done here (nothing computed outside a GPU slot
-    survives it: the run prepares the document itself). Returns what each preparation did (none on ZeroGPU)."""
+    by one request's time limit. With ``ratio`` (a Run's), a method whose compression is long work (a
+    trained cache, a summary, an on-policy fit) is compressed by the job too. On ZeroGPU nothing is done
+    here (nothing computed outside a GPU slot survives it: the run prepares the document itself). Returns
+    what each preparation did (none on ZeroGPU)."""
     if spaces is not None:
         return ()
 
@@ -324,7 +327,7 @@ def prepared_first(
             progress(status.fraction, desc=status.line())
 
     return tuple(
-        ensure_prepared(text, method, options, model, question, max_new_tokens, on_status=show)
+        ensure_prepared(text, method, options, model, question, max_new_tokens, on_status=show, ratio=ratio)
         for method, options in methods
     )
 

@@ -303,6 +303,7 @@ def run_handler(start_method: str, specs: list[str], n_outputs: int) -> Callable
                     spec.question,
                     spec.max_new_tokens,
                     progress,
+                    spec.ratio,
                 )
             )
 

@@ -148,7 +148,10 @@ def run_view(spec: RunSpec, progress: Progress = no_progress, before: tuple[Prep
     own preparation did just before it (kvlab.ui.common.prepared_first).
     """
     done = DoneForIt(
-        any(p.prefilled_now for p in before), any(p.answer_s is not None for p in before), sum(p.wall_s for p in before)
+        any(p.prefilled_now for p in before),
+        any(p.answer_s is not None for p in before),
+        sum(p.wall_s for p in before),
+        any(p.compress_s is not None for p in before),
     )
     return present(explore(spec, progress, done))
 

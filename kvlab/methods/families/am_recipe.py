@@ -345,6 +345,10 @@ class QuerySourced:
     def uses_question(self) -> bool:
         return self.options.query_source == "question"  # type: ignore[attr-defined]
 
+    def long_compression(self) -> bool:
+        """On-policy: the compression reads the reference text through the model (one pass, or one per layer)."""
+        return bool(getattr(self.options, "on_policy", False))  # type: ignore[attr-defined]
+
     def prepare(self, ctx: Context) -> None:
         """Record the reference queries of a query-agnostic source (on-policy ones depend on the fit)."""
         opts = self.options  # type: ignore[attr-defined]
