@@ -257,6 +257,11 @@ class ReferenceAttention(Memo):
     max_new_tokens: int
 
 
+#: The span of a run's progress (0-1) its compression reports in: a method's ``req.progress`` fractions lie
+#: within it (kvlab.lab.prepare maps them onto its own step when it compresses ahead of a run).
+COMPRESSION_SPAN = (0.25, 0.6)
+
+
 def kept(ctx: Context, memo: Memo, make: Callable[[], T]) -> tuple[T, bool]:
     """``ctx.cached(memo, make)`` and whether it was there already."""
     found = ctx.holds(memo)
@@ -321,10 +326,10 @@ def run(
     """
     progress(0.0, "answering from the full cache")
     ev = evaluation(ctx, question, max_new_tokens)
-    progress(0.25, f"compressing with {method.name}")
+    progress(COMPRESSION_SPAN[0], f"compressing with {method.name}")
     made, compression_reused = compressed(ctx, method, ratio, question, progress, record_importance)
     stored = made.stored
-    progress(0.6, "answering from the compressed cache, measuring errors")
+    progress(COMPRESSION_SPAN[1], "answering from the compressed cache, measuring errors")
     cache = StoredCache.of(method, ratio, question, record_importance)
     got, answer_reused = answered(ctx, cache, stored, ev, max_new_tokens)
     answer, errors, logprobs = got.answer, got.errors, got.logprobs

@@ -97,10 +97,28 @@ def test_time_left_and_durations_by_hand():
     assert time_left(0.25, 10.0) == pytest.approx(30.0)  # a quarter in 10 s: three quarters in 30 s more
     assert time_left(1.0, 10.0) == 0.0
     assert time_left(0.01, 10.0) is None  # too little done to tell
+    assert time_left(0.6, 20.0, since=0.5) == pytest.approx(80.0)  # a tenth in 20 s: four tenths in 80 s more
+    assert time_left(0.5, 20.0, since=0.5) is None  # no progress measured
     assert duration(42.4) == "42 s" and duration(185) == "3 min 05 s"
     line = PreparationStatus(0.5, "repeat pass, 10/20 tokens", 65.0, 64.6).line()
     assert "repeat pass, 10/20 tokens" in line and "1 min 05 s so far" in line and "about 1 min 05 s left" in line
     assert "Waiting for another document" in PreparationStatus(0.0, "", 3.0, None, waiting=True).line()
+
+
+def test_the_time_left_is_read_from_the_last_minutes_rate(monkeypatch):
+    # A step found done jumps to half way at once (a method prepared by an earlier request), then the long
+    # step moves 0.05 per 100 s: after a minute the rate is that step's, not the jump's (by hand: 0.4 left at
+    # 0.05 per 100 s is 800 s; read from the start, 200 s for 0.6, it would be 133 s).
+    clock = [0.0]
+    monkeypatch.setattr(background.time, "monotonic", lambda: clock[0])
+    job = background.Job("a document", None, lambda job: None, threading.Lock())
+    job._waiting = False
+    for t, fraction in [(0.1, 0.5), (100.1, 0.55), (200.1, 0.6)]:
+        clock[0] = t
+        job._progress(fraction, "a long step")
+    assert job.status().left_s == pytest.approx(800.0)
+    clock[0] = 250.1  # counted down between reports
+    assert job.status().left_s == pytest.approx(750.0)
 
 
 def test_two_requests_for_one_document_share_one_prefill_and_see_its_progress(slowed):
@@ -211,8 +229,12 @@ def test_a_long_compression_is_made_by_the_job_and_the_run_finds_it(slowed, tiny
     # run's ratio, the job compresses too, in its own thread, and keeps the cache where the run looks for it.
     # An off-policy fit on prepared queries, or a selection, is the run's to make.
     text = doc("compressed")
-    prepared = ensure_prepared(text, "attention_matching", {"on_policy": True}, "tiny", QUESTION, 6, ratio=4)
+    seen: list[PreparationStatus] = []
+    prepared = ensure_prepared(text, "attention_matching", {"on_policy": True}, "tiny", QUESTION, 6, seen.append, 4)
     assert compressions == ["kvlab-prepare"] and prepared.compress_s is not None
+    # The fit's layers fill the compression's share of the progress: the last layer's report is the job's end.
+    last_layer = [s.fraction for s in seen if s.step.endswith(f"on-policy: layer {tiny.n_layers}")]
+    assert last_layer and last_layer[-1] == pytest.approx(1.0), [(s.step, s.fraction) for s in seen]
     ctx = CONTEXTS.peek(tiny, document_text(text, None))
     on_policy = get_method("attention_matching", on_policy=True)
     _, reused = compressed(ctx, on_policy, 4, QUESTION, lambda f, d: None, record_importance=True)

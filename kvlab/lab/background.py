@@ -44,6 +44,10 @@ log = logging.getLogger("kvlab.app")
 GRACE_S = 60.0
 #: The progress fraction from which the time left is estimated (before it, too little is done to tell).
 ESTIMATE_FROM = 0.03
+#: Seconds of reports the rate of progress is read from: the last minute's, once there is one. Steps found
+#: done (a method prepared by an earlier request, a question already answered) pass in an instant; read from
+#: the start, their share would make the rate look fast for the whole of a long step after them.
+RATE_WINDOW_S = 60.0
 
 
 @dataclass
@@ -88,11 +92,12 @@ def duration(seconds: float) -> str:
     return f"{seconds} s" if seconds < 60 else f"{seconds // 60} min {seconds % 60:02d} s"
 
 
-def time_left(fraction: float, elapsed_s: float) -> float | None:
-    """Seconds left at the rate so far (``elapsed_s`` for ``fraction`` of the work); None below ESTIMATE_FROM."""
-    if fraction < ESTIMATE_FROM:
+def time_left(fraction: float, elapsed_s: float, since: float = 0.0) -> float | None:
+    """Seconds left at the rate measured: the work went from ``since`` to ``fraction`` (of the whole) in
+    ``elapsed_s``; None below ESTIMATE_FROM, or with no progress measured."""
+    if fraction < ESTIMATE_FROM or fraction <= since:
         return None
-    return elapsed_s * (1.0 - min(fraction, 1.0)) / fraction
+    return elapsed_s * (1.0 - min(fraction, 1.0)) / (fraction - since)
 
 
 class Job:
@@ -112,7 +117,9 @@ class Job:
         self._watchers, self._unwatched_since = 0, time.monotonic()
         self.started = time.monotonic()
         self._fraction, self._step, self._waiting = 0.0, "starting", True
-        self._want_started = self._reported = self.started
+        #: (time, fraction) of the current want's reports: its start, then each change; the first is the
+        #: newest at least RATE_WINDOW_S old (the rate's base).
+        self._reports: deque[tuple[float, float]] = deque([(self.started, 0.0)])
         self.scope: cancellation.Scope | None = None
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvlab-prepare", daemon=True)
@@ -157,15 +164,19 @@ class Job:
             fraction, step, waiting = self._fraction, self._step, self._waiting
             # The rate as of the last report, counted down since: between two reports (a prefill chunk of
             # a long document takes seconds) the estimate falls instead of growing with the wait.
-            left = None if waiting else time_left(fraction, self._reported - self._want_started)
+            (base_t, base_f), (last_t, last_f) = self._reports[0], self._reports[-1]
+            left = None if waiting else time_left(last_f, last_t - base_t, base_f)
             if left is not None:
-                left = max(left - (now - self._reported), 0.0)
+                left = max(left - (now - last_t), 0.0)
             return PreparationStatus(fraction, step, now - self.started, left, waiting)
 
     def _progress(self, fraction: float, step: str) -> None:
         with self._lock:
             if fraction != self._fraction:
-                self._reported = time.monotonic()
+                now = time.monotonic()
+                self._reports.append((now, fraction))
+                while len(self._reports) > 2 and self._reports[1][0] <= now - RATE_WINDOW_S:
+                    self._reports.popleft()
             self._fraction, self._step = fraction, step
 
     def _next(self) -> tuple[Want, Future] | None:
@@ -173,8 +184,8 @@ class Job:
             if not self._wants:
                 self._closed = True
                 return None
-            self._fraction, self._want_started = 0.0, time.monotonic()
-            self._reported = self._want_started
+            self._fraction = 0.0
+            self._reports = deque([(time.monotonic(), 0.0)])
             return self._wants[0]
 
     def _serve(self, want: Want) -> Prepared:

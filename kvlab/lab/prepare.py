@@ -20,7 +20,7 @@ from kvlab.context_store import CONTEXTS
 from kvlab.lab.explore import prepared_context, sub_progress
 from kvlab.lab.inputs import InputError, check_answer_length, check_question, check_question_tokens, document_text
 from kvlab.methods import get_method
-from kvlab.pipeline import DEFAULT_MAX_NEW_TOKENS, compressed, evaluation, has_evaluation
+from kvlab.pipeline import COMPRESSION_SPAN, DEFAULT_MAX_NEW_TOKENS, compressed, evaluation, has_evaluation
 
 #: Each step's share of a preparation's progress, in prefills: on Gemma 3 270M at 8k-32k tokens a repeat
 #: pass takes 1.1-1.6 times the prefill (docs/long-context.md) and the full cache's answer a few seconds.
@@ -95,14 +95,17 @@ def prepare_document(
         length = check_answer_length(max_new_tokens)
     except InputError:
         asked = None
-    fresh = CONTEXTS.peek(lm, document) is None
+    known = CONTEXTS.peek(lm, document)
+    fresh = known is None
+    # A question answered already takes no time: no share of the progress (the time left is read from it).
+    answering = asked is not None and (fresh or not has_evaluation(known, asked, length))
     # A method reading the question compresses for one the run accepts; the run says why it refuses another.
     compressing = ratio is not None and method_obj.long_compression() and not (method_obj.uses_question() and not asked)
     prefill_band, method_band, answer_band, compress_band = progress_bands(
         [
             PREFILL_SHARE * fresh,
             METHOD_SHARE * method_obj.prepares(),
-            ANSWER_SHARE * (asked is not None),
+            ANSWER_SHARE * answering,
             COMPRESS_SHARE * compressing,
         ]
     )
@@ -122,7 +125,8 @@ def prepare_document(
     if compressing:
         progress(compress_band[0], f"compressing with {method_obj.name} at {ratio:g}x")
         # Each step the method reports is a point where the job can be stopped (nobody waits, its bound).
-        report = cancellation.checked(sub_progress(progress, *compress_band, f"{method_obj.name}: "))
+        band, (lo, hi) = sub_progress(progress, *compress_band, f"{method_obj.name}: "), COMPRESSION_SPAN
+        report = cancellation.checked(lambda f, desc: band((f - lo) / (hi - lo), desc))
         made, reused = compressed(ctx, method_obj, ratio, asked or "", report, record_importance=True)
         compress_s = None if reused else made.compress_s
     progress(1.0, "ready")
