@@ -29,6 +29,8 @@ from kvlab.runtime import decode as decode_module
 DOC = " ".join(f"w{(i * 5) % 50 + 3}" for i in range(150))
 QUESTION = "w5 w9"
 DELAY_S = 0.3
+#: A Run's inputs through the served app's /run, but for its document.
+RUN = dict(method="attention_matching", ratio=4, question=QUESTION, max_new_tokens=6, model="tiny")
 
 
 class Slowed(list):
@@ -274,15 +276,7 @@ def test_the_page_prepares_in_the_background_a_reload_joins_it_and_run_waits_for
         cancel_when_known(job)  # the page reloaded
         reloaded = gradio_client.Client(url, verbose=False)
         waiting = reloaded.submit(api_name="/prepare", **prepare)
-        run = reloaded.submit(
-            text=text,
-            method="attention_matching",
-            ratio=4,
-            question=QUESTION,
-            max_new_tokens=6,
-            model="tiny",
-            api_name="/run",
-        )
+        run = reloaded.submit(text=text, **RUN, api_name="/run")
         shown: set[str] = set()  # the progress lines both waits showed
         while not (waiting.done() and run.done()):
             for j in (waiting, run):
@@ -329,16 +323,8 @@ def test_a_runs_long_compression_is_made_in_the_background(slowed, tiny, compres
     monkeypatch.setattr(limits, "LIMITS", limits.Limits(**{**vars(limits.LIMITS), "request_s": 1}))
     text = doc("long compression")
     with serve_app(tiny, [("tiny", "tiny")]) as url:
-        out = gradio_client.Client(url, verbose=False).predict(
-            text=text,
-            method="attention_matching",
-            ratio=4,
-            question=QUESTION,
-            max_new_tokens=6,
-            model="tiny",
-            knobs="on_policy=true",
-            api_name="/run",
-        )
+        client = gradio_client.Client(url, verbose=False)
+        out = client.predict(text=text, **RUN, knobs="on_policy=true", api_name="/run")
     assert compressions == ["kvlab-prepare"], compressions
     summary = out[0]
     assert "Stopped" not in summary and "on-policy" in summary, summary
