@@ -24,6 +24,7 @@ a public-domain book of the evaluation data's prose/ folder, ``$KVLAB_DATA``).
 from __future__ import annotations
 
 import argparse
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -166,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nreload joined the running preparation: {'yes' if joined else 'no'}; prefills run: {len(prefills)}")
     print(f"/prepare after the reload: {status}")
     print(f"/run: {out[0].splitlines()[0][:400]}")
+    timing = re.search(r"Prefill [^\n]*? in all\.", out[0])
+    print(f"/run's timings: {timing.group(0) if timing else '(not in its summary)'}")
     print(f"question: {needle.question} (expected {answers[0]})")
     print(f"full cache's answer: {full!r} ({'right' if contains_match(full, answers) else 'wrong'})")
     print(f"compressed answer:   {compressed!r} ({'right' if contains_match(compressed, answers) else 'wrong'})")

@@ -121,6 +121,8 @@ def test_the_time_left_is_read_from_the_last_minutes_rate(monkeypatch):
     assert job.status().left_s == pytest.approx(800.0)
     clock[0] = 250.1  # counted down between reports
     assert job.status().left_s == pytest.approx(750.0)
+    clock[0] = 1000.2  # run out with the work going on: no estimate until the next report
+    assert job.status().left_s is None and "left" not in job.status().line()
 
 
 def test_two_requests_for_one_document_share_one_prefill_and_see_its_progress(slowed):
@@ -234,9 +236,12 @@ def test_a_long_compression_is_made_by_the_job_and_the_run_finds_it(slowed, tiny
     seen: list[PreparationStatus] = []
     prepared = ensure_prepared(text, "attention_matching", {"on_policy": True}, "tiny", QUESTION, 6, seen.append, 4)
     assert compressions == ["kvlab-prepare"] and prepared.compress_s is not None
-    # The fit's layers fill the compression's share of the progress: the last layer's report is the job's end.
-    last_layer = [s.fraction for s in seen if s.step.endswith(f"on-policy: layer {tiny.n_layers}")]
-    assert last_layer and last_layer[-1] == pytest.approx(1.0), [(s.step, s.fraction) for s in seen]
+    # Each layer's fit is reported as it starts, with the share done before it: rising, and short of the end.
+    layers = [
+        next(s.fraction for s in seen if s.step.endswith(f"on-policy: layer {layer + 1}"))
+        for layer in range(tiny.n_layers)
+    ]
+    assert layers == sorted(set(layers)) and layers[-1] < 1.0, [(s.step, s.fraction) for s in seen]
     ctx = CONTEXTS.peek(tiny, document_text(text, None))
     on_policy = get_method("attention_matching", on_policy=True)
     _, reused = compressed(ctx, on_policy, 4, QUESTION, lambda f, d: None, record_importance=True)

@@ -163,11 +163,12 @@ class Job:
             now = time.monotonic()
             fraction, step, waiting = self._fraction, self._step, self._waiting
             # The rate as of the last report, counted down since: between two reports (a prefill chunk of
-            # a long document takes seconds) the estimate falls instead of growing with the wait.
+            # a long document takes seconds) the estimate falls instead of growing with the wait. Once it has
+            # run out with the work going on, it was wrong: none is shown until the next report.
             (base_t, base_f), (last_t, last_f) = self._reports[0], self._reports[-1]
             left = None if waiting else time_left(last_f, last_t - base_t, base_f)
             if left is not None:
-                left = max(left - (now - last_t), 0.0)
+                left = left - (now - last_t) if left > now - last_t else None
             return PreparationStatus(fraction, step, now - self.started, left, waiting)
 
     def _progress(self, fraction: float, step: str) -> None:

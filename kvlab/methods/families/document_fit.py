@@ -194,7 +194,7 @@ def fit_on_policy(
     [H, n2, d] (weighted ``self_study_weight``; None or empty: none) (a window layer kept)."""
     ctx = req.ctx
     full = ctx.full.stored
-    req.progress(0.3 + 0.3 * (layer + 1) / ctx.lm.n_layers, f"on-policy: layer {layer + 1}")
+    req.progress(0.3 + 0.3 * layer / ctx.lm.n_layers, f"on-policy: layer {layer + 1}")  # done before it
     if is_window(full.layers[layer]):
         return window_fit(full.layers[layer], importance_len)
     return compact_layer(
