@@ -108,20 +108,24 @@ def test_time_left_and_durations_by_hand():
 
 
 def test_the_time_left_is_read_from_the_last_minutes_rate(monkeypatch):
-    # A step found done jumps to half way at once (a method prepared by an earlier request), then the long
-    # step moves 0.05 per 100 s: after a minute the rate is that step's, not the jump's (by hand: 0.4 left at
-    # 0.05 per 100 s is 800 s; read from the start, 200 s for 0.6, it would be 133 s).
+    # Steps found done jump to half way at once (a method prepared by an earlier request), then the long step
+    # moves 0.05 per 100 s: the rate is that step's, not the jump's (by hand: 0.45 left at 0.05 per 100 s is
+    # 900 s; read from the start, 100 s for 0.55, it would be 82 s). Then it speeds up to 0.1 per 100 s: the
+    # last minute's rate (0.35 left: 350 s; from the jump on, 0.15 in 200 s, it would be 467 s).
     clock = [0.0]
     monkeypatch.setattr(background.time, "monotonic", lambda: clock[0])
     job = background.Job("a document", None, lambda job: None, threading.Lock())
     job._waiting = False
-    for t, fraction in [(0.1, 0.5), (100.1, 0.55), (200.1, 0.6)]:
+    for t, fraction in [(0.1, 0.3), (0.2, 0.5), (100.2, 0.55)]:
         clock[0] = t
         job._progress(fraction, "a long step")
-    assert job.status().left_s == pytest.approx(800.0)
-    clock[0] = 250.1  # counted down between reports
-    assert job.status().left_s == pytest.approx(750.0)
-    clock[0] = 1000.2  # run out with the work going on: no estimate until the next report
+    assert job.status().left_s == pytest.approx(900.0)
+    clock[0] = 200.2
+    job._progress(0.65, "a long step")
+    assert job.status().left_s == pytest.approx(350.0)
+    clock[0] = 250.2  # counted down between reports
+    assert job.status().left_s == pytest.approx(300.0)
+    clock[0] = 1000.3  # run out with the work going on: no estimate until the next report
     assert job.status().left_s is None and "left" not in job.status().line()
 
 

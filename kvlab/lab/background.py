@@ -44,10 +44,12 @@ log = logging.getLogger("kvlab.app")
 GRACE_S = 60.0
 #: The progress fraction from which the time left is estimated (before it, too little is done to tell).
 ESTIMATE_FROM = 0.03
-#: Seconds of reports the rate of progress is read from: the last minute's, once there is one. Steps found
-#: done (a method prepared by an earlier request, a question already answered) pass in an instant; read from
-#: the start, their share would make the rate look fast for the whole of a long step after them.
+#: Seconds of reports the rate of progress is read from: the last minute's, once there is one.
 RATE_WINDOW_S = 60.0
+#: A move of the progress within this many seconds of the last report is work found done (a method prepared
+#: by an earlier request, a question already answered: its share passes in an instant); the rate is read from
+#: after it, else it would make the long step after it look fast.
+INSTANT_S = 1.0
 
 
 @dataclass
@@ -117,8 +119,8 @@ class Job:
         self._watchers, self._unwatched_since = 0, time.monotonic()
         self.started = time.monotonic()
         self._fraction, self._step, self._waiting = 0.0, "starting", True
-        #: (time, fraction) of the current want's reports: its start, then each change; the first is the
-        #: newest at least RATE_WINDOW_S old (the rate's base).
+        #: (time, fraction) of the current want's reports: its start (or the last instant move, INSTANT_S),
+        #: then each change; the first is the newest at least RATE_WINDOW_S old (the rate's base).
         self._reports: deque[tuple[float, float]] = deque([(self.started, 0.0)])
         self.scope: cancellation.Scope | None = None
         self.error: BaseException | None = None
@@ -175,7 +177,10 @@ class Job:
         with self._lock:
             if fraction != self._fraction:
                 now = time.monotonic()
-                self._reports.append((now, fraction))
+                if now - self._reports[-1][0] < INSTANT_S:
+                    self._reports = deque([(now, fraction)])
+                else:
+                    self._reports.append((now, fraction))
                 while len(self._reports) > 2 and self._reports[1][0] <= now - RATE_WINDOW_S:
                     self._reports.popleft()
             self._fraction, self._step = fraction, step
